@@ -1,0 +1,1 @@
+"""CUDA-graph capture: size policy and dummy-run capture (filled by the compiler issue)."""

@@ -1,0 +1,41 @@
+"""Attention metadata passed explicitly to every model forward (no global forward context)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Describes one flattened batch of query tokens over the paged KV cache.
+
+    Sequence b owns query tokens ``query_start_loc[b]:query_start_loc[b+1]``; after this forward
+    its context holds ``seq_lens[b]`` tokens, so its i-th query token sits at absolute position
+    ``seq_lens[b] - q_len[b] + i`` and attends to context positions ``0..that position``.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64; flat KV slot per token, -1 = do not write
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32; physical block ids
+    seq_lens: torch.Tensor  # [num_seqs] int32; context length including this step's tokens
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32; cumulative query lengths
+    max_query_len: int  # host-side bound, sizes kernel grids without a device sync
+    max_seq_len: int  # host-side bound on seq_lens
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.shape[0]
+
+    def to(self, device: torch.device | str) -> "AttentionMetadata":
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping.to(device, non_blocking=True),
+            block_tables=self.block_tables.to(device, non_blocking=True),
+            seq_lens=self.seq_lens.to(device, non_blocking=True),
+            query_start_loc=self.query_start_loc.to(device, non_blocking=True),
+            max_query_len=self.max_query_len,
+            max_seq_len=self.max_seq_len,
+        )

@@ -1,0 +1,86 @@
+"""PyTorch reference implementations of the paged-KV ops (exact on the CPU, used for testing)."""
+from __future__ import annotations
+
+import torch
+
+
+def write_kv_ref(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
+) -> None:
+    num_blocks, page_size = k_cache.shape[:2]
+    k_flat = k_cache.view(num_blocks * page_size, *k_cache.shape[2:])
+    v_flat = v_cache.view(num_blocks * page_size, *v_cache.shape[2:])
+    # Padding rows carry slot -1 and must leave the cache untouched. Boolean indexing syncs, which
+    # is free on the CPU this reference serves; the GPU kernel skips them without a sync.
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].to(torch.int64)
+    k_flat.index_copy_(0, slots, key[valid].to(k_cache.dtype))
+    v_flat.index_copy_(0, slots, value[valid].to(v_cache.dtype))
+
+
+def paged_attention_ref(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Causal attention of each sequence's new query tokens over its paged context, in fp32."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_seqs = seq_lens.shape[0]
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = query.new_zeros(query.shape)
+    if num_tokens == 0 or num_seqs == 0 or max_query_len == 0 or max_seq_len == 0:
+        return out
+    device = query.device
+    seq_lens = seq_lens.to(torch.int64)
+    starts = query_start_loc[:-1].to(torch.int64)
+    q_lens = query_start_loc[1:].to(torch.int64) - starts  # [num_seqs]
+
+    # Gather each sequence's context through its block table.
+    kv_pos = torch.arange(max_seq_len, device=device)  # [max_seq_len]
+    max_blocks = block_tables.shape[1]
+    blk_idx = (kv_pos // page_size).clamp(max=max_blocks - 1)
+    blocks = block_tables.to(torch.int64)[:, blk_idx].clamp(min=0)  # [num_seqs, max_seq_len]
+    slots = blocks * page_size + kv_pos % page_size
+    k_flat = k_cache.reshape(-1, num_kv_heads, head_dim)
+    v_flat = v_cache.reshape(-1, num_kv_heads, head_dim)
+    keys = k_flat[slots].float()  # [num_seqs, max_seq_len, num_kv_heads, head_dim]
+    values = v_flat[slots].float()
+
+    # Scatter the flat query tokens into a padded [num_seqs, max_query_len] layout.
+    q_idx = torch.arange(max_query_len, device=device)  # [max_query_len]
+    q_valid = q_idx[None, :] < q_lens[:, None]  # [num_seqs, max_query_len]
+    tok = (starts[:, None] + q_idx[None, :]).clamp(max=num_tokens - 1)
+    q = query[tok].float()  # [num_seqs, max_query_len, num_heads, head_dim]
+    q_pos = seq_lens[:, None] - q_lens[:, None] + q_idx[None, :]  # [num_seqs, max_query_len]
+
+    allowed = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (
+        kv_pos[None, None, :] < seq_lens[:, None, None]
+    )  # [num_seqs, max_query_len, max_seq_len]
+    allowed = allowed & q_valid[:, :, None]
+
+    keys = keys.repeat_interleave(group, dim=2)  # [num_seqs, max_seq_len, num_heads, head_dim]
+    values = values.repeat_interleave(group, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, keys) * scale
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    # Rows with nothing allowed (padding) would be all -inf; keep them finite and zero them below.
+    scores = torch.where(allowed[:, None].any(-1, keepdim=True), scores, torch.zeros_like(scores))
+    probs = torch.softmax(scores, dim=-1)
+    ctx = torch.einsum("bhqk,bkhd->bqhd", probs, values)  # [num_seqs, max_query_len, heads, dim]
+    ctx = ctx * q_valid[:, :, None, None]
+    flat_tok = torch.where(q_valid, tok, torch.full_like(tok, num_tokens))
+    out_ext = torch.zeros((num_tokens + 1, num_heads, head_dim), device=device, dtype=torch.float32)
+    out_ext.index_copy_(0, flat_tok.reshape(-1), ctx.reshape(-1, num_heads, head_dim))
+    # Several padded slots map to the scratch row num_tokens; index_copy with duplicates there is
+    # harmless because that row is dropped.
+    return out_ext[:num_tokens].to(query.dtype)

@@ -1,0 +1,63 @@
+"""The paged-KV attention ops, registered with torch.library so torch.compile traces them as
+opaque nodes (with fake implementations for shape propagation) and our passes can find them."""
+from __future__ import annotations
+
+import torch
+
+from kernels.attention_ref import paged_attention_ref, write_kv_ref
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda
+
+
+@torch.library.custom_op("compiled_spec::write_kv", mutates_args=("k_cache", "v_cache"))
+def write_kv(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64; -1 rows are not written
+) -> None:
+    if _use_triton(key):
+        from kernels.attention_triton import write_kv_triton
+
+        write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+
+
+@write_kv.register_fake
+def _(key, value, k_cache, v_cache, slot_mapping) -> None:
+    return None
+
+
+@torch.library.custom_op("compiled_spec::paged_attention", mutates_args=())
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    if _use_triton(query):
+        from kernels.attention_triton import paged_attention_triton
+
+        return paged_attention_triton(
+            query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+            max_query_len, max_seq_len, scale,
+        )
+    return paged_attention_ref(
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+        max_query_len, max_seq_len, scale,
+    )
+
+
+@paged_attention.register_fake
+def _(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
+      max_seq_len, scale) -> torch.Tensor:
+    return torch.empty_like(query)
