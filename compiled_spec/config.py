@@ -1,0 +1,76 @@
+"""The engine's configuration tree: small typed dataclasses validated in __post_init__."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """'auto' is bf16 on a GPU and fp32 on the CPU (where bf16 matmuls are slow and inexact)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype={dtype}: supported are float32, bfloat16, float16")
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r}: expected 'auto' or one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}: CUDA is not available on this machine")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: supported are 'cpu' and 'cuda'")
+    return dev
+
+
+@dataclass
+class CacheConfig:
+    page_size: int = 16  # tokens per KV block
+    num_blocks: int | None = None  # None: sized from memory_gib
+    memory_gib: float = 1.0  # KV budget when num_blocks is not given
+
+    def __post_init__(self) -> None:
+        if isinstance(self.page_size, bool) or not isinstance(self.page_size, int) or self.page_size < 1:
+            raise ValueError(f"page_size={self.page_size!r}: must be a positive integer")
+        if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 1):
+            raise ValueError(f"num_kv_blocks={self.num_blocks!r}: must be a positive integer")
+        if not self.memory_gib > 0:
+            raise ValueError(f"kv_cache_memory_gib={self.memory_gib!r}: must be > 0")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 8  # running requests per step
+    max_num_batched_tokens: int = 4096  # prompt tokens admitted per step (a long prompt may exceed it alone)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs!r}: must be a positive integer")
+        if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens!r}: must be a positive integer")
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    seed: int = 0  # seeds the per-request seeds of requests that give none
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_model_len, int) or self.max_model_len < 2:
+            raise ValueError(f"max_model_len={self.max_model_len!r}: must be an integer >= 2")

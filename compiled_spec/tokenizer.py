@@ -1,0 +1,36 @@
+"""Tokenizer loading through transformers' AutoTokenizer, for Hugging Face directories and GGUF files.
+
+Building a fast tokenizer from GGUF metadata takes seconds, so the converted tokenizer is saved
+once under ~/.cache/compiled_spec (keyed by the file's path, size and mtime) and reloaded from there.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+
+def _cache_dir(gguf: Path) -> Path:
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    root = Path(os.environ.get("COMPILED_SPEC_CACHE", Path.home() / ".cache" / "compiled_spec"))
+    return root / "tokenizers" / key
+
+
+def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    p = Path(path)
+    if p.is_file() and p.suffix == ".gguf":
+        cached = _cache_dir(p)
+        if (cached / "tokenizer_config.json").exists():
+            return AutoTokenizer.from_pretrained(str(cached))
+        tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+        try:
+            tok.save_pretrained(str(cached))
+        except OSError:
+            pass  # a read-only home only costs the conversion next time
+        return tok
+    if p.is_dir():
+        return AutoTokenizer.from_pretrained(str(p))
+    raise FileNotFoundError(f"tokenizer path {path!r} is neither a model directory nor a .gguf file")

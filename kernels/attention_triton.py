@@ -1,0 +1,289 @@
+"""Triton implementations of the paged-KV ops; same semantics as ``kernels.attention_ref``.
+
+Attention is flash-attention style (online softmax in fp32). One program owns one sequence, one
+block of its query tokens and one KV head, and processes every query head of that KV head's GQA
+group at once: the rows of its score tile are (token, head-in-group) pairs, so each K/V tile is
+loaded once per group instead of once per query head and repeated K/V are never materialised.
+When the batch has too few programs to fill the GPU (small-batch decode / verification), the KV
+range is additionally split across programs and the partial results are merged by a second small
+kernel (flash-decoding). Every loop bound comes from device tensors or host ints: no host syncs.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_cp, stride_ch,  # k_cache and v_cache share strides (checked on the host)
+    num_kv_heads, head_dim, page_size,
+    HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if slot < 0:  # padding row: must leave the cache untouched
+        return
+    h = tl.arange(0, HEADS_PAD)[:, None]
+    d = tl.arange(0, DIM_PAD)[None, :]
+    mask = (h < num_kv_heads) & (d < head_dim)
+    dst = (slot // page_size) * stride_cb + (slot % page_size) * stride_cp + h * stride_ch + d
+    k = tl.load(key_ptr + tok * stride_kt + h * stride_kh + d, mask=mask)
+    v = tl.load(value_ptr + tok * stride_vt + h * stride_vh + d, mask=mask)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv_triton(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
+) -> None:
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    # The kernel indexes the last dim with unit stride and both caches with one set of strides.
+    assert key.stride(-1) == 1 and value.stride(-1) == 1 and k_cache.stride(-1) == 1
+    assert k_cache.stride() == v_cache.stride()
+    _write_kv_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        num_kv_heads, head_dim, k_cache.shape[1],
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads), DIM_PAD=triton.next_power_of_2(head_dim),
+    )
+
+
+@triton.jit
+def _paged_attn_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    stride_qt, stride_qh,  # query and out share strides (out is allocated contiguous like q)
+    stride_cb, stride_cp, stride_ch,  # k_cache and v_cache share strides
+    stride_bt,
+    stride_ps, stride_pt, stride_ph,  # partial out [splits, tokens, heads, dim] (split path only)
+    stride_ls, stride_lt,  # partial lse [splits, tokens, heads] (split path only)
+    qk_scale,  # softmax scale * log2(e): the kernel works in base 2 (exp2 is the fast path)
+    head_dim, page_size, kv_chunk,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    q_block = tl.program_id(1) // NUM_SPLITS
+    split = tl.program_id(1) % NUM_SPLITS
+    kv_head = tl.program_id(2)
+
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_block * BLOCK_Q >= q_len:  # covers q_len 0 (padding sequences) and short sequences
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_len = seq_len - q_len  # absolute position of this sequence's first query token
+
+    # Rows are (token, head-in-group) pairs; GROUP_PAD rounds the group to a power of two.
+    rows = tl.arange(0, BLOCK_Q * GROUP_PAD)  # [M]
+    tok = q_block * BLOCK_Q + rows // GROUP_PAD  # [M] token index within the sequence
+    head = kv_head * GROUP + rows % GROUP_PAD  # [M] query head
+    row_ok = (tok < q_len) & (rows % GROUP_PAD < GROUP)
+    q_pos = ctx_len + tok  # [M] absolute position of each row's token
+    d = tl.arange(0, DIM_PAD)  # [D]
+    d_ok = d < head_dim
+    q_off = (q_start + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [M, D]
+    if DOT_FP32:  # K/V follow q's dtype below, so both matmuls then run in fp32
+        q = q.to(tl.float32)
+
+    # Keys this query block may see end at its last token's position (causality), capped at the
+    # context length; a KV split covers one kv_chunk-sized slice of that range (the last split
+    # runs to the end, so a seq_len above the max_seq_len bound is still covered).
+    kv_end = tl.minimum(seq_len, ctx_len + (q_block + 1) * BLOCK_Q)
+    lo = split * kv_chunk
+    hi = kv_end
+    if split < NUM_SPLITS - 1:
+        hi = tl.minimum(kv_end, lo + kv_chunk)
+
+    # m starts finite so fully masked rows give exp2(-inf - m) = 0 instead of NaN.
+    m_i = tl.full([BLOCK_Q * GROUP_PAD], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_PAD, DIM_PAD], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)  # [N] absolute key positions
+        pos_ok = pos < hi
+        # Physical slot through the block table, per position, so any page_size works.
+        blk = tl.load(block_tables_ptr + seq * stride_bt + pos // page_size, mask=pos_ok, other=0)
+        kv_off = (blk.to(tl.int64) * stride_cb + (pos % page_size) * stride_cp
+                  + kv_head * stride_ch)[:, None] + d[None, :]  # [N, D]
+        kv_mask = pos_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)  # [N, D]
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)  # [N, D]
+        if DOT_FP32:  # exact fp32 products, not the GPU's default TF32 rounding
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * qk_scale  # [M, N]
+        allowed = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])  # [M, N]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DOT_FP32:
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    # Rows with no visible key (padding rows, or an empty split) keep l = 0: emit zeros.
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    store_mask = row_ok[:, None] & d_ok[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + q_off, out.to(out_ptr.dtype.element_ty), mask=store_mask)
+    else:
+        t64 = (q_start + tok).to(tl.int64)
+        p_off = split * stride_ps + t64[:, None] * stride_pt + head[:, None] * stride_ph + d[None, :]
+        tl.store(out_ptr + p_off, out, mask=store_mask)
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))  # base-2 log-sum-exp
+        tl.store(lse_ptr + split * stride_ls + t64 * stride_lt + head, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_ptr, lse_ptr, out_ptr,
+    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
+    head_dim,
+    NUM_SPLITS: tl.constexpr, DIM_PAD: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    s = tl.arange(0, NUM_SPLITS)  # [S]
+    d = tl.arange(0, DIM_PAD)  # [D]
+    # lse is -inf for empty splits and for tokens no sequence owns (prefilled on the host).
+    lse = tl.load(lse_ptr + s * stride_ls + tok * stride_lt + head)  # [S]
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m > float("-inf"), m, 0.0)
+    w = tl.where(lse > float("-inf"), tl.exp2(lse - m_safe), 0.0)  # [S]
+    d_ok = d < head_dim
+    part = tl.load(part_ptr + s[:, None] * stride_ps + tok * stride_pt + head * stride_ph
+                   + d[None, :], mask=(w > 0.0)[:, None] & d_ok[None, :], other=0.0)  # [S, D]
+    w_sum = tl.sum(w, 0)
+    out = tl.sum(part * w[:, None], 0) / tl.where(w_sum > 0.0, w_sum, 1.0)  # unowned -> 0
+    tl.store(out_ptr + tok * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+             mask=d_ok)
+
+
+def _dot_in_fp32(dtype: torch.dtype) -> bool:
+    # fp32 inputs stay fp32. The CPU interpreter (TRITON_INTERPRET=1, used by the tests) runs
+    # tl.dot on bf16 operands as matmuls of their raw uint16 bits, so there bf16 tiles are upcast
+    # (exactly) first; on the GPU bf16/fp16 go to the tensor cores as they are.
+    if dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _pick_num_splits(query: torch.Tensor, programs: int, max_seq_len: int, block_n: int) -> int:
+    """Split the KV range only when the grid is too small to fill the GPU and keys are many."""
+    if not query.is_cuda:
+        return 1
+    sms = _num_sms(query.device.index if query.device.index is not None else 0)
+    if programs >= sms:
+        return 1
+    by_fill = triton.cdiv(2 * sms, programs)
+    by_len = triton.cdiv(max_seq_len, 4 * block_n)  # keep >= ~4 key blocks per split
+    return triton.next_power_of_2(max(1, min(by_fill, by_len, 32))) if by_len > 1 else 1
+
+
+def _paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    num_splits: int | None,  # None = heuristic; must be a power of two otherwise
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    num_tokens, num_heads, head_dim = query.shape
+    num_seqs = seq_lens.shape[0]
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    if num_tokens == 0 or num_seqs == 0 or max_query_len == 0 or max_seq_len == 0:
+        return query.new_zeros(query.shape)
+    query = query.contiguous()  # out is allocated like query and shares its offsets
+    assert k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
+
+    group_pad = triton.next_power_of_2(group)
+    # ~64 score rows per program for prefill, but at least 16 (tl.dot's minimum M) for decode.
+    block_q = min(triton.next_power_of_2(max_query_len), max(1, 64 // group_pad))
+    block_q = max(block_q, triton.cdiv(16, group_pad))
+    block_n = 64
+    dim_pad = max(16, triton.next_power_of_2(head_dim))
+    q_blocks = triton.cdiv(max_query_len, block_q)
+    if num_splits is None:
+        num_splits = _pick_num_splits(query, num_seqs * q_blocks * num_kv_heads, max_seq_len, block_n)
+    kv_chunk = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
+    grid = (num_seqs, q_blocks * num_splits, num_kv_heads)
+
+    if num_splits == 1:
+        # Tokens owned by no sequence are never visited by the kernel; the reference yields zeros.
+        out = torch.zeros(query.shape, dtype=query.dtype, device=query.device)
+        part, lse = out, out  # unused placeholders
+    else:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        part = torch.empty((num_splits, num_tokens, num_heads, head_dim), dtype=torch.float32,
+                           device=query.device)  # [splits, num_tokens, num_heads, head_dim]
+        # -inf marks "no contribution" for splits/tokens the attention kernel never writes.
+        lse = torch.full((num_splits, num_tokens, num_heads), float("-inf"), dtype=torch.float32,
+                         device=query.device)  # [splits, num_tokens, num_heads]
+    _paged_attn_kernel[grid](
+        query, k_cache, v_cache, part if num_splits > 1 else out, lse,
+        block_tables, seq_lens, query_start_loc,
+        query.stride(0), query.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+        scale * 1.4426950408889634,  # log2(e)
+        head_dim, page_size, kv_chunk,
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n, DIM_PAD=dim_pad,
+        NUM_SPLITS=num_splits, DOT_FP32=_dot_in_fp32(query.dtype),
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            part, lse, out,
+            part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+            out.stride(0), out.stride(1), head_dim,
+            NUM_SPLITS=num_splits, DIM_PAD=dim_pad,
+        )
+    return out
+
+
+def paged_attention_triton(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    return _paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                            max_query_len, max_seq_len, scale, num_splits=None)

@@ -1,0 +1,256 @@
+"""Paged-KV attention ops: reference vs an independent naive attention, Triton kernels vs the
+reference (under the Triton CPU interpreter, in a subprocess), and the custom ops under
+torch.compile(fullgraph=True).
+
+The naive attention never looks at the paged cache: it runs SDPA on each sequence's logical,
+contiguous K/V, so a wrong block-table lookup, causal offset or GQA mapping in the paged
+implementations shows up as a mismatch.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # the Triton worker runs this file as a script
+    sys.path.insert(0, str(REPO_ROOT))
+
+from kernels.attention_ref import paged_attention_ref, write_kv_ref  # noqa: E402
+
+# (tokens already in the cache, new query tokens) per sequence: prefill from scratch, prefill
+# after existing context (chunked prefill), decode, decode of the very first token, a padding
+# sequence (q_len 0), verification of k+1 = 4 and 8 tokens, and a long-ish prefill.
+MIXED_BATCH: list[tuple[int, int]] = [(0, 13), (7, 20), (30, 1), (0, 1), (5, 0), (11, 4),
+                                      (40, 8), (0, 37)]
+NUM_UNOWNED_TOKENS = 2  # trailing query rows no sequence owns (CUDA-graph padding): output 0
+
+
+@dataclass
+class Batch:
+    query: torch.Tensor  # [num_tokens, num_heads, head_dim]
+    new_k: torch.Tensor  # [num_tokens, num_kv_heads, head_dim]; this step's keys
+    new_v: torch.Tensor  # [num_tokens, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor  # [num_tokens] int64, -1 for unowned rows
+    k_cache: torch.Tensor  # [num_blocks, page_size, num_kv_heads, head_dim]; context only
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, -1 past each sequence's end
+    seq_lens: torch.Tensor  # [num_seqs] int32
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    max_query_len: int
+    max_seq_len: int
+    logical_k: list[torch.Tensor]  # per sequence [seq_len, num_kv_heads, head_dim]
+    logical_v: list[torch.Tensor]
+
+    def attn_args(self, k_cache=None, v_cache=None) -> tuple:
+        return (self.query, self.k_cache if k_cache is None else k_cache,
+                self.v_cache if v_cache is None else v_cache, self.block_tables, self.seq_lens,
+                self.query_start_loc, self.max_query_len, self.max_seq_len,
+                self.query.shape[-1] ** -0.5)
+
+
+def make_batch(spec: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int,
+               page_size: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> Batch:
+    """Random sequences over shuffled physical blocks. The cache holds only the pre-existing
+    context (everything else is random garbage that must never be read); the new tokens' K/V
+    come separately so a test can write them with write_kv."""
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in spec]
+    blocks_per_seq = [-(-n // page_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3  # spare blocks full of garbage
+    perm = torch.randperm(num_blocks, generator=g).tolist()  # non-contiguous physical blocks
+    max_blocks = max(blocks_per_seq) + 1
+    block_tables = torch.full((len(spec), max_blocks), -1, dtype=torch.int32)
+    k_cache = torch.randn(num_blocks, page_size, num_kv_heads, head_dim, generator=g) * 10
+    v_cache = torch.randn(num_blocks, page_size, num_kv_heads, head_dim, generator=g) * 10
+    queries, new_k, new_v, slots, logical_k, logical_v = [], [], [], [], [], []
+    for b, ((ctx, q_len), n) in enumerate(zip(spec, seq_lens)):
+        own = [perm.pop() for _ in range(blocks_per_seq[b])]
+        block_tables[b, : len(own)] = torch.tensor(own, dtype=torch.int32)
+        k = torch.randn(n, num_kv_heads, head_dim, generator=g)
+        v = torch.randn(n, num_kv_heads, head_dim, generator=g)
+        logical_k.append(k.to(dtype))
+        logical_v.append(v.to(dtype))
+        for pos in range(n):
+            blk, off = own[pos // page_size], pos % page_size
+            if pos < ctx:  # context written by earlier steps, placed by hand
+                k_cache[blk, off], v_cache[blk, off] = k[pos], v[pos]
+            else:
+                slots.append(blk * page_size + off)
+        queries.append(torch.randn(q_len, num_heads, head_dim, generator=g))
+        new_k.append(k[ctx:])
+        new_v.append(v[ctx:])
+    queries.append(torch.randn(NUM_UNOWNED_TOKENS, num_heads, head_dim, generator=g))
+    new_k.append(torch.randn(NUM_UNOWNED_TOKENS, num_kv_heads, head_dim, generator=g) * 100)
+    new_v.append(torch.randn(NUM_UNOWNED_TOKENS, num_kv_heads, head_dim, generator=g) * 100)
+    slots += [-1] * NUM_UNOWNED_TOKENS
+    q_lens = torch.tensor([q for _, q in spec])
+    return Batch(
+        query=torch.cat(queries).to(dtype), new_k=torch.cat(new_k).to(dtype),
+        new_v=torch.cat(new_v).to(dtype), slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        k_cache=k_cache.to(dtype), v_cache=v_cache.to(dtype), block_tables=block_tables,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc=torch.cat([torch.zeros(1), q_lens.cumsum(0)]).to(torch.int32),
+        max_query_len=int(q_lens.max()), max_seq_len=max(seq_lens),
+        logical_k=logical_k, logical_v=logical_v,
+    )
+
+
+def naive_attention(batch: Batch) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], fp64
+    """Per-sequence dense causal SDPA on the logical K/V, in float64."""
+    num_heads = batch.query.shape[1]
+    out = torch.zeros(batch.query.shape, dtype=torch.float64)
+    qsl = batch.query_start_loc.tolist()
+    for b, n in enumerate(batch.seq_lens.tolist()):
+        q = batch.query[qsl[b]: qsl[b + 1]].double()  # [q_len, num_heads, head_dim]
+        q_len = q.shape[0]
+        if q_len == 0:
+            continue
+        k, v = batch.logical_k[b].double(), batch.logical_v[b].double()  # [n, kv_heads, dim]
+        q_pos = torch.arange(n - q_len, n)[:, None]
+        mask = torch.arange(n)[None, :] <= q_pos  # [q_len, n]
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+            enable_gqa=k.shape[1] != num_heads)  # [num_heads, q_len, head_dim]
+        out[qsl[b]: qsl[b + 1]] = o.transpose(0, 1)
+    return out
+
+
+HEAD_CONFIGS = [(9, 3), (4, 4)]  # GQA ratio 3 (SmolLM2-like) and MHA
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+@pytest.mark.parametrize("heads", HEAD_CONFIGS, ids=["gqa9x3", "mha4"])
+def test_reference_matches_naive(page_size: int, heads: tuple[int, int]) -> None:
+    batch = make_batch(MIXED_BATCH, *heads, head_dim=32, page_size=page_size)
+    k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
+    write_kv_ref(batch.new_k, batch.new_v, k_cache, v_cache, batch.slot_mapping)
+    out = paged_attention_ref(*batch.attn_args(k_cache, v_cache))
+    expected = naive_attention(batch)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    assert out[-NUM_UNOWNED_TOKENS:].abs().max() == 0
+
+
+def test_write_kv_ref_skips_padding_rows() -> None:
+    batch = make_batch(MIXED_BATCH, 9, 3, head_dim=32, page_size=3)
+    k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
+    slots = batch.slot_mapping.clone()
+    slots[[0, 5, 17]] = -1  # padding rows in the middle too, not only at the end
+    write_kv_ref(batch.new_k, batch.new_v, k_cache, v_cache, slots)
+    exp_k = batch.k_cache.clone().view(-1, 3, 32)
+    exp_v = batch.v_cache.clone().view(-1, 3, 32)
+    for t, s in enumerate(slots.tolist()):  # independent per-row reconstruction
+        if s >= 0:
+            exp_k[s], exp_v[s] = batch.new_k[t], batch.new_v[t]
+    assert torch.equal(k_cache.view(-1, 3, 32), exp_k)
+    assert torch.equal(v_cache.view(-1, 3, 32), exp_v)
+    # All-padding write is a no-op.
+    before = k_cache.clone(), v_cache.clone()
+    write_kv_ref(batch.new_k, batch.new_v, k_cache, v_cache, torch.full_like(slots, -1))
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels under TRITON_INTERPRET=1. The interpreter must be selected before triton is
+# imported, so the checks run in a fresh subprocess (this file run as a script) and report JSON;
+# the pytest process itself never sees the env var.
+# (name, page_size, heads, head_dim, dtype, forced number of KV splits or None)
+TRITON_CASES = [
+    ("p1_gqa_fp32", 1, (9, 3), 32, "float32", None),
+    ("p16_gqa_fp32", 16, (9, 3), 64, "float32", None),
+    ("p3_mha_fp32", 3, (4, 4), 32, "float32", None),
+    ("p16_gqa_fp32_split4", 16, (9, 3), 32, "float32", 4),
+    ("p3_mha_fp32_split2", 3, (4, 4), 32, "float32", 2),
+    ("p16_gqa_fp16", 16, (9, 3), 32, "float16", None),
+    ("p5_gqa_bf16_split2", 5, (6, 2), 128, "bfloat16", 2),
+]
+TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 3e-2}
+
+
+def _triton_worker() -> None:
+    from kernels.attention_triton import _paged_attention, write_kv_triton
+
+    results = {}
+    for name, page_size, heads, head_dim, dtype_name, splits in TRITON_CASES:
+        dtype = getattr(torch, dtype_name)
+        batch = make_batch(MIXED_BATCH, *heads, head_dim=head_dim, page_size=page_size,
+                           dtype=dtype, seed=len(results))
+        ref_k, ref_v = batch.k_cache.clone(), batch.v_cache.clone()
+        write_kv_ref(batch.new_k, batch.new_v, ref_k, ref_v, batch.slot_mapping)
+        tri_k, tri_v = batch.k_cache.clone(), batch.v_cache.clone()
+        write_kv_triton(batch.new_k, batch.new_v, tri_k, tri_v, batch.slot_mapping)
+        write_ok = torch.equal(tri_k, ref_k) and torch.equal(tri_v, ref_v)
+        ref = paged_attention_ref(*batch.attn_args(ref_k, ref_v)).float()
+        tri = _paged_attention(*batch.attn_args(tri_k, tri_v), num_splits=splits)
+        results[name] = {
+            "write_ok": write_ok,
+            "dtype_ok": tri.dtype == dtype and tri.shape == batch.query.shape,
+            "err_vs_ref": (tri.float() - ref).abs().max().item(),
+            "err_vs_naive": (tri.double() - naive_attention(batch)).abs().max().item(),
+            "unowned_max": tri[-NUM_UNOWNED_TOKENS:].float().abs().max().item(),
+        }
+    print("RESULTS " + json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def triton_results() -> dict:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.run([sys.executable, __file__, "--triton-worker"], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS "))
+    return json.loads(line[len("RESULTS "):])
+
+
+@pytest.mark.parametrize("case", [c[0] for c in TRITON_CASES])
+def test_triton_kernels_match_reference(triton_results: dict, case: str) -> None:
+    r = triton_results[case]
+    tol = TOLERANCE[next(c[4] for c in TRITON_CASES if c[0] == case)]
+    assert r["write_ok"], "write_kv_triton differs from write_kv_ref"
+    assert r["dtype_ok"]
+    assert r["err_vs_ref"] < tol, r
+    assert r["err_vs_naive"] < tol, r
+    assert r["unowned_max"] == 0, r
+
+
+# ---------------------------------------------------------------------------------------------
+def test_custom_ops_under_torch_compile() -> None:
+    import kernels.ops  # noqa: F401  registers torch.ops.compiled_spec.*
+
+    batch = make_batch(MIXED_BATCH, 9, 3, head_dim=32, page_size=16)
+    w = torch.randn(32, 32, generator=torch.Generator().manual_seed(1))
+
+    def step(query, new_k, new_v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, qsl):
+        torch.ops.compiled_spec.write_kv(new_k * 1.5, new_v, k_cache, v_cache, slot_mapping)
+        out = torch.ops.compiled_spec.paged_attention(
+            query @ w, k_cache, v_cache, block_tables, seq_lens, qsl,
+            batch.max_query_len, batch.max_seq_len, 0.125)
+        return torch.relu(out) + 1.0
+
+    def run(fn):
+        k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
+        out = fn(batch.query, batch.new_k, batch.new_v, k_cache, v_cache, batch.slot_mapping,
+                 batch.block_tables, batch.seq_lens, batch.query_start_loc)
+        return out, k_cache, v_cache
+
+    eager_out, eager_k, eager_v = run(step)
+    torch._dynamo.reset()
+    comp_out, comp_k, comp_v = run(torch.compile(step, fullgraph=True, backend="inductor"))
+    torch.testing.assert_close(comp_out, eager_out, atol=1e-5, rtol=1e-5)
+    # The mutation inside the compiled graph must land in the caller's cache tensors.
+    assert torch.equal(comp_k, eager_k) and torch.equal(comp_v, eager_v)
+    assert not torch.equal(comp_k, batch.k_cache)
+    valid = batch.slot_mapping >= 0
+    torch.testing.assert_close(comp_k.view(-1, 3, 32)[batch.slot_mapping[valid]],
+                               batch.new_k[valid] * 1.5)
+
+
+if __name__ == "__main__" and "--triton-worker" in sys.argv:
+    _triton_worker()

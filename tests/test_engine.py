@@ -1,0 +1,146 @@
+"""The vanilla engine on a tiny random Llama checkpoint: batching, paging, seeds, errors."""
+import json
+
+import pytest
+import torch
+
+from compiled_spec import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tiny_llm_dir(tmp_path_factory, smollm2_tokenizer):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    d = tmp_path_factory.mktemp("tiny_llama")
+    cfg = LlamaConfig(vocab_size=len(smollm2_tokenizer), hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=128, rope_theta=10000.0, tie_word_embeddings=True,
+                      bos_token_id=1, eos_token_id=2)
+    m = LlamaForCausalLM(cfg)
+    # Sharper logits so greedy ties are impossible and sampling is not uniform noise.
+    with torch.no_grad():
+        m.model.embed_tokens.weight.mul_(20)
+    m.save_pretrained(d)
+    smollm2_tokenizer.save_pretrained(d)
+    return str(d)
+
+
+def _llm(path, **kw):
+    kw.setdefault("max_model_len", 128)
+    return LLM(model=path, **kw)
+
+
+PROMPTS = [[5, 17, 300, 42, 8, 9, 1000], [77] * 3, list(range(100, 140)), [9, 8]]
+
+
+def _ids(outs):
+    return [o.token_ids for o in outs]
+
+
+def test_page_sizes_agree_and_blocks_return(tiny_llm_dir):
+    sp = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    res = {}
+    for page in (1, 16):
+        llm = _llm(tiny_llm_dir, page_size=page, max_num_seqs=2)
+        res[page] = _ids(llm.generate(PROMPTS, sp))
+        alloc = llm.engine.allocator
+        assert alloc.num_free == alloc.num_blocks and not alloc.tables
+    assert res[1] == res[16]
+    assert all(len(t) == 20 for t in res[1])
+
+
+def test_batch_equals_alone_greedy_and_seeded(tiny_llm_dir):
+    llm = _llm(tiny_llm_dir, page_size=4, max_num_seqs=8)
+    for sp in (SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+               SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=123, ignore_eos=True)):
+        together = _ids(llm.generate(PROMPTS, sp))
+        alone = [_ids(llm.generate([p], sp))[0] for p in PROMPTS]
+        assert together == alone
+    # Continuous batching: more requests than sequences per step, all finish, pool is full again.
+    outs = llm.generate(PROMPTS * 3, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 5 for o in outs)
+    assert llm.engine.allocator.num_free == llm.engine.allocator.num_blocks
+
+
+def test_seeded_sampling_reproducible_across_engines(tiny_llm_dir):
+    sp = SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
+    a = _ids(_llm(tiny_llm_dir, seed=1).generate(PROMPTS, sp))
+    b = _ids(_llm(tiny_llm_dir, seed=2, page_size=1).generate(PROMPTS[::-1], sp))[::-1]
+    assert a == b
+    c = _ids(_llm(tiny_llm_dir).generate(PROMPTS, SamplingParams(max_tokens=12, seed=8, ignore_eos=True)))
+    assert c != a  # a different seed gives different samples
+
+
+def test_preemption_keeps_outputs_identical(tiny_llm_dir):
+    sp = SamplingParams(max_tokens=30, temperature=0.7, seed=5, ignore_eos=True)
+    ref = _ids(_llm(tiny_llm_dir, page_size=4).generate(PROMPTS, sp))
+    small = _llm(tiny_llm_dir, page_size=4, num_kv_blocks=16, max_num_seqs=4)
+    got = _ids(small.generate(PROMPTS, sp))
+    assert got == ref
+    assert small.stats.num_preemptions > 0
+    assert small.engine.allocator.num_free == 16
+
+
+def test_request_too_big_for_pool_is_aborted_alone(tiny_llm_dir):
+    llm = _llm(tiny_llm_dir, page_size=4, num_kv_blocks=6, max_num_seqs=4)
+    big, small = llm.generate([[3] * 10, [4] * 3], [
+        SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)])
+    assert big.finish_reason == "abort" and "KV cache exhausted" in big.outputs[0].error
+    # It ran until the 6 blocks of 4 held 24 positions; the last of them produced token 25.
+    assert len(big.token_ids) == 25 - 10
+    assert small.finish_reason == "length" and len(small.token_ids) == 5
+    assert llm.engine.allocator.num_free == 6
+    with pytest.raises(ValueError, match="needs 7 KV blocks"):
+        llm.generate([[3] * 26])
+
+
+def test_max_model_len_edge(tiny_llm_dir):
+    llm = _llm(tiny_llm_dir, max_model_len=32)
+    out = llm.generate([[5] * 30], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 2
+    with pytest.raises(ValueError, match="prompt 0: prompt has 32 tokens but max_model_len=32"):
+        llm.generate([[5] * 32])
+    with pytest.raises(ValueError, match="prompt 1: .*outside the vocabulary"):
+        llm.generate([[5], [10 ** 9]])
+
+
+def test_stop_tokens_and_eos(tiny_llm_dir):
+    llm = _llm(tiny_llm_dir)
+    free = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0]
+    stop = free.token_ids[3]
+    out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[stop]))[0]
+    assert out.finish_reason == "stop" and out.token_ids == free.token_ids[:free.token_ids.index(stop) + 1]
+
+
+def test_bad_inputs_have_clear_errors(tiny_llm_dir, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no/such/model"):
+        LLM(model="no/such/model")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json"):
+        LLM(model=str(bad))
+    with pytest.raises(ValueError, match="page_size"):
+        _llm(tiny_llm_dir, page_size=0)
+    with pytest.raises(ValueError, match="max_model_len=100000"):
+        _llm(tiny_llm_dir, max_model_len=100000)
+    llm = _llm(tiny_llm_dir)
+    with pytest.raises(ValueError, match="temperature"):
+        llm.generate(["hi"], SamplingParams(temperature=-1.0))
+    with pytest.raises(ValueError, match="got 1 sampling params for 2 prompts"):
+        llm.generate([[1], [2]], [SamplingParams()])
+    with pytest.raises(ValueError, match="prompt is empty"):
+        llm.generate([[]])
+    # The engine still serves requests after the rejected ones.
+    assert len(llm.generate([[5, 6]], SamplingParams(max_tokens=3))[0].token_ids) == 3
+
+
+def test_chat_template_and_text_prompts(tiny_llm_dir):
+    llm = _llm(tiny_llm_dir, max_model_len=128)
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=4, temperature=0.0))[0]
+    assert out.prompt_token_ids[:3] == llm.tokenizer.encode("<|im_start|>system")[:3]
+    assert isinstance(out.text, str) and out.metrics.time_to_first_token is not None
+    out = llm.generate("hello there", SamplingParams(max_tokens=3, temperature=0.0))[0]
+    assert out.prompt == "hello there" and len(out.token_ids) <= 3
