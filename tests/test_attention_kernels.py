@@ -171,7 +171,7 @@ TRITON_CASES = [
     ("p16_gqa_fp16", 16, (9, 3), 32, "float16", None),
     ("p5_gqa_bf16_split2", 5, (6, 2), 128, "bfloat16", 2),
 ]
-TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 3e-2}
+TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 6e-2}
 
 
 def _triton_worker() -> None:

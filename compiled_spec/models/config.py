@@ -124,6 +124,9 @@ class ModelConfig:
         max_pos = int(d.get("max_position_embeddings", 2048))
         _check_sliding_window(arch, d, max_pos)
         rope_theta, rope_scaling = _rope_from_hf(d)
+        if not d.get("head_dim") and hidden % heads != 0:
+            raise ValueError(f"hidden_size ({hidden}) is not divisible by num_attention_heads "
+                             f"({heads}) and config.json gives no head_dim")
 
         attn_bias_flag = bool(d.get("attention_bias", False))
         if arch == "qwen2":

@@ -160,14 +160,21 @@ class CausalLM(nn.Module):
                 raise ValueError(f"aux layer id {idx} outside [0, {num_layers}]")
         hidden = self.model.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.model.rotary_emb(positions, hidden.dtype)  # [T, head_dim] each
-        captured: dict[int, torch.Tensor] = {}
+        # Slots filled by position rather than a dict keyed by layer id: under torch.compile with
+        # dynamic=True the ids may arrive as SymInts, which cannot be dict keys.
+        captured: list[torch.Tensor | None] = [None] * len(aux_layer_ids)
         for i, layer in enumerate(self.model.layers):
-            if i in aux_layer_ids:
-                captured[i] = hidden
+            self._capture(captured, aux_layer_ids, i, hidden)
             hidden = layer(hidden, cos, sin, attn_meta)
-        if num_layers in aux_layer_ids:
-            captured[num_layers] = hidden
-        return self.model.norm(hidden), [captured[i] for i in aux_layer_ids]
+        self._capture(captured, aux_layer_ids, num_layers, hidden)
+        return self.model.norm(hidden), captured  # type: ignore[return-value]
+
+    @staticmethod
+    def _capture(captured: list[torch.Tensor | None], aux_layer_ids: tuple[int, ...],
+                 layer_idx: int, hidden: torch.Tensor) -> None:
+        for j, idx in enumerate(aux_layer_ids):
+            if idx == layer_idx:
+                captured[j] = hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
         # The matmul runs in the model dtype (an fp32 copy of lm_head would cost vocab*hidden

@@ -18,7 +18,7 @@ import torch
 
 from compiled_spec.models.config import ModelConfig
 from compiled_spec.models.decoder import CausalLM
-from compiled_spec.models.loader import (build_empty_model, check_checkpoint, finalize_model,
+from compiled_spec.models.loader import (build_meta_model, check_checkpoint, finalize_model,
                                          load_tensors)
 
 _GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -145,26 +145,26 @@ def load_gguf(path: str, dtype: torch.dtype,
     tensors = {hf_name(t.name): t for t in reader.tensors}
     # GGUF shapes list the fastest-varying dim first; HF/PyTorch order is the reverse.
     shapes = {name: tuple(int(d) for d in reversed(t.shape)) for name, t in tensors.items()}
-    model = build_empty_model(config, dtype, device)
+    model = build_meta_model(config)
     to_load = check_checkpoint(model, shapes, path)
     permute_llama = config.architecture == "llama"
 
     def get(name: str) -> torch.Tensor:
         t = tensors[name]
-        # Dequantizes block formats (Q4_1, Q8_0, ...) to fp32; F32/F16 come back as-is.
+        # Dequantizes block formats (Q4_1, Q8_0, ...) to fp32; F32/F16/BF16 are reinterpreted.
         w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shapes[name])
         if permute_llama and name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
             w = unpermute_qk(w, config.num_attention_heads)
         elif permute_llama and name.endswith(("self_attn.k_proj.weight",
                                               "self_attn.k_proj.bias")):
             w = unpermute_qk(w, config.num_key_value_heads)
-        w = np.ascontiguousarray(w, dtype=np.float32)
-        if not w.flags.writeable:  # unquantized tensors are read-only views of the mmap
+        w = np.asarray(w, dtype=np.float32)
+        if not w.flags.writeable:  # unquantized F32 tensors are read-only views of the mmap
             w = w.copy()
-        return torch.from_numpy(w)
+        return torch.from_numpy(np.ascontiguousarray(w))
 
-    load_tensors(model, to_load, get)
-    return finalize_model(model), config
+    load_tensors(model, to_load, get, dtype, device)
+    return finalize_model(model, device), config
 
 
 def find_default_gguf() -> str:

