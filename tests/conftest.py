@@ -37,3 +37,25 @@ def smollm2_tokenizer(smollm2_gguf_path):
     from compiled_spec.tokenizer import load_tokenizer
 
     return load_tokenizer(smollm2_gguf_path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf_path):
+    """transformers' own SmolLM2 (its GGUF dequantisation and modeling code), the fp32 reference."""
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(smollm2_gguf_path), gguf_file=os.path.basename(smollm2_gguf_path),
+        dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def mt_bench_questions() -> list[str]:
+    """First turns of MT-bench, from ../shared/data beside the repository (as CI lays it out)."""
+    import json
+
+    path = Path(_ROOT).parent / "shared" / "data" / "mt_bench" / "question.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r["turns"][0] for r in rows]

@@ -332,15 +332,6 @@ def test_gguf_name_map_and_unpermute():
     np.testing.assert_array_equal(unpermute_qk(fwd, 3), w)
 
 
-@pytest.fixture(scope="module")
-def smollm2_hf(smollm2_gguf_path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(smollm2_gguf_path), gguf_file=os.path.basename(smollm2_gguf_path),
-        dtype=torch.float32).eval()
-
-
 def test_gguf_matches_transformers(smollm2_model, smollm2_hf):
     model, cfg = smollm2_model
     assert (cfg.architecture, cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
