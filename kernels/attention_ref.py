@@ -69,14 +69,16 @@ def paged_attention_ref(
     )  # [num_seqs, max_query_len, max_seq_len]
     allowed = allowed & q_valid[:, :, None]
 
-    keys = keys.repeat_interleave(group, dim=2)  # [num_seqs, max_seq_len, num_heads, head_dim]
-    values = values.repeat_interleave(group, dim=2)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, keys) * scale
-    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    # GQA without repeating K/V: query heads are grouped per kv head.
+    q = q.view(num_seqs, max_query_len, num_kv_heads, group, head_dim)
+    scores = torch.einsum("bqhgd,bkhd->bhgqk", q, keys) * scale
+    mask = allowed[:, None, None]  # [num_seqs, 1, 1, max_query_len, max_seq_len]
+    scores = scores.masked_fill(~mask, float("-inf"))
     # Rows with nothing allowed (padding) would be all -inf; keep them finite and zero them below.
-    scores = torch.where(allowed[:, None].any(-1, keepdim=True), scores, torch.zeros_like(scores))
+    scores = torch.where(mask.any(-1, keepdim=True), scores, torch.zeros_like(scores))
     probs = torch.softmax(scores, dim=-1)
-    ctx = torch.einsum("bhqk,bkhd->bqhd", probs, values)  # [num_seqs, max_query_len, heads, dim]
+    ctx = torch.einsum("bhgqk,bkhd->bqhgd", probs, values).reshape(
+        num_seqs, max_query_len, num_heads, head_dim)
     ctx = ctx * q_valid[:, :, None, None]
     flat_tok = torch.where(q_valid, tok, torch.full_like(tok, num_tokens))
     out_ext = torch.zeros((num_tokens + 1, num_heads, head_dim), device=device, dtype=torch.float32)
