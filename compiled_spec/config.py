@@ -62,6 +62,23 @@ class SchedulerConfig:
 
 
 @dataclass
+class SpecConfig:
+    draft: str  # path of the draft head (Hugging Face layout)
+    method: str | None = None  # "eagle" | "eagle3"; None: detected from the checkpoint
+    num_speculative_tokens: int = 3
+    draft_sampling: str = "argmax"  # "argmax" (vLLM's default) or "sample" (keeps q for the test)
+
+    def __post_init__(self) -> None:
+        if self.method not in (None, "eagle", "eagle3"):
+            raise ValueError(f"method={self.method!r}: expected 'eagle', 'eagle3' or None")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"num_speculative_tokens={k!r}: must be an integer >= 1")
+        if self.draft_sampling not in ("argmax", "sample"):
+            raise ValueError(f"draft_sampling={self.draft_sampling!r}: expected 'argmax' or 'sample'")
+
+
+@dataclass
 class EngineConfig:
     model: str
     device: torch.device
@@ -70,6 +87,7 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     seed: int = 0  # seeds the per-request seeds of requests that give none
+    spec: SpecConfig | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_model_len, int) or self.max_model_len < 2:

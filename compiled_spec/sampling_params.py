@@ -21,6 +21,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    speculate: bool = True  # False: this request decodes plainly even in a speculative engine
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:

@@ -3,45 +3,64 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from compiled_spec.config import EngineConfig
+from compiled_spec.draft.model import EagleDraft
 from compiled_spec.engine.model_runner import ModelRunner
 from compiled_spec.engine.request import CompletionOutput, Request, RequestOutput, Status
 from compiled_spec.engine.scheduler import Scheduler
-from compiled_spec.kv_cache import BlockAllocator, allocate_kv_tensors, bytes_per_block
+from compiled_spec.kv_cache import BlockAllocator, allocate_kv_pair, bytes_per_block
 from compiled_spec.models.decoder import CausalLM
 from compiled_spec.sampling_params import SamplingParams
+from compiled_spec.spec.metrics import SpecStats
+from compiled_spec.spec.proposer import EagleProposer
 
 
 @dataclass
 class EngineStats:
     num_steps: int = 0
     num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
+    num_decode_tokens: int = 0  # tokens emitted by decode/verify steps
     num_preemptions: int = 0
     num_aborted: int = 0
+    num_requests_without_speculation: int = 0  # ran plain decoding in a speculative engine
+    spec: SpecStats = field(default_factory=SpecStats)
 
 
 class LLMEngine:
-    def __init__(self, cfg: EngineConfig, model: CausalLM, eos_token_ids: list[int], detokenize) -> None:
+    def __init__(self, cfg: EngineConfig, model: CausalLM, eos_token_ids: list[int], detokenize,
+                 draft: EagleDraft | None = None) -> None:
         self.cfg = cfg
         self.model = model
+        self.draft = draft
         mcfg = model.config
-        num_layers = mcfg.num_hidden_layers
         page = cfg.cache.page_size
+        # Draft layers keep their KV in the same paged pool: same blocks, same slots, own tensors.
+        kv_shapes = [(mcfg.num_key_value_heads, mcfg.head_dim)] * mcfg.num_hidden_layers
+        if draft is not None:
+            dc = draft.config
+            kv_shapes += [(dc.num_key_value_heads, dc.head_dim)] * dc.num_hidden_layers
         num_blocks = cfg.cache.num_blocks
         if num_blocks is None:
-            per_block = bytes_per_block(mcfg, page, cfg.dtype, num_layers)
+            per_block = sum(bytes_per_block(page, h, d, cfg.dtype) for h, d in kv_shapes)
             num_blocks = max(1, int(cfg.cache.memory_gib * (1 << 30)) // per_block)
         self.allocator = BlockAllocator(num_blocks, page)
-        self.kv_caches = allocate_kv_tensors(num_layers, num_blocks, page, mcfg.num_key_value_heads,
-                                             mcfg.head_dim, cfg.dtype, cfg.device)
-        model.bind_kv_cache(self.kv_caches)
-        self.scheduler = Scheduler(cfg.scheduler, self.allocator)
-        self.runner = ModelRunner(model, self.allocator, cfg.device)
+        self.kv_caches = [allocate_kv_pair(num_blocks, page, h, d, cfg.dtype, cfg.device)
+                          for h, d in kv_shapes]
+        model.bind_kv_cache(self.kv_caches[:mcfg.num_hidden_layers])
+        proposer, aux_ids = None, ()
+        k = cfg.spec.num_speculative_tokens if cfg.spec is not None else 0
+        if draft is not None:
+            draft.bind_kv_cache(self.kv_caches[mcfg.num_hidden_layers:])
+            proposer = EagleProposer(draft, self.allocator, cfg.device, k,
+                                     cfg.spec.draft_sampling == "sample", mcfg.vocab_size)
+            if draft.config.method == "eagle3":
+                aux_ids = tuple(draft.config.aux_layer_ids)
+        self.scheduler = Scheduler(cfg.scheduler, self.allocator, lookahead=k)
+        self.runner = ModelRunner(model, self.allocator, cfg.device, cfg.max_model_len, proposer, aux_ids)
         self.eos_token_ids = set(eos_token_ids)
         self.detokenize = detokenize
         self._rng = random.Random(cfg.seed)
@@ -74,7 +93,11 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Request(req_id=self._next_id, prompt_token_ids=list(prompt_token_ids), params=params,
                       seed=seed, max_total_tokens=min(n + params.max_tokens, self.cfg.max_model_len),
-                      prompt=prompt)
+                      prompt=prompt, spec_enabled=self.draft is not None and params.speculate)
+        if self.draft is not None:
+            req.spec_stats = SpecStats()
+            if not req.spec_enabled:
+                self.stats.num_requests_without_speculation += 1
         self._next_id += 1
         self.scheduler.add(req)
         return req.req_id
@@ -90,23 +113,39 @@ class LLMEngine:
         self.stats.num_preemptions = self.scheduler.num_preemptions
         if batch.empty:
             return finished
-        tokens = self.runner.step(batch.requests, batch.num_new_tokens)
+        out = self.runner.execute(batch.requests, batch.num_new_tokens)
         now = time.perf_counter()
         self.stats.num_steps += 1
-        for req, n, tok in zip(batch.requests, batch.num_new_tokens, tokens):
+        going_on: list[Request] = []
+        accepted: dict[int, int] = {}
+        verified = [(k, len(t) - 1) for k, t in zip(out.num_draft, out.new_tokens)]
+        for req, n, toks, (k_d, acc) in zip(batch.requests, batch.num_new_tokens, out.new_tokens, verified):
             if n > 1 or req.num_computed == 0:
                 self.stats.num_prefill_tokens += n
-            else:
-                self.stats.num_decode_tokens += 1
-            req.num_computed += n
-            req.output_token_ids.append(tok)
+            req.num_computed += n + acc  # accepted drafts' KV was written during verification
+            if req.spec_stats is not None and k_d > 0:
+                req.spec_stats.update([k_d], [acc])
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
-            reason = self._stop_reason(req, tok)
+            reason = None
+            for tok in toks:
+                req.output_token_ids.append(tok)
+                if n == 1:
+                    self.stats.num_decode_tokens += 1
+                reason = self._stop_reason(req, tok)
+                if reason is not None:
+                    break
             if reason is not None:
                 self.scheduler.finish(req, reason)
                 req.metrics.finish_time = now
                 finished.append(req)
+            else:
+                going_on.append(req)
+                accepted[req.req_id] = acc
+        spec_rows = [v for v in verified if v[0] > 0]
+        if spec_rows:
+            self.stats.spec.update([k for k, _ in spec_rows], [a for _, a in spec_rows])
+        self.runner.propose(going_on, accepted)
         return finished
 
     def _stop_reason(self, req: Request, tok: int) -> str | None:
@@ -123,4 +162,5 @@ class LLMEngine:
                                 finish_reason=req.finish_reason, error=req.error)
         return RequestOutput(request_id=req.req_id, prompt=req.prompt,
                              prompt_token_ids=req.prompt_token_ids, outputs=[comp],
-                             finished=req.status is Status.FINISHED, metrics=req.metrics)
+                             finished=req.status is Status.FINISHED, metrics=req.metrics,
+                             spec_stats=req.spec_stats)

@@ -1,86 +1,201 @@
-"""Turns a scheduled batch into tensors, runs the target model and samples on device."""
+"""Runs one engine step on the device: the target forward over prompts and [last token, drafts],
+sampling / rejection sampling, and (for speculative engines) the next proposal.
+
+Vanilla decoding is the k = 0 case of the same code path. Per step there is exactly one
+device-to-host copy: the emitted tokens and acceptance counts.
+"""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
-from compiled_spec.attention_metadata import AttentionMetadata
+from compiled_spec.engine.batch import Span, build_metadata, to_device
 from compiled_spec.engine.request import Request
-from compiled_spec.kv_cache import BlockAllocator
+from compiled_spec.kv_cache import BlockAllocator, KVCacheExhausted
 from compiled_spec.models.decoder import CausalLM
-from compiled_spec.sampler import SamplingTensors, sample
+from compiled_spec.sampler import SamplingTensors, apply_filters
+from compiled_spec.spec.proposer import EagleProposer, ProposeBatch
+from compiled_spec.spec.rejection import rejection_sample
 
 
-def build_metadata(
-    allocator: BlockAllocator,
-    reqs: list[Request],
-    num_new: list[int],
-    device: torch.device,
-) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """Host-side bookkeeping for one forward: flat input ids, positions and attention metadata.
+def build_sampling_tensors(reqs: list[Request], device: torch.device, repeat: int = 1) -> SamplingTensors:
+    """Per-row parameters; ``repeat`` copies each request's row for its verification slots."""
+    ps = [r.params for r in reqs for _ in range(repeat)]
 
-    Built from Python lists (the engine's own state), then moved in one go; nothing here reads
-    back from the device.
-    """
-    ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    seq_lens: list[int] = []
-    qsl = [0]
-    tables = [allocator.tables[r.req_id] for r in reqs]
-    for r, n in zip(reqs, num_new):
-        start = r.num_computed
-        toks = r.token_ids
-        ids.extend(toks[start:start + n])
-        positions.extend(range(start, start + n))
-        slots.extend(allocator.slot(r.req_id, p) for p in range(start, start + n))
-        seq_lens.append(start + n)
-        qsl.append(qsl[-1] + n)
-    width = max(len(t) for t in tables)
-    padded = [t + [0] * (width - len(t)) for t in tables]
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        block_tables=torch.tensor(padded, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        max_query_len=max(num_new),
-        max_seq_len=max(seq_lens),
-    )
-    input_ids = torch.tensor(ids, dtype=torch.int64)  # [num_tokens]
-    pos = torch.tensor(positions, dtype=torch.int64)  # [num_tokens]
-    if device.type != "cpu":
-        return input_ids.to(device, non_blocking=True), pos.to(device, non_blocking=True), meta.to(device)
-    return input_ids, pos, meta
+    def t(vals: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(vals, dtype=dtype, device=device)
 
-
-def build_sampling_tensors(reqs: list[Request], device: torch.device) -> SamplingTensors:
-    ps = [r.params for r in reqs]
     return SamplingTensors(
-        temperature=torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=device),
-        top_k=torch.tensor([p.top_k for p in ps], dtype=torch.int64, device=device),
-        top_p=torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=device),
-        min_p=torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=device),
-        seeds=torch.tensor([r.seed for r in reqs], dtype=torch.int64, device=device),
+        temperature=t([p.temperature for p in ps], torch.float32),
+        top_k=t([p.top_k for p in ps], torch.int64),
+        top_p=t([p.top_p for p in ps], torch.float32),
+        min_p=t([p.min_p for p in ps], torch.float32),
+        seeds=t([r.seed for r in reqs for _ in range(repeat)], torch.int64),
         all_greedy=all(p.greedy for p in ps),
         any_sorting=any(p.needs_sorting for p in ps),
         any_min_p=any(p.min_p > 0 and not p.greedy for p in ps),
     )
 
 
+@dataclass
+class StepOutput:
+    new_tokens: list[list[int]]  # per request: accepted drafts then the sampled token
+    num_draft: list[int]  # drafts verified per request (0 for prefill / vanilla)
+
+
+@dataclass
+class _Pending:
+    """What the proposer needs from this step's target forward."""
+
+    hidden: torch.Tensor | list[torch.Tensor]
+    spans: list[Span]  # the target's query span per request
+    row_start: list[int]  # first flat row of each request
+    num_draft: list[int]
+
+
 class ModelRunner:
-    def __init__(self, model: CausalLM, allocator: BlockAllocator, device: torch.device) -> None:
+    def __init__(self, model: CausalLM, allocator: BlockAllocator, device: torch.device,
+                 max_model_len: int, proposer: EagleProposer | None = None,
+                 aux_layer_ids: tuple[int, ...] = ()) -> None:
         self.model = model
         self.allocator = allocator
         self.device = device
+        self.max_model_len = max_model_len
+        self.proposer = proposer
+        self.aux_layer_ids = aux_layer_ids
+        self.k = proposer.k if proposer is not None else 0
+        self._drafts: torch.Tensor | None = None  # [B_prev, k] from the last proposal
+        self._draft_probs: torch.Tensor | None = None  # [B_prev, k, V] when drafts are sampled
+        self._draft_row: dict[int, int] = {}  # req_id -> row in the tensors above
+        self._pending: _Pending | None = None
+
+    def num_drafts_for(self, req: Request) -> int:
+        """Drafts to verify this step: what was proposed, capped so nothing passes the request's
+        token budget (and so max_model_len): k shrinks near the end instead of failing."""
+        if req.req_id not in self._draft_row or req.num_computed != req.num_tokens - 1:
+            return 0
+        return max(0, min(self.k, req.max_total_tokens - req.num_tokens - 1))
 
     @torch.inference_mode()
-    def step(self, reqs: list[Request], num_new: list[int]) -> list[int]:
-        """One forward over the scheduled tokens; returns the sampled next token per request."""
-        input_ids, positions, meta = build_metadata(self.allocator, reqs, num_new, self.device)
-        hidden, _ = self.model(input_ids, positions, meta)  # [num_tokens, hidden]
-        last = meta.query_start_loc[1:].to(torch.int64) - 1  # [num_seqs]
-        logits = self.model.compute_logits(hidden[last])  # [num_seqs, vocab]
-        st = build_sampling_tensors(reqs, self.device)
-        next_pos = torch.tensor([r.num_computed + n for r, n in zip(reqs, num_new)],
-                                dtype=torch.int64, device=self.device)
-        tokens = sample(logits, st, next_pos)  # [num_seqs]
-        return tokens.tolist()  # the step's single device-to-host copy
+    def execute(self, reqs: list[Request], num_new: list[int]) -> StepOutput:
+        spans, num_draft, host_ids = [], [], []
+        draft_dst, draft_src = [], []
+        for r, n in zip(reqs, num_new):
+            k_i = self.num_drafts_for(r)
+            start = r.num_computed
+            offset = len(host_ids)
+            host_ids.extend(r.token_ids[start:start + n])
+            host_ids.extend([0] * k_i)  # filled from the device-resident drafts below
+            row = self._draft_row.get(r.req_id, 0)
+            draft_dst.extend(range(offset + n, offset + n + k_i))
+            draft_src.extend(row * max(self.k, 1) + j for j in range(k_i))
+            spans.append(Span(r.req_id, start, n + k_i))
+            num_draft.append(k_i)
+        input_ids = to_device(host_ids, self.device)  # [num_tokens]
+        if draft_dst:
+            input_ids[to_device(draft_dst, self.device)] = self._drafts.reshape(-1)[
+                to_device(draft_src, self.device)]
+        positions, meta = build_metadata(self.allocator, spans, self.device)
+        hidden, aux = self.model(input_ids, positions, meta, self.aux_layer_ids)
+
+        # Logit rows: the last k_i + 1 query tokens of each request, padded to [B, K+1].
+        kmax = max(num_draft)
+        row_start, rows, pad_idx = [], [], []
+        first = 0
+        for s, k_i in zip(spans, num_draft):
+            row_start.append(first)
+            base = len(rows)
+            rows.extend(range(first + s.length - k_i - 1, first + s.length))
+            pad_idx.extend(base + min(j, k_i) for j in range(kmax + 1))
+            first += s.length
+        logits = self.model.compute_logits(hidden[to_device(rows, self.device)])  # [R, V]
+        B, V = len(reqs), logits.shape[-1]
+        logits = logits[to_device(pad_idx, self.device)].view(B, kmax + 1, V)  # [B, K+1, V]
+        k_t = to_device(num_draft, self.device)  # [B]
+        drafts = self._gather_drafts(reqs, kmax)  # [B, K]
+        st = build_sampling_tensors(reqs, self.device, repeat=kmax + 1)
+        if st.all_greedy:
+            out, n_acc = _greedy_accept(logits, drafts, k_t)
+        else:
+            probs = apply_filters(logits.view(B * (kmax + 1), V), st).view(B, kmax + 1, V)
+            seeds = st.seeds.view(B, kmax + 1)[:, 0]
+            positions0 = to_device([r.num_tokens for r in reqs], self.device)
+            out, n_acc = rejection_sample(probs, drafts, k_t, seeds, positions0,
+                                          self._gather_draft_probs(reqs, kmax, V))
+        packed = torch.cat([n_acc[:, None], out], dim=1).tolist()  # the step's one D2H copy
+        new_tokens = [row[1:2 + row[0]] for row in packed]
+        self._pending = _Pending(hidden=aux if self.aux_layer_ids else hidden, spans=spans,
+                                 row_start=row_start, num_draft=num_draft)
+        return StepOutput(new_tokens=new_tokens, num_draft=num_draft)
+
+    def _gather_drafts(self, reqs: list[Request], kmax: int) -> torch.Tensor:
+        if kmax == 0:
+            return torch.zeros((len(reqs), 0), dtype=torch.int64, device=self.device)
+        idx = to_device([self._draft_row.get(r.req_id, 0) for r in reqs], self.device)
+        return self._drafts[idx, :kmax]
+
+    def _gather_draft_probs(self, reqs: list[Request], kmax: int, vocab: int) -> torch.Tensor | None:
+        if self._draft_probs is None or kmax == 0:
+            return None
+        idx = to_device([self._draft_row.get(r.req_id, 0) for r in reqs], self.device)
+        return self._draft_probs[idx, :kmax]
+
+    @torch.inference_mode()
+    def propose(self, reqs: list[Request], accepted: dict[int, int]) -> None:
+        """Draft for the requests that go on, from this step's target hidden states.
+
+        ``accepted`` maps req_id -> drafts accepted this step (0 for prefill rows). A request
+        left out (finished, or with no room to verify anything next step) gets no drafts.
+        """
+        self._draft_row = {}
+        pend = self._pending
+        self._pending = None
+        if self.proposer is None or pend is None:
+            return
+        by_id = {s.req_id: (s, rs, kd) for s, rs, kd in zip(pend.spans, pend.row_start, pend.num_draft)}
+        first_pass, token_ids, hidden_rows, limits, chosen = [], [], [], [], []
+        for r in reqs:
+            if r.req_id not in by_id or not r.spec_enabled:
+                continue
+            span, row0, k_d = by_id[r.req_id]
+            n_tok = r.num_tokens
+            k_next = min(self.k, r.max_total_tokens - n_tok - 1)
+            want = min(n_tok + self.k, r.max_total_tokens)
+            try:
+                self.allocator.grow(r.req_id, want)
+            except KVCacheExhausted:
+                have = len(self.allocator.tables.get(r.req_id, ())) * self.allocator.page_size
+                k_next = min(k_next, have - n_tok)
+            if k_next <= 0:
+                continue
+            m = span.length - k_d + accepted[r.req_id]  # accepted target positions
+            first_pass.append(Span(r.req_id, span.start, m))
+            token_ids.extend(r.token_ids[span.start + 1:span.start + 1 + m])
+            hidden_rows.extend(range(row0, row0 + m))
+            limits.append(n_tok - 2 + k_next)
+            chosen.append(r)
+        if not chosen:
+            return
+        batch = ProposeBatch(
+            first_pass=first_pass, token_ids=token_ids, hidden_rows=hidden_rows, step_limits=limits,
+            temperature=torch.tensor([r.params.temperature for r in chosen], dtype=torch.float32,
+                                     device=self.device),
+            seeds=torch.tensor([r.seed for r in chosen], dtype=torch.int64, device=self.device))
+        self._drafts, self._draft_probs = self.proposer.propose(batch, pend.hidden)
+        self._draft_row = {r.req_id: i for i, r in enumerate(chosen)}
+
+
+def _greedy_accept(logits: torch.Tensor, drafts: torch.Tensor, num_draft: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification: accept drafts while they equal the target's argmax.
+
+    logits [B, K+1, V], drafts [B, K], num_draft [B] -> (tokens [B, K+1] padded -1, accepted [B]).
+    """
+    target = logits.argmax(dim=-1)  # [B, K+1]
+    K = drafts.shape[1]
+    slot = torch.arange(K, device=logits.device)[None, :]
+    match = (drafts == target[:, :K]) & (slot < num_draft[:, None])  # [B, K]
+    n_acc = match.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [B]
+    keep = torch.arange(K + 1, device=logits.device)[None, :] <= n_acc[:, None]
+    return torch.where(keep, target, torch.full_like(target, -1)), n_acc

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from compiled_spec.sampling_params import SamplingParams
+from compiled_spec.spec.metrics import SpecStats
 
 
 class Status(enum.Enum):
@@ -43,6 +44,8 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     error: str | None = None
+    spec_enabled: bool = False  # drafted and verified (False: plain decoding in the same batch)
+    spec_stats: SpecStats | None = None  # per-request acceptance, in speculative engines
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
 
     @property
@@ -74,6 +77,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    spec_stats: SpecStats | None = None
 
     @property
     def text(self) -> str:

@@ -56,7 +56,9 @@ class Scheduler:
         req.error = why
 
     def _need(self, req: Request) -> int:
-        return min(req.num_tokens + self.lookahead, req.max_total_tokens + self.lookahead)
+        # Room for this step's query tokens plus the drafts verified with them; the verifier never
+        # lets a request pass its token budget, so neither does the reservation.
+        return min(req.num_tokens + self.lookahead, max(req.max_total_tokens, req.num_tokens))
 
     def schedule(self) -> ScheduledBatch:
         aborted: list[Request] = []

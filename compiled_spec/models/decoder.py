@@ -19,7 +19,7 @@ from compiled_spec.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, appl
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, in_features: int | None = None) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
@@ -27,9 +27,12 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = config.head_dim ** -0.5
         hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, config.q_size, bias=config.attention_bias)
-        self.k_proj = nn.Linear(hidden, config.kv_size, bias=config.attention_bias)
-        self.v_proj = nn.Linear(hidden, config.kv_size, bias=config.attention_bias)
+        # q/k/v may read a wider input than the residual stream (EAGLE-3's first draft layer
+        # attends over cat(embedding, hidden), width 2h); o_proj always writes back `hidden`.
+        in_features = hidden if in_features is None else in_features
+        self.q_proj = nn.Linear(in_features, config.q_size, bias=config.attention_bias)
+        self.k_proj = nn.Linear(in_features, config.kv_size, bias=config.attention_bias)
+        self.v_proj = nn.Linear(in_features, config.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(config.q_size, hidden, bias=config.o_proj_bias)
         if config.qk_norm:
             # Qwen3 normalises each head over head_dim (not the whole projection) before rope.
@@ -46,7 +49,7 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        hidden: torch.Tensor,  # [T, hidden]
+        hidden: torch.Tensor,  # [T, in_features] (in_features == hidden except EAGLE-3 layer 0)
         cos: torch.Tensor,  # [T, head_dim]
         sin: torch.Tensor,  # [T, head_dim]
         attn_meta: AttentionMetadata,

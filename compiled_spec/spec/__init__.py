@@ -1,0 +1,1 @@
+"""Speculative decoding: on-device rejection sampling and acceptance metrics."""
