@@ -28,29 +28,69 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def _write_random_head(method: str, kw: dict) -> str:
+    """A random head of the target's shape: tau near 1, so its speed shows the cost of speculating."""
+    import tempfile
+
+    from compiled_spec.draft.testing import write_eagle1_head, write_eagle3_head
+    from compiled_spec.models.gguf_loader import find_default_gguf
+    from compiled_spec.models.loader import load_model
+
+    _, cfg = load_model(kw["model"] or find_default_gguf(), torch.float32, "cpu")
+    d = tempfile.mkdtemp(prefix="random_head_")
+    if method == "eagle3":
+        return write_eagle3_head(d, cfg, draft_vocab_size=min(8192, cfg.vocab_size))
+    return write_eagle1_head(d, cfg)
+
+
+def _time_ours(llm, prompts: list[list[int]], max_tokens: int) -> tuple[dict, list[list[int]]]:
+    """Batch 1, one prompt at a time: decode ms per token (first token excluded), tau."""
+    from compiled_spec import SamplingParams
+
+    dev = llm.config.device
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[0][:16], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    spec0 = llm.stats.spec.num_drafting_steps, llm.stats.spec.num_accepted_tokens
+    ms, toks = [], []
+    for ids in prompts:
+        _sync(dev)
+        out = llm.generate(ids, sp)[0]
+        m = out.metrics
+        ms.append(1000 * (m.finish_time - m.first_token_time) / (len(out.token_ids) - 1))
+        toks.append(out.token_ids)
+    row: dict = {"ms_per_token": statistics.median(ms)}
+    steps = llm.stats.spec.num_drafting_steps - spec0[0]
+    if steps:
+        row["tau"] = 1 + (llm.stats.spec.num_accepted_tokens - spec0[1]) / steps
+    return row, toks
+
+
 def run_bench(a: argparse.Namespace) -> int:
     from compiled_spec import LLM, SamplingParams
     from compiled_spec.cli import _engine_kwargs
 
     texts = load_mt_bench(a.prompts, a.num_prompts)
-    t0 = time.perf_counter()
-    llm = LLM(**_engine_kwargs(a))
-    startup = time.perf_counter() - t0
-    dev = llm.config.device
-    prompts = [llm.encode_chat([{"role": "user", "content": t}]) for t in texts]
-    sp = SamplingParams(max_tokens=a.max_tokens, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts[0][:16], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
-
-    ours_ms: list[float] = []
-    ours_tokens: list[list[int]] = []
-    for ids in prompts:
-        _sync(dev)
-        out = llm.generate(ids, sp)[0]
-        m = out.metrics
-        ours_ms.append(1000 * (m.finish_time - m.first_token_time) / (len(out.token_ids) - 1))
-        ours_tokens.append(out.token_ids)
-    rows = [{"engine": "compiled_spec vanilla eager", "ms_per_token": statistics.median(ours_ms),
-             "startup_s": startup}]
+    kw = _engine_kwargs(a)
+    variants = [("compiled_spec vanilla eager", {**kw, "draft": None})]
+    head = a.draft
+    if head is None and a.random_draft:
+        head = _write_random_head(a.random_draft, kw)
+    if head is not None:
+        variants.append((f"compiled_spec {a.method or 'EAGLE'} k={a.num_speculative_tokens} eager"
+                         + (" (random head)" if a.draft is None else ""), {**kw, "draft": head}))
+    rows, ours_tokens = [], None
+    for name, vkw in variants:
+        t0 = time.perf_counter()
+        llm = LLM(**vkw)
+        startup = time.perf_counter() - t0
+        dev = llm.config.device
+        prompts = [llm.encode_chat([{"role": "user", "content": t}]) for t in texts]
+        row, toks = _time_ours(llm, prompts, a.max_tokens)
+        row.update(engine=name, startup_s=startup)
+        if ours_tokens is None:
+            ours_tokens = toks
+        row["greedy_identical"] = f"{sum(x == y for x, y in zip(toks, ours_tokens))}/{len(toks)}"
+        rows.append(row)
 
     if not a.no_hf:
         from transformers import AutoModelForCausalLM
@@ -61,7 +101,8 @@ def run_bench(a: argparse.Namespace) -> int:
             hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=llm.config.dtype)
         else:
             hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=llm.config.dtype)
-        hf = hf.to(dev).eval()
+        hf = hf.to(llm.config.device).eval()
+        dev = llm.config.device
         hf_startup = time.perf_counter() - t0
         hf_ms: list[float] = []
         agree = 0
@@ -85,9 +126,10 @@ def run_bench(a: argparse.Namespace) -> int:
 
     print(f"\nbatch 1, greedy, {len(prompts)} MT-bench prompts, {a.max_tokens} new tokens, "
           f"{dev} {llm.config.dtype}, torch {torch.__version__}")
-    print(f"{'engine':34s} {'ms/token':>9s} {'tokens/s':>9s} {'startup s':>10s}  greedy==ours")
+    print(f"{'engine':52s} {'ms/token':>9s} {'tokens/s':>9s} {'tau':>5s} {'startup s':>10s}  greedy==vanilla")
     for r in rows:
-        print(f"{r['engine']:34s} {r['ms_per_token']:9.2f} {1000 / r['ms_per_token']:9.1f} "
+        tau = f"{r['tau']:5.2f}" if "tau" in r else "    -"
+        print(f"{r['engine']:52s} {r['ms_per_token']:9.2f} {1000 / r['ms_per_token']:9.1f} {tau} "
               f"{r['startup_s']:10.1f}  {r.get('greedy_identical', '-')}")
     if a.out:
         meta = {"date": time.strftime("%Y-%m-%d"), "device": str(dev), "dtype": str(llm.config.dtype),

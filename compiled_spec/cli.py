@@ -1,4 +1,4 @@
-"""The ``compiled-spec`` command line: generate (and bench; later parity, profile, train)."""
+"""The ``compiled-spec`` command line: generate, bench, train (later parity, profile)."""
 from __future__ import annotations
 
 import argparse
@@ -15,11 +15,17 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--draft", default=None, help="EAGLE-1 / EAGLE-3 head directory (HF layout)")
+    p.add_argument("--method", default=None, choices=["eagle", "eagle3"],
+                   help="draft method (default: detected from the checkpoint)")
+    p.add_argument("--num-speculative-tokens", "-k", type=int, default=3)
+    p.add_argument("--draft-sampling", default="argmax", choices=["argmax", "sample"])
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(model=a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
-                page_size=a.page_size, max_num_seqs=a.max_num_seqs)
+                page_size=a.page_size, max_num_seqs=a.max_num_seqs, draft=a.draft, method=a.method,
+                num_speculative_tokens=a.num_speculative_tokens, draft_sampling=a.draft_sampling)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -40,8 +46,14 @@ def cmd_generate(a: argparse.Namespace) -> int:
     n_tok = sum(len(o.token_ids) for o in outs)
     for p, o in zip(prompts, outs):
         print(f"### prompt: {p}\n{o.text}\n[{len(o.token_ids)} tokens, finish_reason={o.finish_reason}]\n")
+    mode = "vanilla decoding"
+    if llm.config.spec is not None:
+        st = llm.stats.spec
+        tau = st.mean_acceptance_length
+        mode = (f"{llm.engine.draft.config.method} k={llm.config.spec.num_speculative_tokens}, "
+                f"mean acceptance length {tau:.2f}" if tau is not None else "speculative, no drafting step")
     print(f"model {llm.config.model} on {llm.config.device} ({llm.config.dtype}); load {load_s:.1f} s; "
-          f"{n_tok} tokens in {gen_s:.2f} s = {n_tok / gen_s:.1f} tokens/s (batch {len(prompts)}, vanilla decoding)")
+          f"{n_tok} tokens in {gen_s:.2f} s = {n_tok / gen_s:.1f} tokens/s (batch {len(prompts)}, {mode})")
     return 0
 
 
@@ -73,8 +85,13 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--num-prompts", type=int, default=4)
     b.add_argument("--max-tokens", type=int, default=64)
     b.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    b.add_argument("--random-draft", choices=["eagle", "eagle3"], default=None,
+                   help="also time speculation with a random head of the target's shape (tau ~ 1)")
     b.add_argument("--out", default=None, help="write the results as JSON here")
     b.set_defaults(func=cmd_bench)
+
+    from compiled_spec.train.cli import add_train_parser
+    add_train_parser(sub)
 
     a = ap.parse_args(argv)
     try:

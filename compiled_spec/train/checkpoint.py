@@ -1,0 +1,111 @@
+"""Saving trained heads in the published EAGLE-3 layout, and the trainer's resume state.
+
+The head is ``config.json`` + ``model.safetensors`` with the keys public EAGLE-3 loaders read:
+``fc.weight``, ``midlayer.*`` (one layer; ``layers.N.*`` for deeper drafts), ``norm.weight``,
+``lm_head.weight``, ``d2t``, ``t2d``. The embedding is the target's and is not saved. Optimizer state
+is a plain ``torch.save`` dict of tensors and numbers, only ever read with ``weights_only=True``.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from compiled_spec.draft.config import DraftConfig, rename_key
+from compiled_spec.draft.model import EagleDraft
+from compiled_spec.models.config import ModelConfig
+
+HEAD_FILES = ("config.json", "model.safetensors")
+STATE_FILE = "trainer_state.pt"
+
+
+def eagle3_config_dict(cfg: DraftConfig, target: ModelConfig) -> dict[str, Any]:
+    """A Llama ``config.json`` plus the EAGLE-3 fields (SpecForge / vLLM / SGLang spelling)."""
+    scaling = cfg.rope_scaling
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
+        "hidden_act": "silu", "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
+        "rope_scaling": None if scaling is None else {
+            "rope_type": "llama3", "factor": scaling.factor,
+            "low_freq_factor": scaling.low_freq_factor,
+            "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_max_position_embeddings},
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "attention_bias": cfg.attention_bias, "mlp_bias": False, "pretraining_tp": 1,
+        "initializer_range": 0.02, "tie_word_embeddings": False, "use_cache": True,
+        "torch_dtype": "float32",
+        "bos_token_id": target.bos_token_id,
+        "eos_token_id": target.eos_token_ids[0] if target.eos_token_ids else None,
+        "vocab_size": target.vocab_size, "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+                         "use_aux_hidden_state": True},
+    }
+
+
+def _checkpoint_key(name: str, num_layers: int) -> str:
+    # Single-layer heads are published with ``midlayer.``; deeper ones keep ``layers.N.``.
+    if num_layers == 1 and name.startswith("layers.0."):
+        return "midlayer." + name[len("layers.0."):]
+    return name
+
+
+def _atomic(path: Path, write) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)  # a crash mid-save never leaves a half-written checkpoint
+
+
+def save_head(draft: EagleDraft, t2d: torch.Tensor, out_dir: Path) -> None:
+    cfg = draft.config
+    sd = {_checkpoint_key(k, cfg.num_hidden_layers): v.detach().float().cpu().contiguous()
+          for k, v in draft.state_dict().items() if k != "d2t"}
+    sd["d2t"] = draft.d2t.detach().to(torch.int64).cpu().contiguous()
+    sd["t2d"] = t2d.to(torch.bool).cpu().contiguous()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _atomic(out_dir / "model.safetensors",
+            lambda p: save_file(sd, str(p), metadata={"format": "pt"}))
+    text = json.dumps(eagle3_config_dict(cfg, draft.target.config), indent=2)
+    _atomic(out_dir / "config.json", lambda p: p.write_text(text))
+
+
+def load_head_into(draft: EagleDraft, out_dir: Path) -> torch.Tensor:
+    """Copy a saved head's weights into the trainable ``draft`` (resume); returns its t2d."""
+    own = draft.state_dict()
+    seen: set[str] = set()
+    t2d = None
+    with safe_open(str(out_dir / "model.safetensors"), framework="pt") as f:
+        for key in f.keys():
+            name = rename_key(key)
+            if name == "t2d":
+                t2d = f.get_tensor(key)
+                continue
+            if name not in own or tuple(own[name].shape) != tuple(f.get_slice(key).get_shape()):
+                raise ValueError(f"{out_dir}: tensor {key!r} does not fit the head being "
+                                 f"trained (different target or config?)")
+            with torch.no_grad():
+                own[name].copy_(f.get_tensor(key))
+            seen.add(name)
+    missing = set(own) - seen
+    if missing or t2d is None:
+        raise ValueError(f"{out_dir}: saved head lacks {sorted(missing) or ['t2d']}")
+    return t2d
+
+
+def save_state(out_dir: Path, step: int, optimizer: torch.optim.Optimizer) -> None:
+    state = {"step": step, "optimizer": optimizer.state_dict()}
+    _atomic(out_dir / STATE_FILE, lambda p: torch.save(state, str(p)))
+
+
+def load_state(out_dir: Path, device: torch.device) -> dict[str, Any]:
+    # weights_only: tensors, numbers, lists and dicts only; never unpickles arbitrary objects.
+    return torch.load(str(out_dir / STATE_FILE), map_location=device, weights_only=True)

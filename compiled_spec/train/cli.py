@@ -1,0 +1,54 @@
+"""``compiled-spec train``: argparse wiring for the EAGLE-3 trainer (kept torch-free at import)."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_train_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentParser:
+    """Register the ``train`` subcommand on the main CLI's subparsers."""
+    t = sub.add_parser("train", help="train an EAGLE-3 draft head for a target (self-distillation)")
+    t.add_argument("--target", required=True, help="target model: HF directory or .gguf")
+    t.add_argument("--prompts", required=True,
+                   help='JSONL of {"id", "prompt"} (chat template applied) or {"id", "prompt_ids"}')
+    t.add_argument("--out", required=True, help="output directory (head, logs, resume state)")
+    t.add_argument("--tokenizer", default=None, help="tokenizer path (default: the target's)")
+    t.add_argument("--draft-vocab-size", type=int, default=32000)
+    t.add_argument("--num-layers", type=int, default=1)
+    t.add_argument("--ttt-steps", type=int, default=3)
+    t.add_argument("--steps", type=int, default=1000)
+    t.add_argument("--epochs", type=float, default=None, help="overrides --steps")
+    t.add_argument("--batch-size", type=int, default=8)
+    t.add_argument("--lr", type=float, default=1e-4)
+    t.add_argument("--warmup-steps", type=int, default=50)
+    t.add_argument("--max-seq-len", type=int, default=2048)
+    t.add_argument("--max-new-tokens", type=int, default=512)
+    t.add_argument("--num-prompts", type=int, default=None)
+    t.add_argument("--temperature", type=float, default=0.0, help="self-distillation sampling")
+    t.add_argument("--dtype", default="auto")
+    t.add_argument("--device", default=None)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--save-every", type=int, default=500)
+    t.add_argument("--log-every", type=int, default=10)
+    t.add_argument("--resume", action="store_true", help="continue the run in --out")
+    t.set_defaults(func=cmd_train)
+    return t
+
+
+def cmd_train(a: argparse.Namespace) -> int:
+    from compiled_spec.train.trainer import TrainConfig, read_log, train
+
+    cfg = TrainConfig(
+        target=a.target, prompts=a.prompts, out=a.out, tokenizer=a.tokenizer,
+        draft_vocab_size=a.draft_vocab_size, num_layers=a.num_layers, ttt_steps=a.ttt_steps,
+        steps=a.steps, epochs=a.epochs, batch_size=a.batch_size, lr=a.lr,
+        warmup_steps=a.warmup_steps, max_seq_len=a.max_seq_len, max_new_tokens=a.max_new_tokens,
+        num_prompts=a.num_prompts, temperature=a.temperature, dtype=a.dtype, device=a.device,
+        seed=a.seed, save_every=a.save_every, log_every=a.log_every, resume=a.resume)
+    out = train(cfg)
+    rows = read_log(out)
+    if rows:
+        last = rows[-1]
+        acc = " ".join(f"{x:.3f}" for x in last["acc"])
+        print(f"step {last['step']}: loss {last['loss']:.4f}, per-step accuracy {acc}")
+    print(f"EAGLE-3 head saved to {out}")
+    return 0

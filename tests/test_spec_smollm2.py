@@ -1,0 +1,35 @@
+"""Speculative decoding on the real target (SmolLM2-135M, fp32 CPU) with random EAGLE heads in the
+published layouts: the output must equal vanilla greedy decoding token for token."""
+import pytest
+
+from compiled_spec import LLM, SamplingParams
+from compiled_spec.draft.testing import write_eagle1_head, write_eagle3_head
+
+SP = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def setup(smollm2_gguf_path, mt_bench_questions):
+    llm = LLM(model=smollm2_gguf_path, dtype="float32", device="cpu", max_model_len=1024)
+    prompts = [llm.encode_chat([{"role": "user", "content": mt_bench_questions[i]}]) for i in (1, 5, 30)]
+    vanilla = [o.token_ids for o in llm.generate(prompts, SP)]
+    return llm.engine.model.config, prompts, vanilla
+
+
+@pytest.mark.parametrize("method,layers,k,page_size", [
+    ("eagle3", 1, 3, 16), ("eagle3", 2, 2, 1), ("eagle", 2, 5, 16), ("eagle", 1, 1, 16)])
+def test_random_head_is_lossless(setup, smollm2_gguf_path, tmp_path, method, layers, k, page_size):
+    cfg, prompts, vanilla = setup
+    if method == "eagle3":
+        head = write_eagle3_head(str(tmp_path / "h"), cfg, num_layers=layers, draft_vocab_size=2048,
+                                 use_midlayer_prefix=layers == 1)
+    else:
+        head = write_eagle1_head(str(tmp_path / "h"), cfg, num_layers=layers)
+    llm = LLM(model=smollm2_gguf_path, dtype="float32", device="cpu", max_model_len=1024,
+              page_size=page_size, draft=head, num_speculative_tokens=k)
+    assert llm.engine.draft.config.method == method  # detected from the checkpoint
+    outs = llm.generate(prompts, SP)
+    assert [o.token_ids for o in outs] == vanilla
+    spec = llm.stats.spec
+    assert spec.num_drafting_steps > 0 and spec.num_draft_tokens >= spec.num_drafting_steps
+    assert llm.engine.allocator.num_free == llm.engine.allocator.num_blocks
