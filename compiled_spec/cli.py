@@ -63,6 +63,12 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return run_bench(a)
 
 
+def cmd_profile(a: argparse.Namespace) -> int:
+    from compiled_spec.profile import run_profile
+
+    return run_profile(a)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="compiled-spec", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -92,6 +98,14 @@ def main(argv: list[str] | None = None) -> int:
 
     from compiled_spec.train.cli import add_train_parser
     add_train_parser(sub)
+
+    pr = sub.add_parser("profile", help="torch.profiler trace (TensorBoard) with propose/verify latency")
+    _add_engine_args(pr)
+    pr.add_argument("--prompts", default="../shared/data/mt_bench/question.jsonl")
+    pr.add_argument("--num-prompts", type=int, default=2)
+    pr.add_argument("--max-tokens", type=int, default=32)
+    pr.add_argument("--out-dir", default="profiles/traces")
+    pr.set_defaults(func=cmd_profile)
 
     a = ap.parse_args(argv)
     try:

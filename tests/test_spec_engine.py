@@ -22,6 +22,13 @@ def bigram(tmp_path_factory):
     }
 
 
+@pytest.fixture(scope="module")
+def bigram_one_layer(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bigram1")
+    target = write_bigram_target(root / "target", layers=1, seed=3)
+    return {"target": target, "mirror": write_mirror_eagle1(root / "mirror", target)}
+
+
 def _llm(target, tok, **kw):
     kw.setdefault("max_model_len", 128)
     return LLM(model=target, tokenizer=tok, **kw)
@@ -47,6 +54,15 @@ def test_greedy_lossless_mirror_head(bigram, smollm2_gguf_path, vanilla_greedy, 
     assert spec.num_accepted_tokens == spec.num_draft_tokens > 0
     assert spec.mean_acceptance_length > 1 + 0.8 * k
     assert llm.engine.allocator.num_free == llm.engine.allocator.num_blocks
+
+
+def test_greedy_lossless_one_layer_draft(bigram_one_layer, smollm2_gguf_path):
+    pair = bigram_one_layer
+    vanilla = [o.token_ids for o in _llm(pair["target"], smollm2_gguf_path).generate(PROMPTS, GREEDY)]
+    llm = _llm(pair["target"], smollm2_gguf_path, draft=pair["mirror"], num_speculative_tokens=4)
+    assert llm.engine.draft.config.num_hidden_layers == 1
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == vanilla
+    assert llm.stats.spec.num_accepted_tokens == llm.stats.spec.num_draft_tokens > 0
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])

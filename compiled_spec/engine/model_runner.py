@@ -9,7 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import record_function
 
+from compiled_spec.attention_metadata import AttentionMetadata
 from compiled_spec.engine.batch import Span, build_metadata, to_device
 from compiled_spec.engine.request import Request
 from compiled_spec.kv_cache import BlockAllocator, KVCacheExhausted
@@ -79,6 +81,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, reqs: list[Request], num_new: list[int]) -> StepOutput:
+        with record_function("prepare"):
+            input_ids, positions, meta, spans, num_draft = self._prepare(reqs, num_new)
+        with record_function("verify"):
+            hidden, aux = self.model(input_ids, positions, meta, self.aux_layer_ids)
+            logits, row_start = self._logits(hidden, spans, num_draft)
+        with record_function("rejection_sample"):
+            new_tokens = self._accept(reqs, logits, num_draft)
+        self._pending = _Pending(hidden=aux if self.aux_layer_ids else hidden, spans=spans,
+                                 row_start=row_start, num_draft=num_draft)
+        return StepOutput(new_tokens=new_tokens, num_draft=num_draft)
+
+    def _prepare(self, reqs: list[Request], num_new: list[int]
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[Span], list[int]]:
+        """Flat input ids (drafts copied on device), positions and metadata for the target."""
         spans, num_draft, host_ids = [], [], []
         draft_dst, draft_src = [], []
         for r, n in zip(reqs, num_new):
@@ -97,9 +113,11 @@ class ModelRunner:
             input_ids[to_device(draft_dst, self.device)] = self._drafts.reshape(-1)[
                 to_device(draft_src, self.device)]
         positions, meta = build_metadata(self.allocator, spans, self.device)
-        hidden, aux = self.model(input_ids, positions, meta, self.aux_layer_ids)
+        return input_ids, positions, meta, spans, num_draft
 
-        # Logit rows: the last k_i + 1 query tokens of each request, padded to [B, K+1].
+    def _logits(self, hidden: torch.Tensor, spans: list[Span], num_draft: list[int]
+                ) -> tuple[torch.Tensor, list[int]]:
+        """Target logits for each request's last k_i + 1 query tokens, padded: [B, K+1, V]."""
         kmax = max(num_draft)
         row_start, rows, pad_idx = [], [], []
         first = 0
@@ -110,8 +128,13 @@ class ModelRunner:
             pad_idx.extend(base + min(j, k_i) for j in range(kmax + 1))
             first += s.length
         logits = self.model.compute_logits(hidden[to_device(rows, self.device)])  # [R, V]
-        B, V = len(reqs), logits.shape[-1]
-        logits = logits[to_device(pad_idx, self.device)].view(B, kmax + 1, V)  # [B, K+1, V]
+        logits = logits[to_device(pad_idx, self.device)].view(len(spans), kmax + 1, -1)
+        return logits, row_start
+
+    def _accept(self, reqs: list[Request], logits: torch.Tensor, num_draft: list[int]) -> list[list[int]]:
+        """Greedy or rejection sampling on device; one device-to-host copy of the results."""
+        B, K1, V = logits.shape
+        kmax = K1 - 1
         k_t = to_device(num_draft, self.device)  # [B]
         drafts = self._gather_drafts(reqs, kmax)  # [B, K]
         st = build_sampling_tensors(reqs, self.device, repeat=kmax + 1)
@@ -124,10 +147,7 @@ class ModelRunner:
             out, n_acc = rejection_sample(probs, drafts, k_t, seeds, positions0,
                                           self._gather_draft_probs(reqs, kmax, V))
         packed = torch.cat([n_acc[:, None], out], dim=1).tolist()  # the step's one D2H copy
-        new_tokens = [row[1:2 + row[0]] for row in packed]
-        self._pending = _Pending(hidden=aux if self.aux_layer_ids else hidden, spans=spans,
-                                 row_start=row_start, num_draft=num_draft)
-        return StepOutput(new_tokens=new_tokens, num_draft=num_draft)
+        return [row[1:2 + row[0]] for row in packed]
 
     def _gather_drafts(self, reqs: list[Request], kmax: int) -> torch.Tensor:
         if kmax == 0:
@@ -177,6 +197,11 @@ class ModelRunner:
             chosen.append(r)
         if not chosen:
             return
+        with record_function("propose"):
+            self._propose(chosen, first_pass, token_ids, hidden_rows, limits, pend)
+
+    def _propose(self, chosen: list[Request], first_pass: list[Span], token_ids: list[int],
+                 hidden_rows: list[int], limits: list[int], pend: _Pending) -> None:
         batch = ProposeBatch(
             first_pass=first_pass, token_ids=token_ids, hidden_rows=hidden_rows, step_limits=limits,
             temperature=torch.tensor([r.params.temperature for r in chosen], dtype=torch.float32,
