@@ -63,6 +63,12 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return run_bench(a)
 
 
+def cmd_acceptance(a: argparse.Namespace) -> int:
+    from compiled_spec.acceptance import run_acceptance
+
+    return run_acceptance(a)
+
+
 def cmd_profile(a: argparse.Namespace) -> int:
     from compiled_spec.profile import run_profile
 
@@ -106,6 +112,15 @@ def main(argv: list[str] | None = None) -> int:
     pr.add_argument("--max-tokens", type=int, default=32)
     pr.add_argument("--out-dir", default="profiles/traces")
     pr.set_defaults(func=cmd_profile)
+
+    ac = sub.add_parser("acceptance", help="tau and per-position acceptance of a head on MT-bench")
+    _add_engine_args(ac)
+    ac.add_argument("--prompts", default="../shared/data/mt_bench/question.jsonl")
+    ac.add_argument("--num-prompts", type=int, default=80)
+    ac.add_argument("--max-tokens", type=int, default=256)
+    ac.add_argument("--k-list", type=int, nargs="+", default=[3, 5, 7])
+    ac.add_argument("--out", default=None)
+    ac.set_defaults(func=cmd_acceptance)
 
     a = ap.parse_args(argv)
     try:

@@ -37,14 +37,14 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 class CacheConfig:
     page_size: int = 16  # tokens per KV block
     num_blocks: int | None = None  # None: sized from memory_gib
-    memory_gib: float = 1.0  # KV budget when num_blocks is not given
+    memory_gib: float | None = None  # KV budget when num_blocks is not given (None: see below)
 
     def __post_init__(self) -> None:
         if isinstance(self.page_size, bool) or not isinstance(self.page_size, int) or self.page_size < 1:
             raise ValueError(f"page_size={self.page_size!r}: must be a positive integer")
         if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 1):
             raise ValueError(f"num_kv_blocks={self.num_blocks!r}: must be a positive integer")
-        if not self.memory_gib > 0:
+        if self.memory_gib is not None and not self.memory_gib > 0:
             raise ValueError(f"kv_cache_memory_gib={self.memory_gib!r}: must be > 0")
 
 

@@ -39,7 +39,7 @@ class LLM:
         max_num_seqs: int = 8,
         max_num_batched_tokens: int = 4096,
         num_kv_blocks: int | None = None,
-        kv_cache_memory_gib: float = 1.0,
+        kv_cache_memory_gib: float | None = None,
         seed: int = 0,
         tokenizer: str | None = None,
         draft: str | None = None,

@@ -30,6 +30,17 @@ class EngineStats:
     spec: SpecStats = field(default_factory=SpecStats)
 
 
+def _kv_budget_bytes(cfg: EngineConfig) -> int:
+    """The KV pool's size: the configured GiB, else 1 GiB on the CPU and half the free memory
+    on a GPU (the weights are already loaded, so what is free is what the pool may take)."""
+    if cfg.cache.memory_gib is not None:
+        return int(cfg.cache.memory_gib * (1 << 30))
+    if cfg.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(cfg.device)
+        return free // 2
+    return 1 << 30
+
+
 class LLMEngine:
     def __init__(self, cfg: EngineConfig, model: CausalLM, eos_token_ids: list[int], detokenize,
                  draft: EagleDraft | None = None) -> None:
@@ -46,7 +57,7 @@ class LLMEngine:
         num_blocks = cfg.cache.num_blocks
         if num_blocks is None:
             per_block = sum(bytes_per_block(page, h, d, cfg.dtype) for h, d in kv_shapes)
-            num_blocks = max(1, int(cfg.cache.memory_gib * (1 << 30)) // per_block)
+            num_blocks = max(1, _kv_budget_bytes(cfg) // per_block)
         self.allocator = BlockAllocator(num_blocks, page)
         self.kv_caches = [allocate_kv_pair(num_blocks, page, h, d, cfg.dtype, cfg.device)
                           for h, d in kv_shapes]

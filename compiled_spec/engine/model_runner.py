@@ -61,6 +61,7 @@ class ModelRunner:
                  max_model_len: int, proposer: EagleProposer | None = None,
                  aux_layer_ids: tuple[int, ...] = ()) -> None:
         self.model = model
+        self.target_fn = model  # swapped for the compiled module when compile=True
         self.allocator = allocator
         self.device = device
         self.max_model_len = max_model_len
@@ -84,7 +85,7 @@ class ModelRunner:
         with record_function("prepare"):
             input_ids, positions, meta, spans, num_draft = self._prepare(reqs, num_new)
         with record_function("verify"):
-            hidden, aux = self.model(input_ids, positions, meta, self.aux_layer_ids)
+            hidden, aux = self.target_fn(input_ids, positions, meta, self.aux_layer_ids)
             logits, row_start = self._logits(hidden, spans, num_draft)
         with record_function("rejection_sample"):
             new_tokens = self._accept(reqs, logits, num_draft)

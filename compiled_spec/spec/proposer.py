@@ -31,10 +31,21 @@ class ProposeBatch:
     seeds: torch.Tensor  # [B] int64
 
 
+def _first_pass(draft: EagleDraft, aux: list[torch.Tensor], ids: torch.Tensor, positions: torch.Tensor,
+                attn_metas: dict[str, AttentionMetadata]) -> tuple[torch.Tensor, torch.Tensor]:
+    """aux: [T, h_t] tensors (3 for EAGLE-3, the final hidden for EAGLE-1) -> draft outputs."""
+    return draft(ids, draft.combine_aux(aux), positions, attn_metas)
+
+
 class EagleProposer:
     def __init__(self, draft: EagleDraft, allocator: BlockAllocator, device: torch.device,
                  num_speculative_tokens: int, sample_drafts: bool, target_vocab_size: int) -> None:
         self.draft = draft
+        # The callables the loop runs; compile=True swaps in compiled versions. The first pass
+        # starts from the target's aux states (EAGLE-3's fc is part of it, and the compiler
+        # hoists it back out to eager); later steps start from the draft's own hidden state.
+        self.first_pass_fn = _first_pass
+        self.step_fn = draft
         self.allocator = allocator
         self.device = device
         self.k = num_speculative_tokens
@@ -67,13 +78,11 @@ class EagleProposer:
         """Returns draft tokens [B, k] (target vocab) and, when drafts are sampled, their
         probabilities [B, k, target_vocab]."""
         rows = to_device(batch.hidden_rows, self.device)
-        if isinstance(target_hidden, list):  # EAGLE-3: the aux states, fused by fc
-            hidden = self.draft.combine_aux([h[rows] for h in target_hidden])  # [T, h]
-        else:  # EAGLE-1: the target's final hidden state
-            hidden = self.draft.combine_aux([target_hidden[rows]])
+        # EAGLE-3: the aux states (fused by fc); EAGLE-1: the target's final hidden state.
+        aux = [h[rows] for h in target_hidden] if isinstance(target_hidden, list) else [target_hidden[rows]]
         ids = to_device(batch.token_ids, self.device)  # [T]
         positions, meta = build_metadata(self.allocator, batch.first_pass, self.device)
-        feed, for_logits = self.draft(ids, hidden, positions, self._metas(meta))
+        feed, for_logits = self.first_pass_fn(self.draft, aux, ids, positions, self._metas(meta))
         ends, total = [], 0
         for s in batch.first_pass:
             total += s.length
@@ -89,7 +98,7 @@ class EagleProposer:
             spans = [Span(s.req_id, s.start + s.length - 1 + j, 1, lim)
                      for s, lim in zip(batch.first_pass, batch.step_limits)]
             positions, meta = build_metadata(self.allocator, spans, self.device)
-            feed, for_logits = self.draft(tok, feed, positions, self._metas(meta))
+            feed, for_logits = self.step_fn(tok, feed, positions, self._metas(meta))
             tok, q = self._pick(self.draft.compute_logits(for_logits), batch,
                                 to_device([p + j for p in next_pos], self.device))
             tokens.append(tok)

@@ -23,6 +23,7 @@ def add_train_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentPars
     t.add_argument("--max-seq-len", type=int, default=2048)
     t.add_argument("--max-new-tokens", type=int, default=512)
     t.add_argument("--num-prompts", type=int, default=None)
+    t.add_argument("--gen-batch-size", type=int, default=32, help="requests per engine step while self-distilling")
     t.add_argument("--temperature", type=float, default=0.0, help="self-distillation sampling")
     t.add_argument("--dtype", default="auto")
     t.add_argument("--device", default=None)
@@ -42,7 +43,8 @@ def cmd_train(a: argparse.Namespace) -> int:
         draft_vocab_size=a.draft_vocab_size, num_layers=a.num_layers, ttt_steps=a.ttt_steps,
         steps=a.steps, epochs=a.epochs, batch_size=a.batch_size, lr=a.lr,
         warmup_steps=a.warmup_steps, max_seq_len=a.max_seq_len, max_new_tokens=a.max_new_tokens,
-        num_prompts=a.num_prompts, temperature=a.temperature, dtype=a.dtype, device=a.device,
+        num_prompts=a.num_prompts, gen_batch_size=a.gen_batch_size, temperature=a.temperature,
+        dtype=a.dtype, device=a.device,
         seed=a.seed, save_every=a.save_every, log_every=a.log_every, resume=a.resume)
     out = train(cfg)
     rows = read_log(out)

@@ -1,0 +1,237 @@
+"""CUDA-graph capture by dummy runs at start-up, and padded replay.
+
+``GraphRunner`` owns one component (target decode, target verify, draft loop, ...): a callable
+``fn(LiveBatch) -> tensors`` (typically a torch.compile'd forward; compile it without its own
+cudagraphs, i.e. not mode="reduce-overhead"), the token sizes to capture and the StaticBuffers the
+graphs read. ``capture()`` warms each size up on a side stream (compilation and Triton autotuning
+must happen outside capture), then captures it into one shared memory pool, largest size first so
+the smaller graphs reuse the pool's blocks (as vLLM does). ``run(live)`` pads ``live`` into the
+static buffers, replays the graph of the smallest captured size that fits and returns views of
+the outputs sliced to the live rows. Anything that cannot replay runs ``fn`` directly (compiled,
+no graph) and is counted: a step that silently misses its graph is the bug class of vLLM's EAGLE-3
+draft that was never captured (seeds/003), so ``GraphRegistry.assert_captured`` checks at
+start-up that every named component has at least one graph.
+
+Outputs are static graph memory: valid until the next replay of ANY graph of the same pool
+(a later-captured graph may reuse a freed block of an earlier one as scratch). Consume or copy
+them first, or pass ``clone_outputs=True``.
+
+Capturing the whole k-step draft loop as one graph
+--------------------------------------------------
+Give the runner StaticBuffers(num_steps=k-1) and ``query_len=1``; ``fn`` is a plain Python loop::
+
+    def draft_loop(b: LiveBatch) -> torch.Tensor:          # -> [B, k-1] draft ids
+        tok, feed = b.input_ids, b.extras["feed"]          # [B], [B, h]
+        out = []
+        for j in range(b.num_steps):                        # fixed trip count: unrolled in capture
+            positions, meta = b.step(j)                     # views of precomputed step j rows
+            feed, h = draft(tok, feed, positions, {n: meta for n in layer_names})
+            tok = pick(draft.compute_logits(h), ...)        # argmax / on-device sampling only
+            out.append(tok)
+        return torch.stack(out, 1)
+
+Before replay the host builds every step's metadata at once, from engine state it already has
+(proposer: ``Span(req, start + j, 1, write_limit)`` per step): positions +1 per step, seq_lens +1
+per step, and the slot of the next lookahead position (-1 past the request's write limit), then
+``stack_steps`` makes them [S, B] tensors that ``fill`` copies into the static buffers. Nothing in
+the loop reads the device back or touches the host, so the captured launches are the whole loop.
+Block tables must already cover all k lookahead positions (the proposer grows them first).
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any, Callable, Literal, Mapping
+
+import torch
+from torch.utils._pytree import tree_map
+
+from capture.pad import LiveBatch, StaticBuffers
+from capture.policy import bucket_max_seq_len, padding_table
+
+log = logging.getLogger(__name__)
+
+GraphFn = Callable[[LiveBatch], Any]  # outputs: a pytree of tensors, [T, ...] or [B, ...]
+
+
+class CaptureError(RuntimeError):
+    """A component is missing graphs it was expected to have (or strict capture failed)."""
+
+
+class GraphRunner:
+    def __init__(self, name: str, fn: GraphFn, sizes: list[int], buffers: StaticBuffers, *,
+                 seq_len_buckets: tuple[int, ...], query_len: int = 1, pool: Any = None,
+                 output_rows: Literal["tokens", "seqs"] = "tokens", clone_outputs: bool = False,
+                 strict: bool = False, warmup_iters: int = 2) -> None:
+        """``sizes`` are token counts, each a multiple of ``query_len`` (the host max_query_len
+        baked into the graph; the graph holds size // query_len sequences). ``output_rows``
+        says whether outputs are per-token or per-sequence, i.e. how they are sliced."""
+        if query_len < 1 or any(s < 1 or s % query_len for s in sizes):
+            raise ValueError(f"{name}: sizes {sizes} must be positive multiples of "
+                             f"query_len={query_len}")
+        if sizes and (max(sizes) > buffers.max_tokens or max(sizes) // query_len > buffers.max_seqs):
+            raise ValueError(f"{name}: largest size {max(sizes)} does not fit the static buffers "
+                             f"(tokens {buffers.max_tokens}, seqs {buffers.max_seqs})")
+        self.name, self.fn, self.buffers, self.query_len = name, fn, buffers, query_len
+        self.sizes = sorted(set(sizes))
+        self.seq_len_buckets = tuple(sorted(set(seq_len_buckets)))
+        self.pool, self.output_rows, self.clone_outputs = pool, output_rows, clone_outputs
+        self.strict, self.warmup_iters = strict, warmup_iters
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Any]] = {}
+        self._tables: dict[int, list[int]] = {}  # bucket -> padded num_seqs by live num_seqs
+        self.capture_failures: list[dict[str, Any]] = []
+        self.graph_replays = self.padded_rows = self.eager_fallbacks = 0
+        self.fallback_reasons: dict[str, int] = {}
+
+    @property
+    def enabled(self) -> bool:
+        """Graphs exist only on CUDA; on the CPU every run is an (expected) eager fallback."""
+        return self.buffers.device.type == "cuda"
+
+    @property
+    def captured_sizes(self) -> list[int]:
+        return sorted({size for size, _ in self._graphs})
+
+    # ---- start-up -------------------------------------------------------------------------
+    @torch.inference_mode()  # as the engine runs: compiled code guards on inference mode
+    def capture(self) -> None:
+        if not self.enabled:
+            log.info("%s: device %s, CUDA graphs disabled (runs eagerly)", self.name,
+                     self.buffers.device)
+            return
+        if self._graphs or self.capture_failures:
+            raise RuntimeError(f"{self.name}: capture() called twice")
+        for bucket in reversed(self.seq_len_buckets):
+            for size in reversed(self.sizes):  # largest first: smaller graphs reuse the pool
+                try:
+                    self._capture_one(size, bucket)
+                except Exception as e:  # recorded and reported, never swallowed silently
+                    try:
+                        torch.cuda.synchronize()
+                    except Exception:  # a sticky CUDA error: the message below still reports
+                        pass
+                    self.capture_failures.append(
+                        {"size": size, "max_seq_len": bucket, "error": f"{type(e).__name__}: {e}"})
+                    msg = f"{self.name}: CUDA graph capture failed for size {size}, " \
+                          f"max_seq_len {bucket}: {type(e).__name__}: {e}"
+                    if self.strict:
+                        raise CaptureError(msg) from e
+                    log.warning(msg)
+                    warnings.warn(msg, RuntimeWarning, stacklevel=2)
+        for bucket in self.seq_len_buckets:
+            seqs = sorted(s // self.query_len for s, b in self._graphs if b == bucket)
+            if seqs:
+                self._tables[bucket] = padding_table(seqs)
+
+    def _capture_one(self, size: int, bucket: int) -> None:
+        # The dummy batch lives in the same static views that replay refills: the pointers the
+        # graph bakes in are exactly the ones fill() writes.
+        static = self.buffers.fill_dummy(size, size // self.query_len, self.query_len, bucket)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: compile, autotune, lazy inits, off-capture
+            for _ in range(self.warmup_iters):
+                self.fn(static)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self.fn(static)
+        self._graphs[(size, bucket)] = (graph, out)
+
+    # ---- per step ---------------------------------------------------------------------------
+    def _lookup(self, live: LiveBatch) -> tuple[int, int] | str:
+        """(padded token size, bucket) of the graph to replay, or why there is none."""
+        if not self.enabled:
+            return "cpu"
+        b = live.num_seqs
+        if b == 0:
+            return "empty"
+        if live.meta.max_query_len > self.query_len:
+            return "query_len"  # the graph's grid has too few query blocks
+        if live.meta.block_tables.shape[1] > self.buffers.max_blocks:
+            return "block_table_width"
+        bucket = bucket_max_seq_len(live.meta.max_seq_len, self.seq_len_buckets)
+        if bucket is None:
+            return "max_seq_len"
+        table = self._tables.get(bucket)
+        if table is None or b >= len(table):
+            return "size"  # above the largest captured size (or nothing captured)
+        return table[b] * self.query_len, bucket
+
+    def run(self, live: LiveBatch) -> Any:
+        key = self._lookup(live)
+        if isinstance(key, str):  # compiled, no graph; counted so it cannot go unnoticed
+            self.eager_fallbacks += 1
+            self.fallback_reasons[key] = self.fallback_reasons.get(key, 0) + 1
+            return self.fn(live)
+        size, bucket = key
+        graph, out = self._graphs[key]
+        seqs = size // self.query_len
+        self.buffers.fill(live, size, seqs, self.query_len, bucket)
+        graph.replay()
+        self.graph_replays += 1
+        self.padded_rows += size - live.num_tokens
+        t, b = live.num_tokens, live.num_seqs
+        padded, keep = (size, t) if self.output_rows == "tokens" else (seqs, b)
+
+        def _slice(x: Any) -> Any:
+            if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == padded:
+                x = x[:keep]
+                return x.clone() if self.clone_outputs else x
+            return x
+
+        return tree_map(_slice, out)
+
+    def stats(self) -> dict[str, Any]:
+        return {"graph_replays": self.graph_replays, "padded_rows": self.padded_rows,
+                "eager_fallbacks": self.eager_fallbacks,
+                "fallback_reasons": dict(self.fallback_reasons),
+                "captured_sizes": self.captured_sizes,
+                "captured_graphs": sorted(self._graphs),
+                "capture_failures": list(self.capture_failures)}
+
+
+def assert_captured(runners: Mapping[str, GraphRunner], *names: str) -> None:
+    """Raise CaptureError unless every named component (all registered ones when no names are
+    given) was registered and has at least one captured graph. Call it at start-up when CUDA
+    graphs are on; on the CPU nothing is captured, so it always raises there."""
+    for name in names or tuple(runners):
+        if name not in runners:
+            raise CaptureError(f"{name!r} was never registered for CUDA-graph capture: it would "
+                               f"run without graphs (registered: {sorted(runners)})")
+        r = runners[name]
+        if not r.captured_sizes:
+            why = "device is not CUDA" if not r.enabled else (
+                f"all {len(r.capture_failures)} captures failed: {r.capture_failures[:1]}"
+                if r.capture_failures else "capture() was never called (no dummy runs)")
+            raise CaptureError(f"{name!r} has zero captured CUDA graphs ({why})")
+
+
+class GraphRegistry:
+    """The engine's components and the one graph memory pool they share."""
+
+    def __init__(self, device: torch.device, strict: bool = False) -> None:
+        self.device = torch.device(device)
+        self.strict = strict  # engine option: a failed capture raises instead of warning
+        self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        self.runners: dict[str, GraphRunner] = {}
+
+    def register(self, name: str, fn: GraphFn, sizes: list[int], buffers: StaticBuffers,
+                 **kwargs: Any) -> GraphRunner:
+        if name in self.runners:
+            raise ValueError(f"component {name!r} registered twice")
+        kwargs.setdefault("strict", self.strict)
+        runner = GraphRunner(name, fn, sizes, buffers, pool=self.pool, **kwargs)
+        self.runners[name] = runner
+        return runner
+
+    def capture_all(self) -> None:
+        for runner in self.runners.values():
+            runner.capture()
+
+    def assert_captured(self, *names: str) -> None:
+        assert_captured(self.runners, *names)
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        return {name: r.stats() for name, r in self.runners.items()}

@@ -1,0 +1,249 @@
+"""Padding a live batch up to a captured size with INERT rows, into preallocated static buffers.
+
+Padding convention (what ``kernels/`` accept, checked by tests/test_capture.py):
+
+* Padded **token** rows (``num_tokens .. padded_tokens``): input_id 0, position 0, slot -1. Slot -1
+  makes ``write_kv`` skip the row (both kernels test ``slot < 0``), so padding never touches the KV
+  cache. These rows belong to no sequence (``query_start_loc[-1]`` stays at the live token count),
+  so paged attention never reads them and returns zeros for them; the rest of the model computes
+  finite garbage there, which ``GraphRunner`` slices away.
+* Padded **sequence** rows (``num_seqs .. padded_seqs``): q_len 0 (query_start_loc repeats the live
+  token count, as vLLM pads it), seq_len 0, block table all block 0. q_len 0 makes the Triton
+  kernel return before reading anything else; seq_len 0 (not 1) means "no context", so padding
+  never raises the batch's max_seq_len (the bucket, see ``capture.policy``), and the reference
+  kernel masks the row entirely. Block id 0 is a valid index into the pool, so even a kernel that
+  read a padded table could not fault; it is never dereferenced for a q_len-0 row.
+* Live rows are copied unchanged; live block-table rows are zero-filled past their width.
+
+The functions here take an optional ``out``: without it they allocate (tests, references); with it
+they copy in place (``StaticBuffers.fill`` at replay time: no allocation, no host sync).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Collection, Mapping
+
+import torch
+
+from compiled_spec.attention_metadata import AttentionMetadata
+
+# trailing shape and dtype of an extra per-token / per-sequence input (e.g. the draft's hidden)
+ExtraSpec = tuple[tuple[int, ...], torch.dtype]
+
+
+@dataclass
+class LiveBatch:
+    """The inputs of one forward. For an S-step loop (the captured draft loop) positions,
+    slot_mapping and seq_lens carry a leading step dimension; everything else is shared."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, or [S, T] for an S-step loop
+    meta: AttentionMetadata  # slot_mapping [T] | [S, T]; seq_lens [B] | [S, B]; tables [B, W]
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)  # [T, ...] or [B, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_seqs(self) -> int:
+        return self.meta.query_start_loc.shape[0] - 1
+
+    @property
+    def num_steps(self) -> int:
+        return self.positions.shape[0] if self.positions.dim() == 2 else 1
+
+    def step(self, j: int) -> tuple[torch.Tensor, AttentionMetadata]:
+        """(positions [T], metadata) of step j of a loop batch (views: no copy, no allocation).
+        max_seq_len is the bound over all steps, which is what a captured loop bakes in."""
+        if self.positions.dim() == 1:
+            if j != 0:
+                raise IndexError(f"step {j} of a single-step batch")
+            return self.positions, self.meta
+        m = self.meta
+        return self.positions[j], AttentionMetadata(
+            slot_mapping=m.slot_mapping[j], block_tables=m.block_tables, seq_lens=m.seq_lens[j],
+            query_start_loc=m.query_start_loc, max_query_len=m.max_query_len,
+            max_seq_len=m.max_seq_len)
+
+
+def stack_steps(steps: list[tuple[torch.Tensor, AttentionMetadata]], input_ids: torch.Tensor,
+                extras: Mapping[str, torch.Tensor] | None = None) -> LiveBatch:
+    """Host-built per-step (positions, metadata) of a one-token-per-request loop -> one LiveBatch
+    with [S, B] positions / slots / seq_lens, so the whole loop can replay as one graph. Every
+    step must share block tables and query_start_loc (grow the tables for all k lookahead
+    positions before building the steps, as the proposer already does)."""
+    first = steps[0][1]
+    return LiveBatch(
+        input_ids=input_ids,
+        positions=torch.stack([p for p, _ in steps]),
+        meta=AttentionMetadata(
+            slot_mapping=torch.stack([m.slot_mapping for _, m in steps]),
+            block_tables=first.block_tables, seq_lens=torch.stack([m.seq_lens for _, m in steps]),
+            query_start_loc=first.query_start_loc,
+            max_query_len=max(m.max_query_len for _, m in steps),
+            max_seq_len=max(m.max_seq_len for _, m in steps)),
+        extras=dict(extras or {}))
+
+
+def pad_dim(src: torch.Tensor, size: int, value: int | float, dim: int = 0,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """``src`` padded along ``dim`` to ``size`` with ``value``; written into ``out`` if given."""
+    n = src.shape[dim]
+    if n > size:
+        raise ValueError(f"pad_dim: {n} rows do not fit in {size}")
+    if out is None:
+        shape = list(src.shape)
+        shape[dim] = size
+        out = src.new_empty(shape)
+    out.narrow(dim, 0, n).copy_(src, non_blocking=True)
+    out.narrow(dim, n, size - n).fill_(value)
+    return out
+
+
+def pad_block_tables(block_tables: torch.Tensor,  # [B, W] int32
+                     padded_seqs: int, width: int | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:  # [padded_seqs, width]
+    """Rows and columns padded with the dummy (valid) block id 0."""
+    b, w = block_tables.shape
+    if out is None:
+        out = block_tables.new_empty((padded_seqs, w if width is None else width))
+    if b > out.shape[0] or w > out.shape[1]:
+        raise ValueError(f"block tables {tuple(block_tables.shape)} do not fit in "
+                         f"{tuple(out.shape)}")
+    out[:b, :w].copy_(block_tables, non_blocking=True)
+    out[:b, w:].fill_(0)
+    out[b:].fill_(0)
+    return out
+
+
+def pad_query_start_loc(query_start_loc: torch.Tensor,  # [B + 1] int32
+                        padded_seqs: int, num_tokens: int,
+                        out: torch.Tensor | None = None) -> torch.Tensor:  # [padded_seqs + 1]
+    """Padded sequences get q_len 0: their start and end both equal the live token count (a host
+    int, so no read-back of query_start_loc[-1] is needed)."""
+    return pad_dim(query_start_loc, padded_seqs + 1, num_tokens, out=out)
+
+
+def pad_metadata(meta: AttentionMetadata, padded_tokens: int, padded_seqs: int,
+                 num_tokens: int, max_query_len: int | None = None,
+                 max_seq_len: int | None = None, *, block_width: int | None = None,
+                 out: AttentionMetadata | None = None) -> AttentionMetadata:
+    """Metadata padded with inert rows. The host ints default to the live ones; a graph passes
+    its captured values (>= live, see capture.policy). Works for [T] and [S, T] slot mappings."""
+    o = out
+    return AttentionMetadata(
+        slot_mapping=pad_dim(meta.slot_mapping, padded_tokens, -1, dim=-1,
+                             out=None if o is None else o.slot_mapping),
+        block_tables=pad_block_tables(meta.block_tables, padded_seqs, block_width,
+                                      out=None if o is None else o.block_tables),
+        seq_lens=pad_dim(meta.seq_lens, padded_seqs, 0, dim=-1,
+                         out=None if o is None else o.seq_lens),
+        query_start_loc=pad_query_start_loc(meta.query_start_loc, padded_seqs, num_tokens,
+                                            out=None if o is None else o.query_start_loc),
+        max_query_len=meta.max_query_len if max_query_len is None else max_query_len,
+        max_seq_len=meta.max_seq_len if max_seq_len is None else max_seq_len)
+
+
+def pad_batch(live: LiveBatch, padded_tokens: int, padded_seqs: int,
+              max_query_len: int | None = None, max_seq_len: int | None = None,
+              seq_extras: Collection[str] = ()) -> LiveBatch:
+    """Allocating version of ``StaticBuffers.fill``. Extras named in ``seq_extras`` are
+    per-sequence ([B, ...]); the others per-token ([T, ...]); both are padded with zeros."""
+    return LiveBatch(
+        input_ids=pad_dim(live.input_ids, padded_tokens, 0),
+        positions=pad_dim(live.positions, padded_tokens, 0, dim=-1),
+        meta=pad_metadata(live.meta, padded_tokens, padded_seqs, live.num_tokens,
+                          max_query_len, max_seq_len),
+        extras={k: pad_dim(v, padded_seqs if k in seq_extras else padded_tokens, 0)
+                for k, v in live.extras.items()})
+
+
+class StaticBuffers:
+    """Max-size input tensors that captured graphs read from: allocated once, refilled in place
+    before every replay, so pointers stay fixed and replay allocates nothing.
+
+    ``fill`` returns views ``[:padded]`` of these buffers; the same views (same data_ptr, same
+    strides) are what the graph was captured with. Block tables keep their full max_blocks width
+    so the row stride never changes.
+    """
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device,
+                 num_steps: int = 1, token_extras: Mapping[str, ExtraSpec] | None = None,
+                 seq_extras: Mapping[str, ExtraSpec] | None = None) -> None:
+        if min(max_tokens, max_seqs, max_blocks, num_steps) < 1:
+            raise ValueError("StaticBuffers: sizes must be >= 1")
+        self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
+        self.num_steps = num_steps
+        self.device = torch.device(device)
+        i64, i32 = dict(dtype=torch.int64, device=self.device), dict(dtype=torch.int32,
+                                                                        device=self.device)
+        self.input_ids = torch.zeros(max_tokens, **i64)  # [max_tokens]
+        self.positions = torch.zeros(num_steps, max_tokens, **i64)  # [S, max_tokens]
+        self.slot_mapping = torch.full((num_steps, max_tokens), -1, **i64)  # [S, max_tokens]
+        self.block_tables = torch.zeros(max_seqs, max_blocks, **i32)  # [max_seqs, max_blocks]
+        self.seq_lens = torch.zeros(num_steps, max_seqs, **i32)  # [S, max_seqs]
+        self.query_start_loc = torch.zeros(max_seqs + 1, **i32)  # [max_seqs + 1]
+        self.extras: dict[str, torch.Tensor] = {}
+        self._seq_extras = set((seq_extras or {}).keys())
+        for specs, rows in ((token_extras or {}, max_tokens), (seq_extras or {}, max_seqs)):
+            for name, (shape, dtype) in specs.items():
+                self.extras[name] = torch.zeros((rows, *shape), dtype=dtype, device=self.device)
+
+    def _views(self, t: int, b: int, max_query_len: int, max_seq_len: int) -> LiveBatch:
+        # Single-step batches see 1-D [T] / [B] views; loops see [S, T] / [S, B].
+        one = self.num_steps == 1
+        return LiveBatch(
+            input_ids=self.input_ids[:t],
+            positions=self.positions[0, :t] if one else self.positions[:, :t],
+            meta=AttentionMetadata(
+                slot_mapping=self.slot_mapping[0, :t] if one else self.slot_mapping[:, :t],
+                block_tables=self.block_tables[:b], seq_lens=self.seq_lens[0, :b] if one
+                else self.seq_lens[:, :b], query_start_loc=self.query_start_loc[:b + 1],
+                max_query_len=max_query_len, max_seq_len=max_seq_len),
+            extras={k: v[:b] if k in self._seq_extras else v[:t] for k, v in self.extras.items()})
+
+    def fill(self, live: LiveBatch, padded_tokens: int, padded_seqs: int,
+             max_query_len: int, max_seq_len: int) -> LiveBatch:
+        """Copy ``live`` into the buffers, padded with inert rows to (padded_tokens,
+        padded_seqs); returns the static views with the graph's host ints."""
+        t, b = live.num_tokens, live.num_seqs
+        if not (t <= padded_tokens <= self.max_tokens and b <= padded_seqs <= self.max_seqs):
+            raise ValueError(f"live batch (tokens={t}, seqs={b}) -> padded ({padded_tokens}, "
+                             f"{padded_seqs}) does not fit buffers ({self.max_tokens}, "
+                             f"{self.max_seqs})")
+        if live.num_steps != self.num_steps:
+            raise ValueError(f"live batch has {live.num_steps} steps, buffers {self.num_steps}")
+        if live.meta.max_query_len > max_query_len or live.meta.max_seq_len > max_seq_len:
+            raise ValueError(f"live host ints (max_query_len={live.meta.max_query_len}, "
+                             f"max_seq_len={live.meta.max_seq_len}) exceed the graph's "
+                             f"({max_query_len}, {max_seq_len})")
+        if set(live.extras) != set(self.extras):
+            raise ValueError(f"extras {sorted(live.extras)} != buffers' {sorted(self.extras)}")
+        view = self._views(padded_tokens, padded_seqs, max_query_len, max_seq_len)
+        pad_dim(live.input_ids, padded_tokens, 0, out=view.input_ids)
+        pad_dim(live.positions, padded_tokens, 0, dim=-1, out=view.positions)
+        pad_metadata(live.meta, padded_tokens, padded_seqs, t, out=view.meta)
+        for k, v in live.extras.items():
+            pad_dim(v, view.extras[k].shape[0], 0, out=view.extras[k])
+        return view
+
+    def fill_dummy(self, padded_tokens: int, padded_seqs: int, query_len: int,
+                   max_seq_len: int) -> LiveBatch:
+        """Inputs for the start-up dummy runs: padded_seqs sequences of query_len tokens each,
+        every slot -1 so warm-up and capture never write the (possibly live) KV cache."""
+        if padded_tokens != padded_seqs * query_len:
+            raise ValueError(f"dummy batch: {padded_tokens} tokens != {padded_seqs} seqs x "
+                             f"{query_len}")
+        view = self._views(padded_tokens, padded_seqs, query_len, max_seq_len)
+        view.input_ids.zero_()
+        # Start-up only, so the temporary arange is fine; broadcast over the step dim if any.
+        view.positions.copy_(torch.arange(padded_tokens, device=self.device) % query_len)
+        view.meta.slot_mapping.fill_(-1)
+        view.meta.block_tables.zero_()
+        view.meta.seq_lens.fill_(query_len)
+        torch.mul(torch.arange(padded_seqs + 1, device=self.device, dtype=torch.int32),
+                  query_len, out=view.meta.query_start_loc)
+        for v in view.extras.values():
+            v.zero_()
+        return view
