@@ -5,7 +5,8 @@
 * ``capture.pad``: padding a live batch with inert rows (slot -1, q_len 0, seq_len 0, block 0)
   into preallocated ``StaticBuffers``.
 * ``capture.cuda_graphs``: ``GraphRunner`` (capture at start-up, padded replay, counted eager
-  fallbacks) and ``GraphRegistry.assert_captured`` (every component, the draft included, has graphs).
+  fallbacks) and ``GraphRegistry.assert_captured`` (every component, the draft included, has
+  graphs).
 
 ``python -m capture.selfcheck_cuda`` checks replay == eager on a CUDA machine.
 """

@@ -69,8 +69,9 @@ class GraphRunner:
         if query_len < 1 or any(s < 1 or s % query_len for s in sizes):
             raise ValueError(f"{name}: sizes {sizes} must be positive multiples of "
                              f"query_len={query_len}")
-        if sizes and (max(sizes) > buffers.max_tokens or max(sizes) // query_len > buffers.max_seqs):
-            raise ValueError(f"{name}: largest size {max(sizes)} does not fit the static buffers "
+        top = max(sizes, default=0)
+        if top > buffers.max_tokens or top // query_len > buffers.max_seqs:
+            raise ValueError(f"{name}: largest size {top} does not fit the static buffers "
                              f"(tokens {buffers.max_tokens}, seqs {buffers.max_seqs})")
         self.name, self.fn, self.buffers, self.query_len = name, fn, buffers, query_len
         self.sizes = sorted(set(sizes))
@@ -154,10 +155,13 @@ class GraphRunner:
         bucket = bucket_max_seq_len(live.meta.max_seq_len, self.seq_len_buckets)
         if bucket is None:
             return "max_seq_len"
-        table = self._tables.get(bucket)
-        if table is None or b >= len(table):
-            return "size"  # above the largest captured size (or nothing captured)
-        return table[b] * self.query_len, bucket
+        # Any bucket >= the live max_seq_len is valid; the smallest is preferred, a larger one
+        # covers sizes whose capture failed in the smaller.
+        for bk in self.seq_len_buckets[self.seq_len_buckets.index(bucket):]:
+            table = self._tables.get(bk)
+            if table is not None and b < len(table):
+                return table[b] * self.query_len, bk
+        return "size"  # above the largest captured size (or nothing captured)
 
     def run(self, live: LiveBatch) -> Any:
         key = self._lookup(live)

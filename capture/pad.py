@@ -165,7 +165,8 @@ class StaticBuffers:
 
     ``fill`` returns views ``[:padded]`` of these buffers; the same views (same data_ptr, same
     strides) are what the graph was captured with. Block tables keep their full max_blocks width
-    so the row stride never changes.
+    so the row stride never changes. Create them outside inference mode (plain tensors can be
+    refilled in and out of it; inference tensors only inside).
     """
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device,

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 def default_batch_sizes(max_batch_size: int) -> tuple[int, ...]:
     """vLLM's capture list: 1, 2, 4, 8, then multiples of 8 up to ``max_batch_size``; the max
-    itself is added when it is not on that grid, so every batch the scheduler can form has a graph."""
+    itself is added when it is not on that grid, so every batch the scheduler can form has a
+    graph."""
     sizes = [s for s in (1, 2, 4) if s <= max_batch_size]
     sizes += list(range(8, max_batch_size + 1, 8))
     if not sizes or sizes[-1] != max_batch_size:
@@ -94,9 +95,9 @@ def draft_step_sizes(policy: CapturePolicy) -> list[int]:
 
 
 def pad_to(n: int, sizes: list[int] | tuple[int, ...]) -> int | None:
-    """Smallest size in ``sizes`` (sorted ascending) that is >= n; None when n is above the largest (the
-    caller then runs the compiled function without a graph and counts it). n == 0 gives 0:
-    an empty batch has nothing to pad and is never replayed."""
+    """Smallest size in ``sizes`` (sorted ascending) that is >= n; None when n is above the
+    largest (the caller then runs the compiled function without a graph and counts it).
+    n == 0 gives 0: an empty batch has nothing to pad and is never replayed."""
     if n < 0:
         raise ValueError(f"pad_to: n={n} is negative")
     if n == 0:

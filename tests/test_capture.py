@@ -1,0 +1,333 @@
+"""CPU tests of the CUDA-graph layer: size policy, inert padding, static buffers, GraphRunner's
+CPU fallback and (through a stand-in for CUDAGraph) its pad / replay / slice path."""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+from torch.utils._pytree import tree_flatten
+
+from capture import (CaptureError, CapturePolicy, GraphRegistry, GraphRunner, LiveBatch,
+                     StaticBuffers, assert_captured, bucket_max_seq_len, decode_sizes,
+                     default_batch_sizes, draft_step_sizes, pad_batch, pad_to, padding_table,
+                     verify_sizes)
+from capture.selfcheck_cuda import TinyModel, live_batch, make_world
+
+CPU = torch.device("cpu")
+
+
+# ---- policy --------------------------------------------------------------------------------
+def test_default_batch_sizes_like_vllm():
+    assert default_batch_sizes(32) == (1, 2, 4, 8, 16, 24, 32)
+    assert default_batch_sizes(10) == (1, 2, 4, 8, 10)  # the max itself always gets a graph
+    assert default_batch_sizes(1) == (1,)
+    assert default_batch_sizes(3) == (1, 2, 3)
+
+
+def test_policy_sizes():
+    p = CapturePolicy(max_batch_size=16, num_speculative_tokens=3, max_model_len=2048)
+    assert p.batch_sizes == (1, 2, 4, 8, 16) and p.seq_len_buckets == (2048,)
+    assert decode_sizes(p) == [1, 2, 4, 8, 16] == draft_step_sizes(p)
+    assert verify_sizes(p) == [4, 8, 16, 32, 64]
+    q = CapturePolicy(8, 0, 512, batch_sizes=(4, 1, 4, 2), seq_len_buckets=(512, 128))
+    assert q.batch_sizes == (1, 2, 4) and q.seq_len_buckets == (128, 512)  # normalised
+    assert verify_sizes(q) == decode_sizes(q)  # k = 0: verify is decode
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(max_batch_size=0), dict(num_speculative_tokens=-1), dict(max_model_len=0),
+    dict(num_speculative_tokens=True), dict(batch_sizes=(1, 32)), dict(batch_sizes=(0, 2)),
+    dict(seq_len_buckets=(4096,)), dict(seq_len_buckets=(1.5,)),
+])
+def test_policy_validation(kwargs):
+    base = dict(max_batch_size=16, num_speculative_tokens=3, max_model_len=2048)
+    with pytest.raises(ValueError):
+        CapturePolicy(**{**base, **kwargs})
+
+
+def test_policy_is_frozen():
+    p = CapturePolicy(4, 1, 64)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.max_batch_size = 8  # type: ignore[misc]
+
+
+def test_pad_to_edges():
+    sizes = [1, 2, 4, 8, 16]
+    assert pad_to(0, sizes) == 0  # empty batch: nothing to pad, never replayed
+    assert [pad_to(n, sizes) for n in (1, 2, 3, 5, 8, 9, 16)] == [1, 2, 4, 8, 8, 16, 16]
+    assert pad_to(17, sizes) is None  # above the largest: compiled, no graph
+    with pytest.raises(ValueError):
+        pad_to(-1, sizes)
+
+
+def test_padding_table():
+    sizes = [1, 2, 4, 8, 16, 24]
+    table = padding_table(sizes)
+    assert len(table) == 25 and table == [pad_to(n, sizes) for n in range(25)]
+    assert padding_table([8, 2], 5) == [0, 2, 2, 8, 8, 8]  # unsorted input is fine
+    with pytest.raises(ValueError):
+        padding_table(sizes, 25)
+
+
+def test_bucket_max_seq_len():
+    p = CapturePolicy(4, 3, 4096, seq_len_buckets=(256, 1024, 4096))
+    assert [bucket_max_seq_len(n, p) for n in (0, 1, 256, 257, 4096)] == [256, 256, 256, 1024,
+                                                                          4096]
+    assert bucket_max_seq_len(4097, p) is None
+    assert bucket_max_seq_len(300, (128, 512)) == 512
+
+
+# ---- padding -------------------------------------------------------------------------------
+@pytest.fixture()
+def world():
+    torch.manual_seed(0)
+    model = TinyModel(CPU, num_blocks=64, page_size=4, hidden=32, heads=4, kv_heads=2)
+    ctx = [5, 9, 17, 3, 30, 12]
+    alloc = make_world(model, ctx, lookahead=4)
+    return model, alloc, ctx
+
+
+def _batch(world, kind: str, n: int) -> LiveBatch:
+    model, alloc, ctx = world
+    reqs = list(range(n))
+    q_lens = {"decode": [1] * n, "verify": [4] * n, "mixed": [1, 4, 2, 4, 3, 1][:n]}.get(kind,
+                                                                                   [1] * n)
+    return live_batch(model, alloc, reqs, [ctx[r] for r in reqs], q_lens,
+                      steps=2 if kind == "draft" else 0)
+
+
+def _assert_caches(model: TinyModel, ref_caches, snap, live: LiveBatch) -> None:
+    """Live slots hold what the unpadded run wrote (up to matmul rounding: padding changes the
+    GEMM's M); every other slot, the padding's included, is bit-for-bit untouched."""
+    written = torch.zeros(model.caches[0][0].shape[:2], dtype=torch.bool)
+    slots = live.meta.slot_mapping.reshape(-1)
+    written.view(-1)[slots[slots >= 0]] = True
+    for (k, v), (kr, vr), (ks, vs) in zip(model.caches, ref_caches, snap):
+        for c, cr, cs in ((k, kr, ks), (v, vr, vs)):
+            torch.testing.assert_close(c, cr, rtol=1e-5, atol=1e-5)
+            assert torch.equal(c[~written], cs[~written])
+
+
+@pytest.mark.parametrize("kind", ["decode", "verify", "mixed", "draft"])
+def test_pad_batch_inert_rows(world, kind):
+    live = _batch(world, kind, 3)
+    t, b = live.num_tokens, live.num_seqs
+    tp, bp = (8 if kind in ("decode", "draft") else 32), 8
+    pad = pad_batch(live, tp, bp, max_query_len=4, max_seq_len=64, seq_extras=())
+    m, lm = pad.meta, live.meta
+    # live rows unchanged
+    assert torch.equal(pad.input_ids[:t], live.input_ids)
+    assert torch.equal(pad.positions[..., :t], live.positions)
+    assert torch.equal(m.slot_mapping[..., :t], lm.slot_mapping)
+    assert torch.equal(m.seq_lens[..., :b], lm.seq_lens)
+    assert torch.equal(m.query_start_loc[:b + 1], lm.query_start_loc)
+    assert torch.equal(m.block_tables[:b], lm.block_tables)
+    # padded rows inert: no KV write, q_len 0, seq_len 0, valid dummy block 0, id / position 0
+    assert (m.slot_mapping[..., t:] == -1).all() and (pad.input_ids[t:] == 0).all()
+    assert (pad.positions[..., t:] == 0).all()
+    assert (m.query_start_loc[b:] == t).all()  # q_len 0 for every padded sequence
+    assert (m.seq_lens[..., b:] == 0).all() and (m.block_tables[b:] == 0).all()
+    assert m.max_seq_len == 64 and m.max_query_len == 4  # the graph's host ints
+    assert int(m.seq_lens.max()) == int(lm.seq_lens.max())  # padding never raises the max
+    if kind == "draft":
+        assert pad.extras["feed"].shape[0] == tp and (pad.extras["feed"][t:] == 0).all()
+
+
+@pytest.mark.parametrize("kind", ["decode", "verify", "mixed"])
+def test_padding_convention_with_reference_kernels(world, kind):
+    """Padded rows write nothing into the KV cache and attend to nothing; live rows give the
+    same result with the graph's (larger) host ints as with the live ones."""
+    model = world[0]
+    live = _batch(world, kind, 4)
+    snap = [(k.clone(), v.clone()) for k, v in model.caches]
+    ref = model.forward(live)
+    ref_caches = [(k.clone(), v.clone()) for k, v in model.caches]
+    for (k, v), (ks, vs) in zip(model.caches, snap):
+        k.copy_(ks), v.copy_(vs)
+    pad = pad_batch(live, 32, 8, max_query_len=4, max_seq_len=128)
+    out = model.forward(pad)
+    torch.testing.assert_close(out[:live.num_tokens], ref, rtol=1e-5, atol=1e-5)
+    _assert_caches(model, ref_caches, snap, live)
+    q = torch.randn(32, 4, 8)
+    attn = torch.ops.compiled_spec.paged_attention(
+        q, *model.caches[0], pad.meta.block_tables, pad.meta.seq_lens, pad.meta.query_start_loc,
+        4, 128, 1.0)
+    assert (attn[live.num_tokens:] == 0).all()  # rows owned by no sequence
+
+
+def test_static_buffers_reused_and_refilled(world):
+    bufs = StaticBuffers(32, 8, 16, CPU)
+    ptrs = {n: getattr(bufs, n).data_ptr() for n in ("input_ids", "positions", "slot_mapping")}
+    big, small = _batch(world, "verify", 5), _batch(world, "decode", 2)
+    v1 = bufs.fill(big, 24, 6, 4, 64)
+    v2 = bufs.fill(small, 8, 8, 4, 64)
+    for v in (v1, v2):
+        assert v.input_ids.data_ptr() == ptrs["input_ids"]
+        assert v.positions.data_ptr() == ptrs["positions"]
+        assert v.meta.slot_mapping.data_ptr() == ptrs["slot_mapping"]
+        assert v.meta.block_tables.data_ptr() == bufs.block_tables.data_ptr()
+        assert v.meta.block_tables.stride() == bufs.block_tables.stride()  # full width kept
+    # the second fill leaves nothing of the first in its rows
+    ref = pad_batch(small, 8, 8, 4, 64)
+    assert torch.equal(v2.meta.slot_mapping, ref.meta.slot_mapping)
+    assert torch.equal(v2.meta.query_start_loc, ref.meta.query_start_loc)
+    assert torch.equal(v2.meta.seq_lens, ref.meta.seq_lens)
+    assert torch.equal(v2.meta.block_tables[:, :ref.meta.block_tables.shape[1]],
+                       ref.meta.block_tables) and (v2.meta.block_tables[:, 8:] == 0).all()
+    with pytest.raises(ValueError):
+        bufs.fill(big, 40, 8, 4, 64)  # above the buffers
+    with pytest.raises(ValueError):
+        bufs.fill(big, 24, 6, 1, 64)  # host int below the live max_query_len
+
+
+def test_static_buffers_loop_steps(world):
+    live = _batch(world, "draft", 3)
+    bufs = StaticBuffers(8, 8, 16, CPU, num_steps=2, token_extras={"feed": ((32,), torch.float32)})
+    v = bufs.fill(live, 4, 4, 1, 64)
+    assert v.positions.shape == (2, 4) and v.meta.seq_lens.shape == (2, 4)
+    for j in range(2):
+        pos, meta = v.step(j)
+        lpos, lmeta = live.step(j)
+        assert torch.equal(pos[:3], lpos) and pos[3] == 0
+        assert torch.equal(meta.slot_mapping[:3], lmeta.slot_mapping) and meta.slot_mapping[3] == -1
+        assert torch.equal(meta.seq_lens[:3], lmeta.seq_lens) and meta.seq_lens[3] == 0
+        assert pos.data_ptr() == bufs.positions[j].data_ptr()
+    assert torch.equal(live.step(1)[0], live.step(0)[0] + 1)  # positions +1 per step
+    dummy = bufs.fill_dummy(8, 8, 1, 64)
+    assert (dummy.meta.slot_mapping == -1).all()  # dummy runs never write the KV cache
+
+
+# ---- GraphRunner ---------------------------------------------------------------------------
+def test_graph_runner_cpu_falls_back_and_counts(world):
+    calls = []
+
+    def fn(b: LiveBatch) -> torch.Tensor:
+        calls.append(b.num_tokens)
+        return b.input_ids * 2
+
+    runner = GraphRunner("decode", fn, [1, 2, 4], StaticBuffers(4, 4, 16, CPU),
+                         seq_len_buckets=(64,))
+    runner.capture()  # no-op on the CPU
+    live = _batch(world, "decode", 3)
+    assert torch.equal(runner.run(live), live.input_ids * 2)
+    runner.run(live)
+    st = runner.stats()
+    assert calls == [3, 3] and not runner.enabled
+    assert st["eager_fallbacks"] == 2 and st["graph_replays"] == 0 and st["padded_rows"] == 0
+    assert st["captured_sizes"] == [] and st["capture_failures"] == []
+    assert st["fallback_reasons"] == {"cpu": 2}
+
+
+def test_assert_captured_raises():
+    reg = GraphRegistry(CPU)
+    reg.register("target_decode", lambda b: b.input_ids, [1, 2], StaticBuffers(2, 2, 4, CPU),
+                 seq_len_buckets=(64,))
+    with pytest.raises(CaptureError, match="never registered"):
+        reg.assert_captured("draft_loop")  # the seeds/003 bug: the draft left out of capture
+    with pytest.raises(CaptureError, match="zero captured"):
+        reg.assert_captured("target_decode")
+    reg.runners["target_decode"]._graphs[(1, 64)] = (None, None)  # as if captured
+    reg.assert_captured("target_decode")
+    assert_captured(reg.runners)  # all registered
+    with pytest.raises(CaptureError):
+        assert_captured(reg.runners, "target_decode", "target_verify")
+
+
+class _StandInGraph:
+    """torch.cuda.CUDAGraph's contract on the CPU: replay recomputes fn on the captured static
+    views with the captured host ints and writes into the captured output tensors."""
+
+    def __init__(self, fn, static: LiveBatch) -> None:
+        self.fn, self.static, self.out = fn, static, fn(static)
+
+    @torch.inference_mode()  # capture ran in inference mode, so the outputs are inference tensors
+    def replay(self) -> None:
+        for dst, src in zip(tree_flatten(self.out)[0], tree_flatten(self.fn(self.static))[0]):
+            dst.copy_(src)
+
+
+class CpuReplayRunner(GraphRunner):
+    enabled = property(lambda self: True)  # type: ignore[assignment]
+
+    def _capture_one(self, size: int, bucket: int) -> None:
+        static = self.buffers.fill_dummy(size, size // self.query_len, self.query_len, bucket)
+        g = _StandInGraph(self.fn, static)
+        self._graphs[(size, bucket)] = (g, g.out)
+
+
+@pytest.mark.parametrize("kind,n", [("decode", 3), ("decode", 6), ("verify", 3), ("mixed", 5),
+                                    ("draft", 3), ("draft", 4)])
+def test_replay_path_matches_eager(world, kind, n):
+    model = world[0]
+    q = 4 if kind in ("verify", "mixed") else 1
+    loop = kind == "draft"
+    bufs = StaticBuffers(8 * q, 8, 16, CPU, num_steps=2 if loop else 1,
+                         token_extras={"feed": ((32,), torch.float32)} if loop else None)
+    runner = CpuReplayRunner(kind, model.draft_loop if loop else model.forward,
+                             [s * q for s in (1, 2, 4)], bufs, query_len=q,
+                             seq_len_buckets=(16, 64), output_rows="seqs" if loop else "tokens")
+    runner.capture()
+    assert runner.captured_sizes == [q, 2 * q, 4 * q]
+    live = _batch(world, kind, n)
+    snap = [(k.clone(), v.clone()) for k, v in model.caches]
+    ref = (model.draft_loop if loop else model.forward)(live)
+    ref_caches = [(k.clone(), v.clone()) for k, v in model.caches]
+    for (k, v), (ks, vs) in zip(model.caches, snap):
+        k.copy_(ks), v.copy_(vs)
+    out = runner.run(live)
+    st = runner.stats()
+    if n <= 4:
+        size = pad_to(n, [1, 2, 4]) * q
+        assert st["graph_replays"] == 1 and st["eager_fallbacks"] == 0
+        assert st["padded_rows"] == size - live.num_tokens
+        bucket = bucket_max_seq_len(live.meta.max_seq_len, (16, 64))
+        assert out.data_ptr() == runner._graphs[(size, bucket)][1].data_ptr()  # a static view
+    else:
+        assert st["eager_fallbacks"] == 1 and st["fallback_reasons"] == {"size": 1}
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    _assert_caches(model, ref_caches, snap, live)  # padding wrote nothing
+
+
+def test_capture_failure_recorded_and_strict(world):
+    def fn(b: LiveBatch) -> torch.Tensor:
+        if b.num_tokens == 4:
+            raise RuntimeError("boom")
+        return b.input_ids + 1
+
+    runner = CpuReplayRunner("verify", fn, [1, 2, 4], StaticBuffers(4, 4, 16, CPU),
+                             seq_len_buckets=(64,))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        runner.capture()
+    assert any("boom" in str(x.message) for x in w)
+    st = runner.stats()
+    assert st["captured_sizes"] == [1, 2] and len(st["capture_failures"]) == 1
+    assert st["capture_failures"][0]["size"] == 4 and "boom" in st["capture_failures"][0]["error"]
+    live = _batch(world, "decode", 3)  # 3 would pad to the failed size 4: no graph -> counted
+    assert torch.equal(runner.run(live), live.input_ids + 1)
+    assert runner.stats()["fallback_reasons"] == {"size": 1}
+    strict = CpuReplayRunner("v", fn, [4], StaticBuffers(4, 4, 16, CPU), seq_len_buckets=(64,),
+                             strict=True)
+    with pytest.raises(CaptureError, match="boom"):
+        strict.capture()
+
+
+def test_failed_bucket_falls_through_to_a_larger_one(world):
+    def fn(b: LiveBatch) -> torch.Tensor:
+        if b.meta.max_seq_len == 16:
+            raise RuntimeError("no graph at 16")
+        return b.input_ids + 1
+
+    runner = CpuReplayRunner("decode", fn, [1, 2], StaticBuffers(2, 2, 16, CPU),
+                             seq_len_buckets=(16, 64))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        runner.capture()
+    live = _batch(world, "decode", 1)  # seq_len 6: bucket 16 failed, bucket 64 is still valid
+    assert live.meta.max_seq_len <= 16
+    assert torch.equal(runner.run(live), live.input_ids + 1)
+    st = runner.stats()
+    assert st["graph_replays"] == 1 and st["captured_graphs"] == [(1, 64), (2, 64)]
+    assert len(st["capture_failures"]) == 2
