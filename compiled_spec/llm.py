@@ -8,10 +8,12 @@ from tqdm.auto import tqdm
 
 from compiled_spec.config import (CacheConfig, EngineConfig, SchedulerConfig, SpecConfig,
                                   resolve_device, resolve_dtype)
+from compiled_spec.compile import CompileConfig, CompiledModels, compile_models, use_compiled
 from compiled_spec.draft.loader import load_draft
 from compiled_spec.engine.engine import LLMEngine
 from compiled_spec.engine.request import RequestOutput
 from compiled_spec.models.gguf_loader import find_default_gguf
+from compiled_spec.parity import ParityReport, check_parity
 from compiled_spec.models.loader import load_model
 from compiled_spec.sampling_params import SamplingParams
 from compiled_spec.tokenizer import load_tokenizer
@@ -46,6 +48,8 @@ class LLM:
         method: str | None = None,
         num_speculative_tokens: int = 3,
         draft_sampling: str = "argmax",
+        compile: bool = False,
+        compile_config: CompileConfig | None = None,
     ) -> None:
         path = model if model is not None else find_default_gguf()
         dev = resolve_device(device)
@@ -73,6 +77,33 @@ class LLM:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.engine = LLMEngine(self.config, net, sorted(eos), self._detokenize, draft_model)
+        self._compile_config = compile_config or CompileConfig()
+        self._compiled: CompiledModels | None = None
+        if compile:
+            self.set_compiled(True)
+
+    # --- compilation -------------------------------------------------------------------------
+    def set_compiled(self, on: bool) -> None:
+        """Run through the torch.compile'd target and draft (compiled on first use) or eager."""
+        if on and self._compiled is None:
+            self._compiled = compile_models(self.engine.runner, self._compile_config)
+        if self._compiled is not None:
+            use_compiled(self.engine.runner, self._compiled, on)
+
+    @property
+    def compiled_active(self) -> bool:
+        return self._compiled is not None and self._compiled.active
+
+    @property
+    def compile_stats(self) -> dict:
+        """Per compiled callable: graphs compiled and how often each FX pass matched."""
+        return {} if self._compiled is None else self._compiled.stats()
+
+    def check_parity(self, prompts: Sequence[Prompt], sampling_params: SamplingParams | None = None,
+                     tau_tolerance: float = 0.05) -> ParityReport:
+        """Run ``prompts`` eager and compiled; compare tau, per-position acceptance and outputs."""
+        ids = [self._encode(p)[0] for p in prompts]
+        return check_parity(self, ids, sampling_params, tau_tolerance)
 
     def _detokenize(self, ids: list[int], skip_special_tokens: bool) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -75,6 +75,10 @@ class GraphPass:
     def config(self) -> dict[str, Any]:
         return {}
 
+    def details(self) -> dict[str, Any]:
+        """What the last call did beyond ``match_count`` (for stats); JSON-serialisable."""
+        return {}
+
     # --- identity ---------------------------------------------------------------------------
     def uuid(self) -> str:
         """Stable across processes: source of every module in the class hierarchy (minus

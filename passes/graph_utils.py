@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import operator
 import re
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
@@ -142,3 +143,28 @@ def placeholders(gm: fx.GraphModule) -> list[fx.Node]:
 
 def count_ops(gm: fx.GraphModule, *ops: Any) -> int:
     return sum(1 for n in gm.graph.nodes if is_op(n, *ops))
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """Where the backend takes a (transformed) graph input from at call time.
+
+    kind "arg": ``args[index]`` of the call Dynamo makes; "hoisted": output ``index`` of the
+    hoisted eager part (HoistEagle3Fc); "layer_meta": field ``field`` of the metadata bound for
+    ``layer`` (BindPerLayerAttnMetadata), else the ``fallback`` input (the shared one)."""
+
+    kind: str
+    index: int = -1
+    layer: str = ""
+    field: str = ""
+    fallback: "InputSpec | None" = None
+
+
+def fresh_fake(val: Any) -> Any:
+    """A new fake tensor with ``val``'s (possibly symbolic) sizes/strides/dtype/device, in
+    ``val``'s fake mode: distinct storage, so AOT autograd never treats two inputs as aliases."""
+    mode = getattr(val, "fake_mode", None)
+    if mode is None:
+        return val
+    with mode:
+        return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)

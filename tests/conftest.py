@@ -59,3 +59,21 @@ def mt_bench_questions() -> list[str]:
     path = Path(_ROOT).parent / "shared" / "data" / "mt_bench" / "question.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return [r["turns"][0] for r in rows]
+
+
+@pytest.fixture(scope="session")
+def trained_eagle3_pair(tmp_path_factory, smollm2_gguf_path):
+    """A bigram target and an EAGLE-3 head trained on it for ~150 steps on the CPU (seconds):
+    a head that agrees often (tau well above 2), so broken compiled drafts show."""
+    from compiled_spec.train import TrainConfig, train
+    from tests.spec_models import write_bigram_target, write_id_prompts
+
+    root = tmp_path_factory.mktemp("eagle3_pair")
+    target = write_bigram_target(root / "target", vocab=32, layers=2)
+    prompts = write_id_prompts(root / "prompts.jsonl", 32, vocab=32)
+    out = train(TrainConfig(
+        target=target, prompts=prompts, out=str(root / "head"), tokenizer=smollm2_gguf_path,
+        draft_vocab_size=24, ttt_steps=3, steps=150, batch_size=8, lr=5e-3, warmup_steps=10,
+        max_seq_len=64, max_new_tokens=40, temperature=0.0, ignore_eos=True, log_every=50,
+        save_every=0, seed=0))
+    return target, str(out)

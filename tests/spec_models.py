@@ -74,3 +74,15 @@ def write_mirror_eagle1(d: Path, target_dir: str, noise: float = 0.0, seed: int 
                rope_theta=10000.0, hidden_act="silu", bias=False)
     (d / "config.json").write_text(json.dumps(cfg, indent=2))
     return str(d)
+
+
+def write_id_prompts(path: Path, n: int, vocab: int, seed: int = 0) -> str:
+    """A JSONL prompt file of token-id prompts (a tiny vocabulary is not a text vocabulary)."""
+    import random
+
+    rng = random.Random(seed)
+    with Path(path).open("w") as f:
+        for i in range(n):
+            ids = [rng.randrange(vocab - 1) for _ in range(rng.randint(1, 8))]
+            f.write(json.dumps({"id": i, "source": "test", "prompt_ids": ids}) + "\n")
+    return str(path)

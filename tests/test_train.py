@@ -21,7 +21,7 @@ from compiled_spec.models import load_model
 from compiled_spec.train.trainer import TrainConfig, read_log, train
 from compiled_spec.train.ttt import label_mask, ttt_attention_mask, ttt_forward
 from compiled_spec.train.vocab import draft_ids_from_d2t, select_draft_vocab, vocab_maps
-from tests.spec_models import write_bigram_target
+from tests.spec_models import write_bigram_target, write_id_prompts
 
 
 # --- (a) draft vocabulary --------------------------------------------------------------------------
@@ -116,13 +116,8 @@ def test_ttt_equals_paged_inference(small_target, tmp_path, num_layers):
 def bigram_setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("train")
     target = write_bigram_target(root / "target", vocab=32, layers=2)
-    rng = random.Random(0)
-    prompts = root / "prompts.jsonl"
-    with prompts.open("w") as f:  # token-id prompts: the bigram vocab (32) is not a text vocab
-        for i in range(32):
-            ids = [rng.randrange(31) for _ in range(rng.randint(1, 8))]
-            f.write(json.dumps({"id": i, "source": "test", "prompt_ids": ids}) + "\n")
-    return root, target, str(prompts)
+    prompts = write_id_prompts(root / "prompts.jsonl", 32, vocab=32)
+    return root, target, prompts
 
 
 def _cfg(root, target, prompts, tok, out, **kw) -> TrainConfig:

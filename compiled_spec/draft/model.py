@@ -194,6 +194,13 @@ class EagleDraft(nn.Module):
             x = layer.finish(layer.self_attn(attn_in, cos, sin, attn_metas[name]), residual)
         return self._outputs(x)
 
+    def forward_from_aux(self, aux: list[torch.Tensor],  # each [T, target_h]
+                         input_ids: torch.Tensor, positions: torch.Tensor,
+                         attn_metas: dict[str, AttentionMetadata]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first draft pass straight from the target's states: combine_aux then forward. Kept
+        as one function so the compiler sees the fc in the graph (and hoists it to eager)."""
+        return self(input_ids, self.combine_aux(aux), positions, attn_metas)
+
     def forward_dense(
         self,
         input_ids: torch.Tensor,  # [B, S] int64

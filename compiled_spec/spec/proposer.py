@@ -31,12 +31,6 @@ class ProposeBatch:
     seeds: torch.Tensor  # [B] int64
 
 
-def _first_pass(draft: EagleDraft, aux: list[torch.Tensor], ids: torch.Tensor, positions: torch.Tensor,
-                attn_metas: dict[str, AttentionMetadata]) -> tuple[torch.Tensor, torch.Tensor]:
-    """aux: [T, h_t] tensors (3 for EAGLE-3, the final hidden for EAGLE-1) -> draft outputs."""
-    return draft(ids, draft.combine_aux(aux), positions, attn_metas)
-
-
 class EagleProposer:
     def __init__(self, draft: EagleDraft, allocator: BlockAllocator, device: torch.device,
                  num_speculative_tokens: int, sample_drafts: bool, target_vocab_size: int) -> None:
@@ -44,7 +38,7 @@ class EagleProposer:
         # The callables the loop runs; compile=True swaps in compiled versions. The first pass
         # starts from the target's aux states (EAGLE-3's fc is part of it, and the compiler
         # hoists it back out to eager); later steps start from the draft's own hidden state.
-        self.first_pass_fn = _first_pass
+        self.first_pass_fn = draft.forward_from_aux
         self.step_fn = draft
         self.allocator = allocator
         self.device = device
@@ -82,7 +76,7 @@ class EagleProposer:
         aux = [h[rows] for h in target_hidden] if isinstance(target_hidden, list) else [target_hidden[rows]]
         ids = to_device(batch.token_ids, self.device)  # [T]
         positions, meta = build_metadata(self.allocator, batch.first_pass, self.device)
-        feed, for_logits = self.first_pass_fn(self.draft, aux, ids, positions, self._metas(meta))
+        feed, for_logits = self.first_pass_fn(aux, ids, positions, self._metas(meta))
         ends, total = [], 0
         for s in batch.first_pass:
             total += s.length

@@ -1,0 +1,100 @@
+"""Built-in eager-versus-compiled parity: compiling must never change acceptance.
+
+The same prompts run through the same engine (same weights, same KV pool) once with the eager
+callables and once with the compiled ones. The check fails when mean acceptance length differs by
+more than a tolerance, or when greedy fp32 outputs differ: the signature of a draft whose compiled
+graph was never captured or whose fc was fed the wrong inputs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from compiled_spec.sampling_params import SamplingParams
+from compiled_spec.spec.metrics import SpecStats
+
+
+@dataclass
+class ParityRun:
+    mode: str  # "eager" | "compiled"
+    tau: float | None
+    per_position: list[float] | None
+    token_ids: list[list[int]]
+
+
+@dataclass
+class ParityReport:
+    eager: ParityRun
+    compiled: ParityRun
+    tau_tolerance: float
+    require_identical: bool
+    first_divergence: list[int | None] = field(default_factory=list)  # per prompt, token index
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def __str__(self) -> str:
+        def fmt(r: ParityRun) -> str:
+            tau = "n/a" if r.tau is None else f"{r.tau:.3f}"
+            pos = " ".join(f"{x:.2f}" for x in r.per_position or [])
+            return f"{r.mode:9s} tau {tau}  per-position acceptance [{pos}]"
+
+        lines = [fmt(self.eager), fmt(self.compiled)]
+        div = [f"prompt {i}: token {d}" for i, d in enumerate(self.first_divergence) if d is not None]
+        lines.append("first diverging tokens: " + (", ".join(div) if div else "none"))
+        lines.append("PASS" if self.ok else "FAIL: " + "; ".join(self.failures))
+        return "\n".join(lines)
+
+    def raise_for_failure(self) -> None:
+        if not self.ok:
+            raise AssertionError(f"eager vs compiled parity failed:\n{self}")
+
+
+def _first_divergence(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _run(llm, prompts: list[list[int]], params: SamplingParams, compiled: bool) -> ParityRun:
+    engine = llm.engine
+    llm.set_compiled(compiled)
+    saved, engine.stats.spec = engine.stats.spec, SpecStats()
+    try:
+        outs = llm.generate(prompts, params)
+        run = engine.stats.spec
+    finally:
+        engine.stats.spec = saved.merge(engine.stats.spec)
+    return ParityRun(mode="compiled" if compiled else "eager", tau=run.mean_acceptance_length,
+                     per_position=run.acceptance_rate_per_position,
+                     token_ids=[o.token_ids for o in outs])
+
+
+def check_parity(llm, prompts: list[list[int]], params: SamplingParams | None = None,
+                 tau_tolerance: float = 0.05) -> ParityReport:
+    params = params or SamplingParams(max_tokens=64, temperature=0.0)
+    was = llm.compiled_active
+    try:
+        eager = _run(llm, prompts, params, compiled=False)
+        comp = _run(llm, prompts, params, compiled=True)
+    finally:
+        llm.set_compiled(was)
+    require_identical = params.greedy and llm.config.dtype == torch.float32
+    rep = ParityReport(eager=eager, compiled=comp, tau_tolerance=tau_tolerance,
+                       require_identical=require_identical,
+                       first_divergence=[_first_divergence(a, b)
+                                         for a, b in zip(eager.token_ids, comp.token_ids)])
+    if llm.config.spec is not None:
+        if eager.tau is None or comp.tau is None:
+            rep.failures.append(f"no drafting step ran (eager tau {eager.tau}, compiled tau {comp.tau})")
+        elif abs(eager.tau - comp.tau) > tau_tolerance:
+            rep.failures.append(f"tau {eager.tau:.3f} eager vs {comp.tau:.3f} compiled differs by "
+                                f"more than {tau_tolerance}")
+    if require_identical and any(d is not None for d in rep.first_divergence):
+        n = sum(d is not None for d in rep.first_divergence)
+        rep.failures.append(f"greedy fp32 outputs differ on {n} of {len(prompts)} prompts")
+    return rep
