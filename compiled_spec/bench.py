@@ -49,7 +49,13 @@ def _time_ours(llm, prompts: list[list[int]], max_tokens: int) -> tuple[dict, li
 
     dev = llm.config.device
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts[0][:16], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    # Warm-up: two prompt lengths and several decode steps, so compiled graphs (static, then
+    # dynamic shapes) exist before timing; its duration is the compile cost.
+    t0 = time.perf_counter()
+    for ids in (prompts[0][:16], prompts[-1]):
+        llm.generate(ids, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    _sync(dev)
+    warmup_s = time.perf_counter() - t0
     spec0 = llm.stats.spec.num_drafting_steps, llm.stats.spec.num_accepted_tokens
     ms, toks = [], []
     for ids in prompts:
@@ -58,7 +64,7 @@ def _time_ours(llm, prompts: list[list[int]], max_tokens: int) -> tuple[dict, li
         m = out.metrics
         ms.append(1000 * (m.finish_time - m.first_token_time) / (len(out.token_ids) - 1))
         toks.append(out.token_ids)
-    row: dict = {"ms_per_token": statistics.median(ms)}
+    row: dict = {"ms_per_token": statistics.median(ms), "warmup_s": warmup_s}
     steps = llm.stats.spec.num_drafting_steps - spec0[0]
     if steps:
         row["tau"] = 1 + (llm.stats.spec.num_accepted_tokens - spec0[1]) / steps
@@ -71,13 +77,17 @@ def run_bench(a: argparse.Namespace) -> int:
 
     texts = load_mt_bench(a.prompts, a.num_prompts)
     kw = _engine_kwargs(a)
-    variants = [("compiled_spec vanilla eager", {**kw, "draft": None})]
+    modes = [False, True] if a.compile else [False]
+    variants = [(f"compiled_spec vanilla {'compiled' if c else 'eager'}", {**kw, "draft": None, "compile": c})
+                for c in modes]
     head = a.draft
     if head is None and a.random_draft:
         head = _write_random_head(a.random_draft, kw)
     if head is not None:
-        variants.append((f"compiled_spec {a.method or 'EAGLE'} k={a.num_speculative_tokens} eager"
-                         + (" (random head)" if a.draft is None else ""), {**kw, "draft": head}))
+        tag = " (random head)" if a.draft is None else ""
+        variants += [(f"compiled_spec {a.method or 'EAGLE'} k={a.num_speculative_tokens} "
+                      f"{'compiled' if c else 'eager'}{tag}", {**kw, "draft": head, "compile": c})
+                     for c in modes]
     rows, ours_tokens = [], None
     for name, vkw in variants:
         t0 = time.perf_counter()
@@ -126,11 +136,13 @@ def run_bench(a: argparse.Namespace) -> int:
 
     print(f"\nbatch 1, greedy, {len(prompts)} MT-bench prompts, {a.max_tokens} new tokens, "
           f"{dev} {llm.config.dtype}, torch {torch.__version__}")
-    print(f"{'engine':52s} {'ms/token':>9s} {'tokens/s':>9s} {'tau':>5s} {'startup s':>10s}  greedy==vanilla")
+    print(f"{'engine':55s} {'ms/token':>9s} {'tokens/s':>9s} {'tau':>5s} {'load s':>7s} {'warm-up s':>9s}"
+          "  greedy==vanilla")
     for r in rows:
         tau = f"{r['tau']:5.2f}" if "tau" in r else "    -"
-        print(f"{r['engine']:52s} {r['ms_per_token']:9.2f} {1000 / r['ms_per_token']:9.1f} {tau} "
-              f"{r['startup_s']:10.1f}  {r.get('greedy_identical', '-')}")
+        warm = f"{r['warmup_s']:9.1f}" if "warmup_s" in r else "        -"
+        print(f"{r['engine']:55s} {r['ms_per_token']:9.2f} {1000 / r['ms_per_token']:9.1f} {tau} "
+              f"{r['startup_s']:7.1f} {warm}  {r.get('greedy_identical', '-')}")
     if a.out:
         meta = {"date": time.strftime("%Y-%m-%d"), "device": str(dev), "dtype": str(llm.config.dtype),
                 "torch": torch.__version__, "host": platform.processor() or platform.machine(),

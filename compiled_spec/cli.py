@@ -1,4 +1,4 @@
-"""The ``compiled-spec`` command line: generate, bench, train (later parity, profile)."""
+"""The ``compiled-spec`` command line: generate, bench, acceptance, parity, profile, train."""
 from __future__ import annotations
 
 import argparse
@@ -20,12 +20,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="draft method (default: detected from the checkpoint)")
     p.add_argument("--num-speculative-tokens", "-k", type=int, default=3)
     p.add_argument("--draft-sampling", default="argmax", choices=["argmax", "sample"])
+    p.add_argument("--compile", action="store_true", help="torch.compile target and draft (our backend)")
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(model=a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
                 page_size=a.page_size, max_num_seqs=a.max_num_seqs, draft=a.draft, method=a.method,
-                num_speculative_tokens=a.num_speculative_tokens, draft_sampling=a.draft_sampling)
+                num_speculative_tokens=a.num_speculative_tokens, draft_sampling=a.draft_sampling,
+                compile=a.compile)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -67,6 +69,20 @@ def cmd_acceptance(a: argparse.Namespace) -> int:
     from compiled_spec.acceptance import run_acceptance
 
     return run_acceptance(a)
+
+
+def cmd_parity(a: argparse.Namespace) -> int:
+    from compiled_spec import LLM, SamplingParams
+    from compiled_spec.bench import load_mt_bench
+
+    llm = LLM(**_engine_kwargs(a))
+    texts = load_mt_bench(a.prompts, a.num_prompts)
+    prompts = [llm.encode_chat([{"role": "user", "content": t}]) for t in texts]
+    rep = llm.check_parity(prompts, SamplingParams(max_tokens=a.max_tokens, temperature=0.0),
+                           tau_tolerance=a.tau_tolerance)
+    print(rep)
+    print(f"compile stats: {llm.compile_stats}")
+    return 0 if rep.ok else 1
 
 
 def cmd_profile(a: argparse.Namespace) -> int:
@@ -112,6 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     pr.add_argument("--max-tokens", type=int, default=32)
     pr.add_argument("--out-dir", default="profiles/traces")
     pr.set_defaults(func=cmd_profile)
+
+    pa = sub.add_parser("parity", help="eager vs compiled: tau, per-position acceptance, first divergence")
+    _add_engine_args(pa)
+    pa.add_argument("--prompts", default="../shared/data/mt_bench/question.jsonl")
+    pa.add_argument("--num-prompts", type=int, default=4)
+    pa.add_argument("--max-tokens", type=int, default=64)
+    pa.add_argument("--tau-tolerance", type=float, default=0.05)
+    pa.set_defaults(func=cmd_parity)
 
     ac = sub.add_parser("acceptance", help="tau and per-position acceptance of a head on MT-bench")
     _add_engine_args(ac)

@@ -36,7 +36,8 @@ def hash_source(*objs: Any) -> str:
         if isinstance(obj, str):
             text = obj
         else:
-            module = sys.modules.get(getattr(obj, "__module__", ""), None)
+            module = obj if inspect.ismodule(obj) else \
+                sys.modules.get(getattr(obj, "__module__", ""), None)
             try:
                 text = inspect.getsource(module) if module is not None else inspect.getsource(obj)
             except (OSError, TypeError):
@@ -59,6 +60,9 @@ class GraphPass:
     take options, ``config()`` (JSON-serialisable; part of ``uuid``)."""
 
     name: str = ""
+    # Modules besides the class hierarchy's whose source is part of uuid(): the shared helpers
+    # (which ops count as views, how args are read) change what every pass matches.
+    uuid_modules: tuple[str, ...] = ("passes.graph_utils",)
 
     def __init__(self, keep_graphs: bool = False) -> None:
         self.keep_graphs = keep_graphs
@@ -82,9 +86,11 @@ class GraphPass:
     # --- identity ---------------------------------------------------------------------------
     def uuid(self) -> str:
         """Stable across processes: source of every module in the class hierarchy (minus
-        builtins) + the config, so a subclass or a changed option gets a new id."""
+        builtins) and of ``uuid_modules`` + the config, so an edited pass or helper, a subclass
+        or a changed option gets a new id."""
         classes = [c for c in type(self).__mro__ if c.__module__ != "builtins"]
-        src = hash_source(*classes)
+        deps = [sys.modules[m] for m in self.uuid_modules if m in sys.modules]
+        src = hash_source(*classes, *deps)
         cfg = json.dumps(self.config(), sort_keys=True, default=str)
         return hashlib.sha256(f"{self.name}|{src}|{cfg}".encode()).hexdigest()
 

@@ -25,6 +25,7 @@ TOL = 1e-5
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     yield
 
 
@@ -463,6 +464,10 @@ def test_e2e_causal_lm_inductor(tiny_target):
         assert_close([out[0], *out[1]], [ref[0], *ref[1]])
         assert_caches_close(caches, eager_caches)
     assert len(backend.graphs) == 1  # dynamic: both token counts share one graph
+    # Our cache-key pass (pipeline uuid) keeps Inductor's FX graph cache usable.
+    inductor_counters = torch._dynamo.utils.counters["inductor"]
+    assert inductor_counters["fxgraph_cache_bypass"] == 0
+    assert inductor_counters["fxgraph_cache_miss"] + inductor_counters["fxgraph_cache_hit"] >= 1
     stats = backend.stats
     assert stats["graphs"] == 1 and set(stats["pass_matches"]) == {"NoOpElimination"}
     assert stats["per_graph"][0]["inductor"] and stats["per_graph"][0][
