@@ -25,7 +25,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_passes
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+try:
+    from torch._inductor.custom_graph_pass import get_custom_graph_passes
+except ImportError:  # torch < 2.12 (the H200 has 2.11): the config holds one pass, not a list
+    get_custom_graph_passes = None
 
 from passes.base import GraphPass
 from passes.bind_attn_metadata import BindPerLayerAttnMetadata
@@ -78,14 +83,17 @@ class _CacheKeyPass(CustomGraphPass):
     """No-op post-grad pass whose uuid is the pipeline's: Inductor folds custom pass uuids into
     its FX graph cache key, so editing one of our passes invalidates cached artifacts."""
 
-    def __init__(self, uuid: str) -> None:
+    def __init__(self, uuid: str, inner: CustomGraphPass | None = None) -> None:
         self._uuid = uuid
+        self._inner = inner  # a pass already configured, kept running (older torch: one slot)
 
     def __call__(self, graph: fx.Graph) -> None:
-        return None
+        if self._inner is not None:
+            self._inner(graph)
 
     def uuid(self) -> str:
-        return self._uuid
+        inner = self._inner.uuid() if self._inner is not None else ""
+        return f"{self._uuid}{inner}"
 
 
 @dataclass
@@ -251,8 +259,11 @@ class CompiledSpecBackend:
         patches = dict(self.inductor_config)
         existing = patches.get("post_grad_custom_post_pass",
                                torch._inductor.config.post_grad_custom_post_pass)
-        patches["post_grad_custom_post_pass"] = (*get_custom_graph_passes(existing),
-                                                 _CacheKeyPass(self.uuid()))
+        if get_custom_graph_passes is None:
+            patches["post_grad_custom_post_pass"] = _CacheKeyPass(self.uuid(), existing)
+        else:
+            patches["post_grad_custom_post_pass"] = (*get_custom_graph_passes(existing),
+                                                     _CacheKeyPass(self.uuid()))
         return patches
 
 
