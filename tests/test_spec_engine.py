@@ -177,3 +177,16 @@ def test_speculative_samples_follow_the_target_distribution(bigram, smollm2_gguf
                draft_sampling=draft_sampling, max_num_seqs=512, max_model_len=16)
     stat_bad, df_bad = chi2_third_token(bad.generate([prompt] * n, sps))
     assert stat_bad > df_bad + 4.5 * (2 * df_bad) ** 0.5, f"broken sampler passed: chi2 {stat_bad:.1f}"
+
+
+@pytest.mark.parametrize("k,page_size", [(1, 16), (3, 1), (5, 16)])
+def test_greedy_lossless_trained_eagle3(trained_eagle3_pair, smollm2_gguf_path, k, page_size):
+    """An EAGLE-3 head that agrees often (trained for seconds on the bigram target)."""
+    target, head = trained_eagle3_pair
+    vanilla = [o.token_ids for o in _llm(target, smollm2_gguf_path).generate(PROMPTS, GREEDY)]
+    llm = _llm(target, smollm2_gguf_path, draft=head, num_speculative_tokens=k, page_size=page_size)
+    assert llm.engine.draft.config.method == "eagle3"
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == vanilla
+    spec = llm.stats.spec
+    assert spec.mean_acceptance_length > 1 + 0.5 * k
+    assert spec.num_accepted_tokens < spec.num_draft_tokens or k == 1

@@ -7,7 +7,6 @@ rejected with both values named. Only safetensors are read; pickle checkpoints n
 """
 from __future__ import annotations
 
-import json
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from compiled_spec.draft.config import DraftConfig, rename_key
 from compiled_spec.draft.model import EagleDraft
 from compiled_spec.models.decoder import CausalLM
 from compiled_spec.models.loader import (
+    read_config_json,
     _safetensors_device,
     _safetensors_files,
     check_checkpoint,
@@ -85,17 +85,7 @@ def load_draft(path: str, target: CausalLM, dtype: torch.dtype,
 
 
 def _read_config(model_dir: Path) -> dict[str, Any]:
-    cfg_file = model_dir / "config.json"
-    if not cfg_file.is_file():
-        raise FileNotFoundError(f"{model_dir} has no config.json; expected an EAGLE head "
-                                "directory (config.json + model.safetensors)")
-    try:
-        raw = json.loads(cfg_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"malformed JSON in {cfg_file}: {e}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"malformed {cfg_file}: expected a JSON object, got {type(raw).__name__}")
-    return raw
+    return read_config_json(model_dir, "an EAGLE head directory (config.json + model.safetensors)")
 
 
 def _index_problems(config: DraftConfig, shapes: dict[str, tuple[int, ...]]) -> list[str]:

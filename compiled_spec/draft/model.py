@@ -67,11 +67,11 @@ class DraftLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def dense_attention(attn: Attention, x: torch.Tensor,  # [B, S, in_features]
-                    cos: torch.Tensor, sin: torch.Tensor,  # [B*S, head_dim]
-                    ) -> torch.Tensor:  # [B, S, h]
-    """The paged Attention's math with causal SDPA and no KV cache (training mode); rows are
-    whole sequences starting at their first token."""
+def project_qkv(attn: Attention, x: torch.Tensor,  # [B, S, in_features]
+                cos: torch.Tensor, sin: torch.Tensor,  # [B*S, head_dim]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The paged Attention's q/k/v projections, q/k norms and rope on a dense [B, S] batch
+    (training paths): q [B, heads, S, head_dim], k and v [B, kv_heads, S, head_dim]."""
     b, s, _ = x.shape
     flat = x.reshape(b * s, -1)
     q = attn.q_proj(flat).view(b * s, attn.num_heads, attn.head_dim)
@@ -82,6 +82,16 @@ def dense_attention(attn: Attention, x: torch.Tensor,  # [B, S, in_features]
     q = apply_rope(q, cos, sin).view(b, s, attn.num_heads, attn.head_dim).transpose(1, 2)
     k = apply_rope(k, cos, sin).view(b, s, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
     v = v.view(b, s, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
+    return q, k, v
+
+
+def dense_attention(attn: Attention, x: torch.Tensor,  # [B, S, in_features]
+                    cos: torch.Tensor, sin: torch.Tensor,  # [B*S, head_dim]
+                    ) -> torch.Tensor:  # [B, S, h]
+    """The paged Attention's math with causal SDPA and no KV cache (training mode); rows are
+    whole sequences starting at their first token."""
+    b, s, _ = x.shape
+    q, k, v = project_qkv(attn, x, cos, sin)
     # GQA: query head j reads kv head j // group, as in the paged kernels.
     group = attn.num_heads // attn.num_kv_heads
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -71,18 +72,22 @@ def _safetensors_device(device: torch.device | str) -> str:
 
 
 def read_hf_config(model_dir: Path) -> ModelConfig:
+    return ModelConfig.from_hf_dict(read_config_json(
+        model_dir, "a Hugging Face model directory (config.json + *.safetensors) or a .gguf file"))
+
+
+def read_config_json(model_dir: Path, expected: str) -> dict[str, Any]:
+    """``model_dir/config.json`` as a dict; errors name the file and say what was ``expected``."""
     cfg_file = model_dir / "config.json"
     if not cfg_file.is_file():
-        raise FileNotFoundError(
-            f"{model_dir} has no config.json; expected a Hugging Face model directory "
-            "(config.json + *.safetensors) or a .gguf file")
+        raise FileNotFoundError(f"{model_dir} has no config.json; expected {expected}")
     try:
         raw = json.loads(cfg_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"malformed JSON in {cfg_file}: {e}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"malformed {cfg_file}: expected a JSON object, got {type(raw).__name__}")
-    return ModelConfig.from_hf_dict(raw)
+    return raw
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:

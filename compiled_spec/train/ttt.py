@@ -24,9 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from compiled_spec.draft.model import EagleDraft
+from compiled_spec.draft.model import EagleDraft, project_qkv
 from compiled_spec.models.decoder import Attention
-from compiled_spec.models.layers import apply_rope
 
 
 def ttt_attention_mask(seq_len: int, step: int,
@@ -48,15 +47,7 @@ def _ttt_attention(attn: Attention, x: torch.Tensor,  # [B, S, in_features]
     """The paged Attention's math (same modules, same rope) over this step's K/V appended to the
     earlier steps' ones; ``kv`` grows by one (k, v) pair, each [B, kv_heads, S, head_dim]."""
     b, s, _ = x.shape
-    flat = x.reshape(b * s, -1)
-    q = attn.q_proj(flat).view(b * s, attn.num_heads, attn.head_dim)
-    k = attn.k_proj(flat).view(b * s, attn.num_kv_heads, attn.head_dim)
-    v = attn.v_proj(flat).view(b * s, attn.num_kv_heads, attn.head_dim)
-    if attn.q_norm is not None:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q = apply_rope(q, cos, sin).view(b, s, attn.num_heads, attn.head_dim).transpose(1, 2)
-    k = apply_rope(k, cos, sin).view(b, s, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
-    v = v.view(b, s, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
+    q, k, v = project_qkv(attn, x, cos, sin)
     kv.append((k, v))
     keys = torch.cat([kk for kk, _ in kv], dim=2)  # [B, kv_heads, s*S, head_dim]
     values = torch.cat([vv for _, vv in kv], dim=2)
