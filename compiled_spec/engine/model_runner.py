@@ -146,7 +146,7 @@ class ModelRunner:
             seeds = st.seeds.view(B, kmax + 1)[:, 0]
             positions0 = to_device([r.num_tokens for r in reqs], self.device)
             out, n_acc = rejection_sample(probs, drafts, k_t, seeds, positions0,
-                                          self._gather_draft_probs(reqs, kmax, V))
+                                          self._gather_draft_probs(reqs, kmax))
         packed = torch.cat([n_acc[:, None], out], dim=1).tolist()  # the step's one D2H copy
         return [row[1:2 + row[0]] for row in packed]
 
@@ -156,7 +156,7 @@ class ModelRunner:
         idx = to_device([self._draft_row.get(r.req_id, 0) for r in reqs], self.device)
         return self._drafts[idx, :kmax]
 
-    def _gather_draft_probs(self, reqs: list[Request], kmax: int, vocab: int) -> torch.Tensor | None:
+    def _gather_draft_probs(self, reqs: list[Request], kmax: int) -> torch.Tensor | None:
         if self._draft_probs is None or kmax == 0:
             return None
         idx = to_device([self._draft_row.get(r.req_id, 0) for r in reqs], self.device)
