@@ -15,7 +15,7 @@ import torch
 
 def run_acceptance(a: argparse.Namespace) -> int:
     from compiled_spec import LLM, SamplingParams
-    from compiled_spec.bench import load_mt_bench
+    from compiled_spec.bench import load_mt_bench, mt_bench_prompts
     from compiled_spec.cli import _engine_kwargs
 
     if a.draft is None:
@@ -25,7 +25,7 @@ def run_acceptance(a: argparse.Namespace) -> int:
     for k in a.k_list:
         kw = {**_engine_kwargs(a), "num_speculative_tokens": k, "max_num_seqs": len(texts)}
         llm = LLM(**kw)
-        prompts = [llm.encode_chat([{"role": "user", "content": t}]) for t in texts]
+        prompts = mt_bench_prompts(llm, texts)
         sp = SamplingParams(max_tokens=a.max_tokens, temperature=0.0)
         t0 = time.perf_counter()
         outs = llm.generate(prompts, sp)

@@ -23,6 +23,11 @@ def load_mt_bench(path: str, n: int) -> list[str]:
     return [r["turns"][0] if "turns" in r else r["prompt"] for r in rows[:n]]
 
 
+def mt_bench_prompts(llm, texts: list[str]) -> list[list[int]]:
+    """Each question as a one-turn chat with the model's template, as token ids."""
+    return [llm.encode_chat([{"role": "user", "content": t}]) for t in texts]
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -94,7 +99,7 @@ def run_bench(a: argparse.Namespace) -> int:
         llm = LLM(**vkw)
         startup = time.perf_counter() - t0
         dev = llm.config.device
-        prompts = [llm.encode_chat([{"role": "user", "content": t}]) for t in texts]
+        prompts = mt_bench_prompts(llm, texts)
         row, toks = _time_ours(llm, prompts, a.max_tokens)
         row.update(engine=name, startup_s=startup)
         if ours_tokens is None:

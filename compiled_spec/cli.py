@@ -23,6 +23,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true", help="torch.compile target and draft (our backend)")
 
 
+def _add_prompt_args(p: argparse.ArgumentParser, num_prompts: int, max_tokens: int) -> None:
+    """MT-bench first turns (chat template applied) and how many tokens to write for each."""
+    p.add_argument("--prompts", default="../shared/data/mt_bench/question.jsonl")
+    p.add_argument("--num-prompts", type=int, default=num_prompts)
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+
+
 def _engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(model=a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
                 page_size=a.page_size, max_num_seqs=a.max_num_seqs, draft=a.draft, method=a.method,
@@ -73,11 +80,10 @@ def cmd_acceptance(a: argparse.Namespace) -> int:
 
 def cmd_parity(a: argparse.Namespace) -> int:
     from compiled_spec import LLM, SamplingParams
-    from compiled_spec.bench import load_mt_bench
+    from compiled_spec.bench import load_mt_bench, mt_bench_prompts
 
     llm = LLM(**_engine_kwargs(a))
-    texts = load_mt_bench(a.prompts, a.num_prompts)
-    prompts = [llm.encode_chat([{"role": "user", "content": t}]) for t in texts]
+    prompts = mt_bench_prompts(llm, load_mt_bench(a.prompts, a.num_prompts))
     rep = llm.check_parity(prompts, SamplingParams(max_tokens=a.max_tokens, temperature=0.0),
                            tau_tolerance=a.tau_tolerance)
     print(rep)
@@ -109,9 +115,7 @@ def main(argv: list[str] | None = None) -> int:
 
     b = sub.add_parser("bench", help="vanilla decode speed next to transformers generate")
     _add_engine_args(b)
-    b.add_argument("--prompts", default="../shared/data/mt_bench/question.jsonl")
-    b.add_argument("--num-prompts", type=int, default=4)
-    b.add_argument("--max-tokens", type=int, default=64)
+    _add_prompt_args(b, num_prompts=4, max_tokens=64)
     b.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     b.add_argument("--random-draft", choices=["eagle", "eagle3"], default=None,
                    help="also time speculation with a random head of the target's shape (tau ~ 1)")
@@ -123,25 +127,19 @@ def main(argv: list[str] | None = None) -> int:
 
     pr = sub.add_parser("profile", help="torch.profiler trace (TensorBoard) with propose/verify latency")
     _add_engine_args(pr)
-    pr.add_argument("--prompts", default="../shared/data/mt_bench/question.jsonl")
-    pr.add_argument("--num-prompts", type=int, default=2)
-    pr.add_argument("--max-tokens", type=int, default=32)
+    _add_prompt_args(pr, num_prompts=2, max_tokens=32)
     pr.add_argument("--out-dir", default="profiles/traces")
     pr.set_defaults(func=cmd_profile)
 
     pa = sub.add_parser("parity", help="eager vs compiled: tau, per-position acceptance, first divergence")
     _add_engine_args(pa)
-    pa.add_argument("--prompts", default="../shared/data/mt_bench/question.jsonl")
-    pa.add_argument("--num-prompts", type=int, default=4)
-    pa.add_argument("--max-tokens", type=int, default=64)
+    _add_prompt_args(pa, num_prompts=4, max_tokens=64)
     pa.add_argument("--tau-tolerance", type=float, default=0.05)
     pa.set_defaults(func=cmd_parity)
 
     ac = sub.add_parser("acceptance", help="tau and per-position acceptance of a head on MT-bench")
     _add_engine_args(ac)
-    ac.add_argument("--prompts", default="../shared/data/mt_bench/question.jsonl")
-    ac.add_argument("--num-prompts", type=int, default=80)
-    ac.add_argument("--max-tokens", type=int, default=256)
+    _add_prompt_args(ac, num_prompts=80, max_tokens=256)
     ac.add_argument("--k-list", type=int, nargs="+", default=[3, 5, 7])
     ac.add_argument("--out", default=None)
     ac.set_defaults(func=cmd_acceptance)

@@ -39,12 +39,12 @@ def phase_latencies(trace_file: str) -> dict[str, dict[str, float]]:
 
 def run_profile(a: argparse.Namespace) -> int:
     from compiled_spec import LLM, SamplingParams
-    from compiled_spec.bench import load_mt_bench
+    from compiled_spec.bench import load_mt_bench, mt_bench_prompts
     from compiled_spec.cli import _engine_kwargs
 
     llm = LLM(**_engine_kwargs(a))
     texts = load_mt_bench(a.prompts, a.num_prompts)
-    prompts = [llm.encode_chat([{"role": "user", "content": t}]) for t in texts]
+    prompts = mt_bench_prompts(llm, texts)
     sp = SamplingParams(max_tokens=a.max_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[0], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
     out_dir = Path(a.out_dir) / time.strftime("%Y%m%d-%H%M%S")
