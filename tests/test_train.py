@@ -18,6 +18,8 @@ from compiled_spec.draft.testing import write_eagle3_head
 from compiled_spec.engine.batch import Span, build_metadata
 from compiled_spec.kv_cache import BlockAllocator, allocate_kv_pair
 from compiled_spec.models import load_model
+from compiled_spec.train.checkpoint import export_head
+from compiled_spec.train.data import load_sequences
 from compiled_spec.train.trainer import TrainConfig, read_log, train
 from compiled_spec.train.ttt import label_mask, ttt_attention_mask, ttt_forward
 from compiled_spec.train.vocab import draft_ids_from_d2t, select_draft_vocab, vocab_maps
@@ -123,7 +125,7 @@ def bigram_setup(tmp_path_factory):
 def _cfg(root, target, prompts, tok, out, **kw) -> TrainConfig:
     base = dict(target=target, prompts=prompts, out=str(root / out), tokenizer=tok,
                 draft_vocab_size=24, ttt_steps=3, steps=150, batch_size=8, lr=5e-3,
-                warmup_steps=10, max_seq_len=64, max_new_tokens=40, temperature=0.0,
+                warmup_steps=10, max_seq_len=64, max_new_tokens=40,
                 ignore_eos=True, log_every=1, save_every=0, seed=0)
     base.update(kw)
     return TrainConfig(**base)
@@ -131,9 +133,19 @@ def _cfg(root, target, prompts, tok, out, **kw) -> TrainConfig:
 
 def test_train_end_to_end(bigram_setup, smollm2_gguf_path):
     root, target, prompts = bigram_setup
-    out = train(_cfg(root, target, prompts, smollm2_gguf_path, "e2e"))
+    out = train(_cfg(root, target, prompts, smollm2_gguf_path, "e2e", val_prompts=4,
+                     eval_every=50))
     rows = read_log(out)
     assert [r["step"] for r in rows] == list(range(1, 151))
+    # Held-out loss measured every 50 steps on the 4 held-out prompts, falling; best/ holds the
+    # head of the lowest one and loads.
+    val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+    assert [s for s, _ in val] == [50, 100, 150]
+    assert val[-1][1] < val[0][1]
+    best = json.loads((out / "best" / "best.json").read_text())
+    assert best["val_loss"] == min(v for _, v in val)
+    held = {s.id for s in load_sequences(out / "val.jsonl")}
+    assert len(held) == 4 and not held & {s.id for s in load_sequences(out / "data.jsonl")}
     first = sum(r["loss"] for r in rows[:10]) / 10
     last = sum(r["loss"] for r in rows[-10:]) / 10
     print(f"\nloss first-10 mean {first:.3f}, last-10 mean {last:.3f}, "
@@ -155,6 +167,7 @@ def test_train_end_to_end(bigram_setup, smollm2_gguf_path):
     net, _ = load_model(target, torch.float32, "cpu")
     draft = load_draft(str(out), net, torch.float32, "cpu")
     assert draft.config.method == "eagle3" and draft.config.draft_vocab_size == 24
+    load_draft(str(out / "best"), net, torch.float32, "cpu")
 
     rng = random.Random(123)  # held-out prompts
     eval_prompts = [[rng.randrange(31) for _ in range(rng.randint(1, 8))] for _ in range(8)]
@@ -190,3 +203,47 @@ def test_resume_continues_the_step_count(bigram_setup, smollm2_gguf_path):
             safe_open(str(straight / "model.safetensors"), "pt") as f2:
         for k in f1.keys():
             torch.testing.assert_close(f1.get_tensor(k), f2.get_tensor(k), atol=1e-6, rtol=0)
+
+
+# --- (e) data: several temperatures, data-only runs, resuming a cut-short generation -------------
+def test_data_only_and_partial_generation_resume(bigram_setup, smollm2_gguf_path):
+    root, target, prompts = bigram_setup
+    cfg = _cfg(root, target, prompts, smollm2_gguf_path, "data", num_prompts=6,
+               temperatures=(0.0, 1.0), val_prompts=2, max_new_tokens=12, data_only=True)
+    out = train(cfg)
+    assert not (out / "model.safetensors").exists()  # stopped after the data
+    seqs, val = load_sequences(out / "data.jsonl"), load_sequences(out / "val.jsonl")
+    assert len(seqs) == 8 and len(val) == 2  # 4 prompts x 2 temperatures; greedy held out
+    assert sum(s.id.endswith("#t1") for s in seqs) == 4
+    # Cut short after three rows (and a torn fourth line): the rerun keeps those three and
+    # generates the rest, with the same per-sequence seeds, so the data are identical.
+    (out / "data.jsonl").unlink()
+    (out / "val.jsonl").unlink()
+    rows = [json.dumps({"id": s.id, "input_ids": s.input_ids, "num_prompt": s.num_prompt})
+            for s in val + seqs[:1]]
+    (out / "data.partial.jsonl").write_text("\n".join(rows) + '\n{"id": "x", "inp')
+    train(cfg)
+    assert not (out / "data.partial.jsonl").exists()
+    again = load_sequences(out / "data.jsonl")
+    assert sorted((s.id, s.input_ids) for s in again) == sorted((s.id, s.input_ids) for s in seqs)
+    with pytest.raises(ValueError, match="temperatures"):
+        replace(cfg, temperatures=(-1.0,))
+
+
+# --- (f) export: bf16, sharded ---------------------------------------------------------------------
+def test_export_head_bf16_sharded_loads_identically(small_target, tmp_path):
+    target, tcfg = small_target
+    src = write_eagle3_head(str(tmp_path / "head"), tcfg, draft_vocab_size=20,
+                            aux_layer_ids=(0, 2, 4))
+    files = export_head(src, tmp_path / "bf16", "bfloat16", max_shard_mb=0.01)
+    shards = [f for f in files if f.name.endswith(".safetensors")]
+    assert len(shards) > 1 and all(f.stat().st_size < 0.01 * 2**20 + 4096 for f in shards)
+    assert (tmp_path / "bf16" / "model.safetensors.index.json").is_file()
+    a = load_draft(src, target, torch.bfloat16, "cpu")
+    b = load_draft(str(tmp_path / "bf16"), target, torch.bfloat16, "cpu")
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
+    with pytest.raises(ValueError, match="max_shard_mb"):
+        export_head(src, tmp_path / "x", "bfloat16", max_shard_mb=0.0001)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from compiled_spec.draft.config import DraftConfig, rename_key
 from compiled_spec.draft.model import EagleDraft
@@ -109,3 +109,50 @@ def save_state(out_dir: Path, step: int, optimizer: torch.optim.Optimizer) -> No
 def load_state(out_dir: Path, device: torch.device) -> dict[str, Any]:
     # weights_only: tensors, numbers, lists and dicts only; never unpickles arbitrary objects.
     return torch.load(str(out_dir / STATE_FILE), map_location=device, weights_only=True)
+
+
+def export_head(src: str | Path, dst: str | Path, dtype: str = "bfloat16",
+                max_shard_mb: float | None = None) -> list[Path]:
+    """Copy the head in ``src`` to ``dst`` with its float tensors cast to ``dtype`` (``d2t`` /
+    ``t2d`` keep theirs), split into shards of at most ``max_shard_mb`` MiB plus a
+    ``model.safetensors.index.json`` when more than one file is needed (the HF sharded layout)."""
+    src, dst = Path(src), Path(dst)
+    if not (src / "model.safetensors").is_file() or not (src / "config.json").is_file():
+        raise FileNotFoundError(f"{src}: not a head directory (config.json + model.safetensors)")
+    to = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(dtype)
+    if to is None:
+        raise ValueError(f"dtype={dtype!r}: expected bfloat16, float16 or float32")
+    if max_shard_mb is not None and not max_shard_mb > 0:
+        raise ValueError(f"max_shard_mb={max_shard_mb!r}: must be > 0")
+    sd = {k: (v.to(to) if v.is_floating_point() else v).contiguous()
+          for k, v in load_file(str(src / "model.safetensors")).items()}
+    limit = float("inf") if max_shard_mb is None else max_shard_mb * 2**20
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    sizes = [0]
+    for k in sorted(sd):  # first fit, in key order: deterministic file contents
+        nbytes = sd[k].numel() * sd[k].element_size()
+        if nbytes > limit:
+            raise ValueError(f"tensor {k!r} alone is {nbytes} bytes, over "
+                             f"max_shard_mb={max_shard_mb}")
+        i = next((i for i, n in enumerate(sizes) if n + nbytes <= limit), None)
+        if i is None:
+            shards.append({})
+            sizes.append(0)
+            i = len(shards) - 1
+        shards[i][k] = sd[k]
+        sizes[i] += nbytes
+    dst.mkdir(parents=True, exist_ok=True)
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    for name, shard in zip(names, shards):
+        save_file(shard, str(dst / name), metadata={"format": "pt"})
+    files = [dst / n for n in names]
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(sizes)},
+                 "weight_map": {k: n for n, sh in zip(names, shards) for k in sh}}
+        (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+        files.append(dst / "model.safetensors.index.json")
+    config = json.loads((src / "config.json").read_text())
+    config["torch_dtype"] = dtype
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return files + [dst / "config.json"]

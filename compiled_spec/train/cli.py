@@ -24,7 +24,13 @@ def add_train_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentPars
     t.add_argument("--max-new-tokens", type=int, default=512)
     t.add_argument("--num-prompts", type=int, default=None)
     t.add_argument("--gen-batch-size", type=int, default=32, help="requests per engine step while self-distilling")
-    t.add_argument("--temperature", type=float, default=0.0, help="self-distillation sampling")
+    t.add_argument("--temperatures", type=float, nargs="+", default=[0.0],
+                   help="one self-distilled response per prompt per temperature (e.g. 0 0.8)")
+    t.add_argument("--val-prompts", type=int, default=0,
+                   help="prompts held out for the held-out loss and the best/ head")
+    t.add_argument("--eval-every", type=int, default=250)
+    t.add_argument("--data-only", action="store_true",
+                   help="stop after writing the self-distilled data (a later run reuses it)")
     t.add_argument("--dtype", default="auto")
     t.add_argument("--device", default=None)
     t.add_argument("--seed", type=int, default=0)
@@ -32,7 +38,23 @@ def add_train_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentPars
     t.add_argument("--log-every", type=int, default=10)
     t.add_argument("--resume", action="store_true", help="continue the run in --out")
     t.set_defaults(func=cmd_train)
+    e = sub.add_parser("export-head", help="rewrite a head in another dtype, sharded into files "
+                       "of at most --max-shard-mb (with a safetensors index)")
+    e.add_argument("src", help="head directory (config.json + safetensors)")
+    e.add_argument("dst", help="output directory (created)")
+    e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    e.add_argument("--max-shard-mb", type=float, default=None)
+    e.set_defaults(func=cmd_export)
     return t
+
+
+def cmd_export(a: argparse.Namespace) -> int:
+    from compiled_spec.train.checkpoint import export_head
+
+    files = export_head(a.src, a.dst, a.dtype, a.max_shard_mb)
+    for f in files:
+        print(f"{f} ({f.stat().st_size / 2**20:.1f} MiB)")
+    return 0
 
 
 def cmd_train(a: argparse.Namespace) -> int:
@@ -43,14 +65,20 @@ def cmd_train(a: argparse.Namespace) -> int:
         draft_vocab_size=a.draft_vocab_size, num_layers=a.num_layers, ttt_steps=a.ttt_steps,
         steps=a.steps, epochs=a.epochs, batch_size=a.batch_size, lr=a.lr,
         warmup_steps=a.warmup_steps, max_seq_len=a.max_seq_len, max_new_tokens=a.max_new_tokens,
-        num_prompts=a.num_prompts, gen_batch_size=a.gen_batch_size, temperature=a.temperature,
+        num_prompts=a.num_prompts, gen_batch_size=a.gen_batch_size, temperatures=tuple(a.temperatures),
+        val_prompts=a.val_prompts, eval_every=a.eval_every, data_only=a.data_only,
         dtype=a.dtype, device=a.device,
         seed=a.seed, save_every=a.save_every, log_every=a.log_every, resume=a.resume)
     out = train(cfg)
+    if cfg.data_only:
+        return 0
     rows = read_log(out)
     if rows:
         last = rows[-1]
         acc = " ".join(f"{x:.3f}" for x in last["acc"])
         print(f"step {last['step']}: loss {last['loss']:.4f}, per-step accuracy {acc}")
+        if "val_loss" in last:
+            acc = " ".join(f"{x:.3f}" for x in last["val_acc"])
+            print(f"held out: loss {last['val_loss']:.4f}, per-step accuracy {acc}")
     print(f"EAGLE-3 head saved to {out}")
     return 0

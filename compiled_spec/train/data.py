@@ -2,10 +2,10 @@
 
 The target answers the training prompts itself (through our engine), so the draft learns the
 distribution it will be verified against, not some other model's. A training sequence is
-prompt + response token ids with a loss mask over the response. The target's aux hidden states and
-logits are not stored: ``TargetFeaturizer`` recomputes them per batch (one no-grad target forward),
-which costs less than the draft's own training step on large targets and saves [S, 3h + V] floats
-per token of disk.
+prompt + response token ids with a loss mask over the response. Several responses per prompt (one
+per sampling temperature) multiply the data: the labels are the target's full distribution at every
+position, so a sampled response is as valid a training sequence as the greedy one and visits states
+the greedy one never reaches. The target's features are recomputed per batch (``features.py``).
 """
 from __future__ import annotations
 
@@ -16,12 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
-
-from compiled_spec.engine.batch import Span, build_metadata
-from compiled_spec.kv_cache import BlockAllocator, allocate_kv_pair
-from compiled_spec.models.decoder import CausalLM
 
 if TYPE_CHECKING:
     from compiled_spec.llm import LLM
@@ -74,30 +69,50 @@ def load_prompts(path: str | Path, num_prompts: int | None = None) -> list[Promp
 
 
 def generate_sequences(llm: "LLM", prompts: list[PromptRow], max_new_tokens: int,
-                       max_seq_len: int, temperature: float = 0.0, batch_size: int = 32,
-                       seed: int = 0, ignore_eos: bool = False) -> list[TrainSequence]:
-    """Let the target answer every prompt with our engine; prompts too long to leave room for
-    at least two response tokens within ``max_seq_len`` are skipped."""
+                       max_seq_len: int, temperatures: tuple[float, ...] = (0.0,),
+                       batch_size: int = 32, seed: int = 0, ignore_eos: bool = False,
+                       partial: Path | None = None) -> list[TrainSequence]:
+    """Let the target answer every prompt once per temperature with our engine. Prompts too long
+    to leave room for at least two response tokens within ``max_seq_len`` are skipped.
+
+    With ``partial``, finished chunks are appended there as they complete and the rows already in
+    it are not generated again, so a generation cut short (a time limit) resumes where it stopped.
+    """
     from compiled_spec.sampling_params import SamplingParams
 
-    encoded: list[tuple[PromptRow, list[int]]] = []
+    done: dict[str, TrainSequence] = {}
+    if partial is not None and partial.is_file():
+        done = {s.id: s for s in load_sequences(partial, strict=False)}
+    jobs: list[tuple[str, list[int], float, int]] = []  # (sequence id, prompt ids, temp, seed)
     for row in prompts:
         ids = row.ids if row.ids is not None else llm.encode_chat(
             [{"role": "user", "content": row.text}])
-        if len(ids) <= max_seq_len - 2:
-            encoded.append((row, ids))
-    out: list[TrainSequence] = []
-    bar = tqdm(total=len(encoded), desc="self-distill", unit="prompt")
-    for start in range(0, len(encoded), batch_size):
-        chunk = encoded[start:start + batch_size]
+        if len(ids) > max_seq_len - 2:
+            continue
+        for ti, temp in enumerate(temperatures):
+            sid = row.id if ti == 0 else f"{row.id}#t{ti}"
+            jobs.append((sid, ids, temp, seed * 1_000_003 + len(jobs)))
+    out: list[TrainSequence] = [done[j[0]] for j in jobs if j[0] in done]
+    todo = [j for j in jobs if j[0] not in done]
+    bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc="self-distill",
+               unit="seq")
+    # Chunks of several engine batches: continuous batching refills the slots of responses that
+    # end early, and each finished chunk is one append to ``partial``.
+    chunk_size = 4 * batch_size
+    for start in range(0, len(todo), chunk_size):
+        chunk = todo[start:start + chunk_size]
         params = [SamplingParams(max_tokens=min(max_new_tokens, max_seq_len - len(ids)),
-                                 temperature=temperature, seed=seed * 1_000_003 + start + i,
-                                 ignore_eos=ignore_eos)
-                  for i, (_, ids) in enumerate(chunk)]
-        for (row, ids), res in zip(chunk, llm.generate([ids for _, ids in chunk], params)):
+                                 temperature=temp, seed=sd, ignore_eos=ignore_eos)
+                  for _, ids, temp, sd in chunk]
+        new: list[TrainSequence] = []
+        for (sid, ids, _, _), res in zip(chunk, llm.generate([j[1] for j in chunk], params)):
             resp = res.outputs[0].token_ids
             if resp:
-                out.append(TrainSequence(row.id, list(ids) + list(resp), len(ids)))
+                new.append(TrainSequence(sid, list(ids) + list(resp), len(ids)))
+        if partial is not None:
+            with partial.open("a") as f:
+                f.write("".join(_row(s) for s in new))
+        out.extend(new)
         bar.update(len(chunk))
     bar.close()
     if not out:
@@ -105,18 +120,31 @@ def generate_sequences(llm: "LLM", prompts: list[PromptRow], max_new_tokens: int
     return out
 
 
+def _row(s: TrainSequence) -> str:
+    return json.dumps({"id": s.id, "input_ids": s.input_ids, "num_prompt": s.num_prompt}) + "\n"
+
+
 def save_sequences(path: Path, seqs: list[TrainSequence]) -> None:
     tmp = path.with_suffix(".tmp")
     with tmp.open("w") as f:
-        for s in seqs:
-            f.write(json.dumps({"id": s.id, "input_ids": s.input_ids,
-                                "num_prompt": s.num_prompt}) + "\n")
+        f.write("".join(_row(s) for s in seqs))
     tmp.replace(path)
 
 
-def load_sequences(path: Path) -> list[TrainSequence]:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [TrainSequence(str(r["id"]), list(r["input_ids"]), int(r["num_prompt"])) for r in rows]
+def load_sequences(path: Path, strict: bool = True) -> list[TrainSequence]:
+    """Rows written by ``save_sequences``; ``strict=False`` drops a torn last line (a partial
+    file whose writer was killed mid-append)."""
+    out = []
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    for n, line in enumerate(lines, 1):
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            if strict or n != len(lines):
+                raise ValueError(f"{path}:{n}: malformed row") from None
+            continue
+        out.append(TrainSequence(str(r["id"]), list(r["input_ids"]), int(r["num_prompt"])))
+    return out
 
 
 @dataclass
@@ -147,62 +175,3 @@ def batch_indices(num_items: int, batch_size: int, step: int, seed: int) -> list
     return perm[k * batch_size:(k + 1) * batch_size]
 
 
-class TargetFeaturizer:
-    """Runs the (frozen) target over whole training sequences and returns what the draft learns
-    from: the aux hidden states (EAGLE-3 input) and the target logits (soft labels).
-
-    The sequences are packed into one flat token batch over a private paged KV cache, so padding
-    costs nothing and the target runs its real attention path (paged op: Triton on GPU). The cache
-    is bound only for the call; the target's previous caches (e.g. the engine's) are restored.
-    """
-
-    def __init__(self, target: CausalLM, aux_layer_ids: tuple[int, ...],
-                 vocab_ids: torch.Tensor | None = None, page_size: int = 16) -> None:
-        self.target = target
-        self.aux_layer_ids = tuple(aux_layer_ids)
-        self.page_size = page_size
-        w = target.lm_head.weight
-        # Logits only at the draft vocab: [B, S, V] fp32 would dominate memory for 128k vocabs.
-        self.head = w if vocab_ids is None else w[vocab_ids.to(w.device)]  # [V_out, h]
-        self._caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._num_blocks = 0
-
-    def _ensure_cache(self, num_blocks: int) -> None:
-        if num_blocks <= self._num_blocks:
-            return
-        cfg, p = self.target.config, self.target.lm_head.weight
-        self._caches = [allocate_kv_pair(num_blocks, self.page_size, cfg.num_key_value_heads,
-                                         cfg.head_dim, p.dtype, p.device)
-                        for _ in range(cfg.num_hidden_layers)]
-        self._num_blocks = num_blocks
-
-    @torch.no_grad()  # not inference_mode: the outputs feed autograd (fc saves its input)
-    def __call__(self, input_ids: torch.Tensor,  # [B, S] int64, right-padded
-                 lengths: torch.Tensor,  # [B]
-                 ) -> tuple[torch.Tensor, torch.Tensor]:  # (aux [B, S, n*h], logits [B, S, V_out])
-        b, s = input_ids.shape
-        device = input_ids.device
-        lens = [int(n) for n in lengths.tolist()]
-        alloc = BlockAllocator(sum(-(-n // self.page_size) for n in lens), self.page_size)
-        self._ensure_cache(alloc.num_blocks)
-        for i, n in enumerate(lens):
-            alloc.grow(i, n)
-        positions, meta = build_metadata(alloc, [Span(i, 0, n) for i, n in enumerate(lens)],
-                                         device)
-        valid = torch.arange(s, device=device)[None, :] < lengths[:, None]  # [B, S]
-        flat_ids = input_ids[valid]  # [T] row-major == the spans' order
-        layers = self.target.model.layers
-        saved = [(l.self_attn.k_cache, l.self_attn.v_cache) for l in layers]
-        self.target.bind_kv_cache(self._caches)
-        try:
-            final, aux = self.target(flat_ids, positions, meta, self.aux_layer_ids)
-        finally:
-            for l, (k, v) in zip(layers, saved):
-                l.self_attn.k_cache, l.self_attn.v_cache = k, v
-        logits = F.linear(final, self.head).float()  # [T, V_out]
-        aux_cat = torch.cat(aux, dim=-1)  # [T, n*h]
-        aux_out = aux_cat.new_zeros(b, s, aux_cat.shape[-1])
-        logit_out = logits.new_zeros(b, s, logits.shape[-1])
-        aux_out[valid] = aux_cat
-        logit_out[valid] = logits
-        return aux_out, logit_out

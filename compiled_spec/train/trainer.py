@@ -3,7 +3,8 @@ training-time test, and save it in the published layout (resumable, logged, plot
 
 out/ holds: ``data.jsonl`` (the generated sequences, reused on resume), ``config.json`` +
 ``model.safetensors`` (the head, loadable by ``load_draft`` and public EAGLE-3 loaders),
-``trainer_state.pt`` (step + optimizer), ``train_log.jsonl`` and ``train_curves.png``.
+``trainer_state.pt`` (step + optimizer), ``train_log.jsonl`` and ``train_curves.png``; with held-out
+prompts also ``val.jsonl`` and ``best/`` (the head with the lowest held-out loss so far).
 """
 from __future__ import annotations
 
@@ -21,14 +22,18 @@ from compiled_spec.draft.config import DraftConfig
 from compiled_spec.draft.model import EagleDraft
 from compiled_spec.models.decoder import CausalLM
 from compiled_spec.train import checkpoint as ckpt
-from compiled_spec.train.data import (TargetFeaturizer, TrainSequence, batch_indices, collate,
-                                      generate_sequences, load_prompts, load_sequences,
-                                      save_sequences)
+from compiled_spec.train.data import (TrainSequence, batch_indices, collate, generate_sequences,
+                                      load_prompts, load_sequences, save_sequences)
+from compiled_spec.train.features import TargetFeaturizer
+from compiled_spec.train.logs import LOG_FILE, plot_curves, read_log, truncate_log
 from compiled_spec.train.ttt import ttt_loss
 from compiled_spec.train.vocab import count_tokens, select_draft_vocab, vocab_maps
 
-LOG_FILE = "train_log.jsonl"
 DATA_FILE = "data.jsonl"
+VAL_FILE = "val.jsonl"
+PARTIAL_FILE = "data.partial.jsonl"
+BEST_DIR = "best"
+__all__ = ["TrainConfig", "train", "read_log", "plot_curves", "default_aux_layer_ids"]
 
 
 @dataclass
@@ -52,7 +57,10 @@ class TrainConfig:
     max_seq_len: int = 2048
     max_new_tokens: int = 512
     num_prompts: int | None = None
-    temperature: float = 0.0  # self-distillation sampling temperature
+    temperatures: tuple[float, ...] = (0.0,)  # one response per prompt per temperature
+    val_prompts: int = 0  # prompts held out (greedy responses only) for the held-out loss
+    eval_every: int = 250  # steps between held-out evaluations (and best-head saves)
+    data_only: bool = False  # stop once the self-distilled data is written
     ignore_eos: bool = False
     gen_batch_size: int = 32
     grad_clip: float = 0.5
@@ -79,8 +87,17 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.epochs={self.epochs!r}: must be > 0")
         if not self.lr > 0 or self.weight_decay < 0 or not self.grad_clip > 0:
             raise ValueError("TrainConfig: lr and grad_clip must be > 0, weight_decay >= 0")
-        if not 0 < self.ttt_decay <= 1 or self.temperature < 0:
-            raise ValueError("TrainConfig: ttt_decay must be in (0, 1], temperature >= 0")
+        self.temperatures = tuple(float(t) for t in self.temperatures)
+        if not self.temperatures or any(t < 0 for t in self.temperatures):
+            raise ValueError(f"TrainConfig.temperatures={self.temperatures!r}: one or more "
+                             "values >= 0")
+        if not 0 < self.ttt_decay <= 1:
+            raise ValueError(f"TrainConfig.ttt_decay={self.ttt_decay!r}: must be in (0, 1]")
+        for name in ("val_prompts", "eval_every"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (name == "eval_every"):
+                raise ValueError(f"TrainConfig.{name}={v!r}: must be an integer >= "
+                                 f"{int(name == 'eval_every')}")
         if self.schedule not in ("cosine", "linear", "constant"):
             raise ValueError(f"TrainConfig.schedule={self.schedule!r}: cosine|linear|constant")
         if self.aux_layer_ids is not None:
@@ -132,24 +149,71 @@ def build_head(target: CausalLM, cfg: TrainConfig, draft_ids: torch.Tensor) -> E
     return draft
 
 
-def _load_target(cfg: TrainConfig, out: Path) -> tuple[CausalLM, list[TrainSequence]]:
-    """The target, plus the training sequences (generated now, or read back from out/)."""
-    data_file = out / DATA_FILE
+def _split(rows: list, num_val: int, seed: int) -> tuple[list, list]:
+    """(train, held out): a seeded random ``num_val`` of the prompts are held out."""
+    if num_val >= len(rows):
+        raise ValueError(f"val_prompts={num_val} leaves no training prompts of {len(rows)}")
+    g = torch.Generator().manual_seed(seed + 4099)
+    held = set(torch.randperm(len(rows), generator=g)[:num_val].tolist())
+    return ([r for i, r in enumerate(rows) if i not in held],
+            [r for i, r in enumerate(rows) if i in held])
+
+
+def _load_target(cfg: TrainConfig, out: Path
+                 ) -> tuple[CausalLM, list[TrainSequence], list[TrainSequence]]:
+    """The target, plus the (training, held-out) sequences: read back from out/ when a previous
+    run wrote them, else generated now (resuming a generation that was cut short)."""
+    data_file, val_file = out / DATA_FILE, out / VAL_FILE
     device = resolve_device(cfg.device)
-    if cfg.resume and data_file.is_file():
+    if data_file.is_file():
         from compiled_spec.models.loader import load_model
 
+        print(f"reusing the self-distilled data in {data_file}")
+        val = load_sequences(val_file) if val_file.is_file() else []
         return load_model(cfg.target, resolve_dtype(cfg.dtype, device), device)[0], \
-            load_sequences(data_file)
+            load_sequences(data_file), val
     from compiled_spec.llm import LLM
 
-    rows = load_prompts(cfg.prompts, cfg.num_prompts)
+    train_rows, val_rows = _split(load_prompts(cfg.prompts, cfg.num_prompts), cfg.val_prompts,
+                                  cfg.seed)
     llm = LLM(model=cfg.target, tokenizer=cfg.tokenizer, dtype=cfg.dtype, device=device,
-              max_model_len=cfg.max_seq_len, max_num_seqs=cfg.gen_batch_size, seed=cfg.seed)
-    seqs = generate_sequences(llm, rows, cfg.max_new_tokens, cfg.max_seq_len, cfg.temperature,
-                              cfg.gen_batch_size, cfg.seed, cfg.ignore_eos)
+              max_model_len=cfg.max_seq_len, max_num_seqs=cfg.gen_batch_size, seed=cfg.seed,
+              max_num_batched_tokens=max(4096, 16 * cfg.gen_batch_size))
+    gen = dict(max_new_tokens=cfg.max_new_tokens, max_seq_len=cfg.max_seq_len,
+               batch_size=cfg.gen_batch_size, seed=cfg.seed, ignore_eos=cfg.ignore_eos,
+               partial=out / PARTIAL_FILE)
+    val = generate_sequences(llm, val_rows, temperatures=cfg.temperatures[:1], **gen) \
+        if val_rows else []
+    seqs = generate_sequences(llm, train_rows, temperatures=cfg.temperatures, **gen)
+    save_sequences(val_file, val)
     save_sequences(data_file, seqs)
-    return llm.engine.model, seqs
+    (out / PARTIAL_FILE).unlink(missing_ok=True)
+    return llm.engine.model, seqs, val
+
+
+@torch.no_grad()
+def evaluate(draft: EagleDraft, feats: TargetFeaturizer, seqs: list[TrainSequence],
+             cfg: TrainConfig, autocast) -> tuple[float, list[float]]:
+    """Held-out TTT loss (decay-weighted, as trained) and per-step top-1 accuracy, weighted by
+    the number of scored positions."""
+    was_training = draft.training
+    draft.eval()
+    n_steps = cfg.ttt_steps
+    loss_sums, hits, counts = [0.0] * n_steps, [0.0] * n_steps, [0] * n_steps
+    for start in range(0, len(seqs), cfg.batch_size):
+        batch = collate(seqs[start:start + cfg.batch_size], feats.head.device)
+        aux, tlogits = feats(batch.input_ids, batch.lengths)
+        with autocast:
+            res = ttt_loss(draft, batch.input_ids, aux, tlogits, batch.loss_mask,
+                           n_steps, cfg.ttt_decay)
+        for i, (l, a, n) in enumerate(zip(res.step_losses, res.step_accuracy, res.step_counts)):
+            loss_sums[i] += l * n  # step means -> sums, so batches weigh by their positions
+            hits[i] += a * n
+            counts[i] += n
+    draft.train(was_training)
+    loss = sum(cfg.ttt_decay ** i * ls / max(c, 1)
+               for i, (ls, c) in enumerate(zip(loss_sums, counts)))
+    return loss, [h / max(c, 1) for h, c in zip(hits, counts)]
 
 
 def train(cfg: TrainConfig) -> Path:
@@ -161,7 +225,10 @@ def train(cfg: TrainConfig) -> Path:
                          "continue it or choose another output directory")
     out.mkdir(parents=True, exist_ok=True)
     (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
-    target, seqs = _load_target(cfg, out)
+    target, seqs, val = _load_target(cfg, out)
+    if cfg.data_only:
+        print(f"data written: {len(seqs)} training and {len(val)} held-out sequences in {out}")
+        return out
     device = target.lm_head.weight.device
     vocab = target.config.vocab_size
 
@@ -173,10 +240,13 @@ def train(cfg: TrainConfig) -> Path:
             d2t = f.get_tensor("d2t")
         draft_ids = torch.arange(d2t.numel()) + d2t
     else:
-        draft_ids = select_draft_vocab(
-            count_tokens(s.input_ids[s.num_prompt:] for s in seqs),
-            min(cfg.draft_vocab_size, vocab), vocab,
-            count_tokens(s.input_ids[:s.num_prompt] for s in seqs))
+        counts = count_tokens(s.input_ids[s.num_prompt:] for s in seqs)
+        draft_ids = select_draft_vocab(counts, min(cfg.draft_vocab_size, vocab), vocab,
+                                       count_tokens(s.input_ids[:s.num_prompt] for s in seqs))
+        kept = set(draft_ids.tolist())
+        covered = sum(c for t, c in counts.items() if t in kept) / max(1, sum(counts.values()))
+        # The draft can never propose a token outside its vocabulary: this bounds acceptance.
+        print(f"draft vocab {draft_ids.numel()} covers {covered:.2%} of response tokens")
     draft = build_head(target, cfg, draft_ids)
     _, t2d = vocab_maps(draft_ids, vocab)
     params = [p for p in draft.parameters() if p.requires_grad]
@@ -187,7 +257,7 @@ def train(cfg: TrainConfig) -> Path:
         state = ckpt.load_state(out, device)
         opt.load_state_dict(state["optimizer"])
         start = int(state["step"])
-    _truncate_log(out / LOG_FILE, start)
+    truncate_log(out / LOG_FILE, start)
 
     total = cfg.steps if cfg.epochs is None else max(
         1, math.ceil(cfg.epochs * math.ceil(len(seqs) / cfg.batch_size)))
@@ -220,6 +290,9 @@ def train(cfg: TrainConfig) -> Path:
                 row = {"step": done, "loss": sum(w[0] for w in window) / n,
                        "acc": [sum(w[1][i] for w in window) / n for i in range(cfg.ttt_steps)],
                        "lr": lr, "elapsed_s": round(time.perf_counter() - t0, 3)}
+                if val and (done % cfg.eval_every == 0 or done == total):
+                    row["val_loss"], row["val_acc"] = evaluate(draft, feats, val, cfg, autocast)
+                    _keep_best(draft, t2d, out, done, row["val_loss"])
                 log.write(json.dumps(row) + "\n")
                 log.flush()
                 window.clear()
@@ -230,48 +303,19 @@ def train(cfg: TrainConfig) -> Path:
     return out
 
 
+def _keep_best(draft: EagleDraft, t2d: torch.Tensor, out: Path, step: int, val_loss: float
+               ) -> None:
+    """Save the head to out/best/ when its held-out loss is the lowest seen (across resumes)."""
+    best, info = out / BEST_DIR, out / BEST_DIR / "best.json"
+    if info.is_file() and json.loads(info.read_text())["val_loss"] <= val_loss:
+        return
+    ckpt.save_head(draft, t2d, best)
+    info.write_text(json.dumps({"step": step, "val_loss": val_loss}))
+
+
 def _save(draft: EagleDraft, t2d: torch.Tensor, out: Path, step: int,
           opt: torch.optim.Optimizer) -> None:
     ckpt.save_head(draft, t2d, out)
     ckpt.save_state(out, step, opt)
 
 
-def _truncate_log(path: Path, step: int) -> None:
-    """Drop rows logged after the checkpoint we resume from (they will be re-run)."""
-    if not path.exists():
-        return
-    rows = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line)["step"] <= step]
-    path.write_text("".join(r + "\n" for r in rows))
-
-
-def read_log(out: str | Path) -> list[dict]:
-    path = Path(out) / LOG_FILE
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def plot_curves(out: Path) -> Path | None:
-    """Loss and per-step accuracy curves as a PNG, when matplotlib is installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    rows = read_log(out)
-    if not rows:
-        return None
-    steps = [r["step"] for r in rows]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    a.plot(steps, [r["loss"] for r in rows])
-    a.set(xlabel="step", ylabel="TTT loss", yscale="log")
-    for i in range(len(rows[0]["acc"])):
-        b.plot(steps, [r["acc"][i] for r in rows], label=f"step {i + 1}")
-    b.set(xlabel="step", ylabel="top-1 accuracy", ylim=(0, 1))
-    b.legend()
-    fig.tight_layout()
-    path = out / "train_curves.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
