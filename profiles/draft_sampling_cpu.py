@@ -21,7 +21,7 @@ target = write_bigram_target(root / "target", vocab=32, layers=2)
 head = str(train(TrainConfig(
     target=target, prompts=write_id_prompts(root / "p.jsonl", 32, vocab=32), out=str(root / "head"),
     tokenizer=tok, draft_vocab_size=24, ttt_steps=3, steps=150, batch_size=8, lr=5e-3,
-    warmup_steps=10, max_seq_len=64, max_new_tokens=40, temperature=0.0, ignore_eos=True,
+    warmup_steps=10, max_seq_len=64, max_new_tokens=40, ignore_eos=True,
     log_every=50, save_every=0, seed=0)))
 rng = random.Random(123)
 prompts = [[rng.randrange(31) for _ in range(rng.randint(1, 8))] for _ in range(64)]

@@ -74,6 +74,6 @@ def trained_eagle3_pair(tmp_path_factory, smollm2_gguf_path):
     out = train(TrainConfig(
         target=target, prompts=prompts, out=str(root / "head"), tokenizer=smollm2_gguf_path,
         draft_vocab_size=24, ttt_steps=3, steps=150, batch_size=8, lr=5e-3, warmup_steps=10,
-        max_seq_len=64, max_new_tokens=40, temperature=0.0, ignore_eos=True, log_every=50,
+        max_seq_len=64, max_new_tokens=40, ignore_eos=True, log_every=50,
         save_every=0, seed=0))
     return target, str(out)

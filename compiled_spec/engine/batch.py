@@ -27,6 +27,27 @@ class Span:
     write_limit: int | None = None
 
 
+def _metadata_to(device: torch.device, positions: list[int] | list[list[int]],
+                 slots: list[int] | list[list[int]], seq_lens: list[int] | list[list[int]],
+                 qsl: list[int], tables: list[list[int]], max_query_len: int,
+                 max_seq_len: int) -> tuple[torch.Tensor, AttentionMetadata]:
+    """Two host->device copies (one int64, one int32 buffer), then views: each copy is a
+    launch plus a staging memcpy, and a step builds these every time."""
+    i64 = torch.tensor([positions, slots], dtype=torch.int64)  # [2, T] or [2, S, B]
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    width = max(len(t) for t in tables)
+    tab = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    i32 = torch.cat([lens.reshape(-1), torch.tensor(qsl, dtype=torch.int32), tab.reshape(-1)])
+    if device.type != "cpu":
+        i64, i32 = i64.to(device, non_blocking=True), i32.to(device, non_blocking=True)
+    n_lens, b = lens.numel(), len(tables)
+    meta = AttentionMetadata(
+        slot_mapping=i64[1], block_tables=i32[n_lens + b + 1:].view(b, width),
+        seq_lens=i32[:n_lens].view(lens.shape), query_start_loc=i32[n_lens:n_lens + b + 1],
+        max_query_len=max_query_len, max_seq_len=max_seq_len)
+    return i64[0], meta
+
+
 def build_metadata(allocator: BlockAllocator, spans: list[Span],
                    device: torch.device) -> tuple[torch.Tensor, AttentionMetadata]:
     """Returns positions [num_tokens] int64 and the metadata for the flat batch of ``spans``."""
@@ -45,22 +66,33 @@ def build_metadata(allocator: BlockAllocator, spans: list[Span],
                 slots.append(-1)
         seq_lens.append(positions[-1] + 1 if s.length else s.start)
         qsl.append(qsl[-1] + s.length)
-    tables = [allocator.tables[s.req_id] for s in spans]
-    width = max(len(t) for t in tables)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        max_query_len=max(s.length for s in spans),
-        max_seq_len=max(seq_lens),
-    )
-    pos = torch.tensor(positions, dtype=torch.int64)
-    if device.type != "cpu":
-        return pos.to(device, non_blocking=True), meta.to(device)
-    return pos, meta
+    return _metadata_to(device, positions, slots, seq_lens, qsl,
+                        [allocator.tables[s.req_id] for s in spans],
+                        max(s.length for s in spans), max(seq_lens))
 
 
+def build_loop_metadata(allocator: BlockAllocator, roots: list[Span], write_limits: list[int],
+                        num_steps: int, device: torch.device
+                        ) -> tuple[torch.Tensor, AttentionMetadata]:
+    """Metadata of a whole one-token-per-request draft loop at once: step j (1-based) of request
+    b sits at ``roots[b].start + roots[b].length - 1 + j``; positions at or past the request's
+    write limit are inert (as in ``Span``). Returns positions [S, B] and metadata whose
+    slot_mapping / seq_lens are [S, B] (``capture.pad.LiveBatch``'s loop layout); block tables
+    must already cover every step's position (the proposer grows them first)."""
+    positions = [[0] * len(roots) for _ in range(num_steps)]
+    slots = [[0] * len(roots) for _ in range(num_steps)]
+    lens = [[0] * len(roots) for _ in range(num_steps)]
+    for b, (s, limit) in enumerate(zip(roots, write_limits)):
+        for j in range(num_steps):
+            p = s.start + s.length + j
+            if p < limit:
+                positions[j][b], slots[j][b] = p, allocator.slot(s.req_id, p)
+            else:
+                positions[j][b], slots[j][b] = limit - 1, -1
+            lens[j][b] = positions[j][b] + 1
+    return _metadata_to(device, positions, slots, lens, list(range(len(roots) + 1)),
+                        [allocator.tables[s.req_id] for s in roots], 1,
+                        max(max(row) for row in lens))
 def to_device(values: list[int], device: torch.device) -> torch.Tensor:
     t = torch.tensor(values, dtype=torch.int64)
     return t if device.type == "cpu" else t.to(device, non_blocking=True)

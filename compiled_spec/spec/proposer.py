@@ -4,7 +4,9 @@ The first pass pairs each position i the target just accepted with the next toke
 left by one, hidden state i with token i+1) and writes the draft's KV there, overwriting what
 earlier draft steps guessed. Each later step feeds back the draft's own hidden state, one token
 per request. All metadata is built on the host from engine state before launching, so the loop
-never waits on the device.
+never waits on the device: the k-1 steps' metadata are built at once into one ``LiveBatch``
+(positions / slots / seq_lens [k-1, B]) and ``loop_fn`` runs the whole loop, which is what lets
+``compiled_spec.engine.graphs`` replay it as one CUDA graph.
 """
 from __future__ import annotations
 
@@ -12,9 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
+from capture.pad import LiveBatch
 from compiled_spec.attention_metadata import AttentionMetadata
 from compiled_spec.draft.model import EagleDraft
-from compiled_spec.engine.batch import Span, build_metadata, to_device
+from compiled_spec.engine.batch import Span, build_loop_metadata, build_metadata, to_device
 from compiled_spec.kv_cache import BlockAllocator
 from compiled_spec.spec.rejection import sample_draft
 
@@ -40,6 +43,9 @@ class EagleProposer:
         # hoists it back out to eager); later steps start from the draft's own hidden state.
         self.first_pass_fn = draft.forward_from_aux
         self.step_fn = draft
+        # The k-1 step loop over a LiveBatch -> (drafts [B, k-1], q [B, k-1, V] | None); the
+        # engine's CUDA graphs replace it with a captured replay of this same function.
+        self.loop_fn = self.run_loop
         self.allocator = allocator
         self.device = device
         self.k = num_speculative_tokens
@@ -52,19 +58,39 @@ class EagleProposer:
         # is bound to each layer by name.
         return {name: meta for name in self.layer_names}
 
-    def _pick(self, logits: torch.Tensor, batch: ProposeBatch, positions: torch.Tensor
+    def _pick(self, logits: torch.Tensor,  # [B, draft_vocab]
+              temperature: torch.Tensor,  # [B] fp32, 0 = greedy
+              seeds: torch.Tensor,  # [B] int64
+              positions: torch.Tensor,  # [B] position of the token being drafted
               ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[B, draft_vocab] logits -> ([B] target-vocab draft ids, [B, target_vocab] q or None)."""
+        """-> ([B] target-vocab draft ids, [B, target_vocab] q or None). On-device only."""
         if not self.sample_drafts:
             return self.draft.draft_to_target(logits.argmax(dim=-1)), None
-        greedy = batch.temperature == 0
-        temp = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
+        greedy = temperature == 0
+        temp = torch.where(greedy, torch.ones_like(temperature), temperature)
         q = torch.softmax(logits / temp[:, None], dim=-1)  # [B, draft_vocab]
         one_hot = torch.zeros_like(q).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
         q = torch.where(greedy[:, None], one_hot, q)
-        tok = sample_draft(q, batch.seeds, positions)
+        tok = sample_draft(q, seeds, positions)
         q_target = self.draft.draft_vocab_to_target_probs(q, self.target_vocab_size)
         return self.draft.draft_to_target(tok), q_target
+
+    def run_loop(self, b: LiveBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft steps 2..k: ``b.input_ids`` [B] the first drafts, extras ``feed`` [B, h] (their
+        hidden), ``temperature`` [B], ``seeds`` [B]; b.step(j) the metadata of step j + 2. A fixed
+        trip count with no host reads, so a CUDA graph can capture it whole."""
+        tok, feed = b.input_ids, b.extras["feed"]
+        tokens, probs = [], []
+        for j in range(b.num_steps):
+            positions, meta = b.step(j)  # [B]
+            feed, for_logits = self.step_fn(tok, feed, positions, self._metas(meta))
+            # The token drafted here sits two past this step's input position.
+            tok, q = self._pick(self.draft.compute_logits(for_logits), b.extras["temperature"],
+                                b.extras["seeds"], positions + 2)
+            tokens.append(tok)
+            probs.append(q)
+        return torch.stack(tokens, dim=1), (torch.stack(probs, dim=1) if self.sample_drafts
+                                            else None)
 
     @torch.inference_mode()
     def propose(self, batch: ProposeBatch, target_hidden: torch.Tensor | list[torch.Tensor]
@@ -77,25 +103,18 @@ class EagleProposer:
         ids = to_device(batch.token_ids, self.device)  # [T]
         positions, meta = build_metadata(self.allocator, batch.first_pass, self.device)
         feed, for_logits = self.first_pass_fn(aux, ids, positions, self._metas(meta))
-        ends, total = [], 0
-        for s in batch.first_pass:
-            total += s.length
-            ends.append(total - 1)
-        last = to_device(ends, self.device)
+        last = (meta.query_start_loc[1:] - 1).long()  # [B] each request's last first-pass row
         feed = feed[last]  # [B, h]
         # Position of the token being drafted: d_1 sits right after the last committed token.
-        next_pos = [s.start + s.length + 1 for s in batch.first_pass]
-        tok, q = self._pick(self.draft.compute_logits(for_logits[last]), batch,
-                            to_device(next_pos, self.device))
-        tokens, probs = [tok], [q]
-        for j in range(1, self.k):
-            spans = [Span(s.req_id, s.start + s.length - 1 + j, 1, lim)
-                     for s, lim in zip(batch.first_pass, batch.step_limits)]
-            positions, meta = build_metadata(self.allocator, spans, self.device)
-            feed, for_logits = self.step_fn(tok, feed, positions, self._metas(meta))
-            tok, q = self._pick(self.draft.compute_logits(for_logits), batch,
-                                to_device([p + j for p in next_pos], self.device))
-            tokens.append(tok)
-            probs.append(q)
-        drafts = torch.stack(tokens, dim=1)  # [B, k]
-        return drafts, (torch.stack(probs, dim=1) if self.sample_drafts else None)
+        next_pos = positions[last] + 2
+        tok, q = self._pick(self.draft.compute_logits(for_logits[last]), batch.temperature,
+                            batch.seeds, next_pos)
+        if self.k == 1:
+            return tok[:, None], (q[:, None] if self.sample_drafts else None)
+        loop_pos, loop_meta = build_loop_metadata(self.allocator, batch.first_pass,
+                                                  batch.step_limits, self.k - 1, self.device)
+        rest, rest_q = self.loop_fn(LiveBatch(
+            input_ids=tok, positions=loop_pos, meta=loop_meta,
+            extras={"feed": feed, "temperature": batch.temperature, "seeds": batch.seeds}))
+        drafts = torch.cat([tok[:, None], rest], dim=1)  # [B, k]
+        return drafts, (torch.cat([q[:, None], rest_q], dim=1) if self.sample_drafts else None)
