@@ -7,6 +7,9 @@ Three compiled callables, each with its own backend instance (so its pass statis
 - draft first pass (aux states -> fc -> draft): the EAGLE-3 fc is hoisted back out to eager, since
   it runs over a variable number of target tokens while the rest has per-step shapes;
 - draft step (one token per request, its own hidden fed back): per-layer metadata bound.
+
+On CUDA (``CompileConfig.cudagraphs``) the compiled callables are then captured into padded CUDA
+graphs by dummy runs (``compiled_spec.engine.graphs``) and the engine replays them.
 """
 from __future__ import annotations
 
@@ -15,6 +18,8 @@ from typing import Any
 
 import torch
 
+from capture import CapturePolicy, GraphRunner
+from compiled_spec.engine.graphs import EngineGraphs
 from compiled_spec.engine.model_runner import ModelRunner
 from passes import make_backend
 
@@ -23,10 +28,17 @@ from passes import make_backend
 class CompileConfig:
     inductor: bool = True  # False: run our transformed graphs eagerly (debugging)
     dynamic: bool = True  # token counts vary per step; avoid one recompile per batch shape
+    cudagraphs: bool = True  # on CUDA: capture padded graphs at start-up and replay them
+    capture_batch_sizes: tuple[int, ...] = ()  # () = 1, 2, 4, 8, 16, ... up to max_num_seqs
+    seq_len_buckets: tuple[int, ...] = ()  # max_seq_len host ints captured; () = max_model_len
+    strict_capture: bool = False  # a failed capture raises (default: warned and counted)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.inductor, bool) or not isinstance(self.dynamic, bool):
-            raise ValueError("CompileConfig.inductor and .dynamic must be booleans")
+        for name in ("inductor", "dynamic", "cudagraphs", "strict_capture"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"CompileConfig.{name}={getattr(self, name)!r}: must be a bool")
+        self.capture_batch_sizes = tuple(self.capture_batch_sizes)
+        self.seq_len_buckets = tuple(self.seq_len_buckets)
 
 
 @dataclass
@@ -35,10 +47,15 @@ class CompiledModels:
     compiled: dict[str, Any]
     backends: dict[str, Any] = field(default_factory=dict)
     active: bool = False
+    graphs: EngineGraphs | None = None  # CUDA graphs over the compiled callables, once captured
+    graphs_off: str | None = None  # why there are none (CPU device, cudagraphs=False)
 
     def stats(self) -> dict[str, Any]:
-        return {name: {"graphs": len(b.graphs), "pass_matches": b.match_counts}
-                for name, b in self.backends.items()}
+        out: dict[str, Any] = {name: {"graphs": len(b.graphs), "pass_matches": b.match_counts}
+                               for name, b in self.backends.items()}
+        out["cuda_graphs"] = self.graphs.stats() if self.graphs is not None else {
+            "off": self.graphs_off or "not captured"}
+        return out
 
 
 def _compile(fn: Any, backend: Any, cfg: CompileConfig) -> Any:
@@ -46,17 +63,35 @@ def _compile(fn: Any, backend: Any, cfg: CompileConfig) -> Any:
 
 
 def compile_models(runner: ModelRunner, cfg: CompileConfig) -> CompiledModels:
+    # Dynamo's recompile limit counts per code object, and every engine's modules run the same
+    # forward code: the default 8 would make the 9th engine in a process fail (fullgraph=True).
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     eager: dict[str, Any] = {"target": runner.target_fn}
     backends = {"target": make_backend(hoist_fc=False, per_layer_metadata=False, inductor=cfg.inductor)}
     compiled: dict[str, Any] = {"target": _compile(runner.model, backends["target"], cfg)}
     prop = runner.proposer
     if prop is not None:
-        eager.update(first_pass=prop.first_pass_fn, step=prop.step_fn)
+        eager.update(first_pass=prop.first_pass_fn, step=prop.step_fn, loop=prop.run_loop)
         backends["draft_first_pass"] = make_backend(hoist_fc=True, inductor=cfg.inductor)
         backends["draft_step"] = make_backend(hoist_fc=False, inductor=cfg.inductor)
         compiled["first_pass"] = _compile(prop.draft.forward_from_aux, backends["draft_first_pass"], cfg)
         compiled["step"] = _compile(prop.draft, backends["draft_step"], cfg)
+        compiled["loop"] = prop.run_loop  # the same Python loop, over the compiled step
     return CompiledModels(eager=eager, compiled=compiled, backends=backends)
+
+
+def capture_graphs(runner: ModelRunner, models: CompiledModels, policy: CapturePolicy,
+                   page_size: int, strict: bool = False,
+                   runner_cls: type[GraphRunner] = GraphRunner) -> EngineGraphs:
+    """Capture the compiled callables by dummy runs (call with the compiled ones active) and
+    route the engine through the graphs from now on while compiled mode is on."""
+    use_compiled(runner, models, True)
+    graphs = EngineGraphs(runner, models.compiled["target"], policy, page_size, strict,
+                          runner_cls)
+    graphs.capture()
+    models.graphs = graphs
+    _route(runner, models, True)
+    return graphs
 
 
 def use_compiled(runner: ModelRunner, models: CompiledModels, on: bool) -> None:
@@ -66,4 +101,17 @@ def use_compiled(runner: ModelRunner, models: CompiledModels, on: bool) -> None:
     if runner.proposer is not None:
         runner.proposer.first_pass_fn = fns["first_pass"]
         runner.proposer.step_fn = fns["step"]
+        runner.proposer.loop_fn = fns["loop"]
+    _route(runner, models, on)
     models.active = on
+
+
+def _route(runner: ModelRunner, models: CompiledModels, on: bool) -> None:
+    g = models.graphs
+    if not on or g is None:
+        return
+    runner.target_fn = g.target
+    if runner.proposer is not None:
+        runner.proposer.first_pass_fn = g.first_pass
+        if g.loop is not None:
+            runner.proposer.loop_fn = g.loop.run

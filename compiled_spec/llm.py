@@ -1,6 +1,7 @@
 """The user-facing API: ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import torch
@@ -8,7 +9,9 @@ from tqdm.auto import tqdm
 
 from compiled_spec.config import (CacheConfig, EngineConfig, SchedulerConfig, SpecConfig,
                                   resolve_device, resolve_dtype)
-from compiled_spec.compile import CompileConfig, CompiledModels, compile_models, use_compiled
+from capture import CapturePolicy
+from compiled_spec.compile import (CompileConfig, CompiledModels, capture_graphs, compile_models,
+                                   use_compiled)
 from compiled_spec.draft.loader import load_draft
 from compiled_spec.engine.engine import LLMEngine
 from compiled_spec.engine.request import RequestOutput
@@ -51,6 +54,7 @@ class LLM:
         compile: bool = False,
         compile_config: CompileConfig | None = None,
     ) -> None:
+        t_start = time.perf_counter()
         path = model if model is not None else find_default_gguf()
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
@@ -79,6 +83,8 @@ class LLM:
         self.engine = LLMEngine(self.config, net, sorted(eos), self._detokenize, draft_model)
         self._compile_config = compile_config or CompileConfig()
         self._compiled: CompiledModels | None = None
+        # Seconds per start-up phase; "compile" covers torch.compile and CUDA-graph capture.
+        self.startup_s: dict[str, float] = {"load": time.perf_counter() - t_start}
         if compile:
             self.set_compiled(True)
 
@@ -86,7 +92,22 @@ class LLM:
     def set_compiled(self, on: bool) -> None:
         """Run through the torch.compile'd target and draft (compiled on first use) or eager."""
         if on and self._compiled is None:
-            self._compiled = compile_models(self.engine.runner, self._compile_config)
+            t0 = time.perf_counter()
+            cc, ec = self._compile_config, self.config
+            self._compiled = compile_models(self.engine.runner, cc)
+            if not cc.cudagraphs or ec.device.type != "cuda":
+                self._compiled.graphs_off = ("cudagraphs=False" if not cc.cudagraphs else
+                                             f"device {ec.device} has no CUDA graphs")
+            else:  # compiles (dynamic shapes) and captures every size by dummy runs
+                policy = CapturePolicy(
+                    max_batch_size=ec.scheduler.max_num_seqs,
+                    num_speculative_tokens=0 if ec.spec is None else
+                    ec.spec.num_speculative_tokens,
+                    max_model_len=ec.max_model_len, batch_sizes=cc.capture_batch_sizes,
+                    seq_len_buckets=cc.seq_len_buckets)
+                capture_graphs(self.engine.runner, self._compiled, policy, ec.cache.page_size,
+                               cc.strict_capture)
+            self.startup_s["compile"] = time.perf_counter() - t0
         if self._compiled is not None:
             use_compiled(self.engine.runner, self._compiled, on)
 

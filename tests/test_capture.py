@@ -7,12 +7,12 @@ import warnings
 
 import pytest
 import torch
-from torch.utils._pytree import tree_flatten
 
 from capture import (CaptureError, CapturePolicy, GraphRegistry, GraphRunner, LiveBatch,
                      StaticBuffers, assert_captured, bucket_max_seq_len, decode_sizes,
                      default_batch_sizes, draft_step_sizes, pad_batch, pad_to, padding_table,
                      verify_sizes)
+from capture.emulate import EmulatedGraphRunner
 from capture.selfcheck_cuda import TinyModel, live_batch, make_world
 
 CPU = torch.device("cpu")
@@ -235,26 +235,7 @@ def test_assert_captured_raises():
         assert_captured(reg.runners, "target_decode", "target_verify")
 
 
-class _StandInGraph:
-    """torch.cuda.CUDAGraph's contract on the CPU: replay recomputes fn on the captured static
-    views with the captured host ints and writes into the captured output tensors."""
-
-    def __init__(self, fn, static: LiveBatch) -> None:
-        self.fn, self.static, self.out = fn, static, fn(static)
-
-    @torch.inference_mode()  # capture ran in inference mode, so the outputs are inference tensors
-    def replay(self) -> None:
-        for dst, src in zip(tree_flatten(self.out)[0], tree_flatten(self.fn(self.static))[0]):
-            dst.copy_(src)
-
-
-class CpuReplayRunner(GraphRunner):
-    enabled = property(lambda self: True)  # type: ignore[assignment]
-
-    def _capture_one(self, size: int, bucket: int) -> None:
-        static = self.buffers.fill_dummy(size, size // self.query_len, self.query_len, bucket)
-        g = _StandInGraph(self.fn, static)
-        self._graphs[(size, bucket)] = (g, g.out)
+CpuReplayRunner = EmulatedGraphRunner
 
 
 @pytest.mark.parametrize("kind,n", [("decode", 3), ("decode", 6), ("verify", 3), ("mixed", 5),

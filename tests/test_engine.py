@@ -148,3 +148,19 @@ def test_chat_template_and_text_prompts(tiny_llm_dir):
     assert isinstance(out.text, str) and out.metrics.time_to_first_token is not None
     out = llm.generate("hello there", SamplingParams(max_tokens=3, temperature=0.0))[0]
     assert out.prompt == "hello there" and len(out.token_ids) <= 3
+
+
+def test_max_num_seqs_bounds_every_batch(tiny_llm_dir):
+    """Admission counts the requests admitted in the same step (the static CUDA-graph buffers
+    and capture sizes rely on no batch exceeding max_num_seqs)."""
+    llm = _llm(tiny_llm_dir, max_num_seqs=2)
+    sizes = []
+    orig = llm.engine.runner.execute
+
+    def spy(reqs, num_new):
+        sizes.append(len(reqs))
+        return orig(reqs, num_new)
+
+    llm.engine.runner.execute = spy
+    llm.generate(PROMPTS + PROMPTS[:1], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert max(sizes) == 2 and sizes[0] == 2

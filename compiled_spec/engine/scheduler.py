@@ -85,7 +85,7 @@ class Scheduler:
         # 2. Admit waiting requests.
         budget = self.cfg.max_num_batched_tokens
         admitted: list[Request] = []
-        while self.waiting and len(self.running) < self.cfg.max_num_seqs:
+        while self.waiting and len(self.running) + len(admitted) < self.cfg.max_num_seqs:
             req = self.waiting[0]
             n = req.num_tokens - req.num_computed
             if admitted and n > budget:
