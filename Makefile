@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 demo: setup
-	$(VENV)/bin/compiled-spec generate --max-tokens 128
+	$(VENV)/bin/compiled-spec generate --draft smollm2-eagle3 -k 3 --max-tokens 128
 
 test: setup
 	$(PY) -m pytest -q

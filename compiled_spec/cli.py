@@ -15,7 +15,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=8)
-    p.add_argument("--draft", default=None, help="EAGLE-1 / EAGLE-3 head directory (HF layout)")
+    p.add_argument("--draft", default=None, help="EAGLE-1 / EAGLE-3 head directory (HF layout), or "
+                   "smollm2-eagle3 (the head shipped for the default SmolLM2 target)")
     p.add_argument("--method", default=None, choices=["eagle", "eagle3"],
                    help="draft method (default: detected from the checkpoint)")
     p.add_argument("--num-speculative-tokens", "-k", type=int, default=3)

@@ -13,6 +13,7 @@ from capture import CapturePolicy
 from compiled_spec.compile import (CompileConfig, CompiledModels, capture_graphs, compile_models,
                                    use_compiled)
 from compiled_spec.draft.loader import load_draft
+from compiled_spec.heads import resolve_draft
 from compiled_spec.engine.engine import LLMEngine
 from compiled_spec.engine.request import RequestOutput
 from compiled_spec.models.gguf_loader import find_default_gguf
@@ -55,6 +56,7 @@ class LLM:
         compile_config: CompileConfig | None = None,
     ) -> None:
         t_start = time.perf_counter()
+        draft = resolve_draft(draft)  # "smollm2-eagle3": the head shipped with the package
         path = model if model is not None else find_default_gguf()
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)

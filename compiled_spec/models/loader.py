@@ -19,6 +19,7 @@ from compiled_spec.models.config import ModelConfig
 from compiled_spec.models.decoder import CausalLM
 
 MAX_REPORTED_PROBLEMS = 5
+RANDOM_PREFIX = "random:"  # "random:DIR": DIR's config.json with random weights (benchmarks)
 # Checkpoints written by older transformers carry rope buffers; we derive rope from the config.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -26,7 +27,10 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 def load_model(path: str, dtype: torch.dtype,
                device: torch.device | str = "cpu") -> tuple[CausalLM, ModelConfig]:
     """Load ``path`` (HF directory or ``.gguf`` file) as an eval-mode, grad-free model with
-    parameters in ``dtype`` on ``device``."""
+    parameters in ``dtype`` on ``device``. ``random:DIR`` builds DIR's architecture with random
+    weights instead (latency benchmarks of shapes whose weights are not at hand, e.g. 8B)."""
+    if str(path).startswith(RANDOM_PREFIX):
+        return random_model(Path(str(path)[len(RANDOM_PREFIX):]), dtype, device)
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"model path does not exist: {path}")
@@ -69,6 +73,25 @@ def _safetensors_device(device: torch.device | str) -> str:
     if dev.type == "cuda" and dev.index is None:  # safetensors wants an explicit ordinal
         dev = torch.device("cuda", torch.cuda.current_device())
     return str(dev)
+
+
+def random_model(model_dir: Path, dtype: torch.dtype, device: torch.device | str,
+                 seed: int = 0) -> tuple[CausalLM, ModelConfig]:
+    """``model_dir/config.json``'s model with N(0, 0.02) weights (norms 1), made on ``device``
+    directly: no checkpoint, no host copy. Same seed, same weights."""
+    config = read_hf_config(model_dir)
+    model = build_meta_model(config)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in list(model.named_parameters()):
+        module_name, _, attr = name.rpartition(".")
+        t = torch.empty(p.shape, dtype=dtype, device=device)
+        if "norm" in name:
+            t.fill_(1.0)
+        else:
+            t.normal_(0.0, 0.02, generator=gen)
+        model.get_submodule(module_name)._parameters[attr] = torch.nn.Parameter(
+            t, requires_grad=False)
+    return finalize_model(model, device), config
 
 
 def read_hf_config(model_dir: Path) -> ModelConfig:

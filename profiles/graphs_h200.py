@@ -1,0 +1,269 @@
+"""H200: what compile + CUDA graphs buy, per component and end to end (issue 4's figures).
+
+One shape per run (a target and an EAGLE-3 head):
+  python profiles/graphs_h200.py --shape smollm2 --model ~/m/model.gguf --draft HEAD --out F.json
+  python profiles/graphs_h200.py --shape llama8b --out F.json   (random Llama-3.1-8B + 32k head)
+
+Reports start-up (load; torch.compile + capture by dummy runs), then at a 512-token context and
+batch 1: the target forward at T = 1 / 4 / 8 tokens (eager, compiled, compiled + graph) and the
+whole propose call for k = 3 and 5 (eager, compiled, compiled + graph), against the weight-read
+floor (bytes / 4.27 TB/s). "ms" is one call followed by a device sync (what a step waits for);
+"ms_pipelined" is the mean of back-to-back calls with one sync at the end. With --e2e, MT-bench
+prompts are generated vanilla and speculative (k=5) eager and compiled: ms/token, tau, and
+whether greedy outputs are identical.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from capture import CapturePolicy, GraphRunner, LiveBatch, StaticBuffers  # noqa: E402
+from compiled_spec import LLM, SamplingParams  # noqa: E402
+from compiled_spec.compile import CompileConfig, capture_graphs, use_compiled  # noqa: E402
+from compiled_spec.engine.batch import Span, build_metadata  # noqa: E402
+from compiled_spec.engine.graphs import EngineGraphs  # noqa: E402
+from compiled_spec.spec.proposer import ProposeBatch  # noqa: E402
+
+HBM_BYTES_PER_S = 4.27e12
+CTX = 512
+LLAMA8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+           "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 131072,
+           "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
+           "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+           "bos_token_id": 128000, "eos_token_id": 128009}
+
+
+TINY = dict(LLAMA8B, vocab_size=49152, hidden_size=64, intermediate_size=128,
+            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=4096, rope_scaling=None, bos_token_id=1, eos_token_id=2)
+DEVICE = torch.device("cuda")
+RUNNER: type[GraphRunner] = GraphRunner
+
+
+def sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timeit(fn: Callable[[], Any], iters: int = 50, warmup: int = 5) -> dict[str, float]:
+    for _ in range(warmup):
+        fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync()
+    pipelined = (time.perf_counter() - t0) / iters * 1e3
+    each = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        each.append((time.perf_counter() - t0) * 1e3)
+    return {"ms": round(statistics.median(each), 4), "ms_pipelined": round(pipelined, 4)}
+
+
+def nbytes(module: torch.nn.Module, exclude: torch.nn.Module | None = None) -> int:
+    """Parameter bytes of ``module``, less tensors it shares with ``exclude`` (the draft reads
+    the target's embedding one row per token, which the floor does not count)."""
+    shared = {p.data_ptr() for p in exclude.parameters()} if exclude is not None else set()
+    return sum(p.numel() * p.element_size() for p in module.parameters()
+               if p.data_ptr() not in shared)
+
+
+def build(args: argparse.Namespace, tmp: Path) -> tuple[LLM, float]:
+    from compiled_spec.draft.testing import write_eagle3_head
+    from compiled_spec.models.config import ModelConfig
+
+    model, draft = args.model, args.draft
+    if args.shape in ("llama8b", "tiny"):
+        cfg = LLAMA8B if args.shape == "llama8b" else TINY
+        (tmp / "t").mkdir()
+        (tmp / "t" / "config.json").write_text(json.dumps(cfg))
+        model = f"random:{tmp / 't'}"
+        layers = cfg["num_hidden_layers"]
+        draft = write_eagle3_head(str(tmp / "head"), ModelConfig.from_hf_dict(cfg),
+                                  draft_vocab_size=32000,
+                                  aux_layer_ids=(2, layers // 2, layers - 3))
+    t0 = time.perf_counter()
+    llm = LLM(model=model, tokenizer=args.tokenizer, draft=draft, method="eagle3",
+              num_speculative_tokens=5, device=DEVICE, max_model_len=2048,
+              dtype="bfloat16" if DEVICE.type == "cuda" else "float32",
+              max_num_seqs=1, kv_cache_memory_gib=4,
+              compile_config=CompileConfig(capture_batch_sizes=(1,), inductor=args.inductor))
+    return llm, time.perf_counter() - t0
+
+
+def component_latencies(llm: LLM) -> dict[str, Any]:
+    runner, models = llm.engine.runner, llm._compiled
+    prop, alloc, dev = runner.proposer, llm.engine.allocator, DEVICE
+    rid = 10 ** 9  # a fake request owning a CTX-token context (KV contents do not matter)
+    alloc.grow(rid, CTX + 32)
+    aux_ids = runner.aux_layer_ids
+    vocab = runner.model.config.vocab_size
+    graphs: EngineGraphs = models.graphs
+    policy = graphs.policy
+    out: dict[str, Any] = {"target": {}, "propose": {}}
+
+    # Target forward at T tokens; T = 4 and 8 get their own graphs here (the engine's verify
+    # graph is T = k + 1 = 6), captured into the same pool from the same compiled function.
+    max_blocks = graphs.registry.runners["target_decode"].buffers.max_blocks
+    fn = models.compiled["target"]
+    for t in (1, 4, 8):
+        ids = torch.randint(0, vocab, (t,), device=dev)
+        pos, meta = build_metadata(alloc, [Span(rid, CTX, t)], dev)
+        live = LiveBatch(ids, pos, meta)
+        if t == 1:
+            runner_t = graphs.registry.runners["target_decode"]
+        else:
+            runner_t = graphs.registry.register(
+                f"bench_target_T{t}", lambda b: fn(b.input_ids, b.positions, b.meta, aux_ids),
+                [t], StaticBuffers(t, 1, max_blocks, dev), query_len=t, clone_outputs=True,
+                seq_len_buckets=policy.seq_len_buckets)
+            runner_t.capture()
+        with torch.inference_mode():
+            out["target"][f"T{t}"] = {
+                "eager": timeit(lambda: models.eager["target"](ids, pos, meta, aux_ids)),
+                "compiled": timeit(lambda: fn(ids, pos, meta, aux_ids)),
+                "compiled_graph": timeit(lambda: runner_t.run(live))}
+        print(f"target T={t}: {out['target'][f'T{t}']}", flush=True)
+
+    # The whole propose call (host metadata, eager fc, first pass, k-1 steps) for one request
+    # whose last step accepted one draft (first pass over 2 positions).
+    m = 2
+    with torch.inference_mode():
+        ids = torch.randint(0, vocab, (m,), device=dev)
+        pos, meta = build_metadata(alloc, [Span(rid, CTX - m, m)], dev)
+        _, aux = models.eager["target"](ids, pos, meta, aux_ids)
+    for k in (3, 5):
+        prop.k = k
+        batch = ProposeBatch(first_pass=[Span(rid, CTX - m, m)], token_ids=[5] * m,
+                             hidden_rows=list(range(m)), step_limits=[CTX - 1 + k],
+                             temperature=torch.zeros(1, device=dev),
+                             seeds=torch.zeros(1, dtype=torch.int64, device=dev))
+        res: dict[str, Any] = {}
+        use_compiled(runner, models, False)
+        res["eager"] = timeit(lambda: prop.propose(batch, aux))
+        saved, models.graphs = models.graphs, None
+        use_compiled(runner, models, True)  # compiled, no graphs
+        res["compiled"] = timeit(lambda: prop.propose(batch, aux))
+        if k == 5:
+            models.graphs = saved
+        else:  # graphs for k = 3: another first-pass size and a 2-step loop
+            t0 = time.perf_counter()
+            runner.k = 3
+            models.graphs = EngineGraphs(runner, fn, CapturePolicy(1, 3, policy.max_model_len,
+                                                                   batch_sizes=(1,)),
+                                         llm.config.cache.page_size, runner_cls=RUNNER)
+            models.graphs.capture()
+            res["capture_k3_s"] = round(time.perf_counter() - t0, 2)
+            runner.k = 5
+        use_compiled(runner, models, True)
+        res["compiled_graph"] = timeit(lambda: prop.propose(batch, aux))
+        models.graphs = saved
+        use_compiled(runner, models, True)
+        out["propose"][f"k{k}"] = res
+        print(f"propose k={k}: {res}", flush=True)
+    prop.k = 5
+    alloc.free(rid)
+    return out
+
+
+def end_to_end(llm: LLM, prompts_file: str, n: int, max_tokens: int) -> dict[str, Any]:
+    from compiled_spec.bench import load_mt_bench, mt_bench_prompts
+
+    prompts = mt_bench_prompts(llm, load_mt_bench(prompts_file, n))
+    res: dict[str, Any] = {}
+    outs: dict[str, list] = {}
+    for compiled in (False, True):
+        llm.set_compiled(compiled)
+        for spec in (False, True):
+            sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, speculate=spec)
+            llm.generate(prompts[:1], SamplingParams(max_tokens=8, speculate=spec),
+                         use_tqdm=False)  # warm
+            d0, a0 = llm.stats.spec.num_drafting_steps, llm.stats.spec.num_accepted_tokens
+            sync()
+            t0 = time.perf_counter()
+            toks = 0
+            got = []
+            for p in prompts:  # batch 1
+                o = llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids
+                got.append(o)
+                toks += len(o)
+            sync()
+            dt = time.perf_counter() - t0
+            name = ("compiled_graph" if compiled else "eager") + ("_eagle3" if spec else
+                                                                  "_vanilla")
+            d = llm.stats.spec.num_drafting_steps - d0
+            a = llm.stats.spec.num_accepted_tokens - a0
+            res[name] = {"ms_per_token": round(dt / toks * 1e3, 4), "tokens": toks,
+                         "tau": round(1 + a / d, 4) if spec and d else None}
+            outs[name] = got
+            print(name, res[name], flush=True)
+    ref = outs["eager_vanilla"]
+    res["identical_to_eager_vanilla"] = {k: sum(a == b for a, b in zip(v, ref)) / len(ref)
+                                         for k, v in outs.items()}
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", choices=["smollm2", "llama8b", "tiny"], required=True)
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run with emulated graphs")
+    ap.add_argument("--no-inductor", dest="inductor", action="store_false")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--draft", default=None)
+    ap.add_argument("--tokenizer", default=None)
+    ap.add_argument("--prompts", default=".device/data/question.jsonl")
+    ap.add_argument("--e2e", type=int, default=0, help="MT-bench prompts for the end-to-end run")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    global DEVICE, RUNNER
+    DEVICE = torch.device(args.device)
+    if DEVICE.type == "cpu":
+        from capture.emulate import EmulatedGraphRunner
+        RUNNER = EmulatedGraphRunner
+    report: dict[str, Any] = {"shape": args.shape, "torch": torch.__version__,
+                              "gpu": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu", "context": CTX, "batch": 1,
+                              "date": time.strftime("%Y-%m-%d")}
+    with tempfile.TemporaryDirectory() as tmp:
+        llm, build_s = build(args, Path(tmp))
+        report["load_s"] = round(build_s, 2)
+        t0 = time.perf_counter()
+        llm.set_compiled(True)  # torch.compile (dynamic) + capture of every component
+        if DEVICE.type == "cpu":  # dry run: emulated graphs
+            c = llm.config
+            capture_graphs(llm.engine.runner, llm._compiled, CapturePolicy(
+                1, 5, c.max_model_len, batch_sizes=(1,)), c.cache.page_size, runner_cls=RUNNER)
+        report["compile_and_capture_s"] = round(time.perf_counter() - t0, 2)
+        report["capture_s"] = round(llm._compiled.graphs.capture_s, 2)
+        print("start-up", report, flush=True)
+        tgt, drf = llm.engine.model, llm.engine.runner.proposer.draft
+        t_bytes = nbytes(tgt)
+        d_bytes = nbytes(drf, exclude=tgt)
+        report["floor_ms"] = {"target": round(t_bytes / HBM_BYTES_PER_S * 1e3, 4),
+                              "draft_step": round(d_bytes / HBM_BYTES_PER_S * 1e3, 4)}
+        report.update(component_latencies(llm))
+        if args.e2e:
+            report["e2e"] = end_to_end(llm, args.prompts, args.e2e, args.max_tokens)
+        report["graph_stats"] = llm.compile_stats.get("cuda_graphs")
+    Path(args.out).write_text(json.dumps(report, indent=1, default=str))
+    print(json.dumps({k: report[k] for k in ("floor_ms", "target", "propose")}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
