@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Issue 4's H200 figures: bash profiles/graphs_h200.sh smollm2|llama8b (after the setup call of
-# the device protocol; ~/m/model.gguf is assembled here when missing).
+# Issue 4's H200 figures: bash profiles/graphs_h200.sh smollm2|llama8b. The GGUF travels in three
+# parts (the tree with the shipped head plus half the GGUF is over one call's 64 MiB): call 1
+# carries .device/q0 + .device/whl and installs, call 2 carries .device/q1, call 3 .device/q2.
 set -u
 export PYTHONPATH=~/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 M=~/m/model.gguf
-[ -f "$M" ] || cat ~/m/part0 .device/p1/part1 > "$M"
+[ -f "$M" ] || cat ~/m/part0 ~/m/part1 .device/q2/part2 > "$M"
 SHAPE=${1:?smollm2|llama8b}
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv > "$OUT/gpu_$SHAPE.txt"
 if [ "$SHAPE" = smollm2 ]; then
