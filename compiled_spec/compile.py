@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from capture import CapturePolicy, GraphRunner
+from capture import CapturePolicy
 from compiled_spec.engine.graphs import EngineGraphs
 from compiled_spec.engine.model_runner import ModelRunner
 from passes import make_backend
@@ -81,13 +81,13 @@ def compile_models(runner: ModelRunner, cfg: CompileConfig) -> CompiledModels:
 
 
 def capture_graphs(runner: ModelRunner, models: CompiledModels, policy: CapturePolicy,
-                   page_size: int, strict: bool = False,
-                   runner_cls: type[GraphRunner] = GraphRunner) -> EngineGraphs:
+                   page_size: int, strict: bool = False, emulate: bool = False) -> EngineGraphs:
     """Capture the compiled callables by dummy runs (call with the compiled ones active) and
-    route the engine through the graphs from now on while compiled mode is on."""
+    route the engine through the graphs from now on while compiled mode is on. ``emulate``:
+    CPU stand-ins for CUDA graphs (tests)."""
     use_compiled(runner, models, True)
     graphs = EngineGraphs(runner, models.compiled["target"], policy, page_size, strict,
-                          runner_cls)
+                          emulate)
     graphs.capture()
     models.graphs = graphs
     _route(runner, models, True)
@@ -107,11 +107,8 @@ def use_compiled(runner: ModelRunner, models: CompiledModels, on: bool) -> None:
 
 
 def _route(runner: ModelRunner, models: CompiledModels, on: bool) -> None:
-    g = models.graphs
-    if not on or g is None:
-        return
-    runner.target_fn = g.target
+    g = models.graphs if on else None
     if runner.proposer is not None:
-        runner.proposer.first_pass_fn = g.first_pass
-        if g.loop is not None:
-            runner.proposer.loop_fn = g.loop.run
+        runner.proposer.graph = None if g is None else g.propose
+    if g is not None:
+        runner.target_fn = g.target

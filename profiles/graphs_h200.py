@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from capture import CapturePolicy, GraphRunner, LiveBatch, StaticBuffers  # noqa: E402
+from capture import CapturePolicy, LiveBatch, StaticBuffers  # noqa: E402
 from compiled_spec import LLM, SamplingParams  # noqa: E402
 from compiled_spec.compile import CompileConfig, capture_graphs, use_compiled  # noqa: E402
 from compiled_spec.engine.batch import Span, build_metadata  # noqa: E402
@@ -49,7 +49,7 @@ TINY = dict(LLAMA8B, vocab_size=49152, hidden_size=64, intermediate_size=128,
             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=4096, rope_scaling=None, bos_token_id=1, eos_token_id=2)
 DEVICE = torch.device("cuda")
-RUNNER: type[GraphRunner] = GraphRunner
+EMULATE = False  # CPU dry run: emulated graphs (capture.emulate)
 
 
 def sync() -> None:
@@ -106,7 +106,7 @@ def build(args: argparse.Namespace, tmp: Path) -> tuple[LLM, float]:
     return llm, time.perf_counter() - t0
 
 
-def component_latencies(llm: LLM) -> dict[str, Any]:
+def component_latencies(llm: LLM, skip_eager: bool) -> dict[str, Any]:
     runner, models = llm.engine.runner, llm._compiled
     prop, alloc, dev = runner.proposer, llm.engine.allocator, DEVICE
     rid = 10 ** 9  # a fake request owning a CTX-token context (KV contents do not matter)
@@ -134,10 +134,14 @@ def component_latencies(llm: LLM) -> dict[str, Any]:
                 seq_len_buckets=policy.seq_len_buckets)
             runner_t.capture()
         with torch.inference_mode():
-            out["target"][f"T{t}"] = {
+            out["target"][f"T{t}"] = {} if skip_eager else {
                 "eager": timeit(lambda: models.eager["target"](ids, pos, meta, aux_ids)),
-                "compiled": timeit(lambda: fn(ids, pos, meta, aux_ids)),
-                "compiled_graph": timeit(lambda: runner_t.run(live))}
+                "compiled": timeit(lambda: fn(ids, pos, meta, aux_ids))}
+            out["target"][f"T{t}"].update({
+                "compiled_graph": timeit(lambda: runner_t.run(live)),
+                # What a step pays: the lm_head runs after the replay, on the rows it needs.
+                "compiled_graph_with_lm_head": timeit(
+                    lambda: runner.model.compute_logits(runner_t.run(live)[0]))})
         print(f"target T={t}: {out['target'][f'T{t}']}", flush=True)
 
     # The whole propose call (host metadata, eager fc, first pass, k-1 steps) for one request
@@ -151,14 +155,15 @@ def component_latencies(llm: LLM) -> dict[str, Any]:
         prop.k = k
         batch = ProposeBatch(first_pass=[Span(rid, CTX - m, m)], token_ids=[5] * m,
                              hidden_rows=list(range(m)), step_limits=[CTX - 1 + k],
-                             temperature=torch.zeros(1, device=dev),
-                             seeds=torch.zeros(1, dtype=torch.int64, device=dev))
+                             temperature=[0.0], seeds=[0])
         res: dict[str, Any] = {}
-        use_compiled(runner, models, False)
-        res["eager"] = timeit(lambda: prop.propose(batch, aux))
-        saved, models.graphs = models.graphs, None
-        use_compiled(runner, models, True)  # compiled, no graphs
-        res["compiled"] = timeit(lambda: prop.propose(batch, aux))
+        saved = models.graphs
+        if not skip_eager:
+            use_compiled(runner, models, False)
+            res["eager"] = timeit(lambda: prop.propose(batch, aux))
+            models.graphs = None
+            use_compiled(runner, models, True)  # compiled, no graphs
+            res["compiled"] = timeit(lambda: prop.propose(batch, aux))
         if k == 5:
             models.graphs = saved
         else:  # graphs for k = 3: another first-pass size and a 2-step loop
@@ -166,7 +171,7 @@ def component_latencies(llm: LLM) -> dict[str, Any]:
             runner.k = 3
             models.graphs = EngineGraphs(runner, fn, CapturePolicy(1, 3, policy.max_model_len,
                                                                    batch_sizes=(1,)),
-                                         llm.config.cache.page_size, runner_cls=RUNNER)
+                                         llm.config.cache.page_size, emulate=EMULATE)
             models.graphs.capture()
             res["capture_k3_s"] = round(time.perf_counter() - t0, 2)
             runner.k = 5
@@ -181,13 +186,14 @@ def component_latencies(llm: LLM) -> dict[str, Any]:
     return out
 
 
-def end_to_end(llm: LLM, prompts_file: str, n: int, max_tokens: int) -> dict[str, Any]:
+def end_to_end(llm: LLM, prompts_file: str, n: int, max_tokens: int, skip_eager: bool
+               ) -> dict[str, Any]:
     from compiled_spec.bench import load_mt_bench, mt_bench_prompts
 
     prompts = mt_bench_prompts(llm, load_mt_bench(prompts_file, n))
     res: dict[str, Any] = {}
     outs: dict[str, list] = {}
-    for compiled in (False, True):
+    for compiled in ((True,) if skip_eager else (False, True)):
         llm.set_compiled(compiled)
         for spec in (False, True):
             sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, speculate=spec)
@@ -212,9 +218,13 @@ def end_to_end(llm: LLM, prompts_file: str, n: int, max_tokens: int) -> dict[str
                          "tau": round(1 + a / d, 4) if spec and d else None}
             outs[name] = got
             print(name, res[name], flush=True)
-    ref = outs["eager_vanilla"]
-    res["identical_to_eager_vanilla"] = {k: sum(a == b for a, b in zip(v, ref)) / len(ref)
-                                         for k, v in outs.items()}
+    # bf16: speculative and vanilla run different kernels (T = k+1 vs 1), so identical greedy
+    # output is expected for most prompts, not all; fp32 identity is what the tests check.
+    for ref_name in ("eager_vanilla", "compiled_graph_vanilla"):
+        if ref_name in outs:
+            ref = outs[ref_name]
+            res[f"identical_to_{ref_name}"] = {
+                k: sum(a == b for a, b in zip(v, ref)) / len(ref) for k, v in outs.items()}
     return res
 
 
@@ -230,12 +240,13 @@ def main() -> int:
     ap.add_argument("--e2e", type=int, default=0, help="MT-bench prompts for the end-to-end run")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--skip-eager", action="store_true",
+                    help="time only the compiled + graph paths (eager and compiled-only measured "
+                         "before)")
     args = ap.parse_args()
-    global DEVICE, RUNNER
+    global DEVICE, EMULATE
     DEVICE = torch.device(args.device)
-    if DEVICE.type == "cpu":
-        from capture.emulate import EmulatedGraphRunner
-        RUNNER = EmulatedGraphRunner
+    EMULATE = DEVICE.type == "cpu"
     report: dict[str, Any] = {"shape": args.shape, "torch": torch.__version__,
                               "gpu": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu", "context": CTX, "batch": 1,
                               "date": time.strftime("%Y-%m-%d")}
@@ -247,7 +258,7 @@ def main() -> int:
         if DEVICE.type == "cpu":  # dry run: emulated graphs
             c = llm.config
             capture_graphs(llm.engine.runner, llm._compiled, CapturePolicy(
-                1, 5, c.max_model_len, batch_sizes=(1,)), c.cache.page_size, runner_cls=RUNNER)
+                1, 5, c.max_model_len, batch_sizes=(1,)), c.cache.page_size, emulate=True)
         report["compile_and_capture_s"] = round(time.perf_counter() - t0, 2)
         report["capture_s"] = round(llm._compiled.graphs.capture_s, 2)
         print("start-up", report, flush=True)
@@ -256,9 +267,10 @@ def main() -> int:
         d_bytes = nbytes(drf, exclude=tgt)
         report["floor_ms"] = {"target": round(t_bytes / HBM_BYTES_PER_S * 1e3, 4),
                               "draft_step": round(d_bytes / HBM_BYTES_PER_S * 1e3, 4)}
-        report.update(component_latencies(llm))
+        report.update(component_latencies(llm, args.skip_eager))
         if args.e2e:
-            report["e2e"] = end_to_end(llm, args.prompts, args.e2e, args.max_tokens)
+            report["e2e"] = end_to_end(llm, args.prompts, args.e2e, args.max_tokens,
+                                       args.skip_eager)
         report["graph_stats"] = llm.compile_stats.get("cuda_graphs")
     Path(args.out).write_text(json.dumps(report, indent=1, default=str))
     print(json.dumps({k: report[k] for k in ("floor_ms", "target", "propose")}, indent=1))

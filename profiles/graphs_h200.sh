@@ -8,13 +8,15 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 M=~/m/model.gguf
 [ -f "$M" ] || cat ~/m/part0 ~/m/part1 .device/q2/part2 > "$M"
 SHAPE=${1:?smollm2|llama8b}
+shift
+EXTRA=("$@")  # e.g. --skip-eager
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv > "$OUT/gpu_$SHAPE.txt"
 if [ "$SHAPE" = smollm2 ]; then
-  ARGS=(--model "$M" --draft smollm2-eagle3 --e2e 10 --max-tokens 128)
+  ARGS=(--model "$M" --draft smollm2-eagle3 --e2e ${E2E:-10} --max-tokens 128)
 else
   ARGS=()
 fi
-timeout 540 python3 profiles/graphs_h200.py --shape "$SHAPE" --tokenizer "$M" "${ARGS[@]}" \
+timeout ${LIMIT:-540} python3 profiles/graphs_h200.py --shape "$SHAPE" --tokenizer "$M" "${ARGS[@]}" "${EXTRA[@]}" \
   --out "$OUT/graphs_$SHAPE.json" > "$OUT/graphs_$SHAPE.log" 2>&1
 echo "rc=$?"
 grep -vE "Warning|warn\(|^\s*$|tokeniz" "$OUT/graphs_$SHAPE.log" | tail -60

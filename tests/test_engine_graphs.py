@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from capture import CaptureError, CapturePolicy
-from capture.emulate import EmulatedGraphRunner
 from compiled_spec import LLM, SamplingParams
 from compiled_spec.compile import CompileConfig, capture_graphs, compile_models, use_compiled
 from compiled_spec.engine.graphs import EngineGraphs
+from compiled_spec.engine.propose_graph import ProposeGraphs
 
 PROMPTS = [[3, 7, 1], [5], [9, 2, 4, 4, 8, 1, 2], [11, 12], [6, 6, 6, 1, 2]]
 
@@ -28,8 +28,7 @@ def _graphs(llm: LLM, batch_sizes=(1, 2, 4), buckets=(32, 128)) -> EngineGraphs:
     policy = CapturePolicy(max_batch_size=4, num_speculative_tokens=0 if cfg.spec is None else
                            cfg.spec.num_speculative_tokens, max_model_len=128,
                            batch_sizes=batch_sizes, seq_len_buckets=buckets)
-    return capture_graphs(llm.engine.runner, models, policy, cfg.cache.page_size,
-                          runner_cls=EmulatedGraphRunner)
+    return capture_graphs(llm.engine.runner, models, policy, cfg.cache.page_size, emulate=True)
 
 
 def _run(llm: LLM, sp: SamplingParams | list[SamplingParams]):
@@ -47,13 +46,12 @@ def test_graphed_speculative_engine_equals_eager(trained_eagle3_pair, smollm2_gg
     eager = _run(llm, sp)
     eager_tau = llm.stats.spec.mean_acceptance_length
     graphs = _graphs(llm)
-    assert set(graphs.registry.runners) == {"target_decode", "target_verify",
-                                            "draft_first_pass", "draft_loop"}
+    assert set(graphs.registry.runners) == {"target_decode", "target_verify", "draft_propose"}
     before = llm.stats.spec.num_drafting_steps
     graphed = _run(llm, sp)
     assert graphed == eager
     st = graphs.stats()["components"]
-    for name in ("target_verify", "draft_first_pass", "draft_loop"):
+    for name in ("target_verify", "draft_propose"):
         assert st[name]["graph_replays"] > 0, (name, st[name])
     assert st["target_decode"]["prefill_calls"] > 0  # prefill never replays, and is counted
     assert graphs.stats()["padded_rows"] > 0  # 5 prompts on 4 slots: batches of 3 pad to 4
@@ -76,7 +74,7 @@ def test_uncaptured_sizes_run_without_graph_and_are_counted(trained_eagle3_pair,
     graphs = _graphs(llm, batch_sizes=(1, 2))  # batches of 3-4 have no graph
     assert _run(llm, sp) == eager
     missed = graphs.stats()["without_graph"]
-    assert missed["target_verify"].get("size", 0) > 0 and missed["draft_loop"].get("size", 0) > 0
+    assert missed["target_verify"].get("size", 0) > 0 and missed["draft_propose"].get("size", 0) > 0
 
 
 def test_vanilla_engine_decode_graph(trained_eagle3_pair, smollm2_gguf_path):
@@ -96,14 +94,10 @@ def test_draft_missing_from_capture_is_detected(trained_eagle3_pair, smollm2_ggu
     target, head = trained_eagle3_pair
     llm = _llm(target, smollm2_gguf_path, head)
 
-    orig = EmulatedGraphRunner._capture_one
+    def broken(self, size):  # every dummy run of the draft fails
+        raise RuntimeError("operation not permitted when stream is capturing")
 
-    def broken(self, size, bucket):  # every draft-loop dummy run fails
-        if self.name == "draft_loop":
-            raise RuntimeError("operation not permitted when stream is capturing")
-        return orig(self, size, bucket)
-
-    monkeypatch.setattr(EmulatedGraphRunner, "_capture_one", broken)
-    with pytest.warns(RuntimeWarning, match="draft_loop"):
-        with pytest.raises(CaptureError, match="draft_loop"):
+    monkeypatch.setattr(ProposeGraphs, "_capture_one", broken)
+    with pytest.warns(RuntimeWarning, match="draft_propose"):
+        with pytest.raises(CaptureError, match="draft_propose"):
             _graphs(llm)

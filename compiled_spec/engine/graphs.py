@@ -1,17 +1,15 @@
 """CUDA graphs in the engine: which callables get captured, with which static buffers, and how
 each engine step is routed to a replay (or, counted, to the compiled function without one).
 
-Four components share one graph memory pool (``capture.GraphRegistry``):
+Three components share one graph memory pool (``capture.GraphRegistry``):
 
 * ``target_decode``: the target over one token per request (vanilla decoding; T = n).
 * ``target_verify``: the target over [last token, k drafts] per request (T = n * (k + 1)); a
   batch whose requests verify fewer drafts pads into it (q_len <= k + 1 fits the graph's grid).
-* ``draft_first_pass``: the draft over each request's accepted positions (<= k + 1 tokens each),
-  shapes as verify. EAGLE-3's fc runs eagerly *before* the replay, over the target's aux states:
-  the captured part is the same compiled ``draft.forward`` the later steps use, so no graph
-  depends on the aux width or the first pass's token count (seeds/003).
-* ``draft_loop``: draft steps 2..k as ONE graph (the proposer's ``run_loop``, k - 1 unrolled
-  steps, metadata for all steps precomputed into [k-1, B] buffers).
+* ``draft_propose`` (``propose_graph.ProposeGraphs``): the whole propose as one graph per batch
+  size: the first pass over each request's accepted positions (<= k + 1 each), the first draft,
+  and the k - 1 step loop. EAGLE-3's fc runs eagerly *before* the replay, over the target's aux
+  states, so no graph depends on the aux width or the first pass's token count (seeds/003).
 
 Prefill steps (any request with more than k + 1 query tokens) are never captured; they run the
 compiled function directly and are counted as ``prefill``. Every other miss (batch above the
@@ -27,9 +25,11 @@ from typing import Any, Callable
 import torch
 
 from capture import (CapturePolicy, GraphRegistry, GraphRunner, LiveBatch, StaticBuffers,
-                     decode_sizes, draft_step_sizes, verify_sizes)
+                     decode_sizes, verify_sizes)
+from capture.emulate import EmulatedGraphRunner
 from compiled_spec.attention_metadata import AttentionMetadata
 from compiled_spec.engine.model_runner import ModelRunner
+from compiled_spec.engine.propose_graph import ProposeGraphs
 
 TargetFn = Callable[..., Any]  # (input_ids, positions, meta, aux_layer_ids) -> (hidden, aux)
 
@@ -54,31 +54,13 @@ class GraphedTarget:
         return self.fn(input_ids, positions, meta, aux_layer_ids)
 
 
-class GraphedFirstPass:
-    """Drop-in for ``EagleProposer.first_pass_fn``: eager fc, then the captured draft forward."""
-
-    def __init__(self, combine_aux: Callable[[list[torch.Tensor]], torch.Tensor],
-                 step_fn: Callable[..., Any], runner: GraphRunner, query_len: int) -> None:
-        self.combine_aux, self.step_fn, self.runner = combine_aux, step_fn, runner
-        self.query_len = query_len
-        self.prefill_calls = 0
-
-    def __call__(self, aux: list[torch.Tensor], input_ids: torch.Tensor, positions: torch.Tensor,
-                 attn_metas: dict[str, AttentionMetadata]) -> Any:
-        hidden = self.combine_aux(aux)  # [T, h]: EAGLE-3's fc, eager, outside every graph
-        meta = next(iter(attn_metas.values()))  # all layers share the slots (see proposer)
-        if meta.max_query_len > self.query_len:
-            self.prefill_calls += 1
-            return self.step_fn(input_ids, hidden, positions, attn_metas)
-        return self.runner.run(LiveBatch(input_ids, positions, meta, {"hidden": hidden}))
-
-
 class EngineGraphs:
     """Registers, captures (dummy runs at start-up) and routes the engine's CUDA graphs."""
 
     def __init__(self, runner: ModelRunner, target_fn: TargetFn, policy: CapturePolicy,
-                 page_size: int, strict: bool = False,
-                 runner_cls: type[GraphRunner] = GraphRunner) -> None:
+                 page_size: int, strict: bool = False, emulate: bool = False) -> None:
+        """``emulate``: CPU stand-ins for CUDA graphs (``capture.emulate``), for tests."""
+        runner_cls = EmulatedGraphRunner if emulate else GraphRunner
         device = runner.device
         self.policy = policy
         self.capture_s: float | None = None
@@ -105,28 +87,17 @@ class EngineGraphs:
         verify = reg("target_verify", target_graph_fn, verify_sizes(policy), tbufs,
                      query_len=k + 1) if k > 0 else None
         self.target = GraphedTarget(target_fn, decode, verify, k + 1)
-        self.first_pass: GraphedFirstPass | None = None
-        self.loop: GraphRunner | None = None
+        self.propose: ProposeGraphs | None = None
         prop = runner.proposer
         if prop is None:
             return
-        h, dtype = prop.draft.config.hidden_size, runner.model.lm_head.weight.dtype
-        step_fn = prop.step_fn
-        names = prop.layer_names
-        fbufs = StaticBuffers(top_tokens, max_seqs, max_blocks, device,
-                              token_extras={"hidden": ((h,), dtype)})
-        first = reg("draft_first_pass",
-                    lambda b: step_fn(b.input_ids, b.extras["hidden"], b.positions,
-                                      {n: b.meta for n in names}),
-                    verify_sizes(policy), fbufs, query_len=k + 1)
-        self.first_pass = GraphedFirstPass(prop.draft.combine_aux, step_fn, first, k + 1)
-        if k > 1:
-            lbufs = StaticBuffers(max_seqs, max_seqs, max_blocks, device, num_steps=k - 1,
-                                  seq_extras={"feed": ((h,), dtype),
-                                              "temperature": ((), torch.float32),
-                                              "seeds": ((), torch.int64)})
-            self.loop = reg("draft_loop", prop.run_loop, draft_step_sizes(policy), lbufs,
-                            output_rows="seqs")
+        # One graph per batch size, at the largest bucket: the draft's attention is one layer,
+        # so shorter buckets would buy little for their extra captures.
+        self.propose = ProposeGraphs(prop, runner.allocator, policy.batch_sizes, max_blocks,
+                                     policy.seq_len_buckets[-1],
+                                     runner.model.lm_head.weight.dtype,
+                                     pool=self.registry.pool, emulate=emulate, strict=strict)
+        self.registry.runners[ProposeGraphs.name] = self.propose  # type: ignore[assignment]
 
     @property
     def required(self) -> list[str]:
@@ -147,8 +118,6 @@ class EngineGraphs:
     def stats(self) -> dict[str, Any]:
         per = self.registry.stats()
         per["target_decode"]["prefill_calls"] = self.target.prefill_calls
-        if self.first_pass is not None:
-            per["draft_first_pass"]["prefill_calls"] = self.first_pass.prefill_calls
         return {"capture_s": self.capture_s, "components": per,
                 "replayed": sum(r["graph_replays"] for r in per.values()),
                 "padded_rows": sum(r["padded_rows"] for r in per.values()),

@@ -205,9 +205,7 @@ class ModelRunner:
                  hidden_rows: list[int], limits: list[int], pend: _Pending) -> None:
         batch = ProposeBatch(
             first_pass=first_pass, token_ids=token_ids, hidden_rows=hidden_rows, step_limits=limits,
-            temperature=torch.tensor([r.params.temperature for r in chosen], dtype=torch.float32,
-                                     device=self.device),
-            seeds=torch.tensor([r.seed for r in chosen], dtype=torch.int64, device=self.device))
+            temperature=[r.params.temperature for r in chosen], seeds=[r.seed for r in chosen])
         self._drafts, self._draft_probs = self.proposer.propose(batch, pend.hidden)
         self._draft_row = {r.req_id: i for i, r in enumerate(chosen)}
 

@@ -11,6 +11,7 @@ never waits on the device: the k-1 steps' metadata are built at once into one ``
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +22,9 @@ from compiled_spec.engine.batch import Span, build_loop_metadata, build_metadata
 from compiled_spec.kv_cache import BlockAllocator
 from compiled_spec.spec.rejection import sample_draft
 
+if TYPE_CHECKING:
+    from compiled_spec.engine.propose_graph import ProposeGraphs
+
 
 @dataclass
 class ProposeBatch:
@@ -30,8 +34,8 @@ class ProposeBatch:
     token_ids: list[int]  # [sum of first-pass lengths]: the token after each position
     hidden_rows: list[int]  # rows of the target's hidden states, same order as token_ids
     step_limits: list[int]  # per request: positions >= this are inert in steps 2..k
-    temperature: torch.Tensor  # [B] fp32, 0 = greedy
-    seeds: torch.Tensor  # [B] int64
+    temperature: list[float]  # per request, 0 = greedy
+    seeds: list[int]  # per request
 
 
 class EagleProposer:
@@ -46,6 +50,9 @@ class EagleProposer:
         # The k-1 step loop over a LiveBatch -> (drafts [B, k-1], q [B, k-1, V] | None); the
         # engine's CUDA graphs replace it with a captured replay of this same function.
         self.loop_fn = self.run_loop
+        # When set (compiled mode on CUDA), the whole propose replays as one CUDA graph per
+        # batch size; calls it cannot take run the path below (and are counted there).
+        self.graph: "ProposeGraphs | None" = None
         self.allocator = allocator
         self.device = device
         self.k = num_speculative_tokens
@@ -97,6 +104,12 @@ class EagleProposer:
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns draft tokens [B, k] (target vocab) and, when drafts are sampled, their
         probabilities [B, k, target_vocab]."""
+        if self.graph is not None:
+            out = self.graph.run(batch, target_hidden)
+            if out is not None:
+                return out
+        temperature = torch.tensor(batch.temperature, dtype=torch.float32, device=self.device)
+        seeds = torch.tensor(batch.seeds, dtype=torch.int64, device=self.device)
         rows = to_device(batch.hidden_rows, self.device)
         # EAGLE-3: the aux states (fused by fc); EAGLE-1: the target's final hidden state.
         aux = [h[rows] for h in target_hidden] if isinstance(target_hidden, list) else [target_hidden[rows]]
@@ -107,14 +120,14 @@ class EagleProposer:
         feed = feed[last]  # [B, h]
         # Position of the token being drafted: d_1 sits right after the last committed token.
         next_pos = positions[last] + 2
-        tok, q = self._pick(self.draft.compute_logits(for_logits[last]), batch.temperature,
-                            batch.seeds, next_pos)
+        tok, q = self._pick(self.draft.compute_logits(for_logits[last]), temperature, seeds,
+                            next_pos)
         if self.k == 1:
             return tok[:, None], (q[:, None] if self.sample_drafts else None)
         loop_pos, loop_meta = build_loop_metadata(self.allocator, batch.first_pass,
                                                   batch.step_limits, self.k - 1, self.device)
         rest, rest_q = self.loop_fn(LiveBatch(
             input_ids=tok, positions=loop_pos, meta=loop_meta,
-            extras={"feed": feed, "temperature": batch.temperature, "seeds": batch.seeds}))
+            extras={"feed": feed, "temperature": temperature, "seeds": seeds}))
         drafts = torch.cat([tok[:, None], rest], dim=1)  # [B, k]
         return drafts, (torch.cat([q[:, None], rest_q], dim=1) if self.sample_drafts else None)

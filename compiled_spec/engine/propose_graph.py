@@ -1,0 +1,285 @@
+"""The whole propose step as ONE CUDA graph per batch size: the draft's first pass over each
+request's accepted positions (<= k + 1 per request), the first draft, and the k - 1 step loop.
+
+Why a dedicated runner rather than ``GraphRunner`` + ``StaticBuffers``: a propose call is small
+(at batch 1 the draft's kernels take ~0.3 ms on an H200) and its cost is mostly host work, so
+every launched op counts. Here the host writes every integer input, already padded to the
+captured size, into one int64 and one int32 host array (numpy, no torch ops); two host->device
+copies land them in the static buffers the graph reads. Before the replay only EAGLE-3's fc runs,
+eagerly (gather of the accepted target rows, fc, copy into the static hidden buffer): it
+depends on the target's aux width and token count, never on the graph (seeds/003). After the
+replay one clone takes the drafts out of the graph pool.
+
+Padding rules (as ``capture.pad``): padded tokens have id 0, position 0, slot -1 and belong to
+no sequence (query_start_loc repeats the live count); padded sequences have seq_len 0, block
+table 0, slot -1 at every loop step. Their drafts are computed from garbage and sliced away.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from capture.emulate import EmulatedGraph
+from capture.pad import LiveBatch
+from compiled_spec.attention_metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from compiled_spec.kv_cache import BlockAllocator
+    from compiled_spec.spec.proposer import EagleProposer, ProposeBatch
+
+
+class _Layout:
+    """Named segments of one flat buffer: name -> (offset, length)."""
+
+    def __init__(self, segments: list[tuple[str, int]]) -> None:
+        self.at: dict[str, tuple[int, int]] = {}
+        off = 0
+        for name, n in segments:
+            self.at[name] = (off, n)
+            off += n
+        self.size = off
+
+    def seg(self, buf: Any, name: str, n: int | None = None) -> Any:
+        off, length = self.at[name]
+        return buf[off:off + (length if n is None else n)]
+
+
+class ProposeGraphs:
+    name = "draft_propose"
+
+    def __init__(self, proposer: "EagleProposer", allocator: "BlockAllocator",
+                 batch_sizes: tuple[int, ...], max_blocks: int, max_seq_len: int,
+                 hidden_dtype: torch.dtype, pool: Any = None, emulate: bool = False,
+                 strict: bool = False) -> None:
+        self.prop, self.allocator = proposer, allocator
+        self.k = proposer.k
+        self.q = self.k + 1  # first-pass tokens per request (accepted drafts + bonus token)
+        self.steps = self.k - 1
+        self.sizes = sorted(set(batch_sizes))
+        self.max_blocks, self.bucket = max_blocks, max_seq_len
+        self.pool, self.emulate, self.strict = pool, emulate, strict
+        self.device = proposer.device
+        bm, tm, s, w = self.sizes[-1], self.sizes[-1] * self.q, self.steps, max_blocks
+        self.l64 = _Layout([("ids", tm), ("positions", tm), ("slots", tm), ("rows", tm),
+                            ("last", bm), ("seeds", bm), ("loop_pos", s * bm),
+                            ("loop_slots", s * bm)])
+        self.l32 = _Layout([("seq_lens", bm), ("qsl", bm + 1), ("tables", bm * w),
+                            ("loop_lens", s * bm), ("loop_qsl", bm + 1), ("temperature", bm)])
+        # Pageable host arrays: their copy returns once the data is staged, so the next call may
+        # overwrite them at once (a pinned buffer would race with the previous async copy).
+        self.h64 = np.zeros(self.l64.size, dtype=np.int64)
+        self.h32 = np.zeros(self.l32.size, dtype=np.int32)
+        self.d64 = torch.zeros(self.l64.size, dtype=torch.int64, device=self.device)
+        self.d32 = torch.zeros(self.l32.size, dtype=torch.int32, device=self.device)
+        self.hidden = torch.zeros(tm, proposer.draft.config.hidden_size, dtype=hidden_dtype,
+                                  device=self.device)  # [T_max, h] fc output (eager)
+        self._graphs: dict[int, tuple[Any, Any]] = {}
+        self.capture_failures: list[dict[str, Any]] = []
+        self.graph_replays = self.padded_rows = self.eager_fallbacks = 0
+        self.fallback_reasons: dict[str, int] = {}
+
+    # ---- GraphRunner-compatible surface (assert_captured, stats) ---------------------------
+    @property
+    def enabled(self) -> bool:
+        return self.emulate or self.device.type == "cuda"
+
+    @property
+    def captured_sizes(self) -> list[int]:
+        return sorted(self._graphs)
+
+    def stats(self) -> dict[str, Any]:
+        return {"graph_replays": self.graph_replays, "padded_rows": self.padded_rows,
+                "eager_fallbacks": self.eager_fallbacks,
+                "fallback_reasons": dict(self.fallback_reasons),
+                "captured_sizes": self.captured_sizes,
+                "captured_graphs": [(b, self.bucket) for b in self.captured_sizes],
+                "capture_failures": list(self.capture_failures)}
+
+    # ---- static views ----------------------------------------------------------------------
+    def _views(self, b: int) -> dict[str, Any]:
+        t, s, w = b * self.q, self.steps, self.max_blocks
+        g64 = lambda name, n=None: self.l64.seg(self.d64, name, n)  # noqa: E731
+        g32 = lambda name, n=None: self.l32.seg(self.d32, name, n)  # noqa: E731
+        bm = self.sizes[-1]
+        return {
+            "ids": g64("ids", t), "positions": g64("positions", t), "rows": g64("rows", t),
+            "last": g64("last", b), "seeds": g64("seeds", b), "hidden": self.hidden[:t],
+            "temperature": g32("temperature", b).view(torch.float32),
+            "meta": AttentionMetadata(
+                slot_mapping=g64("slots", t), block_tables=g32("tables", b * w).view(b, w),
+                seq_lens=g32("seq_lens", b), query_start_loc=g32("qsl", b + 1),
+                max_query_len=self.q, max_seq_len=self.bucket),
+            "loop_pos": g64("loop_pos").view(s, bm)[:, :b],
+            "loop_meta": AttentionMetadata(
+                slot_mapping=g64("loop_slots").view(s, bm)[:, :b],
+                block_tables=g32("tables", b * w).view(b, w),
+                seq_lens=g32("loop_lens").view(s, bm)[:, :b],
+                query_start_loc=g32("loop_qsl", b + 1), max_query_len=1,
+                max_seq_len=self.bucket),
+        }
+
+    def _body(self, v: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The captured computation: first pass, first draft, k-1 loop steps."""
+        p = self.prop
+        metas = {n: v["meta"] for n in p.layer_names}
+        feed, for_logits = p.step_fn(v["ids"], v["hidden"], v["positions"], metas)  # [T, h]
+        last = v["last"]
+        feed = feed[last]  # [b, h]
+        tok, q = p._pick(p.draft.compute_logits(for_logits[last]), v["temperature"], v["seeds"],
+                         v["positions"][last] + 2)
+        if self.steps == 0:
+            return tok[:, None], (q[:, None] if p.sample_drafts else None)
+        rest, rest_q = p.run_loop(LiveBatch(
+            input_ids=tok, positions=v["loop_pos"], meta=v["loop_meta"],
+            extras={"feed": feed, "temperature": v["temperature"], "seeds": v["seeds"]}))
+        drafts = torch.cat([tok[:, None], rest], dim=1)  # [b, k]
+        return drafts, (torch.cat([q[:, None], rest_q], dim=1) if p.sample_drafts else None)
+
+    # ---- start-up ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture(self) -> None:
+        if not self.enabled:
+            return
+        for b in reversed(self.sizes):  # largest first: smaller graphs reuse the pool
+            try:
+                self._capture_one(b)
+            except Exception as e:  # recorded, warned (or raised when strict), never silent
+                self.capture_failures.append({"size": b, "max_seq_len": self.bucket,
+                                              "error": f"{type(e).__name__}: {e}"})
+                if self.strict:
+                    raise
+                import warnings
+                warnings.warn(f"{self.name}: CUDA graph capture failed for batch {b}: "
+                              f"{type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
+
+    def _capture_one(self, b: int) -> None:
+        h64, h32, l64, l32, q = self.h64, self.h32, self.l64, self.l32, self.q
+        t = b * q
+        h64[:] = 0
+        h32[:] = 0
+        l64.seg(h64, "positions", t)[:] = np.arange(t) % q
+        l64.seg(h64, "slots", t)[:] = -1  # dummy runs never write the (live) KV cache
+        l64.seg(h64, "last", b)[:] = np.arange(1, b + 1) * q - 1
+        l64.seg(h64, "loop_slots")[:] = -1
+        l32.seg(h32, "seq_lens", b)[:] = q
+        l32.seg(h32, "qsl", b + 1)[:] = np.arange(b + 1) * q
+        l32.seg(h32, "loop_lens")[:] = 1
+        l32.seg(h32, "loop_qsl", b + 1)[:] = np.arange(b + 1)
+        self._upload()
+        views = self._views(b)
+        if self.emulate:
+            g = EmulatedGraph(lambda _: self._body(views), None)  # type: ignore[arg-type]
+            self._graphs[b] = (g, g.out)
+            return
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # compile / autotune off-capture
+            for _ in range(2):
+                self._body(views)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self._body(views)
+        self._graphs[b] = (graph, out)
+
+    def _upload(self) -> None:
+        self.d64.copy_(torch.from_numpy(self.h64), non_blocking=True)
+        self.d32.copy_(torch.from_numpy(self.h32), non_blocking=True)
+
+    # ---- per propose -------------------------------------------------------------------------
+    def _miss(self, why: str) -> None:
+        self.eager_fallbacks += 1
+        self.fallback_reasons[why] = self.fallback_reasons.get(why, 0) + 1
+
+    def run(self, batch: "ProposeBatch", target_hidden: torch.Tensor | list[torch.Tensor]
+            ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Replay for ``batch`` and return (drafts [n, k], q or None); None (counted) when no
+        captured graph fits, so the caller runs the uncaptured path."""
+        if not self.enabled:
+            self._miss("cpu")
+            return None
+        n = len(batch.first_pass)
+        if any(s.length > self.q for s in batch.first_pass):
+            self._miss("prefill")
+            return None
+        b = next((s for s in self.sizes if s >= n and s in self._graphs), None)
+        if b is None:
+            self._miss("size")
+            return None
+        why = self._fill(batch, b)
+        if why is not None:
+            self._miss(why)
+            return None
+        rows = self.l64.seg(self.d64, "rows", len(batch.hidden_rows))
+        aux = target_hidden if isinstance(target_hidden, list) else [target_hidden]
+        # EAGLE-3's fc, eager and outside the graph: [T, n*h_target] -> [T, h].
+        hidden = self.prop.draft.combine_aux([a.index_select(0, rows) for a in aux])
+        self.hidden[:hidden.shape[0]].copy_(hidden)
+        graph, (drafts, probs) = self._graphs[b]
+        graph.replay()
+        self.graph_replays += 1
+        self.padded_rows += b - n
+        return drafts[:n].clone(), (probs[:n].clone() if probs is not None else None)
+
+    def _fill(self, batch: "ProposeBatch", b: int) -> str | None:
+        """Write the padded inputs on the host and upload them; a reason string when they do
+        not fit the captured graph."""
+        alloc, q, w, s = self.allocator, self.q, self.max_blocks, self.steps
+        t = b * q
+        ids, pos, slots, lens, qsl, last, tables = [], [], [], [], [0], [], []
+        loop_pos = [[0] * b for _ in range(s)]
+        loop_slots = [[-1] * b for _ in range(s)]
+        loop_lens = [[0] * b for _ in range(s)]
+        for i, (sp, limit) in enumerate(zip(batch.first_pass, batch.step_limits)):
+            table = alloc.tables[sp.req_id]
+            if len(table) > w:
+                return "block_table_width"
+            tables.append(table)
+            for p_ in range(sp.start, sp.start + sp.length):
+                pos.append(p_)
+                slots.append(alloc.slot(sp.req_id, p_))
+            lens.append(sp.start + sp.length)
+            qsl.append(qsl[-1] + sp.length)
+            last.append(qsl[-1] - 1)
+            for j in range(s):
+                p_ = sp.start + sp.length + j
+                ok = p_ < limit
+                loop_pos[j][i] = p_ if ok else limit - 1
+                loop_slots[j][i] = alloc.slot(sp.req_id, p_) if ok else -1
+                loop_lens[j][i] = loop_pos[j][i] + 1
+        if max(lens) > self.bucket or (s and max(max(r) for r in loop_lens) > self.bucket):
+            return "max_seq_len"
+        n, t_live = len(batch.first_pass), len(pos)
+        h64, h32, l64, l32 = self.h64, self.h32, self.l64, self.l32
+
+        def put(arr: np.ndarray, live: list, size: int, pad: int) -> None:
+            arr[:len(live)] = live
+            arr[len(live):size] = pad
+
+        put(l64.seg(h64, "ids"), batch.token_ids, t, 0)
+        put(l64.seg(h64, "positions"), pos, t, 0)
+        put(l64.seg(h64, "slots"), slots, t, -1)
+        put(l64.seg(h64, "rows"), batch.hidden_rows, t, 0)
+        put(l64.seg(h64, "last"), last, b, 0)
+        put(l64.seg(h64, "seeds"), batch.seeds, b, 0)
+        bm = self.sizes[-1]
+        if s:
+            l64.seg(h64, "loop_pos").reshape(s, bm)[:, :b] = loop_pos
+            l64.seg(h64, "loop_slots").reshape(s, bm)[:, :b] = loop_slots
+            l32.seg(h32, "loop_lens").reshape(s, bm)[:, :b] = loop_lens
+        put(l32.seg(h32, "seq_lens"), lens, b, 0)
+        put(l32.seg(h32, "qsl"), qsl, b + 1, t_live)
+        tab = l32.seg(h32, "tables", b * w).reshape(b, w)
+        tab[:] = 0
+        for i, table in enumerate(tables):
+            tab[i, :len(table)] = table
+        put(l32.seg(h32, "loop_qsl"), list(range(n + 1)), b + 1, n)
+        temp = l32.seg(h32, "temperature", b).view(np.float32)
+        temp[:n] = batch.temperature
+        temp[n:] = 0.0
+        self._upload()
+        return None
+
