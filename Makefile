@@ -22,7 +22,7 @@ test: setup
 	$(PY) -m pytest -q
 
 bench: setup
-	$(VENV)/bin/compiled-spec bench --num-prompts 4 --max-tokens 64 --out profiles/vanilla_cpu.json
+	$(VENV)/bin/compiled-spec bench --num-prompts 4 --max-tokens 64 --batch-sizes 1 4 --out-dir profiles/cpu_bench
 
 clean:
 	rm -rf $(VENV) build *.egg-info

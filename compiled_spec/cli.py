@@ -114,13 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--seed", type=int, default=None)
     g.set_defaults(func=cmd_generate)
 
-    b = sub.add_parser("bench", help="vanilla decode speed next to transformers generate")
+    b = sub.add_parser("bench", help="our engines (vanilla / EAGLE, eager / compiled, batch 1-64) "
+                       "next to transformers, one process; writes BENCHMARKS.md + JSON + PNG")
     _add_engine_args(b)
-    _add_prompt_args(b, num_prompts=4, max_tokens=64)
-    b.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
-    b.add_argument("--random-draft", choices=["eagle", "eagle3"], default=None,
-                   help="also time speculation with a random head of the target's shape (tau ~ 1)")
-    b.add_argument("--out", default=None, help="write the results as JSON here")
+    _add_prompt_args(b, num_prompts=10, max_tokens=256)
+    from compiled_spec.bench.run import add_bench_args
+    add_bench_args(b)
     b.set_defaults(func=cmd_bench)
 
     from compiled_spec.train.cli import add_train_parser

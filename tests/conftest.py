@@ -52,11 +52,17 @@ def smollm2_hf(smollm2_gguf_path):
 
 
 @pytest.fixture(scope="session")
-def mt_bench_questions() -> list[str]:
-    """First turns of MT-bench, from ../shared/data beside the repository (as CI lays it out)."""
+def mt_bench_path() -> str:
+    """MT-bench's question file, from ../shared/data beside the repository (as CI lays it out)."""
+    return str(Path(_ROOT).parent / "shared" / "data" / "mt_bench" / "question.jsonl")
+
+
+@pytest.fixture(scope="session")
+def mt_bench_questions(mt_bench_path) -> list[str]:
+    """First turns of MT-bench."""
     import json
 
-    path = Path(_ROOT).parent / "shared" / "data" / "mt_bench" / "question.jsonl"
+    path = Path(mt_bench_path)
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return [r["turns"][0] for r in rows]
 

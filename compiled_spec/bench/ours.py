@@ -1,0 +1,134 @@
+"""Our engine in the benchmark: one engine per variant, timed at each batch size.
+
+A variant's engine is built once with ``max_num_seqs`` = the largest batch size (compiled
+variants capture CUDA graphs for exactly the benchmarked batch sizes); batch B submits B prompts
+at once. Batch 1 runs the prompts one at a time. Greedy, EOS ignored: every request writes
+``max_tokens`` tokens, so engines are compared on equal work.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from compiled_spec.bench.timing import PhaseTimer, Row, floor_ms, peak_gib, reset_peak, sync
+
+
+@dataclass
+class Variant:
+    name: str
+    draft: str | None
+    compile: bool
+
+
+def _kv_blocks(prompts: list[list[int]], batch: int, max_tokens: int, k: int, page: int) -> int:
+    """Exactly what the largest batch needs (so peak memory is the run's, not a default pool)."""
+    longest = max(len(p) for p in prompts) + max_tokens + k + 1
+    return batch * math.ceil(longest / page) + 2
+
+
+def build_engine(v: Variant, kw: dict[str, Any], prompts_text: list[str],
+                 batch_sizes: list[int], max_tokens: int) -> tuple[Any, float, list[list[int]]]:
+    """(LLM, start-up seconds, chat-encoded prompts)."""
+    from compiled_spec import LLM
+    from compiled_spec.bench.prompts import encode_chat, mt_bench_prompts
+    from compiled_spec.compile import CompileConfig
+    from compiled_spec.models.gguf_loader import find_default_gguf
+    from compiled_spec.tokenizer import load_tokenizer
+
+    kw = dict(kw)
+    top = max(batch_sizes)
+    kw.update(draft=v.draft, compile=v.compile, max_num_seqs=top)
+    if v.compile:
+        kw["compile_config"] = CompileConfig(capture_batch_sizes=tuple(sorted(batch_sizes)))
+    if v.draft is None:
+        kw.pop("num_speculative_tokens", None)
+    # Size the KV pool from the prompts, so the reported peak memory is this run's need.
+    enc = encode_chat(load_tokenizer(kw.get("tokenizer") or kw.get("model")
+                                     or find_default_gguf()), prompts_text)
+    k = kw.get("num_speculative_tokens", 0) if v.draft else 0
+    kw["num_kv_blocks"] = _kv_blocks(enc, top, max_tokens, k, kw.get("page_size", 16))
+    t0 = time.perf_counter()
+    llm = LLM(**kw)
+    startup = time.perf_counter() - t0
+    return llm, startup, mt_bench_prompts(llm, prompts_text)
+
+
+def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: list[int],
+                max_tokens: int, startup: float) -> tuple[list[Row], list[list[int]]]:
+    """Rows for each batch size, plus the batch-1 outputs (for the identical-output column)."""
+    from compiled_spec import SamplingParams
+
+    dev = llm.config.device
+    runner = llm.engine.runner
+    k = runner.k
+    timer = PhaseTimer(dev)
+    # Decode / verify steps only (prefill is not a per-token cost); propose as a whole.
+    runner.target_fn = timer.wrap("verify", runner.target_fn,
+                                  when=lambda ids, pos, meta, *a: meta.max_query_len <= k + 1)
+    if runner.proposer is not None:
+        runner.proposer.propose = timer.wrap("propose", runner.proposer.propose)
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    warm = SamplingParams(max_tokens=min(16, max_tokens), temperature=0.0, ignore_eos=True)
+    rows, batch1_out = [], []
+    for b in batch_sizes:
+        # Batch 1: every prompt in turn; batch b: b prompts at once (cycled when fewer exist).
+        chosen = prompts if b == 1 else [prompts[i % len(prompts)] for i in range(b)]
+        # First-use costs off the clock: allocator growth, autotuning and, for compiled
+        # engines off CUDA (no capture at start-up), compiling the shapes this batch meets.
+        t0 = time.perf_counter()
+        for p in (chosen[:2] if b == 1 else [chosen]):
+            llm.generate(p, warm)
+        if b == batch_sizes[0] and v.compile:
+            startup += time.perf_counter() - t0  # compile-on-first-use is start-up cost
+        timer.reset()
+        reset_peak(dev)
+        spec = llm.stats.spec
+        d0, a0 = spec.num_drafting_steps, spec.num_accepted_tokens
+        sync(dev)
+        t0 = time.perf_counter()
+        if b == 1:
+            outs = [llm.generate(p, sp)[0] for p in chosen]
+        else:
+            outs = llm.generate(chosen, sp)
+        sync(dev)
+        wall = time.perf_counter() - t0
+        per_req = [1e3 * (o.metrics.finish_time - o.metrics.first_token_time)
+                   / max(1, len(o.token_ids) - 1) for o in outs]
+        steps = spec.num_drafting_steps - d0
+        row = Row(engine=v.name, batch=b, ms_per_token=statistics.median(per_req),
+                  tokens_per_s=sum(len(o.token_ids) for o in outs) / wall, startup_s=startup,
+                  tau=(1 + (spec.num_accepted_tokens - a0) / steps) if steps else None,
+                  propose_ms=timer.mean_ms("propose"), verify_ms=timer.mean_ms("verify"),
+                  peak_mem_gib=peak_gib(dev))
+        if b == 1:
+            fl = floor_ms(llm.engine.model, dev)
+            row.floor_ratio = row.ms_per_token / fl if fl else None
+            batch1_out = [o.token_ids for o in outs]
+        if llm.compiled_active:
+            g = llm.compile_stats.get("cuda_graphs", {})
+            row.extra["steps_without_graph"] = g.get("without_graph", g.get("off"))
+        rows.append(row)
+    return rows, batch1_out
+
+
+def bench_ours(variants: list[Variant], kw: dict[str, Any], prompts_text: list[str],
+               batch_sizes: list[int], max_tokens: int
+               ) -> tuple[list[Row], dict[str, list[list[int]]]]:
+    rows: list[Row] = []
+    outputs: dict[str, list[list[int]]] = {}
+    for v in variants:
+        llm, startup, prompts = build_engine(v, kw, prompts_text, batch_sizes, max_tokens)
+        r, out = time_engine(llm, v, prompts, batch_sizes, max_tokens, startup)
+        rows += r
+        outputs[v.name] = out
+        print(f"{v.name}: " + ", ".join(f"batch {x.batch} {x.tokens_per_s:.1f} tok/s" for x in r),
+              flush=True)
+        del llm
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return rows, outputs

@@ -1,0 +1,29 @@
+"""Benchmark prompts: MT-bench first turns (or any JSONL with ``turns`` or ``prompt``)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def load_mt_bench(path: str, n: int) -> list[str]:
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"prompt file {path!r} not found (MT-bench lives in "
+                                "../shared/data/mt_bench/)")
+    rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    return [r["turns"][0] if "turns" in r else r["prompt"] for r in rows[:n]]
+
+
+def mt_bench_prompts(llm, texts: list[str]) -> list[list[int]]:  # noqa: ANN001 - an LLM
+    """Each question as a one-turn chat with the model's template, as token ids."""
+    return [llm.encode_chat([{"role": "user", "content": t}]) for t in texts]
+
+
+def encode_chat(tokenizer, texts: list[str]) -> list[list[int]]:  # noqa: ANN001
+    """``mt_bench_prompts`` without an engine: a tokenizer's chat template, as token ids."""
+    out = []
+    for t in texts:
+        e = tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=True,
+                                          add_generation_prompt=True)
+        out.append(list(e["input_ids"] if hasattr(e, "keys") else e))
+    return out

@@ -1,0 +1,194 @@
+"""``compiled-spec bench``: every engine on the same prompts in one process, then the reports."""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from compiled_spec.bench import hf, report
+from compiled_spec.bench.ours import Variant, bench_ours
+from compiled_spec.bench.prompts import encode_chat, load_mt_bench
+from compiled_spec.bench.timing import Row
+
+OURS = ("ours_vanilla_eager", "ours_vanilla_compiled", "ours_eagle_eager", "ours_eagle_compiled")
+ALL_VARIANTS = (*hf.KINDS, *OURS)
+PROJECTED_TAUS = (2.0, 3.0, 4.0)
+LLAMA8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+           "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 131072,
+           "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
+           "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+           "bos_token_id": 128000, "eos_token_id": 128009}
+TINY = dict(LLAMA8B, vocab_size=49152, hidden_size=64, intermediate_size=128,
+            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=4096, rope_scaling=None, bos_token_id=1, eos_token_id=2)
+
+
+def _variants(names: list[str], draft: str | None, k: int) -> list[Variant]:
+    out = []
+    for n in names:
+        if n not in OURS:
+            continue
+        spec = "eagle" in n
+        if spec and draft is None:
+            raise ValueError(f"variant {n} needs a draft head (--draft, or --random-draft)")
+        label = (f"ours EAGLE k={k}" if spec else "ours vanilla") + (
+            " compiled + graphs" if n.endswith("compiled") else " eager")
+        out.append(Variant(label, draft if spec else None, n.endswith("compiled")))
+    return out
+
+
+def _random_shape(cfg: dict[str, Any], tmp: Path) -> tuple[str, str]:
+    """A ``random:`` target of config ``cfg`` and a random EAGLE-3 head of its shape."""
+    from compiled_spec.draft.testing import write_eagle3_head
+    from compiled_spec.models.config import ModelConfig
+
+    (tmp / "target").mkdir(parents=True, exist_ok=True)
+    (tmp / "target" / "config.json").write_text(json.dumps(cfg))
+    n = cfg["num_hidden_layers"]
+    head = write_eagle3_head(str(tmp / "head"), ModelConfig.from_hf_dict(cfg),
+                             draft_vocab_size=min(32000, cfg["vocab_size"]),
+                             aux_layer_ids=(2, n // 2, n - 3))
+    return f"random:{tmp / 'target'}", head
+
+
+def _projection(vanilla: Row, spec: Row) -> list[dict[str, Any]]:
+    if spec.verify_ms is None or spec.propose_ms is None:
+        return []
+    step = spec.verify_ms + spec.propose_ms  # one drafting step emits tau tokens on average
+    return [{"tau": t, "ms_per_token": step / t, "tokens_per_s": 1e3 * t / step,
+             "speedup": vanilla.ms_per_token / (step / t)} for t in PROJECTED_TAUS]
+
+
+def run_bench(a: argparse.Namespace) -> int:
+    from compiled_spec.config import resolve_device, resolve_dtype
+    from compiled_spec.models.gguf_loader import find_default_gguf
+    from compiled_spec.tokenizer import load_tokenizer
+
+    device = resolve_device(a.device)
+    dtype = resolve_dtype(a.dtype, device)
+    names = list(ALL_VARIANTS) if a.variants is None else a.variants
+    unknown = sorted(set(names) - set(ALL_VARIANTS))
+    if unknown:
+        raise ValueError(f"unknown variants {unknown}; choose from {list(ALL_VARIANTS)}")
+    model = a.model or find_default_gguf()
+    tmp = Path(tempfile.mkdtemp(prefix="bench_"))
+    draft = a.draft
+    if draft is None and a.random_draft:
+        model_for_head = model
+        if str(model).startswith("random:"):
+            raise ValueError("--random-draft with a random: model: use --shape instead")
+        from compiled_spec.models.loader import load_model
+
+        _, cfg = load_model(model_for_head, torch.float32, "cpu")
+        from compiled_spec.draft.testing import write_eagle3_head
+
+        draft = write_eagle3_head(str(tmp / "random_head"), cfg,
+                                  draft_vocab_size=min(8192, cfg.vocab_size))
+    elif draft is None and a.model is None:
+        draft = "smollm2-eagle3"  # the head shipped for the default target
+    k = a.num_speculative_tokens
+    texts = load_mt_bench(a.prompts, a.num_prompts)
+    kw = dict(model=model, tokenizer=a.tokenizer, dtype=a.dtype, device=device,
+              max_model_len=a.max_model_len, page_size=a.page_size, method=a.method,
+              num_speculative_tokens=k, draft_sampling=a.draft_sampling)
+    batch_sizes = sorted(set(a.batch_sizes))
+
+    merged = [json.loads(Path(p).read_text()) for p in a.merge or []]
+    rows, outs = bench_ours(_variants(names, draft, k), kw, texts, batch_sizes, a.max_tokens)
+    # The reference for "same output": our vanilla eager batch-1 outputs, from this run or a
+    # merged one (a device call is capped at 10 minutes, so a full run spans several calls).
+    ref = outs.get("ours vanilla eager") or next(
+        (m["reference_outputs"] for m in merged if m.get("reference_outputs")), None)
+    for r in rows:
+        if r.batch == 1 and ref is not None:
+            r.identical = _same(outs[r.engine], ref)
+    prompts = encode_chat(load_tokenizer(a.tokenizer or model), texts)
+    for kind in (n for n in names if n in hf.KINDS):
+        row, hf_out = hf.bench_hf(kind, model, dtype, device, prompts, a.max_tokens,
+                                  a.prompt_lookup_tokens)
+        row.identical = _same(hf_out, ref) if ref is not None else None
+        rows.append(row)
+        print(f"{row.engine}: {row.tokens_per_s:.1f} tok/s", flush=True)
+
+    shape_rows, projection = None, None
+    if a.shape:
+        cfg = LLAMA8B if a.shape == "llama8b" else TINY
+        target, head = _random_shape(cfg, tmp / a.shape)
+        skw = dict(kw, model=target, tokenizer=a.tokenizer or model)
+        shape_rows, _ = bench_ours(
+            [Variant("vanilla compiled + graphs", None, True),
+             Variant(f"EAGLE-3 k={k} compiled + graphs (random head)", head, True)]
+            if device.type == "cuda" else
+            [Variant("vanilla eager", None, False),
+             Variant(f"EAGLE-3 k={k} eager (random head)", head, False)],
+            skw, texts[:a.shape_prompts], [1], a.shape_max_tokens)
+        projection = _projection(shape_rows[0], shape_rows[1])
+
+    meta = {"date": time.strftime("%Y-%m-%d"), "command": "compiled-spec " + " ".join(sys.argv[1:]),
+            "machine": (torch.cuda.get_device_name(device) if device.type == "cuda" else
+                        f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)"),
+            "torch": torch.__version__, "transformers": _version("transformers"),
+            "triton": _version("triton"), "dtype": str(dtype).replace("torch.", ""),
+            "num_prompts": len(texts), "max_tokens": a.max_tokens, "model": str(model),
+            "draft": draft, "k": k, "shape_label": {"llama8b": "Llama-3.1-8B shape",
+                                                    "tiny": "tiny Llama shape"}.get(a.shape)}
+    meta["reference_outputs"] = ref
+    for prev in merged:  # rows of earlier runs, first
+        rows = [Row(**r) for r in prev["rows"]] + rows
+        if prev.get("shape_rows") and not shape_rows:
+            shape_rows = [Row(**r) for r in prev["shape_rows"]]
+            projection = prev.get("projection")
+            meta["shape_label"] = prev.get("shape_label")
+        meta["command"] += f"  (merged with: {prev['command']})"
+    out = Path(a.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    report.write_json(out / "benchmarks.json", meta, rows, shape_rows, projection)
+    report.write_markdown(out / "BENCHMARKS.md", meta, rows, shape_rows, projection)
+    report.plot(out / "benchmarks.png", rows, f"{meta['machine']}, {meta['dtype']}")
+    print()
+    print(report.table(rows))
+    if shape_rows:
+        print()
+        print(report.table(shape_rows))
+    print(f"\nwrote {out / 'BENCHMARKS.md'}, benchmarks.json, benchmarks.png")
+    return 0
+
+
+def _same(a: list[list[int]], b: list[list[int]]) -> float:
+    return sum(x == y for x, y in zip(a, b)) / max(1, len(b))
+
+
+def _version(pkg: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(pkg)
+    except PackageNotFoundError:
+        return None
+
+
+def add_bench_args(b: argparse.ArgumentParser) -> None:
+    b.add_argument("--variants", nargs="*", default=None, metavar="NAME",
+                   help=f"subset of {', '.join(ALL_VARIANTS)} (default: all)")
+    b.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64],
+                   help="batch sizes for our engines (transformers runs batch 1)")
+    b.add_argument("--tokenizer", default=None)
+    b.add_argument("--random-draft", action="store_true",
+                   help="speculate with a random EAGLE-3 head of the target's shape (tau ~ 1)")
+    b.add_argument("--prompt-lookup-tokens", type=int, default=10)
+    b.add_argument("--shape", choices=["llama8b", "tiny"], default=None,
+                   help="also time a random-weight target of this shape (latency, projection)")
+    b.add_argument("--shape-prompts", type=int, default=4)
+    b.add_argument("--shape-max-tokens", type=int, default=64)
+    b.add_argument("--out-dir", default="profiles", help="BENCHMARKS.md, benchmarks.json/.png")
+    b.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="benchmarks.json files of earlier runs to include in this report")

@@ -1,0 +1,103 @@
+"""Result rows, per-phase timers and the weight-read floor for the benchmark."""
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+
+HBM_BYTES_PER_S = {"NVIDIA H200": 4.27e12}  # peak memory bandwidth of the GPUs we report on
+
+
+@dataclass
+class Row:
+    engine: str
+    batch: int
+    ms_per_token: float  # per request: decode time / (tokens - 1), median over requests
+    tokens_per_s: float  # all output tokens / wall time of the timed run
+    startup_s: float  # load (+ compile and capture, + warm-up for HF's compile path)
+    tau: float | None = None  # mean acceptance length (speculative rows)
+    propose_ms: float | None = None  # mean per propose call
+    verify_ms: float | None = None  # mean per target forward of a decode / verify step
+    floor_ratio: float | None = None  # ms_per_token / weight-read floor (batch-1 rows, GPU)
+    peak_mem_gib: float | None = None
+    identical: float | None = None  # fraction of prompts whose greedy output == our vanilla's
+    note: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def floor_ms(model: torch.nn.Module, device: torch.device) -> float | None:
+    """Reading every weight once at the GPU's peak bandwidth: the batch-1 decode floor."""
+    if device.type != "cuda":
+        return None
+    bw = HBM_BYTES_PER_S.get(torch.cuda.get_device_name(device))
+    if bw is None:
+        return None
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return nbytes / bw * 1e3
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+class PhaseTimer:
+    """Wraps callables and times each call. On CUDA it records an event pair per call and reads
+    them only in ``mean_ms`` (one sync after the run), so timing adds no host sync to the loop;
+    on the CPU it uses the wall clock."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self._events: dict[str, list[Any]] = {}
+
+    def wrap(self, name: str, fn: Callable[..., Any],
+             when: Callable[..., bool] | None = None) -> Callable[..., Any]:
+        """``fn`` timed under ``name`` for the calls where ``when(*args)`` holds (all if None)."""
+        self._events.setdefault(name, [])
+
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if when is not None and not when(*args, **kwargs):
+                return fn(*args, **kwargs)
+            if self.cuda:
+                start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                start.record()
+                out = fn(*args, **kwargs)
+                end.record()
+                self._events[name].append((start, end))
+            else:
+                t0 = time.perf_counter()
+                out = fn(*args, **kwargs)
+                self._events[name].append((time.perf_counter() - t0) * 1e3)
+            return out
+
+        return timed
+
+    def reset(self) -> None:
+        for v in self._events.values():
+            v.clear()
+
+    def mean_ms(self, name: str) -> float | None:
+        ev = self._events.get(name) or []
+        if not ev:
+            return None
+        if self.cuda:
+            sync(self.device)
+            return sum(s.elapsed_time(e) for s, e in ev) / len(ev)
+        return sum(ev) / len(ev)

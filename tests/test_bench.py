@@ -1,0 +1,69 @@
+"""``compiled-spec bench`` smoke test on the CPU (no speed assertions): every engine variant runs
+on the same prompts, the report files are written, and the columns that do not depend on speed
+hold: fp32 greedy outputs identical across our engines and transformers, tau only on speculative
+rows, a projection for the random-weight shape."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from compiled_spec.cli import main
+
+
+@pytest.fixture(scope="module")
+def tiny_hf_dir(tmp_path_factory, smollm2_tokenizer):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    d = tmp_path_factory.mktemp("bench_target")
+    cfg = LlamaConfig(vocab_size=len(smollm2_tokenizer), hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=1024, rope_theta=10000.0,
+                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    m = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # logits with clear winners: no float ties between engines
+        m.lm_head.weight.normal_(0.0, 0.5)
+    m.save_pretrained(d)
+    smollm2_tokenizer.save_pretrained(d)
+    return str(d)
+
+
+def test_bench_cpu_smoke(tiny_hf_dir, mt_bench_path, tmp_path):
+    out = tmp_path / "out"
+    rc = main(["bench", "--model", tiny_hf_dir, "--random-draft", "--device", "cpu",
+               "--prompts", mt_bench_path, "--num-prompts", "2", "--max-tokens", "8",
+               "--max-model-len", "1024", "--batch-sizes", "1", "2", "--shape", "tiny",
+               "--shape-prompts", "1", "--shape-max-tokens", "4", "--out-dir", str(out)])
+    assert rc == 0
+    data = json.loads((out / "benchmarks.json").read_text())
+    md = (out / "BENCHMARKS.md").read_text()
+    rows = {(r["engine"], r["batch"]): r for r in data["rows"]}
+    ours = ["ours vanilla eager", "ours vanilla compiled + graphs", "ours EAGLE k=3 eager",
+            "ours EAGLE k=3 compiled + graphs"]
+    hf = ["transformers generate eager", "transformers static cache + torch.compile",
+          "transformers prompt lookup decoding"]
+    assert set(rows) == {(e, b) for e in ours for b in (1, 2)} | {(e, 1) for e in hf}
+    for (engine, batch), r in rows.items():
+        assert r["tokens_per_s"] > 0 and r["ms_per_token"] > 0, (engine, batch)
+        assert (r["tau"] is not None) == ("EAGLE" in engine), (engine, r["tau"])
+        assert (r["propose_ms"] is not None) == ("EAGLE" in engine)
+        if batch == 1:  # fp32 greedy: every engine writes our vanilla output
+            assert r["identical"] == 1.0, (engine, r["identical"])
+        assert engine in md
+    assert [p["tau"] for p in data["projection"]] == [2.0, 3.0, 4.0]
+    assert data["max_tokens"] == 8 and data["num_prompts"] == 2
+    assert "Projection (not a measurement)" in md
+
+    # A later call (device calls are capped at 10 minutes) merges this run into its report and
+    # scores its own rows against the merged reference outputs.
+    out2 = tmp_path / "out2"
+    assert main(["bench", "--model", tiny_hf_dir, "--device", "cpu", "--prompts", mt_bench_path,
+                 "--num-prompts", "2", "--max-tokens", "8", "--max-model-len", "1024",
+                 "--batch-sizes", "1", "--variants", "hf_eager", "--out-dir", str(out2),
+                 "--merge", str(out / "benchmarks.json")]) == 0
+    merged = json.loads((out2 / "benchmarks.json").read_text())
+    assert len(merged["rows"]) == len(data["rows"]) + 1
+    assert merged["rows"][-1]["identical"] == 1.0 and merged["projection"] == data["projection"]
+    assert "merged with" in (out2 / "BENCHMARKS.md").read_text()
