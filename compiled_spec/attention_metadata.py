@@ -21,6 +21,10 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32; cumulative query lengths
     max_query_len: int  # host-side bound, sizes kernel grids without a device sync
     max_seq_len: int  # host-side bound on seq_lens
+    # Tree attention (draft trees): queries see the prefix (positions < tree_start[b]) and the
+    # tree slots tree_start[b] + j that their tree_mask row marks; None = causal attention.
+    tree_start: torch.Tensor | None = None  # [num_seqs] int32
+    tree_mask: torch.Tensor | None = None  # [num_tokens, num_tree] bool
 
     @property
     def num_seqs(self) -> int:
@@ -38,4 +42,6 @@ class AttentionMetadata:
             query_start_loc=self.query_start_loc.to(device, non_blocking=True),
             max_query_len=self.max_query_len,
             max_seq_len=self.max_seq_len,
+            tree_start=None if self.tree_start is None else self.tree_start.to(device, non_blocking=True),
+            tree_mask=None if self.tree_mask is None else self.tree_mask.to(device, non_blocking=True),
         )

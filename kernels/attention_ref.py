@@ -86,3 +86,60 @@ def paged_attention_ref(
     # Several padded slots map to the scratch row num_tokens; index_copy with duplicates there is
     # harmless because that row is dropped.
     return out_ext[:num_tokens].to(query.dtype)
+
+
+def paged_tree_attention_ref(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]: tree nodes, grouped per sequence
+    k_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    tree_start: torch.Tensor,  # [num_seqs] int32: first tree position = prefix length
+    tree_mask: torch.Tensor,  # [num_tokens, num_tree] bool: query -> tree slot visible
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    max_query_len: int,
+    num_tree: int,  # tree slots per sequence: positions tree_start .. tree_start + num_tree - 1
+    max_seq_len: int,  # bound on tree_start + num_tree
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Tree attention over a paged cache: every query of sequence b sees the whole prefix
+    (positions < tree_start[b]) and the tree slots its row of ``tree_mask`` marks (its ancestors
+    and itself), whose keys/values were written at positions tree_start[b] + j. fp32."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_seqs = tree_start.shape[0]
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = query.new_zeros(query.shape)
+    if num_tokens == 0 or num_seqs == 0 or max_query_len == 0:
+        return out
+    device = query.device
+    start = tree_start.to(torch.int64)
+    starts = query_start_loc[:-1].to(torch.int64)
+    q_lens = query_start_loc[1:].to(torch.int64) - starts
+    kv_pos = torch.arange(max_seq_len, device=device)
+    blk_idx = (kv_pos // page_size).clamp(max=block_tables.shape[1] - 1)
+    blocks = block_tables.to(torch.int64)[:, blk_idx].clamp(min=0)  # [num_seqs, max_seq_len]
+    slots = blocks * page_size + kv_pos % page_size
+    keys = k_cache.reshape(-1, num_kv_heads, head_dim)[slots].float()
+    values = v_cache.reshape(-1, num_kv_heads, head_dim)[slots].float()
+    q_idx = torch.arange(max_query_len, device=device)
+    q_valid = q_idx[None, :] < q_lens[:, None]  # [num_seqs, max_query_len]
+    tok = (starts[:, None] + q_idx[None, :]).clamp(max=num_tokens - 1)
+    q = query[tok].float()  # [num_seqs, max_query_len, num_heads, head_dim]
+    rel = kv_pos[None, :] - start[:, None]  # [num_seqs, max_seq_len] position in the tree
+    in_tree = (rel >= 0) & (rel < num_tree)
+    tm = tree_mask[tok]  # [num_seqs, max_query_len, num_tree]
+    tree_ok = torch.gather(tm, 2, rel.clamp(0, num_tree - 1)[:, None, :].expand(
+        -1, max_query_len, -1))  # [num_seqs, max_query_len, max_seq_len]
+    allowed = ((rel < 0)[:, None, :] | (in_tree[:, None, :] & tree_ok)) & q_valid[:, :, None]
+    q = q.view(num_seqs, max_query_len, num_kv_heads, group, head_dim)
+    scores = torch.einsum("bqhgd,bkhd->bhgqk", q, keys) * scale
+    mask = allowed[:, None, None]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    scores = torch.where(mask.any(-1, keepdim=True), scores, torch.zeros_like(scores))
+    probs = torch.softmax(scores, dim=-1)
+    ctx = torch.einsum("bhgqk,bkhd->bqhgd", probs, values).reshape(
+        num_seqs, max_query_len, num_heads, head_dim) * q_valid[:, :, None, None]
+    flat_tok = torch.where(q_valid, tok, torch.full_like(tok, num_tokens))
+    out_ext = torch.zeros((num_tokens + 1, num_heads, head_dim), device=device, dtype=torch.float32)
+    out_ext.index_copy_(0, flat_tok.reshape(-1), ctx.reshape(-1, num_heads, head_dim))
+    return out_ext[:num_tokens].to(query.dtype)

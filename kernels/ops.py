@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention_ref import paged_attention_ref, write_kv_ref
+from kernels.attention_ref import paged_attention_ref, paged_tree_attention_ref, write_kv_ref
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -60,4 +60,30 @@ def paged_attention(
 @paged_attention.register_fake
 def _(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len,
       max_seq_len, scale) -> torch.Tensor:
+    return torch.empty_like(query)
+
+
+@torch.library.custom_op("compiled_spec::paged_tree_attention", mutates_args=())
+def paged_tree_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    tree_start: torch.Tensor,  # [num_seqs] int32
+    tree_mask: torch.Tensor,  # [num_tokens, num_tree] bool
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    max_query_len: int,
+    num_tree: int,
+    max_seq_len: int,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    # The PyTorch implementation on every device for now (exact; a Triton kernel with the mask
+    # in its inner loop is the GPU path still to write).
+    return paged_tree_attention_ref(query, k_cache, v_cache, block_tables, tree_start, tree_mask,
+                                    query_start_loc, max_query_len, num_tree, max_seq_len, scale)
+
+
+@paged_tree_attention.register_fake
+def _(query, k_cache, v_cache, block_tables, tree_start, tree_mask, query_start_loc,
+      max_query_len, num_tree, max_seq_len, scale) -> torch.Tensor:
     return torch.empty_like(query)
