@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from compiled_spec.spec.tree import TreeConfig
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -67,6 +71,22 @@ class SpecConfig:
     method: str | None = None  # "eagle" | "eagle3"; None: detected from the checkpoint
     num_speculative_tokens: int = 3
     draft_sampling: str = "argmax"  # "argmax" (vLLM's default) or "sample" (keeps q for the test)
+    # Draft trees (EAGLE-2): on when speculative_topk > 1; num_steps defaults to k and
+    # num_draft_tokens (verification budget, root included) to k * topk + 1, capped.
+    speculative_topk: int = 1
+    speculative_num_steps: int | None = None
+    speculative_num_draft_tokens: int | None = None
+
+    @property
+    def tree(self) -> "TreeConfig | None":
+        from compiled_spec.spec.tree import TreeConfig
+
+        if self.speculative_topk == 1 and self.speculative_num_draft_tokens is None:
+            return None
+        steps = self.speculative_num_steps or self.num_speculative_tokens
+        cap = 1 + self.speculative_topk + (steps - 1) * self.speculative_topk ** 2
+        n = self.speculative_num_draft_tokens or min(cap, steps * self.speculative_topk + 1)
+        return TreeConfig(self.speculative_topk, steps, n)
 
     def __post_init__(self) -> None:
         if self.method not in (None, "eagle", "eagle3"):
@@ -76,6 +96,10 @@ class SpecConfig:
             raise ValueError(f"num_speculative_tokens={k!r}: must be an integer >= 1")
         if self.draft_sampling not in ("argmax", "sample"):
             raise ValueError(f"draft_sampling={self.draft_sampling!r}: expected 'argmax' or 'sample'")
+        t = self.speculative_topk
+        if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+            raise ValueError(f"speculative_topk={t!r}: must be an integer >= 1")
+        self.tree  # validates the tree parameters (TreeConfig raises naming the bad one)
 
 
 @dataclass

@@ -52,6 +52,9 @@ class LLM:
         method: str | None = None,
         num_speculative_tokens: int = 3,
         draft_sampling: str = "argmax",
+        speculative_topk: int = 1,
+        speculative_num_steps: int | None = None,
+        speculative_num_draft_tokens: int | None = None,
         compile: bool = False,
         compile_config: CompileConfig | None = None,
     ) -> None:
@@ -73,7 +76,9 @@ class LLM:
             seed=seed,
             spec=None if draft is None else SpecConfig(
                 draft=draft, method=method, num_speculative_tokens=num_speculative_tokens,
-                draft_sampling=draft_sampling),
+                draft_sampling=draft_sampling, speculative_topk=speculative_topk,
+                speculative_num_steps=speculative_num_steps,
+                speculative_num_draft_tokens=speculative_num_draft_tokens),
         )
         draft_model = None
         if draft is not None:
@@ -88,6 +93,9 @@ class LLM:
         # Seconds per start-up phase; "compile" covers torch.compile and CUDA-graph capture.
         self.startup_s: dict[str, float] = {"load": time.perf_counter() - t_start}
         if compile:
+            if self.config.spec is not None and self.config.spec.tree is not None:
+                raise ValueError("compile=True with draft trees (speculative_topk > 1) is not "
+                                 "supported yet: tree steps run eagerly; drop compile=True")
             self.set_compiled(True)
 
     # --- compilation -------------------------------------------------------------------------

@@ -47,3 +47,15 @@ def test_shipped_head_is_lossless_and_accepts(setup, smollm2_gguf_path):
     tau = llm.stats.spec.mean_acceptance_length
     print(f"shipped head, 3 MT-bench prompts x 48 tokens, k=3: tau {tau:.3f}")
     assert tau > 1.3
+
+
+def test_shipped_head_tree_is_lossless(setup, smollm2_gguf_path):
+    """Draft trees on the real target (tree attention over the paged cache, KV compaction after
+    acceptance): output identical to vanilla."""
+    _, prompts, vanilla = setup
+    llm = LLM(model=smollm2_gguf_path, dtype="float32", device="cpu", max_model_len=1024,
+              draft="smollm2-eagle3", num_speculative_tokens=3, speculative_topk=4,
+              speculative_num_draft_tokens=10)
+    assert [o.token_ids for o in llm.generate(prompts, SP)] == vanilla
+    print(f"shipped head, tree topk 4 steps 3 budget 10: tau "
+          f"{llm.stats.spec.mean_acceptance_length:.3f}")

@@ -70,8 +70,18 @@ class LLMEngine:
                                      cfg.spec.draft_sampling == "sample", mcfg.vocab_size)
             if draft.config.method == "eagle3":
                 aux_ids = tuple(draft.config.aux_layer_ids)
-        self.scheduler = Scheduler(cfg.scheduler, self.allocator, lookahead=k)
-        self.runner = ModelRunner(model, self.allocator, cfg.device, cfg.max_model_len, proposer, aux_ids)
+        tree = cfg.spec.tree if cfg.spec is not None else None
+        self.tree = tree
+        self.scheduler = Scheduler(cfg.scheduler, self.allocator,
+                                   lookahead=tree.lookahead if tree is not None else k)
+        if tree is not None:
+            from compiled_spec.engine.tree_runner import TreeModelRunner
+
+            self.runner: ModelRunner = TreeModelRunner(
+                model, self.allocator, cfg.device, cfg.max_model_len, proposer, aux_ids, tree=tree)
+        else:
+            self.runner = ModelRunner(model, self.allocator, cfg.device, cfg.max_model_len,
+                                      proposer, aux_ids)
         self.eos_token_ids = set(eos_token_ids)
         self.detokenize = detokenize
         self._rng = random.Random(cfg.seed)
@@ -104,7 +114,10 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Request(req_id=self._next_id, prompt_token_ids=list(prompt_token_ids), params=params,
                       seed=seed, max_total_tokens=min(n + params.max_tokens, self.cfg.max_model_len),
-                      prompt=prompt, spec_enabled=self.draft is not None and params.speculate)
+                      prompt=prompt, spec_enabled=self.draft is not None and params.speculate
+                      # Trees verify greedily only (the multi-candidate sampling rule is not
+                      # written yet): sampled requests decode plainly, and are counted.
+                      and (self.tree is None or params.greedy))
         if self.draft is not None:
             req.spec_stats = SpecStats()
             if not req.spec_enabled:

@@ -54,6 +54,8 @@ class _Pending:
     spans: list[Span]  # the target's query span per request
     row_start: list[int]  # first flat row of each request
     num_draft: list[int]
+    # Tree steps: the target rows of each request's root and accepted nodes (not contiguous).
+    rows_by_req: dict[int, list[int]] | None = None
 
 
 class ModelRunner:
@@ -68,6 +70,7 @@ class ModelRunner:
         self.proposer = proposer
         self.aux_layer_ids = aux_layer_ids
         self.k = proposer.k if proposer is not None else 0
+        self.lookahead = self.k  # positions past the last token a step may write
         self._drafts: torch.Tensor | None = None  # [B_prev, k] from the last proposal
         self._draft_probs: torch.Tensor | None = None  # [B_prev, k, V] when drafts are sampled
         self._draft_row: dict[int, int] = {}  # req_id -> row in the tensors above
@@ -182,7 +185,7 @@ class ModelRunner:
             span, row0, k_d = by_id[r.req_id]
             n_tok = r.num_tokens
             k_next = min(self.k, r.max_total_tokens - n_tok - 1)
-            want = min(n_tok + self.k, r.max_total_tokens)
+            want = min(n_tok + self.lookahead, r.max_total_tokens)
             try:
                 self.allocator.grow(r.req_id, want)
             except KVCacheExhausted:
@@ -193,7 +196,8 @@ class ModelRunner:
             m = span.length - k_d + accepted[r.req_id]  # accepted target positions
             first_pass.append(Span(r.req_id, span.start, m))
             token_ids.extend(r.token_ids[span.start + 1:span.start + 1 + m])
-            hidden_rows.extend(range(row0, row0 + m))
+            rows = pend.rows_by_req.get(r.req_id) if pend.rows_by_req else None
+            hidden_rows.extend(rows[:m] if rows is not None else range(row0, row0 + m))
             limits.append(n_tok - 2 + k_next)
             chosen.append(r)
         if not chosen:

@@ -1,0 +1,142 @@
+"""Engine steps with draft trees: the target verifies each request's tree in one forward with
+tree attention, greedy acceptance walks the tree on device, and the accepted path's KV is moved
+into place before the next step.
+
+A step verifies trees only when every request in it is decoding (one new token): a step that
+also prefills runs the chain path with no drafts, and the requests re-propose after it. Requests
+that cannot take a tree this step (sampled, or too near their end for the tree's slots) decode
+plainly inside the tree step as one-node trees. Tree steps run the model eagerly (no compile, no
+CUDA graphs yet).
+"""
+from __future__ import annotations
+
+import torch
+from torch.profiler import record_function
+
+from compiled_spec.attention_metadata import AttentionMetadata
+from compiled_spec.engine.batch import Span, to_device
+from compiled_spec.engine.model_runner import ModelRunner, StepOutput, _Pending
+from compiled_spec.engine.request import Request
+from compiled_spec.spec.tree import TreeConfig, compact_kv, greedy_accept
+from compiled_spec.spec.tree_proposer import DraftTree, TreeProposer
+
+
+class TreeModelRunner(ModelRunner):
+    def __init__(self, *args, tree: TreeConfig, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.tree = tree
+        self.proposer = TreeProposer(self.proposer, tree)
+        self.k = tree.num_steps
+        self.lookahead = tree.lookahead
+        self._tree: DraftTree | None = None
+        self._tree_row: dict[int, int] = {}
+
+    def _takes_tree(self, req: Request) -> bool:
+        return req.params.greedy and req.max_total_tokens - req.num_tokens >= self.lookahead
+
+    def num_drafts_for(self, req: Request) -> int:
+        if req.req_id not in self._tree_row or req.num_computed != req.num_tokens - 1:
+            return 0
+        return self.tree.num_draft_tokens - 1 if self._takes_tree(req) else 0
+
+    @torch.inference_mode()
+    def execute(self, reqs: list[Request], num_new: list[int]) -> StepOutput:
+        if any(n != 1 for n in num_new) or not any(self.num_drafts_for(r) for r in reqs):
+            self._tree_row = {}
+            return super().execute(reqs, num_new)  # no drafts in this step: the chain path
+        return self._execute_tree(reqs)
+
+    def _execute_tree(self, reqs: list[Request]) -> StepOutput:
+        n_nodes, dev, alloc = self.tree.num_draft_tokens, self.device, self.allocator
+        with record_function("prepare"):
+            in_tree = [self.num_drafts_for(r) > 0 for r in reqs]
+            host_ids, base, slots, qsl, tables, starts = [], [], [], [0], [], []
+            node_dst, tree_rows = [], []
+            for r, t in zip(reqs, in_tree):
+                root = r.num_computed  # position L-1 of the last token
+                n = n_nodes if t else 1
+                host_ids.append(r.token_ids[root])
+                host_ids.extend([0] * (n - 1))
+                base.extend([root] * n)
+                slots.extend(alloc.slot(r.req_id, root + j) for j in range(n))
+                if t:
+                    node_dst.append(qsl[-1])
+                    tree_rows.append(self._tree_row[r.req_id])
+                qsl.append(qsl[-1] + n)
+                tables.append(alloc.tables[r.req_id])
+                starts.append(root)
+            tree = self._tree
+            rows_t = to_device(tree_rows, dev)
+            dst = (to_device(node_dst, dev)[:, None] + torch.arange(n_nodes, device=dev)).reshape(-1)
+            input_ids = to_device(host_ids, dev)  # [T]
+            tok = tree.tokens[rows_t].clone()  # [B_t, N]
+            tok[:, 0] = input_ids[dst.view(-1, n_nodes)[:, 0]]  # the roots
+            input_ids[dst] = tok.reshape(-1)
+            depth = torch.zeros(len(host_ids), dtype=torch.int64, device=dev)
+            depth[dst] = tree.depth[rows_t].reshape(-1)
+            positions = to_device(base, dev) + depth  # rope position L-1 + depth
+            mask = torch.zeros(len(host_ids), n_nodes, dtype=torch.bool, device=dev)
+            mask[:, 0] = True  # every node (and every one-node tree) sees its root
+            mask[dst] = tree.mask[rows_t].reshape(-1, n_nodes)
+            width = max(len(t) for t in tables)
+            table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                   dtype=torch.int32).to(dev)
+            meta = AttentionMetadata(
+                slot_mapping=to_device(slots, dev), block_tables=table_t,
+                seq_lens=torch.tensor([s + n_nodes for s in starts], dtype=torch.int32).to(dev),
+                query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(dev),
+                max_query_len=n_nodes, max_seq_len=max(starts) + n_nodes,
+                tree_start=torch.tensor(starts, dtype=torch.int32).to(dev), tree_mask=mask)
+        with record_function("verify"):
+            hidden, aux = self.model(input_ids, positions, meta, self.aux_layer_ids)
+            logits = self.model.compute_logits(hidden)  # [T, V]
+        with record_function("rejection_sample"):
+            top = logits.argmax(dim=-1)  # [T]
+            path, n_acc, bonus = greedy_accept(tok, tree.parents[rows_t],
+                                               top[dst].view(-1, n_nodes), self.tree.num_steps)
+            t_idx = [i for i, t in enumerate(in_tree) if t]
+            compact_kv([(layer.self_attn.k_cache, layer.self_attn.v_cache)
+                        for layer in self.model.model.layers],
+                       table_t[to_device(t_idx, dev)], to_device([starts[i] for i in t_idx], dev),
+                       path)
+            path_tok = torch.gather(tok, 1, path.clamp(min=0))
+            path_tok = torch.where(path >= 0, path_tok, torch.full_like(path_tok, -1))
+            packed = torch.cat([n_acc[:, None], path, path_tok, bonus[:, None]], 1).tolist()
+            plain = [r for r, t in zip(reqs, in_tree) if not t]
+            plain_tokens: list[list[int]] = []
+            if plain:
+                plain_rows = to_device([qsl[i] for i, t in enumerate(in_tree) if not t], dev)
+                plain_tokens = self._accept(plain, logits[plain_rows][:, None], [0] * len(plain))
+        new_tokens, num_draft, spans, rows_by_req = [], [], [], {}
+        it_tree, it_plain = iter(packed), iter(plain_tokens)
+        d = self.tree.num_steps
+        for i, (r, t) in enumerate(zip(reqs, in_tree)):
+            if t:
+                row = next(it_tree)
+                a = row[0]
+                new_tokens.append(row[1 + d:1 + d + a] + [row[-1]])
+                num_draft.append(d)
+                rows_by_req[r.req_id] = [qsl[i]] + [qsl[i] + j for j in row[1:1 + a]]
+                spans.append(Span(r.req_id, starts[i], 1))
+            else:
+                new_tokens.append(next(it_plain))
+                num_draft.append(0)
+                spans.append(Span(r.req_id, starts[i], 1))
+        # The first pass covers the root and the accepted nodes (positions are now sequential).
+        self._pending = _Pending(hidden=aux if self.aux_layer_ids else hidden, spans=spans,
+                                 row_start=qsl[:-1], num_draft=[0] * len(reqs),
+                                 rows_by_req=rows_by_req)
+        return StepOutput(new_tokens=new_tokens, num_draft=num_draft)
+
+    def propose(self, reqs: list[Request], accepted: dict[int, int]) -> None:
+        self._tree_row = {}
+        super().propose([r for r in reqs if self._takes_tree(r)], accepted)
+
+    def _propose(self, chosen, first_pass, token_ids, hidden_rows, limits, pend) -> None:
+        from compiled_spec.spec.proposer import ProposeBatch
+
+        batch = ProposeBatch(first_pass=first_pass, token_ids=token_ids, hidden_rows=hidden_rows,
+                             step_limits=limits, temperature=[0.0] * len(chosen),
+                             seeds=[r.seed for r in chosen])
+        self._tree, _ = self.proposer.propose(batch, pend.hidden)
+        self._tree_row = {r.req_id: i for i, r in enumerate(chosen)}

@@ -1,0 +1,102 @@
+"""Tree drafting in the engine: greedy output equals vanilla decoding for every tree shape and
+page size, tau is the same for every page size, and sampled requests decode plainly (counted)."""
+from __future__ import annotations
+
+import pytest
+
+from compiled_spec import LLM, SamplingParams
+
+PROMPTS = [[3, 7, 1], [5], [9, 2, 4, 4, 8, 1, 2], [11, 12], [6, 6, 6, 1, 2, 30, 8, 8, 8, 1]]
+SP = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def vanilla(trained_eagle3_pair, smollm2_gguf_path):
+    target, _ = trained_eagle3_pair
+    llm = LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=128, max_num_seqs=4)
+    return [o.token_ids for o in llm.generate(PROMPTS, SP)]
+
+
+@pytest.mark.parametrize("topk,steps,budget", [(2, 3, 6), (4, 4, 12), (3, 2, 4), (1, 4, 5)])
+def test_tree_greedy_equals_vanilla(trained_eagle3_pair, smollm2_gguf_path, vanilla, topk,
+                                    steps, budget):
+    target, head = trained_eagle3_pair
+    taus = []
+    for page in (1, 16, 64):
+        llm = LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=128, max_num_seqs=4,
+                  page_size=page, draft=head, num_speculative_tokens=steps,
+                  speculative_topk=topk, speculative_num_draft_tokens=budget)
+        assert llm.engine.tree is not None
+        assert [o.token_ids for o in llm.generate(PROMPTS, SP)] == vanilla, page
+        spec = llm.stats.spec
+        assert spec.num_drafting_steps > 0
+        taus.append(spec.mean_acceptance_length)
+        assert llm.engine.allocator.num_free == llm.engine.allocator.num_blocks
+    print(f"topk {topk} steps {steps} budget {budget}: tau {taus}")
+    assert taus[0] == taus[1] == taus[2]  # page size never changes what is accepted
+    assert taus[0] >= 2.0  # the trained head agrees often: trees must find those paths
+
+
+def test_tree_beats_or_matches_chain_acceptance(trained_eagle3_pair, smollm2_gguf_path, vanilla):
+    """A tree holds the chain of its best branch (topk 1 is the chain), so more branches never
+    accept less on this pair."""
+    target, head = trained_eagle3_pair
+
+    def tau(**kw) -> float:
+        llm = LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=128, max_num_seqs=4,
+                  draft=head, num_speculative_tokens=3, **kw)
+        assert [o.token_ids for o in llm.generate(PROMPTS, SP)] == vanilla
+        return llm.stats.spec.mean_acceptance_length
+
+    chain = tau()
+    tree = tau(speculative_topk=4, speculative_num_draft_tokens=16)
+    print(f"chain k=3 tau {chain:.3f}, tree topk 4 budget 16 tau {tree:.3f}")
+    assert tree >= chain - 1e-9
+
+
+def test_sampled_requests_decode_plainly_in_tree_mode(trained_eagle3_pair, smollm2_gguf_path):
+    target, head = trained_eagle3_pair
+    kw = dict(model=target, tokenizer=smollm2_gguf_path, max_model_len=128, max_num_seqs=4)
+    sampled = SamplingParams(max_tokens=24, temperature=0.9, seed=7, ignore_eos=True)
+    ref = LLM(**kw).generate([PROMPTS[0]], sampled)[0].token_ids
+    llm = LLM(**kw, draft=head, num_speculative_tokens=3, speculative_topk=2)
+    outs = llm.generate([PROMPTS[0], PROMPTS[2]], [sampled, SP])
+    assert outs[0].token_ids == ref
+    assert llm.stats.num_requests_without_speculation == 1
+
+
+def test_tree_parameters_are_validated(trained_eagle3_pair, smollm2_gguf_path):
+    target, head = trained_eagle3_pair
+    with pytest.raises(ValueError, match="speculative_num_draft_tokens"):
+        LLM(model=target, tokenizer=smollm2_gguf_path, draft=head, num_speculative_tokens=2,
+            speculative_topk=2, speculative_num_draft_tokens=50)
+    with pytest.raises(ValueError, match="speculative_topk"):
+        LLM(model=target, tokenizer=smollm2_gguf_path, draft=head, speculative_topk=0)
+    with pytest.raises(ValueError, match="compile=True with draft trees"):
+        LLM(model=target, tokenizer=smollm2_gguf_path, draft=head, speculative_topk=2,
+            compile=True)
+
+
+def test_topk_1_tree_is_the_chain(trained_eagle3_pair, smollm2_gguf_path, vanilla):
+    """A one-branch tree drafts exactly the chain's tokens: the same acceptance at every step
+    where both draft the full depth (the chain shrinks k near the end, a tree then decodes
+    plainly; a step that admits a prefill verifies no tree)."""
+    target, head = trained_eagle3_pair
+    kw = dict(model=target, tokenizer=smollm2_gguf_path, max_model_len=128, max_num_seqs=1,
+              draft=head, num_speculative_tokens=4)
+    per_step = {}
+    for name, extra in (("chain", {}), ("tree", dict(speculative_topk=1,
+                                                     speculative_num_draft_tokens=5))):
+        llm = LLM(**kw, **extra)
+        steps: list[int] = []
+        orig = llm.engine.stats.spec.update
+
+        def spy(ks, accs, orig=orig, steps=steps):
+            steps.extend(a for k, a in zip(ks, accs) if k == 4)
+            return orig(ks, accs)
+
+        llm.engine.stats.spec.update = spy
+        for p in PROMPTS:
+            assert llm.generate(p, SP)[0].token_ids == vanilla[PROMPTS.index(p)]
+        per_step[name] = steps
+    assert per_step["chain"] == per_step["tree"] and len(per_step["tree"]) > 20
