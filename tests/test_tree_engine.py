@@ -54,15 +54,23 @@ def test_tree_beats_or_matches_chain_acceptance(trained_eagle3_pair, smollm2_ggu
     assert tree >= chain - 1e-9
 
 
-def test_sampled_requests_decode_plainly_in_tree_mode(trained_eagle3_pair, smollm2_gguf_path):
+@pytest.mark.parametrize("page", [1, 16])
+def test_seeded_sampling_with_trees_equals_vanilla(trained_eagle3_pair, smollm2_gguf_path, page):
+    """The coupling rule along the tree: every emitted token is the one vanilla sampling draws
+    at its position with the request's seed, so seeded outputs match vanilla token for token
+    (and mixed greedy / sampled batches work)."""
     target, head = trained_eagle3_pair
-    kw = dict(model=target, tokenizer=smollm2_gguf_path, max_model_len=128, max_num_seqs=4)
-    sampled = SamplingParams(max_tokens=24, temperature=0.9, seed=7, ignore_eos=True)
-    ref = LLM(**kw).generate([PROMPTS[0]], sampled)[0].token_ids
-    llm = LLM(**kw, draft=head, num_speculative_tokens=3, speculative_topk=2)
-    outs = llm.generate([PROMPTS[0], PROMPTS[2]], [sampled, SP])
-    assert outs[0].token_ids == ref
-    assert llm.stats.num_requests_without_speculation == 1
+    kw = dict(model=target, tokenizer=smollm2_gguf_path, max_model_len=128, max_num_seqs=4,
+              page_size=page)
+    params = [SamplingParams(max_tokens=32, temperature=t, top_p=tp, seed=s, ignore_eos=True)
+              for t, tp, s in ((0.8, 1.0, 1), (0.0, 1.0, 0), (1.2, 0.9, 5), (0.5, 1.0, 9),
+                               (1.0, 1.0, 3))]
+    ref = [o.token_ids for o in LLM(**kw).generate(PROMPTS, params)]
+    llm = LLM(**kw, draft=head, num_speculative_tokens=3, speculative_topk=3,
+              speculative_num_draft_tokens=8)
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == ref
+    assert llm.stats.num_requests_without_speculation == 0
+    assert llm.stats.spec.num_drafting_steps > 0
 
 
 def test_tree_parameters_are_validated(trained_eagle3_pair, smollm2_gguf_path):

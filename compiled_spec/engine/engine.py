@@ -114,10 +114,7 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Request(req_id=self._next_id, prompt_token_ids=list(prompt_token_ids), params=params,
                       seed=seed, max_total_tokens=min(n + params.max_tokens, self.cfg.max_model_len),
-                      prompt=prompt, spec_enabled=self.draft is not None and params.speculate
-                      # Trees verify greedily only (the multi-candidate sampling rule is not
-                      # written yet): sampled requests decode plainly, and are counted.
-                      and (self.tree is None or params.greedy))
+                      prompt=prompt, spec_enabled=self.draft is not None and params.speculate)
         if self.draft is not None:
             req.spec_stats = SpecStats()
             if not req.spec_enabled:

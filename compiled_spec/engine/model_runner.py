@@ -21,9 +21,12 @@ from compiled_spec.spec.proposer import EagleProposer, ProposeBatch
 from compiled_spec.spec.rejection import rejection_sample
 
 
-def build_sampling_tensors(reqs: list[Request], device: torch.device, repeat: int = 1) -> SamplingTensors:
-    """Per-row parameters; ``repeat`` copies each request's row for its verification slots."""
-    ps = [r.params for r in reqs for _ in range(repeat)]
+def build_sampling_tensors(reqs: list[Request], device: torch.device,
+                           repeat: int | list[int] = 1) -> SamplingTensors:
+    """Per-row parameters; ``repeat`` copies each request's row for its verification slots (one
+    count for all, or one per request)."""
+    reps = [repeat] * len(reqs) if isinstance(repeat, int) else repeat
+    ps = [r.params for r, n in zip(reqs, reps) for _ in range(n)]
 
     def t(vals: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(vals, dtype=dtype, device=device)
@@ -33,7 +36,7 @@ def build_sampling_tensors(reqs: list[Request], device: torch.device, repeat: in
         top_k=t([p.top_k for p in ps], torch.int64),
         top_p=t([p.top_p for p in ps], torch.float32),
         min_p=t([p.min_p for p in ps], torch.float32),
-        seeds=t([r.seed for r in reqs for _ in range(repeat)], torch.int64),
+        seeds=t([r.seed for r, n in zip(reqs, reps) for _ in range(n)], torch.int64),
         all_greedy=all(p.greedy for p in ps),
         any_sorting=any(p.needs_sorting for p in ps),
         any_min_p=any(p.min_p > 0 and not p.greedy for p in ps),

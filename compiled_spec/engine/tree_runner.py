@@ -2,11 +2,17 @@
 tree attention, greedy acceptance walks the tree on device, and the accepted path's KV is moved
 into place before the next step.
 
+Acceptance, greedy or sampled, is the coupling rule of ``spec.rejection`` applied along the tree:
+at every node the token vanilla decoding would draw at the next position is drawn (argmax, or an
+exponential race keyed by (seed, position)); the child holding that token is accepted, and at the
+first node without one that token is emitted. Exact for deterministic (top-k) candidates, and a
+seeded request writes exactly its vanilla output.
+
 A step verifies trees only when every request in it is decoding (one new token): a step that
 also prefills runs the chain path with no drafts, and the requests re-propose after it. Requests
-that cannot take a tree this step (sampled, or too near their end for the tree's slots) decode
-plainly inside the tree step as one-node trees. Tree steps run the model eagerly (no compile, no
-CUDA graphs yet).
+that cannot take a tree this step (too near their end for the tree's slots, or not speculating)
+decode plainly inside the tree step as one-node trees. Tree steps run the model eagerly (no
+compile, no CUDA graphs yet).
 """
 from __future__ import annotations
 
@@ -15,8 +21,10 @@ from torch.profiler import record_function
 
 from compiled_spec.attention_metadata import AttentionMetadata
 from compiled_spec.engine.batch import Span, to_device
-from compiled_spec.engine.model_runner import ModelRunner, StepOutput, _Pending
+from compiled_spec.engine.model_runner import (ModelRunner, StepOutput, _Pending,
+                                               build_sampling_tensors)
 from compiled_spec.engine.request import Request
+from compiled_spec.sampler import STREAM_TOKEN, apply_filters, position_keys, sample_from_probs
 from compiled_spec.spec.tree import TreeConfig, compact_kv, greedy_accept
 from compiled_spec.spec.tree_proposer import DraftTree, TreeProposer
 
@@ -32,7 +40,7 @@ class TreeModelRunner(ModelRunner):
         self._tree_row: dict[int, int] = {}
 
     def _takes_tree(self, req: Request) -> bool:
-        return req.params.greedy and req.max_total_tokens - req.num_tokens >= self.lookahead
+        return req.spec_enabled and req.max_total_tokens - req.num_tokens >= self.lookahead
 
     def num_drafts_for(self, req: Request) -> int:
         if req.req_id not in self._tree_row or req.num_computed != req.num_tokens - 1:
@@ -91,9 +99,15 @@ class TreeModelRunner(ModelRunner):
             hidden, aux = self.model(input_ids, positions, meta, self.aux_layer_ids)
             logits = self.model.compute_logits(hidden)  # [T, V]
         with record_function("rejection_sample"):
-            top = logits.argmax(dim=-1)  # [T]
+            reps = [qsl[i + 1] - qsl[i] for i in range(len(reqs))]
+            st = build_sampling_tensors(reqs, dev, reps)
+            if st.all_greedy:
+                drawn = logits.argmax(dim=-1)  # [T]
+            else:  # the token vanilla sampling would draw after each node (position + 1)
+                drawn = sample_from_probs(apply_filters(logits, st),
+                                          position_keys(st.seeds, positions + 1, STREAM_TOKEN))
             path, n_acc, bonus = greedy_accept(tok, tree.parents[rows_t],
-                                               top[dst].view(-1, n_nodes), self.tree.num_steps)
+                                               drawn[dst].view(-1, n_nodes), self.tree.num_steps)
             t_idx = [i for i, t in enumerate(in_tree) if t]
             compact_kv([(layer.self_attn.k_cache, layer.self_attn.v_cache)
                         for layer in self.model.model.layers],
@@ -101,12 +115,13 @@ class TreeModelRunner(ModelRunner):
                        path)
             path_tok = torch.gather(tok, 1, path.clamp(min=0))
             path_tok = torch.where(path >= 0, path_tok, torch.full_like(path_tok, -1))
-            packed = torch.cat([n_acc[:, None], path, path_tok, bonus[:, None]], 1).tolist()
-            plain = [r for r, t in zip(reqs, in_tree) if not t]
-            plain_tokens: list[list[int]] = []
-            if plain:
-                plain_rows = to_device([qsl[i] for i, t in enumerate(in_tree) if not t], dev)
-                plain_tokens = self._accept(plain, logits[plain_rows][:, None], [0] * len(plain))
+            plain_rows = to_device([qsl[i] for i, t in enumerate(in_tree) if not t], dev)
+            # The step's one device-to-host copy: tree rows, then one token per plain request.
+            host = torch.cat([torch.cat([n_acc[:, None], path, path_tok, bonus[:, None]],
+                                        1).reshape(-1), drawn[plain_rows]]).tolist()
+        width_row = 2 + 2 * self.tree.num_steps
+        packed = [host[i * width_row:(i + 1) * width_row] for i in range(len(t_idx))]
+        plain_tokens = [[x] for x in host[len(t_idx) * width_row:]]
         new_tokens, num_draft, spans, rows_by_req = [], [], [], {}
         it_tree, it_plain = iter(packed), iter(plain_tokens)
         d = self.tree.num_steps
@@ -136,7 +151,8 @@ class TreeModelRunner(ModelRunner):
         from compiled_spec.spec.proposer import ProposeBatch
 
         batch = ProposeBatch(first_pass=first_pass, token_ids=token_ids, hidden_rows=hidden_rows,
-                             step_limits=limits, temperature=[0.0] * len(chosen),
+                             step_limits=limits, temperature=[r.params.temperature
+                                                              for r in chosen],
                              seeds=[r.seed for r in chosen])
         self._tree, _ = self.proposer.propose(batch, pend.hidden)
         self._tree_row = {r.req_id: i for i, r in enumerate(chosen)}
