@@ -66,6 +66,7 @@ def write_kv_triton(
 def _paged_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    tree_start_ptr, tree_mask_ptr, stride_mt, num_tree,  # tree attention (TREE) only
     stride_qt, stride_qh,  # query and out share strides (out is allocated contiguous like q)
     stride_cb, stride_cp, stride_ch,  # k_cache and v_cache share strides
     stride_bt,
@@ -75,7 +76,7 @@ def _paged_attn_kernel(
     head_dim, page_size, kv_chunk,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    DOT_FP32: tl.constexpr, TREE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_block = tl.program_id(1) // NUM_SPLITS
@@ -105,7 +106,11 @@ def _paged_attn_kernel(
     # Keys this query block may see end at its last token's position (causality), capped at the
     # context length; a KV split covers one kv_chunk-sized slice of that range (the last split
     # runs to the end, so a seq_len above the max_seq_len bound is still covered).
-    kv_end = tl.minimum(seq_len, ctx_len + (q_block + 1) * BLOCK_Q)
+    if TREE:  # tree queries see the prefix and marked tree slots: no causal cut-off
+        tstart = tl.load(tree_start_ptr + seq)
+        kv_end = seq_len
+    else:
+        kv_end = tl.minimum(seq_len, ctx_len + (q_block + 1) * BLOCK_Q)
     lo = split * kv_chunk
     hi = kv_end
     if split < NUM_SPLITS - 1:
@@ -130,7 +135,14 @@ def _paged_attn_kernel(
         else:
             s = tl.dot(q, tl.trans(k))
         s = s * qk_scale  # [M, N]
-        allowed = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
+        if TREE:
+            rel = pos - tstart  # [N] tree slot of each key (negative: the prefix)
+            in_tree = (rel >= 0) & (rel < num_tree) & pos_ok
+            bit = tl.load(tree_mask_ptr + (q_start + tok).to(tl.int64)[:, None] * stride_mt
+                          + rel[None, :], mask=row_ok[:, None] & in_tree[None, :], other=0)
+            allowed = ((pos[None, :] < tstart) | (bit != 0)) & pos_ok[None, :]
+        else:
+            allowed = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -219,6 +231,8 @@ def _paged_attention(
     max_seq_len: int,
     scale: float,
     num_splits: int | None,  # None = heuristic; must be a power of two otherwise
+    tree_start: torch.Tensor | None = None,  # [num_seqs] int32: tree attention when given
+    tree_mask: torch.Tensor | None = None,  # [num_tokens, num_tree] bool
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
@@ -252,9 +266,16 @@ def _paged_attention(
         # -inf marks "no contribution" for splits/tokens the attention kernel never writes.
         lse = torch.full((num_splits, num_tokens, num_heads), float("-inf"), dtype=torch.float32,
                          device=query.device)  # [splits, num_tokens, num_heads]
+    tree = tree_mask is not None
+    if tree:  # uint8 bits; keys run to the end of each sequence's tree
+        mask_u8 = tree_mask.contiguous().view(torch.uint8)
+        num_tree = tree_mask.shape[1]
+        seq_lens = (tree_start + num_tree).to(torch.int32)
     _paged_attn_kernel[grid](
         query, k_cache, v_cache, part if num_splits > 1 else out, lse,
         block_tables, seq_lens, query_start_loc,
+        tree_start if tree else seq_lens, mask_u8 if tree else seq_lens,
+        mask_u8.stride(0) if tree else 0, num_tree if tree else 0,
         query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
@@ -262,7 +283,7 @@ def _paged_attention(
         scale * 1.4426950408889634,  # log2(e)
         head_dim, page_size, kv_chunk,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n, DIM_PAD=dim_pad,
-        NUM_SPLITS=num_splits, DOT_FP32=_dot_in_fp32(query.dtype),
+        NUM_SPLITS=num_splits, DOT_FP32=_dot_in_fp32(query.dtype), TREE=tree,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
@@ -287,3 +308,20 @@ def paged_attention_triton(
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     return _paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                             max_query_len, max_seq_len, scale, num_splits=None)
+
+
+def paged_tree_attention_triton(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    tree_start: torch.Tensor,  # [num_seqs] int32
+    tree_mask: torch.Tensor,  # [num_tokens, num_tree] bool
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    max_query_len: int,
+    max_seq_len: int,  # bound on tree_start + num_tree
+    scale: float,
+) -> torch.Tensor:
+    return _paged_attention(query, k_cache, v_cache, block_tables, tree_start,
+                            query_start_loc, max_query_len, max_seq_len, scale, num_splits=None,
+                            tree_start=tree_start, tree_mask=tree_mask)

@@ -77,8 +77,12 @@ def paged_tree_attention(
     max_seq_len: int,
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    # The PyTorch implementation on every device for now (exact; a Triton kernel with the mask
-    # in its inner loop is the GPU path still to write).
+    if _use_triton(query):
+        from kernels.attention_triton import paged_tree_attention_triton
+
+        return paged_tree_attention_triton(query, k_cache, v_cache, block_tables, tree_start,
+                                           tree_mask, query_start_loc, max_query_len,
+                                           max_seq_len, scale)
     return paged_tree_attention_ref(query, k_cache, v_cache, block_tables, tree_start, tree_mask,
                                     query_start_loc, max_query_len, num_tree, max_seq_len, scale)
 

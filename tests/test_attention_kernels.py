@@ -172,6 +172,27 @@ TRITON_CASES = [
     ("p5_gqa_bf16_split2", 5, (6, 2), 128, "bfloat16", 2),
 ]
 TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 6e-2}
+# Tree attention: (name, page_size, forced KV splits or None); fp32, GQA 9/3, head_dim 32.
+TREE_CASES = [("tree_p1", 1, None), ("tree_p4_split2", 4, 2), ("tree_p16", 16, None)]
+
+
+def _tree_batch(page_size: int, seed: int):
+    """Two sequences (prefixes of 7 and 21 tokens) with random 6-node trees over a paged cache."""
+    from compiled_spec.spec.tree import ancestor_mask
+
+    g = torch.Generator().manual_seed(seed)
+    n, blocks = 6, 64
+    k = torch.randn(blocks, page_size, 3, 32, generator=g)
+    v = torch.randn(blocks, page_size, 3, 32, generator=g)
+    starts = torch.tensor([7, 21], dtype=torch.int32)
+    width = (21 + n) // page_size + 1
+    tables = torch.randperm(blocks, generator=g)[:2 * width].view(2, width).int()
+    parents = torch.tensor([[-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in
+                                    range(1, n)] for _ in range(2)])
+    mask = ancestor_mask(parents).reshape(2 * n, n)
+    q = torch.randn(2 * n, 9, 32, generator=g)
+    qsl = torch.tensor([0, n, 2 * n], dtype=torch.int32)
+    return q, k, v, tables, starts, mask, qsl, n
 
 
 def _triton_worker() -> None:
@@ -196,6 +217,14 @@ def _triton_worker() -> None:
             "err_vs_naive": (tri.double() - naive_attention(batch)).abs().max().item(),
             "unowned_max": tri[-NUM_UNOWNED_TOKENS:].float().abs().max().item(),
         }
+    from kernels.attention_ref import paged_tree_attention_ref
+
+    for name, page_size, splits in TREE_CASES:
+        q, k, v, tables, starts, mask, qsl, n = _tree_batch(page_size, len(results))
+        ref = paged_tree_attention_ref(q, k, v, tables, starts, mask, qsl, n, n, 21 + n, 0.2)
+        tri = _paged_attention(q, k, v, tables, starts, qsl, n, 21 + n, 0.2, num_splits=splits,
+                               tree_start=starts, tree_mask=mask)
+        results[name] = {"err_vs_ref": (tri - ref).abs().max().item()}
     print("RESULTS " + json.dumps(results))
 
 
@@ -218,6 +247,11 @@ def test_triton_kernels_match_reference(triton_results: dict, case: str) -> None
     assert r["err_vs_ref"] < tol, r
     assert r["err_vs_naive"] < tol, r
     assert r["unowned_max"] == 0, r
+
+
+@pytest.mark.parametrize("case", [c[0] for c in TREE_CASES])
+def test_triton_tree_attention_matches_reference(triton_results: dict, case: str) -> None:
+    assert triton_results[case]["err_vs_ref"] < 1e-4, triton_results[case]
 
 
 # ---------------------------------------------------------------------------------------------
