@@ -42,8 +42,13 @@ class CacheConfig:
     page_size: int = 16  # tokens per KV block
     num_blocks: int | None = None  # None: sized from memory_gib
     memory_gib: float | None = None  # KV budget when num_blocks is not given (None: see below)
+    prefix_caching: bool = False  # reuse the KV of full blocks shared with earlier requests
+    prefix_caching_mode: str = "successor"  # "successor" | "recompute" (see prefix_cache.py)
 
     def __post_init__(self) -> None:
+        if self.prefix_caching_mode not in ("successor", "recompute"):
+            raise ValueError(f"prefix_caching_mode={self.prefix_caching_mode!r}: expected "
+                             "'successor' or 'recompute'")
         if isinstance(self.page_size, bool) or not isinstance(self.page_size, int) or self.page_size < 1:
             raise ValueError(f"page_size={self.page_size!r}: must be a positive integer")
         if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 1):

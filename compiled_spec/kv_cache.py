@@ -1,10 +1,12 @@
 """Paged KV cache: the block pool (tensors) and the allocator that hands blocks to requests."""
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
+from typing import Hashable
 
 import torch
 
+BlockKey = tuple[int, tuple[int, ...], int | None]  # (hash of the previous key, tokens, successor)
 
 
 class KVCacheExhausted(RuntimeError):
@@ -28,49 +30,113 @@ class BlockAllocator:
     """Free list of physical KV blocks and the block table of each request.
 
     A request's table grows as its context grows (plus lookahead slots for speculative tokens)
-    and shrinks when rejected tokens are rolled back; all its blocks return to the pool when it
+    and shrinks when rejected tokens are rolled back; its blocks return to the pool when it
     finishes or is preempted.
+
+    With ``prefix_caching``, full blocks can be registered under a content key (see
+    ``compiled_spec.prefix_cache``) and shared: blocks carry reference counts, a block whose
+    count drops to 0 keeps its content in an LRU of cached blocks, and allocation takes free
+    blocks first, then evicts the least recently used cached block. Shared blocks are full and
+    lie before every owner's first uncomputed position, so nothing ever writes into them.
     """
 
-    def __init__(self, num_blocks: int, page_size: int) -> None:
+    def __init__(self, num_blocks: int, page_size: int, prefix_caching: bool = False) -> None:
         self.num_blocks = num_blocks
         self.page_size = page_size
+        self.prefix_caching = prefix_caching
         self._free: deque[int] = deque(range(num_blocks))
         self.tables: dict[int, list[int]] = {}
+        self._refs = [0] * num_blocks
+        self._block_of: dict[Hashable, int] = {}  # key hash -> block
+        self._key_of: dict[int, tuple[Hashable, BlockKey]] = {}  # block -> (hash, key)
+        self._lru: OrderedDict[int, None] = OrderedDict()  # cached blocks with no reference
+        self.num_evictions = 0
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks a request could get now: free ones plus evictable cached ones."""
+        return len(self._free) + len(self._lru)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._key_of)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
     def can_grow(self, req_id: int, num_tokens: int) -> bool:
         have = len(self.tables.get(req_id, ()))
-        return self.blocks_for(num_tokens) - have <= len(self._free)
+        return self.blocks_for(num_tokens) - have <= self.num_free
+
+    def _take(self) -> int:
+        if self._free:
+            b = self._free.popleft()
+        else:  # evict the least recently used cached block
+            b, _ = self._lru.popitem(last=False)
+            h, _ = self._key_of.pop(b)
+            del self._block_of[h]
+            self.num_evictions += 1
+        self._refs[b] = 1
+        return b
+
+    def _release(self, b: int) -> None:
+        self._refs[b] -= 1
+        if self._refs[b] == 0:
+            if b in self._key_of:
+                self._lru[b] = None  # keeps its content until evicted
+            else:
+                self._free.append(b)
 
     def grow(self, req_id: int, num_tokens: int) -> None:
         """Make the request's table cover ``num_tokens`` positions (all or nothing)."""
         table = self.tables.setdefault(req_id, [])
         need = self.blocks_for(num_tokens) - len(table)
-        if need > len(self._free):
+        if need > self.num_free:
             raise KVCacheExhausted(
                 f"request {req_id} needs {need} more KV blocks for {num_tokens} tokens but only "
-                f"{len(self._free)} of {self.num_blocks} are free")
+                f"{self.num_free} of {self.num_blocks} are free")
         for _ in range(max(need, 0)):
-            table.append(self._free.popleft())
+            table.append(self._take())
 
     def shrink(self, req_id: int, num_tokens: int) -> None:
         """Return blocks beyond what ``num_tokens`` positions need (rolled-back lookahead)."""
         table = self.tables.get(req_id, [])
         keep = self.blocks_for(num_tokens)
         while len(table) > keep:
-            self._free.append(table.pop())
+            self._release(table.pop())
 
     def free(self, req_id: int) -> None:
         for b in self.tables.pop(req_id, []):
-            self._free.append(b)
+            self._release(b)
 
     def slot(self, req_id: int, position: int) -> int:
         table = self.tables[req_id]
         return table[position // self.page_size] * self.page_size + position % self.page_size
+
+    # ---- prefix caching ------------------------------------------------------------------------
+    def match(self, req_id: int, keys: list[tuple[Hashable, BlockKey]]) -> int:
+        """Put the cached blocks of the longest matching prefix of ``keys`` (hash, key) at the
+        start of the request's (empty) table; returns how many blocks matched. The full key is
+        compared, so a hash collision can never hand out another prefix's KV."""
+        table = self.tables.setdefault(req_id, [])
+        if table:
+            raise RuntimeError(f"request {req_id}: match() needs an empty block table")
+        for h, key in keys:
+            b = self._block_of.get(h)
+            if b is None or self._key_of[b][1] != key:
+                break
+            if self._refs[b] == 0:
+                del self._lru[b]
+            else:
+                self._lru.pop(b, None)
+            self._refs[b] += 1
+            table.append(b)
+        return len(table)
+
+    def register(self, req_id: int, index: int, h: Hashable, key: BlockKey) -> None:
+        """Record that block ``index`` of the request holds the KV of ``key`` (complete)."""
+        b = self.tables[req_id][index]
+        if h in self._block_of or b in self._key_of:
+            return  # the same content is cached elsewhere, or this block already is
+        self._block_of[h] = b
+        self._key_of[b] = (h, key)

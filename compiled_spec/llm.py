@@ -46,6 +46,8 @@ class LLM:
         max_num_batched_tokens: int = 4096,
         num_kv_blocks: int | None = None,
         kv_cache_memory_gib: float | None = None,
+        enable_prefix_caching: bool = False,
+        prefix_caching_mode: str = "successor",
         seed: int = 0,
         tokenizer: str | None = None,
         draft: str | None = None,
@@ -71,7 +73,10 @@ class LLM:
                              f"max_position_embeddings={mcfg.max_position_embeddings}")
         self.config = EngineConfig(
             model=path, device=dev, dtype=dt, max_model_len=max_model_len,
-            cache=CacheConfig(page_size=page_size, num_blocks=num_kv_blocks, memory_gib=kv_cache_memory_gib),
+            cache=CacheConfig(page_size=page_size, num_blocks=num_kv_blocks,
+                              memory_gib=kv_cache_memory_gib,
+                              prefix_caching=enable_prefix_caching,
+                              prefix_caching_mode=prefix_caching_mode),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
             seed=seed,
             spec=None if draft is None else SpecConfig(

@@ -14,6 +14,7 @@ from compiled_spec.engine.request import CompletionOutput, Request, RequestOutpu
 from compiled_spec.engine.scheduler import Scheduler
 from compiled_spec.kv_cache import BlockAllocator, allocate_kv_pair, bytes_per_block
 from compiled_spec.models.decoder import CausalLM
+from compiled_spec.prefix_cache import block_keys, matchable_blocks
 from compiled_spec.sampling_params import SamplingParams
 from compiled_spec.spec.metrics import SpecStats
 from compiled_spec.spec.proposer import EagleProposer
@@ -27,6 +28,7 @@ class EngineStats:
     num_preemptions: int = 0
     num_aborted: int = 0
     num_requests_without_speculation: int = 0  # ran plain decoding in a speculative engine
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     spec: SpecStats = field(default_factory=SpecStats)
 
 
@@ -58,7 +60,7 @@ class LLMEngine:
         if num_blocks is None:
             per_block = sum(bytes_per_block(page, h, d, cfg.dtype) for h, d in kv_shapes)
             num_blocks = max(1, _kv_budget_bytes(cfg) // per_block)
-        self.allocator = BlockAllocator(num_blocks, page)
+        self.allocator = BlockAllocator(num_blocks, page, prefix_caching=cfg.cache.prefix_caching)
         self.kv_caches = [allocate_kv_pair(num_blocks, page, h, d, cfg.dtype, cfg.device)
                           for h, d in kv_shapes]
         model.bind_kv_cache(self.kv_caches[:mcfg.num_hidden_layers])
@@ -73,7 +75,12 @@ class LLMEngine:
         tree = cfg.spec.tree if cfg.spec is not None else None
         self.tree = tree
         self.scheduler = Scheduler(cfg.scheduler, self.allocator,
-                                   lookahead=tree.lookahead if tree is not None else k)
+                                   lookahead=tree.lookahead if tree is not None else k,
+                                   on_admit=self._match_prefix if cfg.cache.prefix_caching
+                                   else None)
+        # Speculative engines key cached blocks with their successor token ("successor" mode)
+        # or drop the last matched block ("recompute"); see compiled_spec/prefix_cache.py.
+        self._successor_keys = draft is not None and cfg.cache.prefix_caching_mode == "successor"
         if tree is not None:
             from compiled_spec.engine.tree_runner import TreeModelRunner
 
@@ -167,7 +174,39 @@ class LLMEngine:
         if spec_rows:
             self.stats.spec.update([k for k, _ in spec_rows], [a for _, a in spec_rows])
         self.runner.propose(going_on, accepted)
+        if self.cfg.cache.prefix_caching:
+            for req in going_on:
+                self._register_blocks(req)
         return finished
+
+    # ---- prefix caching ----------------------------------------------------------------------
+    def _match_prefix(self, req: Request) -> None:
+        page = self.allocator.page_size
+        n = matchable_blocks(req.num_tokens, page)
+        keys = block_keys(req.token_ids, page, n, self._successor_keys)
+        matched = self.allocator.match(req.req_id, keys)
+        if matched and self.draft is not None and not self._successor_keys:
+            matched -= 1  # "recompute": the last block's last draft entry may be stale
+            self.allocator.shrink(req.req_id, matched * page)
+        req.num_computed = req.draft_computed = req.num_cached_tokens = matched * page
+        req.num_registered = matched
+        req.last_block_hash = keys[matched - 1][0] if matched else None
+        self.stats.num_cached_tokens += matched * page
+
+    def _register_blocks(self, req: Request) -> None:
+        """Register the request's newly complete blocks: target KV written and, in speculative
+        engines, the draft's too (its first pass ran over them)."""
+        page = self.allocator.page_size
+        done = req.num_computed if self.draft is None else min(req.num_computed,
+                                                               req.draft_computed)
+        full = min(done // page, matchable_blocks(req.num_tokens, page))
+        if full <= req.num_registered:
+            return
+        keys = block_keys(req.token_ids, page, full, self._successor_keys,
+                          start=req.num_registered, prev=req.last_block_hash)
+        for i, (h, key) in enumerate(keys, start=req.num_registered):
+            self.allocator.register(req.req_id, i, h, key)
+        req.num_registered, req.last_block_hash = full, keys[-1][0]
 
     def _stop_reason(self, req: Request, tok: int) -> str | None:
         p = req.params

@@ -203,6 +203,7 @@ class ModelRunner:
             hidden_rows.extend(rows[:m] if rows is not None else range(row0, row0 + m))
             limits.append(n_tok - 2 + k_next)
             chosen.append(r)
+            r.draft_computed = span.start + m  # the first pass writes draft KV up to here
         if not chosen:
             return
         with record_function("propose"):

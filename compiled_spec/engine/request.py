@@ -41,6 +41,10 @@ class Request:
     prompt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV is in the cache
+    draft_computed: int = 0  # positions whose draft KV is valid (speculative engines)
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache (not computed)
+    num_registered: int = 0  # leading blocks registered in the prefix cache
+    last_block_hash: object = None  # hash of the last registered block's key (the chain)
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     error: str | None = None

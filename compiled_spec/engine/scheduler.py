@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 from compiled_spec.config import SchedulerConfig
 from compiled_spec.engine.request import Request, Status
@@ -26,8 +27,12 @@ class Scheduler:
     running request cannot grow, the newest running request is preempted (blocks freed, to be
     recomputed later); a request that cannot fit even alone is aborted with an error, alone."""
 
-    def __init__(self, cfg: SchedulerConfig, allocator: BlockAllocator, lookahead: int = 0) -> None:
+    def __init__(self, cfg: SchedulerConfig, allocator: BlockAllocator, lookahead: int = 0,
+                 on_admit: Callable[[Request], None] | None = None) -> None:
         self.cfg = cfg
+        # Prefix caching: called for a request about to be admitted with nothing computed; it
+        # may put cached blocks in its table and advance num_computed past them.
+        self.on_admit = on_admit
         self.allocator = allocator
         self.lookahead = lookahead  # extra slots reserved per step (speculative tokens)
         self.waiting: deque[Request] = deque()
@@ -42,7 +47,8 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.allocator.free(req.req_id)
-        req.num_computed = 0
+        req.num_computed = req.draft_computed = req.num_registered = 0
+        req.num_cached_tokens = 0
         req.status = Status.WAITING
         req.metrics.num_preemptions += 1
         self.num_preemptions += 1
@@ -87,7 +93,14 @@ class Scheduler:
         admitted: list[Request] = []
         while self.waiting and len(self.running) + len(admitted) < self.cfg.max_num_seqs:
             req = self.waiting[0]
+            if self.on_admit is not None and req.num_computed == 0:
+                self.on_admit(req)
             n = req.num_tokens - req.num_computed
+            if (admitted and n > budget) or not self.allocator.can_grow(req.req_id,
+                                                                        self._need(req)):
+                if req.num_computed:  # give the matched blocks back until it is admitted
+                    self.allocator.free(req.req_id)
+                    req.num_computed = req.draft_computed = req.num_cached_tokens = 0
             if admitted and n > budget:
                 break
             if not self.allocator.can_grow(req.req_id, self._need(req)):
