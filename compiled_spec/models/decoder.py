@@ -125,7 +125,7 @@ class CausalLM(nn.Module):
     def tie_weights(self) -> None:
         """Share the embedding matrix with lm_head when the config says so. Call again after
         anything that replaces Parameter objects (e.g. ``to_empty``)."""
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and getattr(self, "tp", None) is None:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def bind_kv_cache(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -137,12 +137,12 @@ class CausalLM(nn.Module):
             raise ValueError(f"expected {cfg.num_hidden_layers} (k, v) cache pairs, "
                              f"got {len(caches)}")
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.model.layers, caches)):
+            heads = layer.self_attn.num_kv_heads  # this rank's share under tensor parallelism
             for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-                if cache.dim() != 4 or tuple(cache.shape[2:]) != (cfg.num_key_value_heads,
-                                                                  cfg.head_dim):
+                if cache.dim() != 4 or tuple(cache.shape[2:]) != (heads, cfg.head_dim):
                     raise ValueError(
                         f"layer {i} {name} has shape {tuple(cache.shape)}; expected "
-                        f"[num_blocks, page_size, {cfg.num_key_value_heads}, {cfg.head_dim}]")
+                        f"[num_blocks, page_size, {heads}, {cfg.head_dim}]")
             if k_cache.shape != v_cache.shape:
                 raise ValueError(f"layer {i}: k_cache {tuple(k_cache.shape)} and v_cache "
                                  f"{tuple(v_cache.shape)} differ")
