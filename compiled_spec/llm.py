@@ -5,6 +5,7 @@ import time
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from compiled_spec.config import (CacheConfig, EngineConfig, SchedulerConfig, SpecConfig,
@@ -12,6 +13,7 @@ from compiled_spec.config import (CacheConfig, EngineConfig, SchedulerConfig, Sp
 from capture import CapturePolicy
 from compiled_spec.compile import (CompileConfig, CompiledModels, capture_graphs, compile_models,
                                    use_compiled)
+from compiled_spec.distributed import TPGroup, shard_causal_lm
 from compiled_spec.draft.loader import load_draft
 from compiled_spec.heads import resolve_draft
 from compiled_spec.engine.engine import LLMEngine
@@ -59,13 +61,35 @@ class LLM:
         speculative_num_draft_tokens: int | None = None,
         compile: bool = False,
         compile_config: CompileConfig | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         t_start = time.perf_counter()
+        self._tp = None
+        if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) \
+                or tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r}: must be an "
+                             "integer >= 1")
+        if tensor_parallel_size > 1 and not dist.is_initialized():
+            # Launch one worker per rank; this object forwards to them (see launcher.py).
+            from compiled_spec.distributed.launcher import TPLauncher
+
+            args = {k: v for k, v in locals().items()
+                    if k not in ("self", "t_start", "TPLauncher", "__class__")}
+            self._tp = TPLauncher(tensor_parallel_size, args)
+            return
+        if tensor_parallel_size > 1 and dist.get_world_size() != tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} but torch.distributed "
+                             f"runs {dist.get_world_size()} ranks")
         draft = resolve_draft(draft)  # "smollm2-eagle3": the head shipped with the package
         path = model if model is not None else find_default_gguf()
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
         net, mcfg = load_model(path, dt, dev)
+        if tensor_parallel_size > 1:
+            if compile:
+                raise ValueError("compile=True with tensor_parallel_size > 1 is not supported "
+                                 "yet (the collectives are not traced); drop compile=True")
+            shard_causal_lm(net, TPGroup.from_default())  # the draft stays replicated
         if max_model_len is None:
             max_model_len = mcfg.max_position_embeddings
         elif isinstance(max_model_len, int) and max_model_len > mcfg.max_position_embeddings:
@@ -162,6 +186,8 @@ class LLM:
         Every prompt and parameter set is checked before anything runs, so one bad request raises
         a ValueError naming it and no request is started.
         """
+        if self._tp is not None:
+            return self._tp.call("generate", prompts, sampling_params, use_tqdm=use_tqdm)
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -194,11 +220,15 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
+        if self._tp is not None:
+            return self._tp.call("chat", messages, sampling_params, use_tqdm=use_tqdm)
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         ids = [self.encode_chat(c) for c in convs]
         return self.generate(ids, sampling_params, use_tqdm=use_tqdm)
 
     def encode_chat(self, conversation: list[dict]) -> list[int]:
+        if self._tp is not None:
+            return self._tp.call("encode_chat", conversation)
         out = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
         if isinstance(out, dict) or hasattr(out, "input_ids"):
             out = out["input_ids"]
@@ -206,4 +236,9 @@ class LLM:
 
     @property
     def stats(self):
-        return self.engine.stats
+        return self._tp.call("stats") if self._tp is not None else self.engine.stats
+
+    def shutdown(self) -> None:
+        """Stop tensor-parallel workers (also done at interpreter exit); no-op otherwise."""
+        if self._tp is not None:
+            self._tp.close()

@@ -52,7 +52,9 @@ class LLMEngine:
         mcfg = model.config
         page = cfg.cache.page_size
         # Draft layers keep their KV in the same paged pool: same blocks, same slots, own tensors.
-        kv_shapes = [(mcfg.num_key_value_heads, mcfg.head_dim)] * mcfg.num_hidden_layers
+        # This rank's KV heads (all of them without tensor parallelism).
+        kv_shapes = [(layer.self_attn.num_kv_heads, mcfg.head_dim)
+                     for layer in model.model.layers]
         if draft is not None:
             dc = draft.config
             kv_shapes += [(dc.num_key_value_heads, dc.head_dim)] * dc.num_hidden_layers
@@ -60,6 +62,13 @@ class LLMEngine:
         if num_blocks is None:
             per_block = sum(bytes_per_block(page, h, d, cfg.dtype) for h, d in kv_shapes)
             num_blocks = max(1, _kv_budget_bytes(cfg) // per_block)
+            tp = getattr(model, "tp", None)
+            if tp is not None:  # every rank must hold the same number of blocks (lockstep)
+                import torch.distributed as dist
+
+                n = torch.tensor([num_blocks], device=cfg.device)
+                dist.all_reduce(n, op=dist.ReduceOp.MIN, group=tp.group)
+                num_blocks = int(n.item())
         self.allocator = BlockAllocator(num_blocks, page, prefix_caching=cfg.cache.prefix_caching)
         self.kv_caches = [allocate_kv_pair(num_blocks, page, h, d, cfg.dtype, cfg.device)
                           for h, d in kv_shapes]
