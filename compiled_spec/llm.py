@@ -85,10 +85,7 @@ class LLM:
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
         net, mcfg = load_model(path, dt, dev)
-        if tensor_parallel_size > 1:
-            if compile:
-                raise ValueError("compile=True with tensor_parallel_size > 1 is not supported "
-                                 "yet (the collectives are not traced); drop compile=True")
+        if tensor_parallel_size > 1:  # Dynamo traces the layers' c10d collectives as graph ops
             shard_causal_lm(net, TPGroup.from_default())  # the draft stays replicated
         if max_model_len is None:
             max_model_len = mcfg.max_position_embeddings

@@ -94,3 +94,24 @@ def test_llm_tensor_parallel_matches_single_process(trained_eagle3_pair, smollm2
                 assert llm.stats.spec.num_drafting_steps > 0
         finally:
             llm.shutdown()
+
+
+def test_llm_tensor_parallel_compiled(trained_eagle3_pair, smollm2_gguf_path):
+    """compile=True under tensor parallelism: Dynamo traces the all-reduces into the graphs our
+    backend receives (fullgraph, so a graph break would fail) and the output stays exact.
+    Inductor is off to keep CI short: lowering c10d ops is Inductor's own, tested upstream."""
+    from compiled_spec import LLM, SamplingParams
+    from compiled_spec.compile import CompileConfig
+
+    target, head = trained_eagle3_pair
+    prompts = [[3, 7, 1], [9, 2, 4, 4, 8, 1, 2]]
+    sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    kw = dict(model=target, tokenizer=smollm2_gguf_path, device="cpu", max_model_len=128,
+              draft=head, num_speculative_tokens=3)
+    ref = [o.token_ids for o in LLM(**kw).generate(prompts, sp)]
+    llm = LLM(**kw, tensor_parallel_size=2, compile=True,
+              compile_config=CompileConfig(inductor=False))
+    try:
+        assert [o.token_ids for o in llm.generate(prompts, sp)] == ref
+    finally:
+        llm.shutdown()
