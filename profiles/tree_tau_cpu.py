@@ -16,7 +16,6 @@ from compiled_spec.bench.prompts import load_mt_bench, mt_bench_prompts
 CONFIGS = [dict(num_speculative_tokens=5),
            dict(num_speculative_tokens=5, speculative_topk=4, speculative_num_draft_tokens=16),
            dict(num_speculative_tokens=5, speculative_topk=4, speculative_num_draft_tokens=32),
-           dict(num_speculative_tokens=8, speculative_topk=4, speculative_num_draft_tokens=32),
            dict(num_speculative_tokens=5, speculative_topk=8, speculative_num_draft_tokens=32),
            dict(num_speculative_tokens=5, speculative_topk=8, speculative_num_draft_tokens=64)]
 

@@ -188,7 +188,7 @@ class ModelRunner:
             span, row0, k_d = by_id[r.req_id]
             n_tok = r.num_tokens
             k_next = min(self.k, r.max_total_tokens - n_tok - 1)
-            want = min(n_tok + self.lookahead, r.max_total_tokens)
+            want = min(n_tok + self.lookahead, self._grow_cap(r))
             try:
                 self.allocator.grow(r.req_id, want)
             except KVCacheExhausted:
@@ -208,6 +208,10 @@ class ModelRunner:
             return
         with record_function("propose"):
             self._propose(chosen, first_pass, token_ids, hidden_rows, limits, pend)
+
+    def _grow_cap(self, req: Request) -> int:
+        """Positions a proposal may reserve blocks up to (chains never pass the budget)."""
+        return req.max_total_tokens
 
     def _propose(self, chosen: list[Request], first_pass: list[Span], token_ids: list[int],
                  hidden_rows: list[int], limits: list[int], pend: _Pending) -> None:

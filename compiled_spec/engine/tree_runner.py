@@ -40,12 +40,21 @@ class TreeModelRunner(ModelRunner):
         self._tree_row: dict[int, int] = {}
 
     def _takes_tree(self, req: Request) -> bool:
-        return req.spec_enabled and req.max_total_tokens - req.num_tokens >= self.lookahead
+        """Room for at least one draft, and the tree's slots inside max_model_len. Slots may
+        pass the request's own budget (they are scratch); acceptance is capped to the budget."""
+        return (req.spec_enabled and req.max_total_tokens - req.num_tokens >= 2
+                and req.num_tokens - 1 + self.lookahead <= self.max_model_len)
+
+    def _grow_cap(self, req: Request) -> int:
+        return self.max_model_len
 
     def num_drafts_for(self, req: Request) -> int:
         if req.req_id not in self._tree_row or req.num_computed != req.num_tokens - 1:
             return 0
-        return self.tree.num_draft_tokens - 1 if self._takes_tree(req) else 0
+        covered = len(self.allocator.tables.get(req.req_id, ())) * self.allocator.page_size
+        if not self._takes_tree(req) or covered < req.num_tokens - 1 + self.lookahead:
+            return 0  # e.g. the pool could not grow this request's tree slots
+        return self.tree.num_draft_tokens - 1
 
     @torch.inference_mode()
     def execute(self, reqs: list[Request], num_new: list[int]) -> StepOutput:
@@ -106,8 +115,12 @@ class TreeModelRunner(ModelRunner):
             else:  # the token vanilla sampling would draw after each node (position + 1)
                 drawn = sample_from_probs(apply_filters(logits, st),
                                           position_keys(st.seeds, positions + 1, STREAM_TOKEN))
+            # Accept no more drafts than the request's budget leaves room for (plus the bonus).
+            cap = to_device([r.max_total_tokens - r.num_tokens - 1
+                             for r, t in zip(reqs, in_tree) if t], dev)
             path, n_acc, bonus = greedy_accept(tok, tree.parents[rows_t],
-                                               drawn[dst].view(-1, n_nodes), self.tree.num_steps)
+                                               drawn[dst].view(-1, n_nodes), self.tree.num_steps,
+                                               cap)
             t_idx = [i for i, t in enumerate(in_tree) if t]
             compact_kv([(layer.self_attn.k_cache, layer.self_attn.v_cache)
                         for layer in self.model.model.layers],

@@ -90,6 +90,7 @@ def greedy_accept(tokens: torch.Tensor,  # [B, N] node tokens (root's unused)
                   parents: torch.Tensor,  # [B, N] root -1
                   target_top: torch.Tensor,  # [B, N] target argmax at each node
                   max_depth: int,
+                  max_accept: torch.Tensor | None = None,  # [B] cap (the request's budget)
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Follow, from the root, the child whose token is the target's argmax at the current node.
     Returns (path [B, max_depth] tree indices, -1 past the end; accepted count [B]; the bonus
@@ -105,6 +106,8 @@ def greedy_accept(tokens: torch.Tensor,  # [B, N] node tokens (root's unused)
         want = torch.gather(target_top, 1, cur[:, None])  # [B, 1]
         match = (parents == cur[:, None]) & (tokens == want) & (idx > 0)  # siblings are distinct
         has = match.any(dim=1) & going
+        if max_accept is not None:
+            has = has & (max_accept > d)
         nxt = match.to(torch.int64).argmax(dim=1)
         cur = torch.where(has, nxt, cur)
         path[:, d] = torch.where(has, nxt, path[:, d])

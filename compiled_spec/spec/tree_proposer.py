@@ -107,7 +107,11 @@ class TreeProposer:
             root = s.start + s.length  # L-1 (host copy of root_pos)
             starts.append(root)
             tables.append(alloc.tables[s.req_id])
-            slots.extend(alloc.slot(s.req_id, root + f0 + i) for i in range(K))
+            covered = len(alloc.tables[s.req_id]) * alloc.page_size
+            # Slots past the request's blocks (the pool could not grow it) write nothing; such a
+            # request's tree is never verified (TreeModelRunner.num_drafts_for).
+            slots.extend(alloc.slot(s.req_id, root + f0 + i) if root + f0 + i < covered else -1
+                         for i in range(K))
         b = len(starts)
         width = max(len(t) for t in tables)
         dev = self.device
