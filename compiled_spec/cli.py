@@ -22,6 +22,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-speculative-tokens", "-k", type=int, default=3)
     p.add_argument("--draft-sampling", default="argmax", choices=["argmax", "sample"])
     p.add_argument("--compile", action="store_true", help="torch.compile target and draft (our backend)")
+    p.add_argument("--speculative-topk", type=int, default=1, help="> 1: EAGLE-2 draft trees")
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=None,
+                   help="tree verification budget, root included")
+    p.add_argument("--enable-prefix-caching", action="store_true")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
 
 
 def _add_prompt_args(p: argparse.ArgumentParser, num_prompts: int, max_tokens: int) -> None:
@@ -35,7 +40,10 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(model=a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
                 page_size=a.page_size, max_num_seqs=a.max_num_seqs, draft=a.draft, method=a.method,
                 num_speculative_tokens=a.num_speculative_tokens, draft_sampling=a.draft_sampling,
-                compile=a.compile)
+                compile=a.compile, speculative_topk=a.speculative_topk,
+                speculative_num_draft_tokens=a.speculative_num_draft_tokens,
+                enable_prefix_caching=a.enable_prefix_caching,
+                tensor_parallel_size=a.tensor_parallel_size)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -60,7 +68,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     if llm.config.spec is not None:
         st = llm.stats.spec
         tau = st.mean_acceptance_length
-        mode = (f"{llm.engine.draft.config.method} k={llm.config.spec.num_speculative_tokens}, "
+        mode = (f"{llm.draft_method} k={llm.config.spec.num_speculative_tokens}, "
                 f"mean acceptance length {tau:.2f}" if tau is not None else "speculative, no drafting step")
     print(f"model {llm.config.model} on {llm.config.device} ({llm.config.dtype}); load {load_s:.1f} s; "
           f"{n_tok} tokens in {gen_s:.2f} s = {n_tok / gen_s:.1f} tokens/s (batch {len(prompts)}, {mode})")
@@ -154,3 +162,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+

@@ -76,6 +76,7 @@ class LLM:
             args = {k: v for k, v in locals().items()
                     if k not in ("self", "t_start", "TPLauncher", "__class__")}
             self._tp = TPLauncher(tensor_parallel_size, args)
+            self.config = self._tp.call("attr", "config")
             return
         if tensor_parallel_size > 1 and dist.get_world_size() != tensor_parallel_size:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size} but torch.distributed "
@@ -233,7 +234,14 @@ class LLM:
 
     @property
     def stats(self):
-        return self._tp.call("stats") if self._tp is not None else self.engine.stats
+        return self._tp.call("attr", "stats") if self._tp is not None else self.engine.stats
+
+    @property
+    def draft_method(self) -> str | None:
+        """"eagle" | "eagle3" of the loaded head; None without one."""
+        if self._tp is not None:
+            return self._tp.call("attr", "draft_method")
+        return None if self.engine.draft is None else self.engine.draft.config.method
 
     def shutdown(self) -> None:
         """Stop tensor-parallel workers (also done at interpreter exit); no-op otherwise."""

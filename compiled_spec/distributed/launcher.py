@@ -43,7 +43,10 @@ def _worker_main(rank: int, world: int, init_file: str, kwargs: dict[str, Any], 
         if method == "shutdown":
             break
         try:
-            result = llm.stats if method == "stats" else getattr(llm, method)(*args, **kw)
+            if method == "attr":  # a property / attribute of rank 0's LLM (config, stats, ...)
+                result = getattr(llm, args[0])
+            else:
+                result = getattr(llm, method)(*args, **kw)
             conn.send(("ok", result))
         except Exception:
             conn.send(("error", traceback.format_exc()))
