@@ -32,22 +32,11 @@ from compiled_spec import LLM, SamplingParams  # noqa: E402
 from compiled_spec.compile import CompileConfig, capture_graphs, use_compiled  # noqa: E402
 from compiled_spec.engine.batch import Span, build_metadata  # noqa: E402
 from compiled_spec.engine.graphs import EngineGraphs  # noqa: E402
+from compiled_spec.bench.run import LLAMA8B, TINY  # noqa: E402
 from compiled_spec.spec.proposer import ProposeBatch  # noqa: E402
 
 HBM_BYTES_PER_S = 4.27e12
 CTX = 512
-LLAMA8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
-           "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-           "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 131072,
-           "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
-           "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-           "bos_token_id": 128000, "eos_token_id": 128009}
-
-
-TINY = dict(LLAMA8B, vocab_size=49152, hidden_size=64, intermediate_size=128,
-            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=4096, rope_scaling=None, bos_token_id=1, eos_token_id=2)
 DEVICE = torch.device("cuda")
 EMULATE = False  # CPU dry run: emulated graphs (capture.emulate)
 

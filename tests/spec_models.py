@@ -86,3 +86,23 @@ def write_id_prompts(path: Path, n: int, vocab: int, seed: int = 0) -> str:
             ids = [rng.randrange(vocab - 1) for _ in range(rng.randint(1, 8))]
             f.write(json.dumps({"id": i, "source": "test", "prompt_ids": ids}) + "\n")
     return str(path)
+
+
+def write_tiny_llama(d: Path, tokenizer, layers: int = 2, max_positions: int = 128,
+                     seed: int = 0) -> str:
+    """A random HF Llama over ``tokenizer``'s vocabulary, saved with the tokenizer. Its logits
+    spread over several units (lm_head ~ N(0, 0.5)): greedy has clear winners (no float ties
+    between batch shapes or engines) and T=1 sampling still picks among a handful of tokens."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=max_positions, rope_theta=10000.0,
+                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    m = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        m.lm_head.weight.normal_(0.0, 0.5)
+    m.save_pretrained(d)
+    tokenizer.save_pretrained(d)
+    return str(d)

@@ -14,20 +14,10 @@ from compiled_spec.cli import main
 
 @pytest.fixture(scope="module")
 def tiny_hf_dir(tmp_path_factory, smollm2_tokenizer):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.spec_models import write_tiny_llama
 
-    torch.manual_seed(0)
-    d = tmp_path_factory.mktemp("bench_target")
-    cfg = LlamaConfig(vocab_size=len(smollm2_tokenizer), hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=1024, rope_theta=10000.0,
-                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
-    m = LlamaForCausalLM(cfg)
-    with torch.no_grad():  # logits with clear winners: no float ties between engines
-        m.lm_head.weight.normal_(0.0, 0.5)
-    m.save_pretrained(d)
-    smollm2_tokenizer.save_pretrained(d)
-    return str(d)
+    return write_tiny_llama(tmp_path_factory.mktemp("bench_target"), smollm2_tokenizer,
+                            layers=4, max_positions=1024)
 
 
 def test_bench_cpu_smoke(tiny_hf_dir, mt_bench_path, tmp_path):

@@ -9,22 +9,9 @@ from compiled_spec import LLM, SamplingParams
 
 @pytest.fixture(scope="module")
 def tiny_llm_dir(tmp_path_factory, smollm2_tokenizer):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.spec_models import write_tiny_llama
 
-    torch.manual_seed(0)
-    d = tmp_path_factory.mktemp("tiny_llama")
-    cfg = LlamaConfig(vocab_size=len(smollm2_tokenizer), hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=128, rope_theta=10000.0, tie_word_embeddings=False,
-                      bos_token_id=1, eos_token_id=2)
-    m = LlamaForCausalLM(cfg)
-    # Logits with a spread of several units: greedy has clear winners (no float ties between
-    # batch shapes) and T=1 sampling still picks among a handful of tokens.
-    with torch.no_grad():
-        m.lm_head.weight.normal_(0.0, 0.5)
-    m.save_pretrained(d)
-    smollm2_tokenizer.save_pretrained(d)
-    return str(d)
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), smollm2_tokenizer)
 
 
 def _llm(path, **kw):
