@@ -51,6 +51,7 @@ def _worker(rank: int, model_dir: str, out_dir: str) -> None:
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"max_err": err, "ranks_identical": same,
                    "local_kv_heads": part.model.layers[0].self_attn.num_kv_heads}, f)
+    dist.barrier()  # no rank tears gloo down while another still talks to it
     dist.destroy_process_group()
 
 

@@ -50,6 +50,7 @@ def _worker_main(rank: int, world: int, init_file: str, kwargs: dict[str, Any], 
             conn.send(("ok", result))
         except Exception:
             conn.send(("error", traceback.format_exc()))
+    dist.barrier()  # no rank tears the group down while another still uses it
     dist.destroy_process_group()
 
 

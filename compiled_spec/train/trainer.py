@@ -25,6 +25,7 @@ from compiled_spec.train import checkpoint as ckpt
 from compiled_spec.train.data import (TrainSequence, batch_indices, collate, generate_sequences,
                                       load_prompts, load_sequences, save_sequences)
 from compiled_spec.train.features import TargetFeaturizer
+from compiled_spec.train.heldout import evaluate, split_prompts
 from compiled_spec.train.logs import LOG_FILE, plot_curves, read_log, truncate_log
 from compiled_spec.train.ttt import ttt_loss
 from compiled_spec.train.vocab import count_tokens, select_draft_vocab, vocab_maps
@@ -149,16 +150,6 @@ def build_head(target: CausalLM, cfg: TrainConfig, draft_ids: torch.Tensor) -> E
     return draft
 
 
-def _split(rows: list, num_val: int, seed: int) -> tuple[list, list]:
-    """(train, held out): a seeded random ``num_val`` of the prompts are held out."""
-    if num_val >= len(rows):
-        raise ValueError(f"val_prompts={num_val} leaves no training prompts of {len(rows)}")
-    g = torch.Generator().manual_seed(seed + 4099)
-    held = set(torch.randperm(len(rows), generator=g)[:num_val].tolist())
-    return ([r for i, r in enumerate(rows) if i not in held],
-            [r for i, r in enumerate(rows) if i in held])
-
-
 def _load_target(cfg: TrainConfig, out: Path
                  ) -> tuple[CausalLM, list[TrainSequence], list[TrainSequence]]:
     """The target, plus the (training, held-out) sequences: read back from out/ when a previous
@@ -174,7 +165,7 @@ def _load_target(cfg: TrainConfig, out: Path
             load_sequences(data_file), val
     from compiled_spec.llm import LLM
 
-    train_rows, val_rows = _split(load_prompts(cfg.prompts, cfg.num_prompts), cfg.val_prompts,
+    train_rows, val_rows = split_prompts(load_prompts(cfg.prompts, cfg.num_prompts), cfg.val_prompts,
                                   cfg.seed)
     llm = LLM(model=cfg.target, tokenizer=cfg.tokenizer, dtype=cfg.dtype, device=device,
               max_model_len=cfg.max_seq_len, max_num_seqs=cfg.gen_batch_size, seed=cfg.seed,
@@ -189,31 +180,6 @@ def _load_target(cfg: TrainConfig, out: Path
     save_sequences(data_file, seqs)
     (out / PARTIAL_FILE).unlink(missing_ok=True)
     return llm.engine.model, seqs, val
-
-
-@torch.no_grad()
-def evaluate(draft: EagleDraft, feats: TargetFeaturizer, seqs: list[TrainSequence],
-             cfg: TrainConfig, autocast) -> tuple[float, list[float]]:
-    """Held-out TTT loss (decay-weighted, as trained) and per-step top-1 accuracy, weighted by
-    the number of scored positions."""
-    was_training = draft.training
-    draft.eval()
-    n_steps = cfg.ttt_steps
-    loss_sums, hits, counts = [0.0] * n_steps, [0.0] * n_steps, [0] * n_steps
-    for start in range(0, len(seqs), cfg.batch_size):
-        batch = collate(seqs[start:start + cfg.batch_size], feats.head.device)
-        aux, tlogits = feats(batch.input_ids, batch.lengths)
-        with autocast:
-            res = ttt_loss(draft, batch.input_ids, aux, tlogits, batch.loss_mask,
-                           n_steps, cfg.ttt_decay)
-        for i, (l, a, n) in enumerate(zip(res.step_losses, res.step_accuracy, res.step_counts)):
-            loss_sums[i] += l * n  # step means -> sums, so batches weigh by their positions
-            hits[i] += a * n
-            counts[i] += n
-    draft.train(was_training)
-    loss = sum(cfg.ttt_decay ** i * ls / max(c, 1)
-               for i, (ls, c) in enumerate(zip(loss_sums, counts)))
-    return loss, [h / max(c, 1) for h, c in zip(hits, counts)]
 
 
 def train(cfg: TrainConfig) -> Path:
