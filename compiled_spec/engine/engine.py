@@ -164,6 +164,8 @@ class LLMEngine:
                 req.spec_stats.update([k_d], [acc])
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
+                # Counted once the request runs (an admission attempt may give blocks back).
+                self.stats.num_cached_tokens += req.num_cached_tokens
             reason = None
             for tok in toks:
                 req.output_token_ids.append(tok)
@@ -200,7 +202,6 @@ class LLMEngine:
         req.num_computed = req.draft_computed = req.num_cached_tokens = matched * page
         req.num_registered = matched
         req.last_block_hash = keys[matched - 1][0] if matched else None
-        self.stats.num_cached_tokens += matched * page
 
     def _register_blocks(self, req: Request) -> None:
         """Register the request's newly complete blocks: target KV written and, in speculative
