@@ -247,3 +247,21 @@ def test_export_head_bf16_sharded_loads_identically(small_target, tmp_path):
         assert torch.equal(sa[k], sb[k]), k
     with pytest.raises(ValueError, match="max_shard_mb"):
         export_head(src, tmp_path / "x", "bfloat16", max_shard_mb=0.0001)
+
+
+# --- (g) warm start from a trained head ----------------------------------------------------------
+def test_init_from_a_trained_head(bigram_setup, smollm2_gguf_path, tmp_path):
+    root, target, prompts = bigram_setup
+    kw = dict(num_prompts=12, max_new_tokens=24, warmup_steps=2, schedule="constant",
+              log_every=1)
+    first = train(_cfg(root, target, prompts, smollm2_gguf_path, "warm_a", steps=60, **kw))
+    exported = export_head(first, tmp_path / "bf16", "bfloat16", max_shard_mb=0.01)  # shards
+    assert len([f for f in exported if f.suffix == ".safetensors"]) > 1
+    warm = train(_cfg(root, target, prompts, smollm2_gguf_path, "warm_b", steps=3,
+                      init_from=str(tmp_path / "bf16"), **kw))
+    a, b = read_log(first), read_log(warm)
+    # It starts where the first run ended (bf16 rounding aside), far below a fresh start.
+    assert b[0]["loss"] < 0.6 * a[0]["loss"], (a[0]["loss"], b[0]["loss"])
+    with safe_open(str(warm / "model.safetensors"), "pt") as f1, \
+            safe_open(str(first / "model.safetensors"), "pt") as f2:
+        assert torch.equal(f1.get_tensor("d2t"), f2.get_tensor("d2t"))  # its vocabulary kept

@@ -78,16 +78,36 @@ def save_head(draft: EagleDraft, t2d: torch.Tensor, out_dir: Path) -> None:
     _atomic(out_dir / "config.json", lambda p: p.write_text(text))
 
 
+def head_files(head_dir: Path) -> list[Path]:
+    """The head's safetensors files: one file or the shards an index lists."""
+    from compiled_spec.models.loader import _safetensors_files
+
+    return _safetensors_files(Path(head_dir))
+
+
 def load_head_into(draft: EagleDraft, out_dir: Path) -> torch.Tensor:
-    """Copy a saved head's weights into the trainable ``draft`` (resume); returns its t2d."""
+    """Copy a saved head's weights (one file or shards, any float dtype) into the trainable
+    ``draft`` (resume, or a warm start); returns its t2d."""
     own = draft.state_dict()
     seen: set[str] = set()
     t2d = None
-    with safe_open(str(out_dir / "model.safetensors"), framework="pt") as f:
+    for path in head_files(out_dir):
+        _load_file_into(own, seen, path, out_dir)
+        if t2d is None:
+            with safe_open(str(path), framework="pt") as f:
+                t2d = f.get_tensor("t2d") if "t2d" in f.keys() else None
+    missing = set(own) - seen
+    if missing or t2d is None:
+        raise ValueError(f"{out_dir}: saved head lacks {sorted(missing) or ['t2d']}")
+    return t2d
+
+
+def _load_file_into(own: dict[str, torch.Tensor], seen: set[str], path: Path,
+                    out_dir: Path) -> None:
+    with safe_open(str(path), framework="pt") as f:
         for key in f.keys():
             name = rename_key(key)
             if name == "t2d":
-                t2d = f.get_tensor(key)
                 continue
             if name not in own or tuple(own[name].shape) != tuple(f.get_slice(key).get_shape()):
                 raise ValueError(f"{out_dir}: tensor {key!r} does not fit the head being "
@@ -95,10 +115,6 @@ def load_head_into(draft: EagleDraft, out_dir: Path) -> torch.Tensor:
             with torch.no_grad():
                 own[name].copy_(f.get_tensor(key))
             seen.add(name)
-    missing = set(own) - seen
-    if missing or t2d is None:
-        raise ValueError(f"{out_dir}: saved head lacks {sorted(missing) or ['t2d']}")
-    return t2d
 
 
 def save_state(out_dir: Path, step: int, optimizer: torch.optim.Optimizer) -> None:

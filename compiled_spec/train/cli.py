@@ -37,6 +37,8 @@ def add_train_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentPars
     t.add_argument("--save-every", type=int, default=500)
     t.add_argument("--log-every", type=int, default=10)
     t.add_argument("--resume", action="store_true", help="continue the run in --out")
+    t.add_argument("--init-from", default=None,
+                   help="warm start from a head of this target (directory or smollm2-eagle3)")
     t.set_defaults(func=cmd_train)
     e = sub.add_parser("export-head", help="rewrite a head in another dtype, sharded into files "
                        "of at most --max-shard-mb (with a safetensors index)")
@@ -68,7 +70,8 @@ def cmd_train(a: argparse.Namespace) -> int:
         num_prompts=a.num_prompts, gen_batch_size=a.gen_batch_size, temperatures=tuple(a.temperatures),
         val_prompts=a.val_prompts, eval_every=a.eval_every, data_only=a.data_only,
         dtype=a.dtype, device=a.device,
-        seed=a.seed, save_every=a.save_every, log_every=a.log_every, resume=a.resume)
+        seed=a.seed, save_every=a.save_every, log_every=a.log_every, resume=a.resume,
+        init_from=a.init_from)
     out = train(cfg)
     if cfg.data_only:
         return 0

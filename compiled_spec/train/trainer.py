@@ -71,6 +71,7 @@ class TrainConfig:
     save_every: int = 500
     log_every: int = 10
     resume: bool = False
+    init_from: str | None = None  # warm start: a head (dir or shipped name) of this target
 
     def __post_init__(self) -> None:
         for name in ("draft_vocab_size", "num_layers", "ttt_steps", "steps", "batch_size",
@@ -199,11 +200,21 @@ def train(cfg: TrainConfig) -> Path:
     vocab = target.config.vocab_size
 
     resuming = cfg.resume and state_file.exists()
-    if resuming:  # the vocabulary is part of the saved head
+    init = None
+    if cfg.init_from and not resuming:
+        from compiled_spec.heads import resolve_draft
+
+        init = Path(resolve_draft(cfg.init_from))
+    if resuming or init is not None:  # the vocabulary is part of the saved head
         from safetensors import safe_open
 
-        with safe_open(str(out / "model.safetensors"), framework="pt") as f:
-            d2t = f.get_tensor("d2t")
+        d2t = None
+        for path in ckpt.head_files(out if resuming else init):
+            with safe_open(str(path), framework="pt") as f:
+                if "d2t" in f.keys():
+                    d2t = f.get_tensor("d2t")
+        if d2t is None:
+            raise ValueError(f"{out if resuming else init}: head has no d2t")
         draft_ids = torch.arange(d2t.numel()) + d2t
     else:
         counts = count_tokens(s.input_ids[s.num_prompt:] for s in seqs)
@@ -218,6 +229,8 @@ def train(cfg: TrainConfig) -> Path:
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     start = 0
+    if init is not None:
+        ckpt.load_head_into(draft, init)
     if resuming:
         ckpt.load_head_into(draft, out)
         state = ckpt.load_state(out, device)
