@@ -1,21 +1,23 @@
 #!/usr/bin/env bash
-# Train the shipped EAGLE-3 head for SmolLM2-135M-Instruct on the H200 (two calls after the
-# setup call of the device protocol; the code runs from a frozen copy in .device/code):
+# Train the shipped EAGLE-3 head for SmolLM2-135M-Instruct on the H200 (after the GGUF setup
+# calls described in profiles/graphs_h200.sh; CODE may point at a frozen copy of the repo):
 #   bash profiles/train_h200.sh data    # self-distil all training prompts (resumable)
 #   bash profiles/train_h200.sh train   # finish the data if cut short, train, measure, export
+# INIT=smollm2-eagle3 continues from the shipped head (--init-from) instead of from scratch.
 set -u
 PHASE=${1:?data|train}
 CODE=${CODE:-$PWD}
 export PYTHONPATH=~/site:$CODE PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 M=~/m/model.gguf
-[ -f "$M" ] || cat ~/m/part0 .device/p1/part1 > "$M"
+[ -f "$M" ] || cat ~/m/part0 ~/m/part1 .device/q2/part2 > "$M"
 DATA=$PWD/.device/data
 TRAIN=(python3 -m compiled_spec.cli train --target "$M" --prompts "$DATA/train_prompts.jsonl"
   --out ~/head --draft-vocab-size 8192 --temperatures 0 0.8 --val-prompts 256
   --max-new-tokens 256 --max-seq-len 768 --gen-batch-size 1024
   --epochs 3 --batch-size 32 --lr 6e-4 --warmup-steps 100 --ttt-steps 5
-  --dtype bfloat16 --save-every 500 --eval-every 300 --log-every 20)
+  --dtype bfloat16 --save-every 500 --eval-every 300 --log-every 20
+  ${INIT:+--init-from $INIT})
 cd "$CODE"
 if [ "$PHASE" = data ]; then
   nvidia-smi --query-gpu=name,memory.used --format=csv
