@@ -27,12 +27,13 @@ class Span:
     write_limit: int | None = None
 
 
-def _metadata_to(device: torch.device, positions: list[int] | list[list[int]],
-                 slots: list[int] | list[list[int]], seq_lens: list[int] | list[list[int]],
-                 qsl: list[int], tables: list[list[int]], max_query_len: int,
-                 max_seq_len: int) -> tuple[torch.Tensor, AttentionMetadata]:
-    """Two host->device copies (one int64, one int32 buffer), then views: each copy is a
-    launch plus a staging memcpy, and a step builds these every time."""
+def metadata_to_device(device: torch.device, positions: list[int] | list[list[int]],
+                       slots: list[int] | list[list[int]], seq_lens: list[int] | list[list[int]],
+                       qsl: list[int], tables: list[list[int]], max_query_len: int,
+                       max_seq_len: int) -> tuple[torch.Tensor, AttentionMetadata]:
+    """Host lists -> (positions, metadata) on ``device`` in two host->device copies (one int64,
+    one int32 buffer), then views: each copy is a launch plus a staging memcpy, and a step
+    builds these every time. Block tables are zero-padded to the widest."""
     i64 = torch.tensor([positions, slots], dtype=torch.int64)  # [2, T] or [2, S, B]
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     width = max(len(t) for t in tables)
@@ -48,9 +49,10 @@ def _metadata_to(device: torch.device, positions: list[int] | list[list[int]],
     return i64[0], meta
 
 
-def build_metadata(allocator: BlockAllocator, spans: list[Span],
-                   device: torch.device) -> tuple[torch.Tensor, AttentionMetadata]:
-    """Returns positions [num_tokens] int64 and the metadata for the flat batch of ``spans``."""
+def span_rows(allocator: BlockAllocator, spans: list[Span]
+              ) -> tuple[list[int], list[int], list[int], list[int]]:
+    """Host lists of a flat batch of ``spans``: positions and slots per token, seq_lens per
+    span, query_start_loc. Positions at or past a span's write limit are inert (see Span)."""
     positions: list[int] = []
     slots: list[int] = []
     seq_lens: list[int] = []
@@ -66,19 +68,14 @@ def build_metadata(allocator: BlockAllocator, spans: list[Span],
                 slots.append(-1)
         seq_lens.append(positions[-1] + 1 if s.length else s.start)
         qsl.append(qsl[-1] + s.length)
-    return _metadata_to(device, positions, slots, seq_lens, qsl,
-                        [allocator.tables[s.req_id] for s in spans],
-                        max(s.length for s in spans), max(seq_lens))
+    return positions, slots, seq_lens, qsl
 
 
-def build_loop_metadata(allocator: BlockAllocator, roots: list[Span], write_limits: list[int],
-                        num_steps: int, device: torch.device
-                        ) -> tuple[torch.Tensor, AttentionMetadata]:
-    """Metadata of a whole one-token-per-request draft loop at once: step j (1-based) of request
-    b sits at ``roots[b].start + roots[b].length - 1 + j``; positions at or past the request's
-    write limit are inert (as in ``Span``). Returns positions [S, B] and metadata whose
-    slot_mapping / seq_lens are [S, B] (``capture.pad.LiveBatch``'s loop layout); block tables
-    must already cover every step's position (the proposer grows them first)."""
+def loop_rows(allocator: BlockAllocator, roots: list[Span], write_limits: list[int],
+              num_steps: int) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+    """Host lists [S][B] (positions, slots, seq_lens) of a one-token-per-request draft loop:
+    step j (1-based) of request b sits at ``roots[b].start + roots[b].length - 1 + j``;
+    positions at or past the request's write limit are inert (as in ``Span``)."""
     positions = [[0] * len(roots) for _ in range(num_steps)]
     slots = [[0] * len(roots) for _ in range(num_steps)]
     lens = [[0] * len(roots) for _ in range(num_steps)]
@@ -90,9 +87,30 @@ def build_loop_metadata(allocator: BlockAllocator, roots: list[Span], write_limi
             else:
                 positions[j][b], slots[j][b] = limit - 1, -1
             lens[j][b] = positions[j][b] + 1
-    return _metadata_to(device, positions, slots, lens, list(range(len(roots) + 1)),
-                        [allocator.tables[s.req_id] for s in roots], 1,
-                        max(max(row) for row in lens))
+    return positions, slots, lens
+
+
+def build_metadata(allocator: BlockAllocator, spans: list[Span],
+                   device: torch.device) -> tuple[torch.Tensor, AttentionMetadata]:
+    """Returns positions [num_tokens] int64 and the metadata for the flat batch of ``spans``."""
+    positions, slots, seq_lens, qsl = span_rows(allocator, spans)
+    return metadata_to_device(device, positions, slots, seq_lens, qsl,
+                              [allocator.tables[s.req_id] for s in spans],
+                              max(s.length for s in spans), max(seq_lens))
+
+
+def build_loop_metadata(allocator: BlockAllocator, roots: list[Span], write_limits: list[int],
+                        num_steps: int, device: torch.device
+                        ) -> tuple[torch.Tensor, AttentionMetadata]:
+    """Metadata of a whole draft loop at once (``loop_rows``): positions [S, B] and metadata
+    whose slot_mapping / seq_lens are [S, B] (``capture.pad.LiveBatch``'s loop layout); block
+    tables must already cover every step's position (the proposer grows them first)."""
+    positions, slots, lens = loop_rows(allocator, roots, write_limits, num_steps)
+    return metadata_to_device(device, positions, slots, lens, list(range(len(roots) + 1)),
+                              [allocator.tables[s.req_id] for s in roots], 1,
+                              max(max(row) for row in lens))
+
+
 def to_device(values: list[int], device: torch.device) -> torch.Tensor:
     t = torch.tensor(values, dtype=torch.int64)
     return t if device.type == "cpu" else t.to(device, non_blocking=True)

@@ -24,6 +24,7 @@ import torch
 from capture.emulate import EmulatedGraph
 from capture.pad import LiveBatch
 from compiled_spec.attention_metadata import AttentionMetadata
+from compiled_spec.engine.batch import loop_rows, span_rows
 
 if TYPE_CHECKING:
     from compiled_spec.kv_cache import BlockAllocator
@@ -229,27 +230,12 @@ class ProposeGraphs:
         not fit the captured graph."""
         alloc, q, w, s = self.allocator, self.q, self.max_blocks, self.steps
         t = b * q
-        ids, pos, slots, lens, qsl, last, tables = [], [], [], [], [0], [], []
-        loop_pos = [[0] * b for _ in range(s)]
-        loop_slots = [[-1] * b for _ in range(s)]
-        loop_lens = [[0] * b for _ in range(s)]
-        for i, (sp, limit) in enumerate(zip(batch.first_pass, batch.step_limits)):
-            table = alloc.tables[sp.req_id]
-            if len(table) > w:
-                return "block_table_width"
-            tables.append(table)
-            for p_ in range(sp.start, sp.start + sp.length):
-                pos.append(p_)
-                slots.append(alloc.slot(sp.req_id, p_))
-            lens.append(sp.start + sp.length)
-            qsl.append(qsl[-1] + sp.length)
-            last.append(qsl[-1] - 1)
-            for j in range(s):
-                p_ = sp.start + sp.length + j
-                ok = p_ < limit
-                loop_pos[j][i] = p_ if ok else limit - 1
-                loop_slots[j][i] = alloc.slot(sp.req_id, p_) if ok else -1
-                loop_lens[j][i] = loop_pos[j][i] + 1
+        tables = [alloc.tables[sp.req_id] for sp in batch.first_pass]
+        if max(len(table) for table in tables) > w:
+            return "block_table_width"
+        pos, slots, lens, qsl = span_rows(alloc, batch.first_pass)
+        last = [end - 1 for end in qsl[1:]]
+        loop_pos, loop_slots, loop_lens = loop_rows(alloc, batch.first_pass, batch.step_limits, s)
         if max(lens) > self.bucket or (s and max(max(r) for r in loop_lens) > self.bucket):
             return "max_seq_len"
         n, t_live = len(batch.first_pass), len(pos)
@@ -266,10 +252,13 @@ class ProposeGraphs:
         put(l64.seg(h64, "last"), last, b, 0)
         put(l64.seg(h64, "seeds"), batch.seeds, b, 0)
         bm = self.sizes[-1]
-        if s:
-            l64.seg(h64, "loop_pos").reshape(s, bm)[:, :b] = loop_pos
-            l64.seg(h64, "loop_slots").reshape(s, bm)[:, :b] = loop_slots
-            l32.seg(h32, "loop_lens").reshape(s, bm)[:, :b] = loop_lens
+        if s:  # padded sequences: position 0, slot -1 (no write), seq_len 0
+            for name, arr, live, pad in (("loop_pos", h64, loop_pos, 0),
+                                         ("loop_slots", h64, loop_slots, -1),
+                                         ("loop_lens", h32, loop_lens, 0)):
+                grid = (l64 if arr is h64 else l32).seg(arr, name).reshape(s, bm)
+                grid[:, :n] = live
+                grid[:, n:b] = pad
         put(l32.seg(h32, "seq_lens"), lens, b, 0)
         put(l32.seg(h32, "qsl"), qsl, b + 1, t_live)
         tab = l32.seg(h32, "tables", b * w).reshape(b, w)

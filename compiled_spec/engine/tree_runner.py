@@ -16,11 +16,12 @@ compile, no CUDA graphs yet).
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch.profiler import record_function
 
-from compiled_spec.attention_metadata import AttentionMetadata
-from compiled_spec.engine.batch import Span, to_device
+from compiled_spec.engine.batch import Span, metadata_to_device, to_device
 from compiled_spec.engine.model_runner import (ModelRunner, StepOutput, _Pending,
                                                build_sampling_tensors)
 from compiled_spec.engine.request import Request
@@ -91,19 +92,15 @@ class TreeModelRunner(ModelRunner):
             input_ids[dst] = tok.reshape(-1)
             depth = torch.zeros(len(host_ids), dtype=torch.int64, device=dev)
             depth[dst] = tree.depth[rows_t].reshape(-1)
-            positions = to_device(base, dev) + depth  # rope position L-1 + depth
             mask = torch.zeros(len(host_ids), n_nodes, dtype=torch.bool, device=dev)
             mask[:, 0] = True  # every node (and every one-node tree) sees its root
             mask[dst] = tree.mask[rows_t].reshape(-1, n_nodes)
-            width = max(len(t) for t in tables)
-            table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables],
-                                   dtype=torch.int32).to(dev)
-            meta = AttentionMetadata(
-                slot_mapping=to_device(slots, dev), block_tables=table_t,
-                seq_lens=torch.tensor([s + n_nodes for s in starts], dtype=torch.int32).to(dev),
-                query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(dev),
-                max_query_len=n_nodes, max_seq_len=max(starts) + n_nodes,
-                tree_start=torch.tensor(starts, dtype=torch.int32).to(dev), tree_mask=mask)
+            base_t, meta = metadata_to_device(dev, base, slots, [s + n_nodes for s in starts],
+                                              qsl, tables, n_nodes, max(starts) + n_nodes)
+            positions = base_t + depth  # rope position L-1 + depth
+            # Every sequence's context is its prefix plus its N tree slots.
+            meta = replace(meta, tree_start=meta.seq_lens - n_nodes, tree_mask=mask)
+            table_t = meta.block_tables
         with record_function("verify"):
             hidden, aux = self.model(input_ids, positions, meta, self.aux_layer_ids)
             logits = self.model.compute_logits(hidden)  # [T, V]

@@ -11,12 +11,12 @@ so no draft KV needs compacting.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from compiled_spec.attention_metadata import AttentionMetadata
-from compiled_spec.engine.batch import Span, build_metadata, to_device
+from compiled_spec.engine.batch import build_metadata, metadata_to_device, to_device
 from compiled_spec.spec.proposer import EagleProposer, ProposeBatch
 from compiled_spec.spec.tree import TreeConfig, ancestor_mask, select_nodes
 
@@ -61,7 +61,6 @@ class TreeProposer:
         F = cfg.num_forwarded
         cand_fmask = [torch.zeros(b, K, max(F, 1), dtype=torch.bool, device=dev)]
         frontier = torch.arange(K, device=dev).expand(b, K)  # candidate ids of the layer
-        root_pos = positions[last] + 1  # [B] L-1: the root's position; tree slots start here
         n_cand = K
         for step in range(2, cfg.num_steps + 1):
             tok_all, hid_all = torch.cat(cand_tok, 1), torch.cat(cand_hidden, 1)
@@ -71,9 +70,7 @@ class TreeProposer:
             x_hid = torch.gather(hid_all, 1, frontier[:, :, None].expand(-1, -1, hid_all.shape[-1]))
             fm = torch.gather(fmask_all, 1, frontier[:, :, None].expand(-1, -1, F))
             fm[:, torch.arange(K, device=dev), f0 + torch.arange(K, device=dev)] = True  # self
-            tmeta = self._expand_meta(batch, root_pos, f0, fm)
-            depth = step - 1
-            pos = (root_pos - 1 + depth)[:, None].expand(b, K).reshape(-1)
+            pos, tmeta = self._expand_meta(batch, f0, step - 1, fm)
             new_feed, fl = draft(x_tok.reshape(-1), x_hid.reshape(b * K, -1), pos,
                                  {n: tmeta for n in self.base.layer_names})
             lp = torch.log_softmax(draft.compute_logits(fl).float(), dim=-1)  # [B*K, Vd]
@@ -97,15 +94,17 @@ class TreeProposer:
         depth = torch.cat([torch.zeros(b, 1, dtype=torch.int64, device=dev), dep], 1)
         return DraftTree(tokens, parents, depth, ancestor_mask(parents)), None
 
-    def _expand_meta(self, batch: ProposeBatch, root_pos: torch.Tensor, f0: int,
-                     fmask: torch.Tensor) -> AttentionMetadata:
-        """Metadata of one expansion: K queries per request at tree slots f0..f0+K-1."""
+    def _expand_meta(self, batch: ProposeBatch, f0: int, depth: int, fmask: torch.Tensor
+                     ) -> tuple[torch.Tensor, AttentionMetadata]:
+        """(positions [B*K], metadata) of one expansion: K nodes of this depth per request,
+        input at position L-2+depth, KV at tree slots f0..f0+K-1 (positions L-1+f)."""
         K, F = self.cfg.topk, self.cfg.num_forwarded
         alloc = self.allocator
-        slots, tables, starts = [], [], []
+        positions, slots, tables, starts = [], [], [], []
         for s in batch.first_pass:
-            root = s.start + s.length  # L-1 (host copy of root_pos)
+            root = s.start + s.length  # L-1: the root's position; tree slots start here
             starts.append(root)
+            positions.extend([root - 1 + depth] * K)
             tables.append(alloc.tables[s.req_id])
             covered = len(alloc.tables[s.req_id]) * alloc.page_size
             # Slots past the request's blocks (the pool could not grow it) write nothing; such a
@@ -113,14 +112,8 @@ class TreeProposer:
             slots.extend(alloc.slot(s.req_id, root + f0 + i) if root + f0 + i < covered else -1
                          for i in range(K))
         b = len(starts)
-        width = max(len(t) for t in tables)
-        dev = self.device
-        return AttentionMetadata(
-            slot_mapping=to_device(slots, dev),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables],
-                                      dtype=torch.int32).to(dev),
-            seq_lens=torch.tensor([r + F for r in starts], dtype=torch.int32).to(dev),
-            query_start_loc=(torch.arange(b + 1, dtype=torch.int32) * K).to(dev),
-            max_query_len=K, max_seq_len=max(starts) + F,
-            tree_start=torch.tensor(starts, dtype=torch.int32).to(dev),
-            tree_mask=fmask.reshape(b * K, F))
+        pos, meta = metadata_to_device(self.device, positions, slots, [r + F for r in starts],
+                                       [i * K for i in range(b + 1)], tables, K,
+                                       max(starts) + F)
+        return pos, replace(meta, tree_start=meta.seq_lens - F,
+                            tree_mask=fmask.reshape(b * K, F))
