@@ -71,12 +71,11 @@ def compile_models(runner: ModelRunner, cfg: CompileConfig) -> CompiledModels:
     compiled: dict[str, Any] = {"target": _compile(runner.model, backends["target"], cfg)}
     prop = runner.proposer
     if prop is not None:
-        eager.update(first_pass=prop.first_pass_fn, step=prop.step_fn, loop=prop.run_loop)
+        eager.update(first_pass=prop.first_pass_fn, step=prop.step_fn)
         backends["draft_first_pass"] = make_backend(hoist_fc=True, inductor=cfg.inductor)
         backends["draft_step"] = make_backend(hoist_fc=False, inductor=cfg.inductor)
         compiled["first_pass"] = _compile(prop.draft.forward_from_aux, backends["draft_first_pass"], cfg)
         compiled["step"] = _compile(prop.draft, backends["draft_step"], cfg)
-        compiled["loop"] = prop.run_loop  # the same Python loop, over the compiled step
     return CompiledModels(eager=eager, compiled=compiled, backends=backends)
 
 
@@ -101,7 +100,6 @@ def use_compiled(runner: ModelRunner, models: CompiledModels, on: bool) -> None:
     if runner.proposer is not None:
         runner.proposer.first_pass_fn = fns["first_pass"]
         runner.proposer.step_fn = fns["step"]
-        runner.proposer.loop_fn = fns["loop"]
     _route(runner, models, on)
     models.active = on
 

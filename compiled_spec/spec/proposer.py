@@ -5,8 +5,8 @@ left by one, hidden state i with token i+1) and writes the draft's KV there, ove
 earlier draft steps guessed. Each later step feeds back the draft's own hidden state, one token
 per request. All metadata is built on the host from engine state before launching, so the loop
 never waits on the device: the k-1 steps' metadata are built at once into one ``LiveBatch``
-(positions / slots / seq_lens [k-1, B]) and ``loop_fn`` runs the whole loop, which is what lets
-``compiled_spec.engine.graphs`` replay it as one CUDA graph.
+(positions / slots / seq_lens [k-1, B]) and ``run_loop`` runs the whole loop, which is what lets
+``compiled_spec.engine.propose_graph`` capture the whole propose as one CUDA graph.
 """
 from __future__ import annotations
 
@@ -47,9 +47,6 @@ class EagleProposer:
         # hoists it back out to eager); later steps start from the draft's own hidden state.
         self.first_pass_fn = draft.forward_from_aux
         self.step_fn = draft
-        # The k-1 step loop over a LiveBatch -> (drafts [B, k-1], q [B, k-1, V] | None); the
-        # engine's CUDA graphs replace it with a captured replay of this same function.
-        self.loop_fn = self.run_loop
         # When set (compiled mode on CUDA), the whole propose replays as one CUDA graph per
         # batch size; calls it cannot take run the path below (and are counted there).
         self.graph: "ProposeGraphs | None" = None
@@ -126,7 +123,7 @@ class EagleProposer:
             return tok[:, None], (q[:, None] if self.sample_drafts else None)
         loop_pos, loop_meta = build_loop_metadata(self.allocator, batch.first_pass,
                                                   batch.step_limits, self.k - 1, self.device)
-        rest, rest_q = self.loop_fn(LiveBatch(
+        rest, rest_q = self.run_loop(LiveBatch(
             input_ids=tok, positions=loop_pos, meta=loop_meta,
             extras={"feed": feed, "temperature": temperature, "seeds": seeds}))
         drafts = torch.cat([tok[:, None], rest], dim=1)  # [B, k]
