@@ -54,6 +54,24 @@ log = logging.getLogger(__name__)
 GraphFn = Callable[[LiveBatch], Any]  # outputs: a pytree of tensors, [T, ...] or [B, ...]
 
 
+def capture_graph(run: Callable[[], Any], pool: Any = None, warmup_iters: int = 2
+                  ) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """Warm ``run`` up on a side stream (compilation, autotuning and lazy initialisation must
+    happen outside capture), then capture one call of it into ``pool``. Returns (graph, the
+    captured call's outputs): static memory that every replay rewrites."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup_iters):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = run()
+    return graph, out
+
+
 class CaptureError(RuntimeError):
     """A component is missing graphs it was expected to have (or strict capture failed)."""
 
@@ -128,17 +146,10 @@ class GraphRunner:
         # The dummy batch lives in the same static views that replay refills: the pointers the
         # graph bakes in are exactly the ones fill() writes.
         static = self.buffers.fill_dummy(size, size // self.query_len, self.query_len, bucket)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up: compile, autotune, lazy inits, off-capture
-            for _ in range(self.warmup_iters):
-                self.fn(static)
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self.fn(static)
-        self._graphs[(size, bucket)] = (graph, out)
+        self._graphs[(size, bucket)] = self._make_graph(lambda: self.fn(static))
+
+    def _make_graph(self, run: Callable[[], Any]) -> tuple[Any, Any]:
+        return capture_graph(run, self.pool, self.warmup_iters)
 
     # ---- per step ---------------------------------------------------------------------------
     def _lookup(self, live: LiveBatch) -> tuple[int, int] | str:
@@ -215,10 +226,13 @@ def assert_captured(runners: Mapping[str, GraphRunner], *names: str) -> None:
 class GraphRegistry:
     """The engine's components and the one graph memory pool they share."""
 
-    def __init__(self, device: torch.device, strict: bool = False) -> None:
+    def __init__(self, device: torch.device, strict: bool = False,
+                 runner_cls: type[GraphRunner] | None = None) -> None:
+        """``runner_cls``: the GraphRunner class to build (tests: ``EmulatedGraphRunner``)."""
         self.device = torch.device(device)
         self.strict = strict  # engine option: a failed capture raises instead of warning
         self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        self.runner_cls = runner_cls or GraphRunner
         self.runners: dict[str, GraphRunner] = {}
 
     def register(self, name: str, fn: GraphFn, sizes: list[int], buffers: StaticBuffers,
@@ -226,7 +240,7 @@ class GraphRegistry:
         if name in self.runners:
             raise ValueError(f"component {name!r} registered twice")
         kwargs.setdefault("strict", self.strict)
-        runner = GraphRunner(name, fn, sizes, buffers, pool=self.pool, **kwargs)
+        runner = self.runner_cls(name, fn, sizes, buffers, pool=self.pool, **kwargs)
         self.runners[name] = runner
         return runner
 

@@ -18,6 +18,7 @@ its ``GraphRunner`` under its reason, so ``stats()`` always says how each step r
 """
 from __future__ import annotations
 
+import functools
 import math
 import time
 from typing import Any, Callable
@@ -60,25 +61,19 @@ class EngineGraphs:
     def __init__(self, runner: ModelRunner, target_fn: TargetFn, policy: CapturePolicy,
                  page_size: int, strict: bool = False, emulate: bool = False) -> None:
         """``emulate``: CPU stand-ins for CUDA graphs (``capture.emulate``), for tests."""
-        runner_cls = EmulatedGraphRunner if emulate else GraphRunner
         device = runner.device
         self.policy = policy
         self.capture_s: float | None = None
-        self.registry = GraphRegistry(device, strict=strict)
+        self.registry = GraphRegistry(device, strict=strict,
+                                      runner_cls=EmulatedGraphRunner if emulate else None)
         k = policy.num_speculative_tokens
         max_seqs = policy.batch_sizes[-1]
         max_blocks = math.ceil(policy.max_model_len / page_size)
         aux_ids = runner.aux_layer_ids
-        buckets = dict(seq_len_buckets=policy.seq_len_buckets)
-
-        def reg(name: str, fn: Callable[[LiveBatch], Any], sizes: list[int],
-                bufs: StaticBuffers, **kw: Any) -> GraphRunner:
-            # Outputs are cloned: the next replay of any graph in the pool may reuse their
-            # memory, and the engine keeps target states until propose, drafts until verify.
-            r = runner_cls(name, fn, sizes, bufs, pool=self.registry.pool, strict=strict,
-                           clone_outputs=True, **buckets, **kw)
-            self.registry.runners[name] = r
-            return r
+        # Outputs are cloned: the next replay of any graph in the pool may reuse their memory,
+        # and the engine keeps target states until propose.
+        reg = functools.partial(self.registry.register, clone_outputs=True,
+                                seq_len_buckets=policy.seq_len_buckets)
 
         top_tokens = max_seqs * (k + 1)
         tbufs = StaticBuffers(top_tokens, max_seqs, max_blocks, device)

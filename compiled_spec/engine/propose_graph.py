@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from capture.emulate import EmulatedGraph
+from capture.cuda_graphs import capture_graph
+from capture.emulate import emulate_graph
 from capture.pad import LiveBatch
 from compiled_spec.attention_metadata import AttentionMetadata
 from compiled_spec.engine.batch import loop_rows, span_rows
@@ -170,21 +171,8 @@ class ProposeGraphs:
         l32.seg(h32, "loop_qsl", b + 1)[:] = np.arange(b + 1)
         self._upload()
         views = self._views(b)
-        if self.emulate:
-            g = EmulatedGraph(lambda _: self._body(views), None)  # type: ignore[arg-type]
-            self._graphs[b] = (g, g.out)
-            return
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # compile / autotune off-capture
-            for _ in range(2):
-                self._body(views)
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self._body(views)
-        self._graphs[b] = (graph, out)
+        run = lambda: self._body(views)  # noqa: E731
+        self._graphs[b] = emulate_graph(run) if self.emulate else capture_graph(run, self.pool)
 
     def _upload(self) -> None:
         self.d64.copy_(torch.from_numpy(self.h64), non_blocking=True)
