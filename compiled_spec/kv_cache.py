@@ -125,10 +125,7 @@ class BlockAllocator:
             b = self._block_of.get(h)
             if b is None or self._key_of[b][1] != key:
                 break
-            if self._refs[b] == 0:
-                del self._lru[b]
-            else:
-                self._lru.pop(b, None)
+            self._lru.pop(b, None)  # in the LRU only while unreferenced
             self._refs[b] += 1
             table.append(b)
         return len(table)
