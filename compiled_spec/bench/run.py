@@ -83,13 +83,12 @@ def run_bench(a: argparse.Namespace) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="bench_"))
     draft = a.draft
     if draft is None and a.random_draft:
-        model_for_head = model
         if str(model).startswith("random:"):
             raise ValueError("--random-draft with a random: model: use --shape instead")
-        from compiled_spec.models.loader import load_model
-
-        _, cfg = load_model(model_for_head, torch.float32, "cpu")
         from compiled_spec.draft.testing import write_eagle3_head
+        from compiled_spec.models.loader import read_model_config
+
+        cfg = read_model_config(model)  # the head's shape needs the config, not the weights
 
         draft = write_eagle3_head(str(tmp / "random_head"), cfg,
                                   draft_vocab_size=min(8192, cfg.vocab_size))

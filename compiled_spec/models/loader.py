@@ -75,6 +75,19 @@ def _safetensors_device(device: torch.device | str) -> str:
     return str(dev)
 
 
+def read_model_config(path: str) -> ModelConfig:
+    """The ``ModelConfig`` of an HF directory, a ``.gguf`` (metadata only) or ``random:DIR``,
+    without loading any weights."""
+    p = Path(str(path)[len(RANDOM_PREFIX):] if str(path).startswith(RANDOM_PREFIX) else path)
+    if p.is_file() and p.suffix.lower() == ".gguf":
+        import gguf
+
+        from compiled_spec.models.gguf_loader import config_from_gguf
+
+        return config_from_gguf(gguf.GGUFReader(str(p)), str(p))
+    return read_hf_config(p)
+
+
 def random_model(model_dir: Path, dtype: torch.dtype, device: torch.device | str,
                  seed: int = 0) -> tuple[CausalLM, ModelConfig]:
     """``model_dir/config.json``'s model with N(0, 0.02) weights (norms 1), made on ``device``
