@@ -22,7 +22,7 @@ from compiled_spec.models.gguf_loader import find_default_gguf
 from compiled_spec.parity import ParityReport, check_parity
 from compiled_spec.models.loader import load_model
 from compiled_spec.sampling_params import SamplingParams
-from compiled_spec.tokenizer import load_tokenizer
+from compiled_spec.tokenizer import chat_ids, load_tokenizer
 
 Prompt = str | list[int]
 
@@ -227,10 +227,7 @@ class LLM:
     def encode_chat(self, conversation: list[dict]) -> list[int]:
         if self._tp is not None:
             return self._tp.call("encode_chat", conversation)
-        out = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
-        if isinstance(out, dict) or hasattr(out, "input_ids"):
-            out = out["input_ids"]
-        return list(out)
+        return chat_ids(self.tokenizer, conversation)
 
     @property
     def stats(self):

@@ -34,3 +34,12 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     if p.is_dir():
         return AutoTokenizer.from_pretrained(str(p))
     raise FileNotFoundError(f"tokenizer path {path!r} is neither a model directory nor a .gguf file")
+
+
+def chat_ids(tokenizer: PreTrainedTokenizerBase, conversation: list[dict]) -> list[int]:
+    """A conversation through the tokenizer's chat template (generation prompt added), as ids;
+    transformers returns either a list or a BatchEncoding depending on version and tokenizer."""
+    out = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+    if isinstance(out, dict) or hasattr(out, "input_ids"):
+        out = out["input_ids"]
+    return list(out)

@@ -31,14 +31,11 @@ def _kv_blocks(prompts: list[list[int]], batch: int, max_tokens: int, k: int, pa
     return batch * math.ceil(longest / page) + 2
 
 
-def build_engine(v: Variant, kw: dict[str, Any], prompts_text: list[str],
-                 batch_sizes: list[int], max_tokens: int) -> tuple[Any, float, list[list[int]]]:
-    """(LLM, start-up seconds, chat-encoded prompts)."""
+def build_engine(v: Variant, kw: dict[str, Any], prompts: list[list[int]],
+                 batch_sizes: list[int], max_tokens: int) -> tuple[Any, float]:
+    """(LLM, start-up seconds)."""
     from compiled_spec import LLM
-    from compiled_spec.bench.prompts import encode_chat, mt_bench_prompts
     from compiled_spec.compile import CompileConfig
-    from compiled_spec.models.gguf_loader import find_default_gguf
-    from compiled_spec.tokenizer import load_tokenizer
 
     kw = dict(kw)
     top = max(batch_sizes)
@@ -48,14 +45,11 @@ def build_engine(v: Variant, kw: dict[str, Any], prompts_text: list[str],
     if v.draft is None:
         kw.pop("num_speculative_tokens", None)
     # Size the KV pool from the prompts, so the reported peak memory is this run's need.
-    enc = encode_chat(load_tokenizer(kw.get("tokenizer") or kw.get("model")
-                                     or find_default_gguf()), prompts_text)
     k = kw.get("num_speculative_tokens", 0) if v.draft else 0
-    kw["num_kv_blocks"] = _kv_blocks(enc, top, max_tokens, k, kw.get("page_size", 16))
+    kw["num_kv_blocks"] = _kv_blocks(prompts, top, max_tokens, k, kw.get("page_size", 16))
     t0 = time.perf_counter()
     llm = LLM(**kw)
-    startup = time.perf_counter() - t0
-    return llm, startup, mt_bench_prompts(llm, prompts_text)
+    return llm, time.perf_counter() - t0
 
 
 def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: list[int],
@@ -116,13 +110,13 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
     return rows, batch1_out
 
 
-def bench_ours(variants: list[Variant], kw: dict[str, Any], prompts_text: list[str],
+def bench_ours(variants: list[Variant], kw: dict[str, Any], prompts: list[list[int]],
                batch_sizes: list[int], max_tokens: int
                ) -> tuple[list[Row], dict[str, list[list[int]]]]:
     rows: list[Row] = []
     outputs: dict[str, list[list[int]]] = {}
     for v in variants:
-        llm, startup, prompts = build_engine(v, kw, prompts_text, batch_sizes, max_tokens)
+        llm, startup = build_engine(v, kw, prompts, batch_sizes, max_tokens)
         r, out = time_engine(llm, v, prompts, batch_sizes, max_tokens, startup)
         rows += r
         outputs[v.name] = out

@@ -21,9 +21,6 @@ def mt_bench_prompts(llm, texts: list[str]) -> list[list[int]]:  # noqa: ANN001 
 
 def encode_chat(tokenizer, texts: list[str]) -> list[list[int]]:  # noqa: ANN001
     """``mt_bench_prompts`` without an engine: a tokenizer's chat template, as token ids."""
-    out = []
-    for t in texts:
-        e = tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=True,
-                                          add_generation_prompt=True)
-        out.append(list(e["input_ids"] if hasattr(e, "keys") else e))
-    return out
+    from compiled_spec.tokenizer import chat_ids
+
+    return [chat_ids(tokenizer, [{"role": "user", "content": t}]) for t in texts]

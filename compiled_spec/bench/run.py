@@ -102,7 +102,9 @@ def run_bench(a: argparse.Namespace) -> int:
     batch_sizes = sorted(set(a.batch_sizes))
 
     merged = [json.loads(Path(p).read_text()) for p in a.merge or []]
-    rows, outs = bench_ours(_variants(names, draft, k), kw, texts, batch_sizes, a.max_tokens)
+    # Chat-encoded once; every engine (ours and transformers) gets the same ids.
+    prompts = encode_chat(load_tokenizer(a.tokenizer or model), texts)
+    rows, outs = bench_ours(_variants(names, draft, k), kw, prompts, batch_sizes, a.max_tokens)
     # The reference for "same output": our vanilla eager batch-1 outputs, from this run or a
     # merged one (a device call is capped at 10 minutes, so a full run spans several calls).
     ref = outs.get("ours vanilla eager") or next(
@@ -110,7 +112,6 @@ def run_bench(a: argparse.Namespace) -> int:
     for r in rows:
         if r.batch == 1 and ref is not None:
             r.identical = _same(outs[r.engine], ref)
-    prompts = encode_chat(load_tokenizer(a.tokenizer or model), texts)
     for kind in (n for n in names if n in hf.KINDS):
         row, hf_out = hf.bench_hf(kind, model, dtype, device, prompts, a.max_tokens,
                                   a.prompt_lookup_tokens)
@@ -129,7 +130,7 @@ def run_bench(a: argparse.Namespace) -> int:
             if device.type == "cuda" else
             [Variant("vanilla eager", None, False),
              Variant(f"EAGLE-3 k={k} eager (random head)", head, False)],
-            skw, texts[:a.shape_prompts], [1], a.shape_max_tokens)
+            skw, prompts[:a.shape_prompts], [1], a.shape_max_tokens)
         projection = _projection(shape_rows[0], shape_rows[1])
 
     meta = {"date": time.strftime("%Y-%m-%d"), "command": "compiled-spec " + " ".join(sys.argv[1:]),
