@@ -26,7 +26,8 @@ def _paged_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     tree_start_ptr, tree_mask_ptr, stride_mt, num_tree,  # tree attention (TREE) only
-    stride_qt, stride_qh,  # query and out share strides (out is allocated contiguous like q)
+    stride_qt, stride_qh,  # query may be a strided view (q and k roped as one tensor)
+    stride_ot, stride_oh,  # out is allocated contiguous
     stride_cb, stride_cp, stride_ch,  # k_cache and v_cache share strides
     stride_bt,
     stride_ps, stride_pt, stride_ph,  # partial out [splits, tokens, heads, dim] (split path only)
@@ -57,7 +58,8 @@ def _paged_attn_kernel(
     q_pos = ctx_len + tok  # [M] absolute position of each row's token
     d = tl.arange(0, DIM_PAD)  # [D]
     d_ok = d < head_dim
-    q_off = (q_start + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    t64 = (q_start + tok).to(tl.int64)
+    q_off = t64[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [M, D]
     if DOT_FP32:  # K/V follow q's dtype below, so both matmuls then run in fp32
         q = q.to(tl.float32)
@@ -119,9 +121,9 @@ def _paged_attn_kernel(
     out = acc / l_safe[:, None]
     store_mask = row_ok[:, None] & d_ok[None, :]
     if NUM_SPLITS == 1:
-        tl.store(out_ptr + q_off, out.to(out_ptr.dtype.element_ty), mask=store_mask)
+        o_off = t64[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=store_mask)
     else:
-        t64 = (q_start + tok).to(tl.int64)
         p_off = split * stride_ps + t64[:, None] * stride_pt + head[:, None] * stride_ph + d[None, :]
         tl.store(out_ptr + p_off, out, mask=store_mask)
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))  # base-2 log-sum-exp
@@ -130,7 +132,7 @@ def _paged_attn_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    part_ptr, lse_ptr, out_ptr,
+    part_ptr, lse_ptr, out_ptr, query_start_loc_ptr, num_seqs,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
     head_dim,
     NUM_SPLITS: tl.constexpr, DIM_PAD: tl.constexpr,
@@ -139,12 +141,19 @@ def _merge_splits_kernel(
     head = tl.program_id(1)
     s = tl.arange(0, NUM_SPLITS)  # [S]
     d = tl.arange(0, DIM_PAD)  # [D]
-    # lse is -inf for empty splits and for tokens no sequence owns (prefilled on the host).
+    d_ok = d < head_dim
+    # Tokens past the last sequence's (padding rows of a captured batch) belong to no program of
+    # the attention kernel, so their lse was never written (lse is allocated uninitialised: no
+    # fill kernel per layer); they get zeros, like the reference. Every owned token has an lse
+    # from every split (-inf for an empty one).
+    if tok >= tl.load(query_start_loc_ptr + num_seqs):
+        tl.store(out_ptr + tok * stride_ot + head * stride_oh + d,
+                 tl.zeros([DIM_PAD], tl.float32).to(out_ptr.dtype.element_ty), mask=d_ok)
+        return
     lse = tl.load(lse_ptr + s * stride_ls + tok * stride_lt + head)  # [S]
     m = tl.max(lse, 0)
     m_safe = tl.where(m > float("-inf"), m, 0.0)
     w = tl.where(lse > float("-inf"), tl.exp2(lse - m_safe), 0.0)  # [S]
-    d_ok = d < head_dim
     part = tl.load(part_ptr + s[:, None] * stride_ps + tok * stride_pt + head * stride_ph
                    + d[None, :], mask=(w > 0.0)[:, None] & d_ok[None, :], other=0.0)  # [S, D]
     w_sum = tl.sum(w, 0)
@@ -199,8 +208,8 @@ def _paged_attention(
     group = num_heads // num_kv_heads
     if num_tokens == 0 or num_seqs == 0 or max_query_len == 0 or max_seq_len == 0:
         return query.new_zeros(query.shape)
-    query = query.contiguous()  # out is allocated like query and shares its offsets
-    assert k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
+    assert query.stride(-1) == 1 and k_cache.stride(-1) == 1
+    assert k_cache.stride() == v_cache.stride()
 
     group_pad = triton.next_power_of_2(group)
     # ~64 score rows per program for prefill, but at least 16 (tl.dot's minimum M) for decode.
@@ -222,9 +231,8 @@ def _paged_attention(
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         part = torch.empty((num_splits, num_tokens, num_heads, head_dim), dtype=torch.float32,
                            device=query.device)  # [splits, num_tokens, num_heads, head_dim]
-        # -inf marks "no contribution" for splits/tokens the attention kernel never writes.
-        lse = torch.full((num_splits, num_tokens, num_heads), float("-inf"), dtype=torch.float32,
-                         device=query.device)  # [splits, num_tokens, num_heads]
+        lse = torch.empty((num_splits, num_tokens, num_heads), dtype=torch.float32,
+                          device=query.device)  # [splits, num_tokens, num_heads]
     tree = tree_mask is not None
     if tree:  # uint8 bits; keys run to the end of each sequence's tree
         mask_u8 = tree_mask.contiguous().view(torch.uint8)
@@ -235,7 +243,7 @@ def _paged_attention(
         block_tables, seq_lens, query_start_loc,
         tree_start if tree else seq_lens, mask_u8 if tree else seq_lens,
         mask_u8.stride(0) if tree else 0, num_tree if tree else 0,
-        query.stride(0), query.stride(1),
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
@@ -246,7 +254,7 @@ def _paged_attention(
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
-            part, lse, out,
+            part, lse, out, query_start_loc, num_seqs,
             part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1), head_dim,
             NUM_SPLITS=num_splits, DIM_PAD=dim_pad,

@@ -33,6 +33,7 @@ from compiled_spec.compile import CompileConfig, capture_graphs, use_compiled  #
 from compiled_spec.engine.batch import Span, build_metadata  # noqa: E402
 from compiled_spec.engine.graphs import EngineGraphs  # noqa: E402
 from compiled_spec.bench.run import LLAMA8B, TINY  # noqa: E402
+from compiled_spec.bench.timing import weight_bytes  # noqa: E402
 from compiled_spec.spec.proposer import ProposeBatch  # noqa: E402
 
 HBM_BYTES_PER_S = 4.27e12
@@ -64,12 +65,26 @@ def timeit(fn: Callable[[], Any], iters: int = 50, warmup: int = 5) -> dict[str,
     return {"ms": round(statistics.median(each), 4), "ms_pipelined": round(pipelined, 4)}
 
 
-def nbytes(module: torch.nn.Module, exclude: torch.nn.Module | None = None) -> int:
-    """Parameter bytes of ``module``, less tensors it shares with ``exclude`` (the draft reads
-    the target's embedding one row per token, which the floor does not count)."""
-    shared = {p.data_ptr() for p in exclude.parameters()} if exclude is not None else set()
-    return sum(p.numel() * p.element_size() for p in module.parameters()
-               if p.data_ptr() not in shared)
+def kernel_profile(fn: Callable[[], Any], calls: int = 10) -> dict[str, Any]:
+    """GPU kernels per call of ``fn`` (a graph replay launches the same kernels as the compiled
+    code it captured): how many, their summed device time, and the costliest by name."""
+    if DEVICE.type != "cuda":
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        sync()
+    rows = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    total_us = sum(e.self_device_time_total for e in rows) / calls
+    top = sorted(rows, key=lambda e: -e.self_device_time_total)[:12]
+    return {"kernels_per_call": round(sum(e.count for e in rows) / calls, 1),
+            "device_us_per_call": round(total_us, 1),
+            "top": [{"name": e.key[:90], "per_call": round(e.count / calls, 1),
+                     "us_per_call": round(e.self_device_time_total / calls, 1)} for e in top]}
 
 
 def build(args: argparse.Namespace, tmp: Path) -> tuple[LLM, float]:
@@ -104,7 +119,7 @@ def component_latencies(llm: LLM, skip_eager: bool) -> dict[str, Any]:
     vocab = runner.model.config.vocab_size
     graphs: EngineGraphs = models.graphs
     policy = graphs.policy
-    out: dict[str, Any] = {"target": {}, "propose": {}}
+    out: dict[str, Any] = {"target": {}, "propose": {}, "kernels": {}}
 
     # Target forward at T tokens; T = 4 and 8 get their own graphs here (the engine's verify
     # graph is T = k + 1 = 6), captured into the same pool from the same compiled function.
@@ -131,6 +146,8 @@ def component_latencies(llm: LLM, skip_eager: bool) -> dict[str, Any]:
                 # What a step pays: the lm_head runs after the replay, on the rows it needs.
                 "compiled_graph_with_lm_head": timeit(
                     lambda: runner.model.compute_logits(runner_t.run(live)[0]))})
+            if t in (1, 8):
+                out["kernels"][f"target_T{t}"] = kernel_profile(lambda: runner_t.run(live))
         print(f"target T={t}: {out['target'][f'T{t}']}", flush=True)
 
     # The whole propose call (host metadata, eager fc, first pass, k-1 steps) for one request
@@ -166,6 +183,7 @@ def component_latencies(llm: LLM, skip_eager: bool) -> dict[str, Any]:
             runner.k = 5
         use_compiled(runner, models, True)
         res["compiled_graph"] = timeit(lambda: prop.propose(batch, aux))
+        out["kernels"][f"propose_k{k}"] = kernel_profile(lambda: prop.propose(batch, aux))
         models.graphs = saved
         use_compiled(runner, models, True)
         out["propose"][f"k{k}"] = res
@@ -252,8 +270,8 @@ def main() -> int:
         report["capture_s"] = round(llm._compiled.graphs.capture_s, 2)
         print("start-up", report, flush=True)
         tgt, drf = llm.engine.model, llm.engine.runner.proposer.draft
-        t_bytes = nbytes(tgt)
-        d_bytes = nbytes(drf, exclude=tgt)
+        t_bytes = weight_bytes(tgt)
+        d_bytes = weight_bytes(drf, exclude=tgt)
         report["floor_ms"] = {"target": round(t_bytes / HBM_BYTES_PER_S * 1e3, 4),
                               "draft_step": round(d_bytes / HBM_BYTES_PER_S * 1e3, 4)}
         report.update(component_latencies(llm, args.skip_eager))
@@ -262,7 +280,8 @@ def main() -> int:
                                        args.skip_eager)
         report["graph_stats"] = llm.compile_stats.get("cuda_graphs")
     Path(args.out).write_text(json.dumps(report, indent=1, default=str))
-    print(json.dumps({k: report[k] for k in ("floor_ms", "target", "propose")}, indent=1))
+    print(json.dumps({k: report[k] for k in ("floor_ms", "target", "propose", "kernels")},
+                     indent=1))
     return 0
 
 

@@ -170,6 +170,9 @@ TRITON_CASES = [
     ("p3_mha_fp32_split2", 3, (4, 4), 32, "float32", 2),
     ("p16_gqa_fp16", 16, (9, 3), 32, "float16", None),
     ("p5_gqa_bf16_split2", 5, (6, 2), 128, "bfloat16", 2),
+    # q as a strided view (the decoder ropes q and k as one tensor and passes the q slice)
+    ("p16_gqa_fp32_strided_q", 16, (9, 3), 32, "float32", None),
+    ("p4_gqa_fp32_strided_q_split4", 4, (9, 3), 32, "float32", 4),
 ]
 TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 6e-2}
 # Tree attention: (name, page_size, forced KV splits or None); fp32, GQA 9/3, head_dim 32.
@@ -203,6 +206,11 @@ def _triton_worker() -> None:
         dtype = getattr(torch, dtype_name)
         batch = make_batch(MIXED_BATCH, *heads, head_dim=head_dim, page_size=page_size,
                            dtype=dtype, seed=len(results))
+        if "strided_q" in name:  # same values, row stride (heads + kv_heads) * head_dim
+            q = batch.query
+            wide = torch.cat([q, torch.randn(q.shape[0], heads[1], head_dim).to(dtype)], dim=1)
+            batch.query = wide[:, :heads[0]]
+            assert not batch.query.is_contiguous()
         ref_k, ref_v = batch.k_cache.clone(), batch.v_cache.clone()
         write_kv_ref(batch.new_k, batch.new_v, ref_k, ref_v, batch.slot_mapping)
         tri_k, tri_v = batch.k_cache.clone(), batch.v_cache.clone()

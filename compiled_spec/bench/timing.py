@@ -43,8 +43,19 @@ def floor_ms(model: torch.nn.Module, device: torch.device) -> float | None:
     bw = HBM_BYTES_PER_S.get(torch.cuda.get_device_name(device))
     if bw is None:
         return None
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return nbytes / bw * 1e3
+    return weight_bytes(model) / bw * 1e3
+
+
+def weight_bytes(module: torch.nn.Module, exclude: torch.nn.Module | None = None) -> int:
+    """Bytes of ``module``'s weights, each storage once: tied embeddings and the views that
+    fused projections leave behind (q_proj inside qkv_proj) are not counted twice. Storages
+    shared with ``exclude`` are left out (a draft reads the target's embedding one row per
+    token)."""
+    shared = ({p.untyped_storage().data_ptr() for p in exclude.parameters()}
+              if exclude is not None else set())
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                for p in module.parameters()}
+    return sum(n for ptr, n in storages.items() if ptr not in shared)
 
 
 def reset_peak(device: torch.device) -> None:

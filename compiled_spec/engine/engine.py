@@ -14,6 +14,7 @@ from compiled_spec.engine.request import CompletionOutput, Request, RequestOutpu
 from compiled_spec.engine.scheduler import Scheduler
 from compiled_spec.kv_cache import BlockAllocator, allocate_kv_pair, bytes_per_block
 from compiled_spec.models.decoder import CausalLM
+from compiled_spec.models.fuse import fuse_projections
 from compiled_spec.prefix_cache import block_keys, matchable_blocks
 from compiled_spec.sampling_params import SamplingParams
 from compiled_spec.spec.metrics import SpecStats
@@ -47,6 +48,11 @@ class LLMEngine:
     def __init__(self, cfg: EngineConfig, model: CausalLM, eos_token_ids: list[int], detokenize,
                  draft: EagleDraft | None = None) -> None:
         self.cfg = cfg
+        # One GEMM for q/k/v and one for gate/up in every layer (views keep the checkpoint names):
+        # fewer kernel launches per decode step, eager and compiled alike.
+        fuse_projections(model)
+        if draft is not None:
+            fuse_projections(draft)
         self.model = model
         self.draft = draft
         mcfg = model.config

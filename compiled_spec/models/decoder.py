@@ -34,6 +34,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(in_features, config.kv_size, bias=config.attention_bias)
         self.v_proj = nn.Linear(in_features, config.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(config.q_size, hidden, bias=config.o_proj_bias)
+        # Set by compiled_spec.models.fuse at inference: one GEMM for q, k and v (rows are
+        # [q; k; v]); q_proj / k_proj / v_proj then hold views of its weight.
+        self.qkv_proj: nn.Linear | None = None
         if config.qk_norm:
             # Qwen3 normalises each head over head_dim (not the whole projection) before rope.
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
@@ -47,6 +50,32 @@ class Attention(nn.Module):
         self.register_buffer("k_cache", None, persistent=False)
         self.register_buffer("v_cache", None, persistent=False)
 
+    def _qkv(self, hidden: torch.Tensor,  # [T, in_features]
+             cos: torch.Tensor, sin: torch.Tensor,  # [T, head_dim]
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, heads, head_dim] and k, v [T, kv_heads, head_dim], q and k roped (and normed
+        for Qwen3). Fused layout: q and k are roped as one [T, heads + kv_heads, head_dim] tensor,
+        one elementwise kernel instead of two; the outputs are strided views, which the
+        attention and KV-write kernels read as they are."""
+        num_tokens = hidden.shape[0]
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv_proj is not None:
+            qkv = self.qkv_proj(hidden)  # [T, (heads + 2 * kv_heads) * head_dim]
+            v = qkv[:, (h + kvh) * d:].view(num_tokens, kvh, d)
+            if self.q_norm is None:
+                qk = apply_rope(qkv[:, :(h + kvh) * d].view(num_tokens, h + kvh, d), cos, sin)
+                return qk[:, :h], qk[:, h:], v
+            q = qkv[:, :h * d].view(num_tokens, h, d)
+            k = qkv[:, h * d:(h + kvh) * d].view(num_tokens, kvh, d)
+        else:
+            q = self.q_proj(hidden).view(num_tokens, h, d)
+            k = self.k_proj(hidden).view(num_tokens, kvh, d)
+            v = self.v_proj(hidden).view(num_tokens, kvh, d)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
     def forward(
         self,
         hidden: torch.Tensor,  # [T, in_features] (in_features == hidden except EAGLE-3 layer 0)
@@ -59,15 +88,8 @@ class Attention(nn.Module):
                 f"layer {self.layer_idx}: KV cache not bound; call CausalLM.bind_kv_cache() "
                 "before forward"
             )
+        q, k, v = self._qkv(hidden, cos, sin)
         num_tokens = hidden.shape[0]
-        q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = apply_rope(q, cos, sin)  # [T, heads, head_dim]
-        k = apply_rope(k, cos, sin)  # [T, kv_heads, head_dim]
         # Write this step's keys/values first so each token attends to itself and to the other
         # new tokens of its sequence through the cache, exactly like earlier context.
         torch.ops.compiled_spec.write_kv(k, v, self.k_cache, self.v_cache, attn_meta.slot_mapping)
