@@ -120,9 +120,6 @@ class LLM:
         # Seconds per start-up phase; "compile" covers torch.compile and CUDA-graph capture.
         self.startup_s: dict[str, float] = {"load": time.perf_counter() - t_start}
         if compile:
-            if self.config.spec is not None and self.config.spec.tree is not None:
-                raise ValueError("compile=True with draft trees (speculative_topk > 1) is not "
-                                 "supported yet: tree steps run eagerly; drop compile=True")
             self.set_compiled(True)
 
     # --- compilation -------------------------------------------------------------------------

@@ -80,9 +80,6 @@ def test_tree_parameters_are_validated(trained_eagle3_pair, smollm2_gguf_path):
             speculative_topk=2, speculative_num_draft_tokens=50)
     with pytest.raises(ValueError, match="speculative_topk"):
         LLM(model=target, tokenizer=smollm2_gguf_path, draft=head, speculative_topk=0)
-    with pytest.raises(ValueError, match="compile=True with draft trees"):
-        LLM(model=target, tokenizer=smollm2_gguf_path, draft=head, speculative_topk=2,
-            compile=True)
 
 
 def test_topk_1_tree_is_the_chain(trained_eagle3_pair, smollm2_gguf_path, vanilla):

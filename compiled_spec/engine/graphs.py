@@ -11,6 +11,9 @@ Three components share one graph memory pool (``capture.GraphRegistry``):
   and the k - 1 step loop. EAGLE-3's fc runs eagerly *before* the replay, over the target's aux
   states, so no graph depends on the aux width or the first pass's token count (seeds/003).
 
+Draft-tree engines register ``target_tree_verify``, ``tree_draft_first_pass`` and
+``tree_draft_expand`` (``engine.tree_graphs``) instead of ``target_verify`` / ``draft_propose``.
+
 Prefill steps (any request with more than k + 1 query tokens) are never captured; they run the
 compiled function directly and are counted as ``prefill``. Every other miss (batch above the
 largest captured size, context above the largest bucket, a failed capture, the CPU) is counted by
@@ -31,21 +34,27 @@ from capture.emulate import EmulatedGraphRunner
 from compiled_spec.attention_metadata import AttentionMetadata
 from compiled_spec.engine.model_runner import ModelRunner
 from compiled_spec.engine.propose_graph import ProposeGraphs
+from compiled_spec.engine.tree_graphs import TreeProposeGraphs, register_tree_verify, tree_live
 
 TargetFn = Callable[..., Any]  # (input_ids, positions, meta, aux_layer_ids) -> (hidden, aux)
 
 
 class GraphedTarget:
-    """Drop-in for ``ModelRunner.target_fn``: decode graph, verify graph, or (prefill) none."""
+    """Drop-in for ``ModelRunner.target_fn``: decode, verify or tree-verify graph, or (prefill)
+    none."""
 
     def __init__(self, fn: TargetFn, decode: GraphRunner, verify: GraphRunner | None,
-                 verify_query_len: int) -> None:
-        self.fn, self.decode, self.verify = fn, decode, verify
+                 verify_query_len: int, tree: GraphRunner | None = None) -> None:
+        self.fn, self.decode, self.verify, self.tree = fn, decode, verify, tree
         self.verify_query_len = verify_query_len
         self.prefill_calls = 0
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  aux_layer_ids: tuple[int, ...] = ()) -> Any:
+        if meta.tree_mask is not None:  # never a causal graph: they would ignore the mask
+            if self.tree is None:
+                raise RuntimeError("tree attention reached an engine without a tree-verify graph")
+            return self.tree.run(tree_live(input_ids, positions, meta))
         live = LiveBatch(input_ids, positions, meta)
         if meta.max_query_len == 1:
             return self.decode.run(live)
@@ -66,7 +75,8 @@ class EngineGraphs:
         self.capture_s: float | None = None
         self.registry = GraphRegistry(device, strict=strict,
                                       runner_cls=EmulatedGraphRunner if emulate else None)
-        k = policy.num_speculative_tokens
+        tree = getattr(runner, "tree", None)  # TreeConfig of a draft-tree engine
+        k = 0 if tree is not None else policy.num_speculative_tokens  # trees verify no chains
         max_seqs = policy.batch_sizes[-1]
         max_blocks = math.ceil(policy.max_model_len / page_size)
         aux_ids = runner.aux_layer_ids
@@ -81,16 +91,21 @@ class EngineGraphs:
         decode = reg("target_decode", target_graph_fn, decode_sizes(policy), tbufs)
         verify = reg("target_verify", target_graph_fn, verify_sizes(policy), tbufs,
                      query_len=k + 1) if k > 0 else None
-        self.target = GraphedTarget(target_fn, decode, verify, k + 1)
-        self.propose: ProposeGraphs | None = None
+        tree_verify = None if tree is None else register_tree_verify(
+            reg, target_fn, tree, policy.batch_sizes, max_blocks, device, aux_ids)
+        self.target = GraphedTarget(target_fn, decode, verify, k + 1, tree_verify)
+        self.propose: ProposeGraphs | TreeProposeGraphs | None = None
         prop = runner.proposer
         if prop is None:
+            return
+        dtype = runner.model.lm_head.weight.dtype
+        if tree is not None:
+            self.propose = TreeProposeGraphs(reg, prop, policy.batch_sizes, max_blocks, dtype)
             return
         # One graph per batch size, at the largest bucket: the draft's attention is one layer,
         # so shorter buckets would buy little for their extra captures.
         self.propose = ProposeGraphs(prop, runner.allocator, policy.batch_sizes, max_blocks,
-                                     policy.seq_len_buckets[-1],
-                                     runner.model.lm_head.weight.dtype,
+                                     policy.seq_len_buckets[-1], dtype,
                                      pool=self.registry.pool, emulate=emulate, strict=strict)
         self.registry.runners[ProposeGraphs.name] = self.propose  # type: ignore[assignment]
 

@@ -11,8 +11,9 @@ seeded request writes exactly its vanilla output.
 A step verifies trees only when every request in it is decoding (one new token): a step that
 also prefills runs the chain path with no drafts, and the requests re-propose after it. Requests
 that cannot take a tree this step (too near their end for the tree's slots, or not speculating)
-decode plainly inside the tree step as one-node trees. Tree steps run the model eagerly (no
-compile, no CUDA graphs yet).
+decode plainly inside the tree step as one-node trees. With compile=True the verify forward
+runs through ``target_fn`` (compiled; on CUDA a tree-verify graph per batch size, see
+``engine.tree_graphs``) and the proposer's draft forwards through the compiled draft.
 """
 from __future__ import annotations
 
@@ -102,7 +103,7 @@ class TreeModelRunner(ModelRunner):
             meta = replace(meta, tree_start=meta.seq_lens - n_nodes, tree_mask=mask)
             table_t = meta.block_tables
         with record_function("verify"):
-            hidden, aux = self.model(input_ids, positions, meta, self.aux_layer_ids)
+            hidden, aux = self.target_fn(input_ids, positions, meta, self.aux_layer_ids)
             logits = self.model.compute_logits(hidden)  # [T, V]
         with record_function("rejection_sample"):
             reps = [qsl[i + 1] - qsl[i] for i in range(len(reqs))]

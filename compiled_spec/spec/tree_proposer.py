@@ -8,17 +8,25 @@ draft's input at position L-2+d. Expanded node f (in expansion order) writes its
 position L-1+f, and attends to the draft prefix (< L-1) plus its expanded ancestors and itself
 (``paged_tree_attention``). The next first pass rewrites the draft KV of every accepted position,
 so no draft KV needs compacting.
+
+A propose is two calls, each over a ``LiveBatch`` so that ``engine.tree_graphs`` can replay it
+as a padded CUDA graph: the first pass (variable length, causal) and ``expand`` (everything
+after it: fixed shapes per batch size, every step's metadata built on the host beforehand).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from compiled_spec.attention_metadata import AttentionMetadata
+from capture.pad import LiveBatch
 from compiled_spec.engine.batch import build_metadata, metadata_to_device, to_device
 from compiled_spec.spec.proposer import EagleProposer, ProposeBatch
 from compiled_spec.spec.tree import TreeConfig, ancestor_mask, select_nodes
+
+if TYPE_CHECKING:
+    from compiled_spec.engine.tree_graphs import TreeProposeGraphs
 
 
 @dataclass
@@ -36,29 +44,62 @@ class TreeProposer:
         self.base, self.cfg = base, cfg
         self.draft, self.allocator, self.device = base.draft, base.allocator, base.device
         self.k = cfg.num_steps  # deepest path a tree can accept (engine stats: positions)
-        self.graph = None  # trees run without CUDA graphs for now (see the issue notes)
+        self.layer_names = base.layer_names
+        # compile=True with CUDA graphs (or emulated ones): both calls replay padded graphs;
+        # what a graph cannot take runs compiled and is counted there (engine.tree_graphs).
+        self.graph: "TreeProposeGraphs | None" = None
+
+    # The compiled callables live on the chain proposer (compile.use_compiled swaps them).
+    @property
+    def first_pass_fn(self) -> Any:
+        return self.base.first_pass_fn
+
+    @first_pass_fn.setter
+    def first_pass_fn(self, fn: Any) -> None:
+        self.base.first_pass_fn = fn
+
+    @property
+    def step_fn(self) -> Any:
+        return self.base.step_fn
+
+    @step_fn.setter
+    def step_fn(self, fn: Any) -> None:
+        self.base.step_fn = fn
 
     @torch.inference_mode()
     def propose(self, batch: ProposeBatch, target_hidden: torch.Tensor | list[torch.Tensor]
                 ) -> tuple[DraftTree, None]:
-        cfg, draft, dev = self.cfg, self.draft, self.device
-        K = cfg.topk
+        dev = self.device
         rows = to_device(batch.hidden_rows, dev)
         aux = [h[rows] for h in target_hidden] if isinstance(target_hidden, list) \
             else [target_hidden[rows]]
-        ids = to_device(batch.token_ids, dev)
+        ids = to_device(batch.token_ids, dev)  # [T]
         positions, meta = build_metadata(self.allocator, batch.first_pass, dev)
-        feed, for_logits = self.base.first_pass_fn(aux, ids, positions,
-                                                   self.base._metas(meta))
-        last = (meta.query_start_loc[1:] - 1).long()  # [B]
-        b = last.shape[0]
-        lp = torch.log_softmax(draft.compute_logits(for_logits[last]).float(), dim=-1)
+        if self.graph is not None:  # EAGLE-3's fc eagerly, the rest as a graph (counted misses)
+            first = LiveBatch(ids, positions, meta,
+                              extras={"hidden": self.draft.combine_aux(aux)})  # [T, h]
+            feed, for_logits = self.graph.first_pass.run(first)
+        else:
+            feed, for_logits = self.first_pass_fn(aux, ids, positions, self.base._metas(meta))
+        last = (meta.query_start_loc[1:] - 1).long()  # [B] each request's last first-pass row
+        live = self.expand_batch(batch, feed[last], for_logits[last])
+        out = self.graph.expand.run(live) if self.graph is not None else self.expand(live)
+        return DraftTree(*out), None
+
+    def expand(self, live: LiveBatch) -> tuple[torch.Tensor, ...]:
+        """Everything after the first pass, with no host reads: layer 1 from the first pass's
+        last rows (extras ``feed`` / ``for_logits`` [B, h]), ``num_steps - 1`` expansions
+        (step j's metadata: ``live.step(j)``), then node selection. -> DraftTree's tensors."""
+        cfg, draft, dev = self.cfg, self.draft, self.device
+        K, F = cfg.topk, cfg.num_forwarded
+        feed0 = live.extras["feed"]  # [B, h]
+        b = feed0.shape[0]
+        lp = torch.log_softmax(draft.compute_logits(live.extras["for_logits"]).float(), dim=-1)
         score, tok = lp.topk(K, dim=-1)  # [B, K] layer 1
         cand_tok, cand_score = [draft.draft_to_target(tok)], [score]
         cand_depth = [torch.ones(b, K, dtype=torch.int64, device=dev)]
         cand_parent = [torch.full((b, K), -1, dtype=torch.int64, device=dev)]
-        cand_hidden = [feed[last][:, None].expand(b, K, -1)]  # input hidden of each candidate
-        F = cfg.num_forwarded
+        cand_hidden = [feed0[:, None].expand(b, K, -1)]  # input hidden of each candidate
         cand_fmask = [torch.zeros(b, K, max(F, 1), dtype=torch.bool, device=dev)]
         frontier = torch.arange(K, device=dev).expand(b, K)  # candidate ids of the layer
         n_cand = K
@@ -70,9 +111,11 @@ class TreeProposer:
             x_hid = torch.gather(hid_all, 1, frontier[:, :, None].expand(-1, -1, hid_all.shape[-1]))
             fm = torch.gather(fmask_all, 1, frontier[:, :, None].expand(-1, -1, F))
             fm[:, torch.arange(K, device=dev), f0 + torch.arange(K, device=dev)] = True  # self
-            pos, tmeta = self._expand_meta(batch, f0, step - 1, fm)
-            new_feed, fl = draft(x_tok.reshape(-1), x_hid.reshape(b * K, -1), pos,
-                                 {n: tmeta for n in self.base.layer_names})
+            pos, meta = live.step(step - 2)  # [B*K]
+            # Tree slots start right after the prefix: seq_lens = root + F.
+            tmeta = replace(meta, tree_start=meta.seq_lens - F, tree_mask=fm.reshape(b * K, F))
+            new_feed, fl = self.step_fn(x_tok.reshape(-1), x_hid.reshape(b * K, -1), pos,
+                                        {n: tmeta for n in self.layer_names})
             lp = torch.log_softmax(draft.compute_logits(fl).float(), dim=-1)  # [B*K, Vd]
             c_score, c_tok = lp.topk(K, dim=-1)
             par_score = torch.gather(score_all, 1, frontier)  # [B, K]
@@ -89,31 +132,44 @@ class TreeProposer:
         top, par, dep = select_nodes(torch.cat(cand_score, 1), torch.cat(cand_depth, 1),
                                      torch.cat(cand_parent, 1), n)
         tokens = torch.cat([torch.zeros(b, 1, dtype=torch.int64, device=dev),
-                            torch.gather(torch.cat(cand_tok, 1), 1, top)], 1)
+                            torch.gather(torch.cat(cand_tok, 1), 1, top)], 1)  # [B, N]
         parents = torch.cat([torch.full((b, 1), -1, dtype=torch.int64, device=dev), par], 1)
         depth = torch.cat([torch.zeros(b, 1, dtype=torch.int64, device=dev), dep], 1)
-        return DraftTree(tokens, parents, depth, ancestor_mask(parents)), None
+        return tokens, parents, depth, ancestor_mask(parents)
 
-    def _expand_meta(self, batch: ProposeBatch, f0: int, depth: int, fmask: torch.Tensor
-                     ) -> tuple[torch.Tensor, AttentionMetadata]:
-        """(positions [B*K], metadata) of one expansion: K nodes of this depth per request,
-        input at position L-2+depth, KV at tree slots f0..f0+K-1 (positions L-1+f)."""
-        K, F = self.cfg.topk, self.cfg.num_forwarded
+    @property
+    def expand_steps(self) -> int:
+        """Metadata steps ``expand`` takes: one per expansion (one inert step when there are
+        none, so the graphs' static buffers keep one layout)."""
+        return max(self.cfg.num_steps - 1, 1)
+
+    def expand_batch(self, batch: ProposeBatch, feed: torch.Tensor,  # [B, h]
+                     for_logits: torch.Tensor,  # [B, h]
+                     ) -> LiveBatch:
+        """``expand``'s input: every expansion's (positions, metadata) at once, [S, B*K] (1-D
+        when S = 1). Expansion s has K nodes of depth s per request, input at position L-2+s,
+        KV at tree slots (s-1)K .. sK-1 (positions L-1+f)."""
+        K, F, S = self.cfg.topk, self.cfg.num_forwarded, self.expand_steps
         alloc = self.allocator
-        positions, slots, tables, starts = [], [], [], []
+        positions = [[] for _ in range(S)]
+        slots = [[] for _ in range(S)]
+        tables, starts = [], []
         for s in batch.first_pass:
             root = s.start + s.length  # L-1: the root's position; tree slots start here
             starts.append(root)
-            positions.extend([root - 1 + depth] * K)
             tables.append(alloc.tables[s.req_id])
             covered = len(alloc.tables[s.req_id]) * alloc.page_size
-            # Slots past the request's blocks (the pool could not grow it) write nothing; such a
-            # request's tree is never verified (TreeModelRunner.num_drafts_for).
-            slots.extend(alloc.slot(s.req_id, root + f0 + i) if root + f0 + i < covered else -1
-                         for i in range(K))
+            for j in range(S):
+                positions[j].extend([root + j] * K)
+                # Slots past the request's blocks (the pool could not grow it) write nothing;
+                # such a tree is never verified (TreeModelRunner.num_drafts_for).
+                slots[j].extend(alloc.slot(s.req_id, root + j * K + i)
+                                if root + j * K + i < covered else -1 for i in range(K))
         b = len(starts)
-        pos, meta = metadata_to_device(self.device, positions, slots, [r + F for r in starts],
-                                       [i * K for i in range(b + 1)], tables, K,
-                                       max(starts) + F)
-        return pos, replace(meta, tree_start=meta.seq_lens - F,
-                            tree_mask=fmask.reshape(b * K, F))
+        lens = [[r + F for r in starts]] * S
+        one = S == 1
+        pos, meta = metadata_to_device(
+            self.device, positions[0] if one else positions, slots[0] if one else slots,
+            lens[0] if one else lens, [i * K for i in range(b + 1)], tables, K, max(starts) + F)
+        ids = torch.zeros(b * K, dtype=torch.int64, device=self.device)  # unused: sizes the batch
+        return LiveBatch(ids, pos, meta, extras={"feed": feed, "for_logits": for_logits})

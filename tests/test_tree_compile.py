@@ -1,0 +1,138 @@
+"""Draft trees under compile=True: the tree verify forward (target with ``paged_tree_attention``)
+and the tree proposer's draft forwards run through our torch.compile backend (Inductor's C++
+code on the CPU), and on emulated CUDA graphs (``capture.emulate``) through the tree-verify,
+tree first-pass and tree-expand graphs. Compiling must change neither the greedy output (that
+of vanilla decoding) nor the acceptance, at any page size; seeded sampling too."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from capture import CapturePolicy
+from compiled_spec import LLM, SamplingParams
+from compiled_spec.compile import CompileConfig, capture_graphs, compile_models, use_compiled
+from compiled_spec.engine.graphs import EngineGraphs
+from passes.graph_utils import is_op
+
+PROMPTS = [[3, 7, 1], [5], [9, 2, 4, 4, 8, 1, 2], [11, 12], [6, 6, 6, 1, 2, 30, 8, 8, 8, 1]]
+SP = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+TREE = dict(num_speculative_tokens=3, speculative_topk=2, speculative_num_draft_tokens=6)
+TREE_OP = torch.ops.compiled_spec.paged_tree_attention
+TREE_GRAPHS = ("target_tree_verify", "tree_draft_first_pass", "tree_draft_expand")
+
+
+def _llm(pair, tok: str, page: int = 16, draft: bool = True, attention: bool = False,
+         **kw) -> LLM:
+    target, head = pair
+    extra = dict(draft=head, **TREE) if draft else {}
+    llm = LLM(model=target, tokenizer=tok, max_model_len=128, max_num_seqs=4, page_size=page,
+              **extra, **kw)
+    if attention:  # the bigram target ignores attention (o_proj = 0): give it some, so that
+        # a wrong tree mask or padded row in the target's verify shows in the output
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for layer in llm.engine.model.model.layers:
+                w = layer.self_attn.o_proj.weight
+                w.copy_(torch.randn(w.shape, generator=gen) * 0.3)
+    return llm
+
+
+def _ids(llm: LLM, sp: SamplingParams | list[SamplingParams] = SP) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(PROMPTS, sp)]
+
+
+def _tree_graphs_compiled(llm: LLM, name: str) -> int:
+    """Graphs of backend ``name`` that hold tree attention (compiled tree forwards)."""
+    return sum(any(is_op(n, TREE_OP) for n in g.gm.graph.nodes)
+               for g in llm._compiled.backends[name].compiled)
+
+
+@pytest.fixture(scope="module")
+def vanilla(trained_eagle3_pair, smollm2_gguf_path):
+    return _ids(_llm(trained_eagle3_pair, smollm2_gguf_path, draft=False))
+
+
+@pytest.fixture(scope="module")
+def vanilla_attn(trained_eagle3_pair, smollm2_gguf_path, vanilla):
+    out = _ids(_llm(trained_eagle3_pair, smollm2_gguf_path, draft=False, attention=True))
+    assert out != vanilla  # attention now changes what the target writes
+    return out
+
+
+def _graphs(llm: LLM, batch_sizes=(1, 2, 4), buckets=(32, 128)) -> EngineGraphs:
+    """Compile (our passes, no Inductor: fast) and capture emulated graphs."""
+    models = compile_models(llm.engine.runner, CompileConfig(inductor=False))
+    llm._compiled = models
+    policy = CapturePolicy(max_batch_size=4, num_speculative_tokens=3, max_model_len=128,
+                           batch_sizes=batch_sizes, seq_len_buckets=buckets)
+    return capture_graphs(llm.engine.runner, models, policy, llm.config.cache.page_size,
+                          emulate=True)
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_emulated_tree_graphs_equal_eager(trained_eagle3_pair, smollm2_gguf_path, vanilla_attn,
+                                          page):
+    llm = _llm(trained_eagle3_pair, smollm2_gguf_path, page, attention=True)
+    eager = _ids(llm)
+    assert eager == vanilla_attn
+    assert llm.stats.spec.num_accepted_tokens > 0
+    eager_spec = llm.stats.spec.as_dict()
+    graphs = _graphs(llm)
+    assert set(graphs.registry.runners) == {"target_decode", *TREE_GRAPHS}
+    llm.engine.stats.spec = type(llm.stats.spec)()  # count the graphed run alone
+    assert _ids(llm) == eager
+    assert llm.stats.spec.as_dict() == eager_spec  # same drafts accepted at every position
+    st = graphs.stats()
+    for name in TREE_GRAPHS:
+        assert st["components"][name]["graph_replays"] > 0, (name, st["components"][name])
+    assert st["padded_rows"] > 0  # batches of 3 pad to 4
+    # Prefill steps and the first pass after them have no graph, and are counted as such.
+    assert st["components"]["target_decode"]["prefill_calls"] > 0
+    assert st["without_graph"]["tree_draft_first_pass"] == {"query_len": 2}  # two admissions
+    assert "target_tree_verify" not in st["without_graph"]
+    assert "tree_draft_expand" not in st["without_graph"]
+    use_compiled(llm.engine.runner, llm._compiled, False)  # back to eager: no replays
+    replays = graphs.stats()["replayed"]
+    assert _ids(llm) == eager and graphs.stats()["replayed"] == replays
+
+
+def test_uncaptured_tree_batch_sizes_are_counted(trained_eagle3_pair, smollm2_gguf_path,
+                                                vanilla):
+    llm = _llm(trained_eagle3_pair, smollm2_gguf_path)
+    graphs = _graphs(llm, batch_sizes=(1, 2))  # batches of 3-4 have no graph
+    assert _ids(llm) == vanilla
+    missed = graphs.stats()["without_graph"]
+    for name in TREE_GRAPHS:
+        assert missed[name].get("size", 0) > 0, (name, missed)
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_compiled_tree_equals_eager_and_vanilla(trained_eagle3_pair, smollm2_gguf_path, vanilla,
+                                                page):
+    llm = _llm(trained_eagle3_pair, smollm2_gguf_path, page, compile=True)  # Inductor
+    assert llm.compiled_active
+    rep = llm.check_parity(PROMPTS, SP, tau_tolerance=0.0)  # eager run, then compiled run
+    print(f"page {page}:\n{rep}")
+    assert rep.ok, str(rep)
+    assert rep.eager.token_ids == rep.compiled.token_ids == vanilla
+    assert rep.compiled.tau == rep.eager.tau and rep.eager.tau >= 2.0
+    assert rep.compiled.per_position == rep.eager.per_position
+    # The tree forwards really ran compiled: the target's verify and the draft's expansions.
+    assert _tree_graphs_compiled(llm, "target") >= 1
+    assert _tree_graphs_compiled(llm, "draft_step") >= 1
+    assert llm.compile_stats["cuda_graphs"] == {"off": "device cpu has no CUDA graphs"}
+
+
+def test_compiled_tree_seeded_sampling_equals_eager(trained_eagle3_pair, smollm2_gguf_path):
+    params = [SamplingParams(max_tokens=24, temperature=t, top_p=tp, seed=s, ignore_eos=True)
+              for t, tp, s in ((0.8, 1.0, 1), (0.0, 1.0, 0), (1.2, 0.9, 5), (0.5, 1.0, 9),
+                               (1.0, 1.0, 3))]
+    ref = _ids(_llm(trained_eagle3_pair, smollm2_gguf_path, draft=False), params)
+    llm = _llm(trained_eagle3_pair, smollm2_gguf_path, compile=True,
+               compile_config=CompileConfig(inductor=False))
+    eager_llm = _llm(trained_eagle3_pair, smollm2_gguf_path)
+    assert _ids(eager_llm, params) == ref
+    assert _ids(llm, params) == ref
+    assert llm.stats.spec.num_drafting_steps > 0
+    assert llm.stats.spec.as_dict() == eager_llm.stats.spec.as_dict()
+    assert _tree_graphs_compiled(llm, "draft_step") >= 1
