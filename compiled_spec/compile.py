@@ -6,7 +6,8 @@ Three compiled callables, each with its own backend instance (so its pass statis
 - target forward: passes without fc hoisting or per-layer binding (one metadata for all layers);
 - draft first pass (aux states -> fc -> draft): the EAGLE-3 fc is hoisted back out to eager, since
   it runs over a variable number of target tokens while the rest has per-step shapes;
-- draft step (one token per request, its own hidden fed back): per-layer metadata bound.
+- draft step (one token per request, its own hidden fed back): per-layer metadata bound; the
+  chain's steps 2..k compile it together with their pick (logits, argmax / sampling, id map).
 
 On CUDA (``CompileConfig.cudagraphs``) the compiled callables are then captured into padded CUDA
 graphs by dummy runs (``compiled_spec.engine.graphs``) and the engine replays them.
@@ -76,6 +77,11 @@ def compile_models(runner: ModelRunner, cfg: CompileConfig) -> CompiledModels:
         backends["draft_step"] = make_backend(hoist_fc=False, inductor=cfg.inductor)
         compiled["first_pass"] = _compile(prop.draft.forward_from_aux, backends["draft_first_pass"], cfg)
         compiled["step"] = _compile(prop.draft, backends["draft_step"], cfg)
+        if hasattr(prop, "step_and_pick"):  # chain drafting: step + pick as one graph
+            eager["step_pick"] = prop.step_pick_fn
+            backends["draft_step_pick"] = make_backend(hoist_fc=False, inductor=cfg.inductor)
+            compiled["step_pick"] = _compile(prop.step_and_pick, backends["draft_step_pick"],
+                                             cfg)
     return CompiledModels(eager=eager, compiled=compiled, backends=backends)
 
 
@@ -100,6 +106,8 @@ def use_compiled(runner: ModelRunner, models: CompiledModels, on: bool) -> None:
     if runner.proposer is not None:
         runner.proposer.first_pass_fn = fns["first_pass"]
         runner.proposer.step_fn = fns["step"]
+        if "step_pick" in fns:
+            runner.proposer.step_pick_fn = fns["step_pick"]
     _route(runner, models, on)
     models.active = on
 

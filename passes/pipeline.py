@@ -38,11 +38,15 @@ from passes.graph_utils import (INPUT_SPEC_KEY, PAGED_ATTENTION, WRITE_KV, Input
                                 fresh_fake, node_val, placeholders)
 from passes.hoist_fc import HOISTED_KEY, HoistEagle3Fc, HoistedPart
 from passes.noop_elim import NoOpElimination
+from passes.unfuse_addmm import UnfuseResidualAddmm
 
 # THE pass order. NoOp first: stray views between cat and fc, or between a metadata input and
 # the attention op, would otherwise hide those patterns. Hoisting before metadata binding keeps
 # the layer pass looking at the graph that will actually be compiled.
 PASS_ORDER: list[type[GraphPass]] = [NoOpElimination, HoistEagle3Fc, BindPerLayerAttnMetadata]
+# Then, inside Inductor, on the ATen graph after its own post-grad patterns (they create the
+# addmm nodes this one undoes).
+POST_GRAD_ORDER: list[type[GraphPass]] = [UnfuseResidualAddmm]
 
 
 def default_passes(hoist_fc: bool = True, per_layer_metadata: bool = True,
@@ -79,17 +83,27 @@ class PassManager:
         return counts, details
 
 
-class _CacheKeyPass(CustomGraphPass):
-    """No-op post-grad pass whose uuid is the pipeline's: Inductor folds custom pass uuids into
-    its FX graph cache key, so editing one of our passes invalidates cached artifacts."""
+class _PostGradPasses(CustomGraphPass):
+    """Our post-grad passes (``POST_GRAD_ORDER``) as Inductor's custom post pass. Its uuid is the
+    whole pipeline's: Inductor folds custom pass uuids into its FX graph cache key, so editing
+    any of our passes invalidates cached artifacts. Match counts accumulate in ``counts`` (on an
+    Inductor cache hit the passes do not run, the cached code already holds their rewrite, and
+    nothing is counted)."""
 
-    def __init__(self, uuid: str, inner: CustomGraphPass | None = None) -> None:
+    def __init__(self, uuid: str, passes: Sequence[GraphPass],
+                 inner: CustomGraphPass | None = None) -> None:
         self._uuid = uuid
+        self.passes = list(passes)
+        self.counts: dict[str, int] = {}
         self._inner = inner  # a pass already configured, kept running (older torch: one slot)
 
     def __call__(self, graph: fx.Graph) -> None:
         if self._inner is not None:
             self._inner(graph)
+        for p in self.passes:
+            n = p.apply_graph(graph)  # type: ignore[attr-defined]
+            self.counts[p.name] = self.counts.get(p.name, 0) + n
+        graph.lint()
 
     def uuid(self) -> str:
         inner = self._inner.uuid() if self._inner is not None else ""
@@ -177,8 +191,10 @@ class CompiledSpecBackend:
     def __init__(self, passes: Sequence[GraphPass], inductor: bool = True,
                  inductor_config: dict[str, Any] | None = None,
                  wrap_compiled: Callable[[Callable[..., Any], fx.GraphModule],
-                                         Callable[..., Any]] | None = None) -> None:
+                                         Callable[..., Any]] | None = None,
+                 post_grad: bool = True) -> None:
         self.pass_manager = PassManager(passes)
+        self.post_grad_passes = [cls() for cls in POST_GRAD_ORDER] if post_grad else []
         self.inductor = inductor
         self.inductor_config = dict(inductor_config or {})
         self.wrap_compiled = wrap_compiled
@@ -196,7 +212,8 @@ class CompiledSpecBackend:
     @property
     def match_counts(self) -> dict[str, int]:
         """Total matches per pass over every graph compiled so far."""
-        total: dict[str, int] = {p.name: 0 for p in self.pass_manager.passes}
+        total: dict[str, int] = {p.name: 0 for p in
+                                 [*self.pass_manager.passes, *self.post_grad_passes]}
         for g in self.graphs:
             for name, n in g.matches.items():
                 total[name] = total.get(name, 0) + n
@@ -208,7 +225,8 @@ class CompiledSpecBackend:
                 "per_graph": [asdict(g) for g in self.graphs]}
 
     def uuid(self) -> str:
-        return self.pass_manager.uuid()
+        post = "|".join(p.uuid() for p in self.post_grad_passes)
+        return hashlib.sha256(f"{self.pass_manager.uuid()}|{post}".encode()).hexdigest()
 
     # --- compiling --------------------------------------------------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
@@ -237,7 +255,9 @@ class CompiledSpecBackend:
 
             examples = [example_inputs[s.index] if s.kind == "arg" else fresh_fake(node_val(ph))
                         for s, ph in zip(plan, final)]
-            compiled = compile_fx(gm, examples, config_patches=self._inductor_patches())
+            post = _PostGradPasses(self.uuid(), self.post_grad_passes)
+            compiled = compile_fx(gm, examples, config_patches=self._inductor_patches(post))
+            counts.update(post.counts)
         else:
             compiled = gm.forward
         if self.wrap_compiled is not None:
@@ -255,15 +275,15 @@ class CompiledSpecBackend:
         self.compiled.append(CompiledGraph(gm, hoisted, fn))
         return fn
 
-    def _inductor_patches(self) -> dict[str, Any]:
+    def _inductor_patches(self, post: _PostGradPasses) -> dict[str, Any]:
         patches = dict(self.inductor_config)
         existing = patches.get("post_grad_custom_post_pass",
                                torch._inductor.config.post_grad_custom_post_pass)
         if get_custom_graph_passes is None:
-            patches["post_grad_custom_post_pass"] = _CacheKeyPass(self.uuid(), existing)
+            post._inner = existing
+            patches["post_grad_custom_post_pass"] = post
         else:
-            patches["post_grad_custom_post_pass"] = (*get_custom_graph_passes(existing),
-                                                     _CacheKeyPass(self.uuid()))
+            patches["post_grad_custom_post_pass"] = (*get_custom_graph_passes(existing), post)
         return patches
 
 

@@ -9,7 +9,7 @@ export PYTHONPATH=~/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" ~/bench
 M=~/m/model.gguf
 [ -f "$M" ] || cat ~/m/part0 ~/m/part1 .device/q2/part2 > "$M"
-COMMON=(--model "$M" --device cuda --dtype bfloat16 --prompts .device/data/question.jsonl
+COMMON=(--model "$M" --draft ${DRAFT:-smollm2-eagle3} --device cuda --dtype bfloat16 --prompts .device/data/question.jsonl
   --num-prompts ${N:-5} --max-tokens 256 --batch-sizes 1 4 16 64 -k ${K:-3})
 case ${1:?a|b} in
   a) timeout 570 python3 -m compiled_spec.cli bench "${COMMON[@]}" --out-dir ~/bench/a \

@@ -36,7 +36,9 @@ def test_eager_and_compiled_agree(llm, prompts):
     # attention op was bound to its own layer's metadata.
     fp = stats["draft_first_pass"]
     assert fp["graphs"] >= 1 and fp["pass_matches"]["HoistEagle3Fc"] == fp["graphs"]
-    assert stats["draft_step"]["pass_matches"]["BindPerLayerAttnMetadata"] >= 1
+    # Steps 2..k run as one compiled callable with their pick (step + logits + argmax).
+    assert stats["draft_step_pick"]["graphs"] >= 1
+    assert stats["draft_step_pick"]["pass_matches"]["BindPerLayerAttnMetadata"] >= 1
     assert llm.compiled_active  # check_parity restores the mode it found
 
 
@@ -62,17 +64,18 @@ def test_parity_fails_when_compiled_fc_gets_wrong_inputs(llm, prompts):
 
 def test_parity_fails_when_compiled_draft_step_is_stale(llm, prompts):
     # A draft step whose graph was never replayed with fresh inputs returns old outputs.
+    # (The chain's steps 2..k run the compiled step + pick callable.)
     def stale(real):
         cache = {}
 
-        def fn(ids, hidden, positions, metas):
-            out = real(ids, hidden, positions, metas)
+        def fn(ids, hidden, positions, meta, temperature, seeds):
+            out = real(ids, hidden, positions, meta, temperature, seeds)
             key = ids.shape[0]
-            cache.setdefault(key, tuple(t.clone() for t in out))
+            cache.setdefault(key, tuple(None if t is None else t.clone() for t in out))
             return cache[key]
         return fn
 
-    restore = _swap(llm, "step", stale)
+    restore = _swap(llm, "step_pick", stale)
     try:
         rep = llm.check_parity(prompts, SP)
     finally:

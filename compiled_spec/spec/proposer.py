@@ -47,6 +47,10 @@ class EagleProposer:
         # hoists it back out to eager); later steps start from the draft's own hidden state.
         self.first_pass_fn = draft.forward_from_aux
         self.step_fn = draft
+        # Steps 2..k: the draft step and its pick as one callable, so that under compile=True
+        # the logits' fp32 cast, the argmax (or sampling) and the draft->target id map become
+        # a few fused kernels after the lm_head instead of a string of eager ATen kernels.
+        self.step_pick_fn = self.step_and_pick
         # When set (compiled mode on CUDA), the whole propose replays as one CUDA graph per
         # batch size; calls it cannot take run the path below (and are counted there).
         self.graph: "ProposeGraphs | None" = None
@@ -79,6 +83,20 @@ class EagleProposer:
         q_target = self.draft.draft_vocab_to_target_probs(q, self.target_vocab_size)
         return self.draft.draft_to_target(tok), q_target
 
+    def step_and_pick(self, tok: torch.Tensor,  # [B] drafts of the previous step
+                      feed: torch.Tensor,  # [B, h] their hidden states
+                      positions: torch.Tensor,  # [B]
+                      meta: AttentionMetadata,
+                      temperature: torch.Tensor,  # [B] fp32
+                      seeds: torch.Tensor,  # [B] int64
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """One draft step: (feed_back [B, h], next drafts [B], their q [B, V] or None)."""
+        feed, for_logits = self.draft(tok, feed, positions, self._metas(meta))
+        # The token drafted here sits two past this step's input position.
+        tok, q = self._pick(self.draft.compute_logits(for_logits), temperature, seeds,
+                            positions + 2)
+        return feed, tok, q
+
     def run_loop(self, b: LiveBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft steps 2..k: ``b.input_ids`` [B] the first drafts, extras ``feed`` [B, h] (their
         hidden), ``temperature`` [B], ``seeds`` [B]; b.step(j) the metadata of step j + 2. A fixed
@@ -87,10 +105,8 @@ class EagleProposer:
         tokens, probs = [], []
         for j in range(b.num_steps):
             positions, meta = b.step(j)  # [B]
-            feed, for_logits = self.step_fn(tok, feed, positions, self._metas(meta))
-            # The token drafted here sits two past this step's input position.
-            tok, q = self._pick(self.draft.compute_logits(for_logits), b.extras["temperature"],
-                                b.extras["seeds"], positions + 2)
+            feed, tok, q = self.step_pick_fn(tok, feed, positions, meta,
+                                             b.extras["temperature"], b.extras["seeds"])
             tokens.append(tok)
             probs.append(q)
         return torch.stack(tokens, dim=1), (torch.stack(probs, dim=1) if self.sample_drafts
