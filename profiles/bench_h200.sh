@@ -3,7 +3,7 @@
 # calls of profiles/graphs_h200.sh; the second merges the first into profiles/BENCHMARKS.md:
 #   bash profiles/bench_h200.sh a   # transformers x3, our eager engines (batch 1, 4, 16, 64)
 #   bash profiles/bench_h200.sh b   # our compiled + graph engines, the Llama-3.1-8B shape; merge
-# (a's JSON also comes back as $OUT/bench_a.json: a later machine merges it with A_JSON=FILE)
+# (SHAPE_ARGS="" leaves the Llama-3.1-8B shape out; a's JSON also comes back as $OUT/bench_a.json: a later machine merges it with A_JSON=FILE)
 set -u
 export PYTHONPATH=~/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" ~/bench
@@ -17,7 +17,7 @@ case ${1:?a|b} in
        > "$OUT/bench_a.log" 2>&1
      cp ~/bench/a/benchmarks.json "$OUT/bench_a.json" ;;
   b) timeout 570 python3 -m compiled_spec.cli bench "${COMMON[@]}" --out-dir ~/bench/b \
-       --variants ours_vanilla_compiled ours_eagle_compiled --shape llama8b \
+       --variants ours_vanilla_compiled ours_eagle_compiled ${SHAPE_ARGS---shape llama8b} \
        --merge ${A_JSON:-~/bench/a/benchmarks.json} > "$OUT/bench_b.log" 2>&1
      cp ~/bench/b/BENCHMARKS.md ~/bench/b/benchmarks.json ~/bench/b/benchmarks.png "$OUT/" ;;
 esac

@@ -110,7 +110,11 @@ class TreeProposer:
             x_tok = torch.gather(tok_all, 1, frontier)  # [B, K]
             x_hid = torch.gather(hid_all, 1, frontier[:, :, None].expand(-1, -1, hid_all.shape[-1]))
             fm = torch.gather(fmask_all, 1, frontier[:, :, None].expand(-1, -1, F))
-            fm[:, torch.arange(K, device=dev), f0 + torch.arange(K, device=dev)] = True  # self
+            # Each node also sees its own slot. A mask OR, not ``fm[:, i, f0 + i] = True``: that
+            # index_put copies the Python scalar from host memory, which CUDA graph capture
+            # refuses (found on the H200: tree_draft_expand failed to capture).
+            ar = torch.arange(K, device=dev)
+            fm = fm | (torch.arange(F, device=dev)[None, :] == (f0 + ar)[:, None])[None]
             pos, meta = live.step(step - 2)  # [B*K]
             # Tree slots start right after the prefix: seq_lens = root + F.
             tmeta = replace(meta, tree_start=meta.seq_lens - F, tree_mask=fm.reshape(b * K, F))
