@@ -17,7 +17,7 @@ case ${1:?a|b} in
        > "$OUT/bench_a.log" 2>&1
      cp ~/bench/a/benchmarks.json "$OUT/bench_a.json" ;;
   b) timeout 570 python3 -m compiled_spec.cli bench "${COMMON[@]}" --out-dir ~/bench/b \
-       --variants ours_vanilla_compiled ours_eagle_compiled ${SHAPE_ARGS---shape llama8b} \
+       --variants ${B_VARIANTS:-ours_vanilla_compiled ours_eagle_compiled} ${SHAPE_ARGS---shape llama8b} \
        --merge ${A_JSON:-~/bench/a/benchmarks.json} > "$OUT/bench_b.log" 2>&1
      cp ~/bench/b/BENCHMARKS.md ~/bench/b/benchmarks.json ~/bench/b/benchmarks.png "$OUT/" ;;
 esac
