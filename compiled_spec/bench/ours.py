@@ -106,6 +106,10 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
         if llm.compiled_active:
             g = llm.compile_stats.get("cuda_graphs", {})
             row.extra["steps_without_graph"] = g.get("without_graph", g.get("off"))
+            # Compiled graphs so far per component: growth across rows means recompiles (a
+            # prefill of a new shape class recompiles; those seconds land in tokens/s).
+            row.extra["compiled_graphs"] = {n: c["graphs"] for n, c in llm.compile_stats.items()
+                                            if isinstance(c, dict) and "graphs" in c}
         rows.append(row)
     return rows, batch1_out
 
