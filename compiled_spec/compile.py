@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.fx.experimental._config  # noqa: F401  (use_duck_shape, patched per call)
 
 from capture import CapturePolicy
 from compiled_spec.engine.graphs import EngineGraphs
@@ -60,7 +61,18 @@ class CompiledModels:
 
 
 def _compile(fn: Any, backend: Any, cfg: CompileConfig) -> Any:
-    return torch.compile(fn, backend=backend, dynamic=cfg.dynamic, fullgraph=True)
+    compiled = torch.compile(fn, backend=backend, dynamic=cfg.dynamic, fullgraph=True)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        # No duck sizing while Dynamo traces our calls: it would tie dims that merely happen to
+        # be equal in the first call (a 2-entry query_start_loc and a 2-block table at batch 1)
+        # and recompile, seconds mid-serving, the first time they differ. Scoped to our calls
+        # (a CUDA-graph replay does not come through here), not set process-wide.
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            return compiled(*args, **kwargs)
+
+    call.__wrapped__ = compiled  # type: ignore[attr-defined]
+    return call
 
 
 def compile_models(runner: ModelRunner, cfg: CompileConfig) -> CompiledModels:

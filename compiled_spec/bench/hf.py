@@ -7,8 +7,8 @@
 * ``hf_prompt_lookup``: prompt lookup decoding (``prompt_lookup_num_tokens``), an n-gram drafter
   that needs no head.
 
-ms/token excludes the prefill: a one-token ``generate`` of the same prompt is timed and
-subtracted.
+ms/token excludes the prefill: a logits processor stamps each step, and the time from the first
+step's logits to the last one's is divided by the tokens added in between.
 """
 from __future__ import annotations
 
@@ -73,9 +73,12 @@ def bench_hf(kind: str, model_path: str, dtype: torch.dtype, device: torch.devic
         cache = StaticCache(config=model.config,
                             max_cache_len=max(len(p) for p in prompts) + max_tokens + 8)
 
+    clock = _StepClock(device)
+
     def gen(ids: list[int], n: int) -> torch.Tensor:
         x = torch.tensor([ids], device=device)
-        extra = dict(kw)
+        extra = dict(kw, logits_processor=[clock])
+        clock.reset()
         with torch.inference_mode():  # the cache's tensors are inference tensors after a call
             if cache is not None:
                 cache.reset()
@@ -90,12 +93,8 @@ def bench_hf(kind: str, model_path: str, dtype: torch.dtype, device: torch.devic
     startup = time.perf_counter() - t0
     ms, outs, total_tokens, wall = [], [], 0, 0.0
     for ids in prompts:
-        gen(ids, 1)
+        gen(ids, 1)  # this prompt's prefill shape, off the clock
         sync(device)
-        t0 = time.perf_counter()
-        gen(ids, 1)
-        sync(device)
-        t_first = time.perf_counter() - t0
         t0 = time.perf_counter()
         y = gen(ids, max_tokens)
         sync(device)
@@ -104,7 +103,10 @@ def bench_hf(kind: str, model_path: str, dtype: torch.dtype, device: torch.devic
         new = y[0, len(ids):].tolist()
         total_tokens += len(new)
         outs.append(new)
-        ms.append(1e3 * (dt - t_first) / max(1, len(new) - 1))
+        # Decode time per token from the step clock (first to last logits of this call): no
+        # subtraction of a separately timed prefill, which on a noisy host can exceed the whole
+        # run and give a negative figure.
+        ms.append(clock.ms_per_token())
     row = Row(engine=LABELS[kind], batch=1, ms_per_token=statistics.median(ms),
               tokens_per_s=total_tokens / wall, startup_s=startup, peak_mem_gib=peak_gib(device))
     fl = floor_ms(model, device)
@@ -113,3 +115,27 @@ def bench_hf(kind: str, model_path: str, dtype: torch.dtype, device: torch.devic
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row, outs
+
+
+class _StepClock:
+    """A logits processor that only records when each generation step's logits arrive (after a
+    device sync) and how long the sequence was: decode ms per token = time between the first and
+    the last step / tokens added in between (prompt lookup may add several per step)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.marks: list[tuple[float, int]] = []
+
+    def reset(self) -> None:
+        self.marks = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        sync(self.device)
+        self.marks.append((time.perf_counter(), input_ids.shape[-1]))
+        return scores
+
+    def ms_per_token(self) -> float:
+        (t0, n0), (t1, n1) = self.marks[0], self.marks[-1]
+        if n1 <= n0:
+            raise RuntimeError(f"step clock saw {len(self.marks)} steps and no new tokens")
+        return 1e3 * (t1 - t0) / (n1 - n0)

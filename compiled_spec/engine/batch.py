@@ -36,7 +36,7 @@ def metadata_to_device(device: torch.device, positions: list[int] | list[list[in
     builds these every time. Block tables are zero-padded to the widest."""
     i64 = torch.tensor([positions, slots], dtype=torch.int64)  # [2, T] or [2, S, B]
     lens = torch.tensor(seq_lens, dtype=torch.int32)
-    width = max(len(t) for t in tables)
+    width = max(2, max(len(t) for t in tables))
     tab = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     i32 = torch.cat([lens.reshape(-1), torch.tensor(qsl, dtype=torch.int32), tab.reshape(-1)])
     if device.type != "cpu":
