@@ -134,20 +134,28 @@ class ModelRunner:
             rows.extend(range(first + s.length - k_i - 1, first + s.length))
             pad_idx.extend(base + min(j, k_i) for j in range(kmax + 1))
             first += s.length
-        logits = self.model.compute_logits(hidden[to_device(rows, self.device)])  # [R, V]
-        logits = logits[to_device(pad_idx, self.device)].view(len(spans), kmax + 1, -1)
-        return logits, row_start
+        # Plain decode (one row per request, every row wanted): no gathers, so no index copies
+        # and their kernels in the step's host-bound hot path.
+        if rows != list(range(hidden.shape[0])):
+            hidden = hidden[to_device(rows, self.device)]
+        logits = self.model.compute_logits(hidden)  # [R, V]
+        if pad_idx != list(range(len(rows))):
+            logits = logits[to_device(pad_idx, self.device)]
+        return logits.view(len(spans), kmax + 1, -1), row_start
 
     def _accept(self, reqs: list[Request], logits: torch.Tensor, num_draft: list[int]) -> list[list[int]]:
         """Greedy or rejection sampling on device; one device-to-host copy of the results."""
         B, K1, V = logits.shape
         kmax = K1 - 1
+        greedy = all(r.params.greedy for r in reqs)  # host-known: no sampling tensors needed
+        if greedy and kmax == 0:  # vanilla greedy decode: the argmax is the whole step
+            return [[t] for t in logits[:, 0].argmax(dim=-1).tolist()]
         k_t = to_device(num_draft, self.device)  # [B]
         drafts = self._gather_drafts(reqs, kmax)  # [B, K]
-        st = build_sampling_tensors(reqs, self.device, repeat=kmax + 1)
-        if st.all_greedy:
+        if greedy:
             out, n_acc = _greedy_accept(logits, drafts, k_t)
         else:
+            st = build_sampling_tensors(reqs, self.device, repeat=kmax + 1)
             probs = apply_filters(logits.view(B * (kmax + 1), V), st).view(B, kmax + 1, V)
             seeds = st.seeds.view(B, kmax + 1)[:, 0]
             positions0 = to_device([r.num_tokens for r in reqs], self.device)
