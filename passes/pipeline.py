@@ -25,12 +25,6 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
-from torch._inductor.custom_graph_pass import CustomGraphPass
-
-try:
-    from torch._inductor.custom_graph_pass import get_custom_graph_passes
-except ImportError:  # torch < 2.12 (the H200 has 2.11): the config holds one pass, not a list
-    get_custom_graph_passes = None
 
 from passes.base import GraphPass
 from passes.bind_attn_metadata import BindPerLayerAttnMetadata
@@ -38,6 +32,7 @@ from passes.graph_utils import (INPUT_SPEC_KEY, PAGED_ATTENTION, WRITE_KV, Input
                                 fresh_fake, node_val, placeholders)
 from passes.hoist_fc import HOISTED_KEY, HoistEagle3Fc, HoistedPart
 from passes.noop_elim import NoOpElimination
+from passes.post_grad import PostGradPasses, inductor_patches
 from passes.unfuse_addmm import UnfuseResidualAddmm
 
 # THE pass order. NoOp first: stray views between cat and fc, or between a metadata input and
@@ -81,33 +76,6 @@ class PassManager:
                 raise AssertionError(f"pass {p.name} changed the (paged_attention, write_kv) "
                                      f"node counts from {expect} to {got}")
         return counts, details
-
-
-class _PostGradPasses(CustomGraphPass):
-    """Our post-grad passes (``POST_GRAD_ORDER``) as Inductor's custom post pass. Its uuid is the
-    whole pipeline's: Inductor folds custom pass uuids into its FX graph cache key, so editing
-    any of our passes invalidates cached artifacts. Match counts accumulate in ``counts`` (on an
-    Inductor cache hit the passes do not run, the cached code already holds their rewrite, and
-    nothing is counted)."""
-
-    def __init__(self, uuid: str, passes: Sequence[GraphPass],
-                 inner: CustomGraphPass | None = None) -> None:
-        self._uuid = uuid
-        self.passes = list(passes)
-        self.counts: dict[str, int] = {}
-        self._inner = inner  # a pass already configured, kept running (older torch: one slot)
-
-    def __call__(self, graph: fx.Graph) -> None:
-        if self._inner is not None:
-            self._inner(graph)
-        for p in self.passes:
-            n = p.apply_graph(graph)  # type: ignore[attr-defined]
-            self.counts[p.name] = self.counts.get(p.name, 0) + n
-        graph.lint()
-
-    def uuid(self) -> str:
-        inner = self._inner.uuid() if self._inner is not None else ""
-        return f"{self._uuid}{inner}"
 
 
 @dataclass
@@ -255,8 +223,9 @@ class CompiledSpecBackend:
 
             examples = [example_inputs[s.index] if s.kind == "arg" else fresh_fake(node_val(ph))
                         for s, ph in zip(plan, final)]
-            post = _PostGradPasses(self.uuid(), self.post_grad_passes)
-            compiled = compile_fx(gm, examples, config_patches=self._inductor_patches(post))
+            post = PostGradPasses(self.uuid(), self.post_grad_passes)
+            compiled = compile_fx(gm, examples,
+                                  config_patches=inductor_patches(self.inductor_config, post))
             counts.update(post.counts)
         else:
             compiled = gm.forward
@@ -274,17 +243,6 @@ class CompiledSpecBackend:
             fn = _GraphRunner(compiled, plan, hoisted, self)
         self.compiled.append(CompiledGraph(gm, hoisted, fn))
         return fn
-
-    def _inductor_patches(self, post: _PostGradPasses) -> dict[str, Any]:
-        patches = dict(self.inductor_config)
-        existing = patches.get("post_grad_custom_post_pass",
-                               torch._inductor.config.post_grad_custom_post_pass)
-        if get_custom_graph_passes is None:
-            post._inner = existing
-            patches["post_grad_custom_post_pass"] = post
-        else:
-            patches["post_grad_custom_post_pass"] = (*get_custom_graph_passes(existing), post)
-        return patches
 
 
 def make_backend(passes: list[GraphPass] | None = None, hoist_fc: bool = True, *,
