@@ -42,7 +42,7 @@ def main() -> int:
     # The head in fp32 whatever its file holds, under bf16 autocast on the GPU: how the trainer
     # evaluates, so only the weights' values differ between a trained and an exported head.
     draft = load_draft(resolve_draft(a.head), target, torch.float32, dev)
-    draft_ids = torch.arange(draft.d2t.numel(), device=dev) + draft.d2t
+    draft_ids = draft.draft_to_target(torch.arange(draft.config.draft_vocab_size, device=dev))
     feats = TargetFeaturizer(target, draft.aux_layer_ids, draft_ids)
     seqs = load_sequences(Path(a.val))
     cfg = SimpleNamespace(batch_size=a.batch_size, ttt_steps=a.ttt_steps, ttt_decay=0.8)
