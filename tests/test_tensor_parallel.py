@@ -53,6 +53,10 @@ def _worker(rank: int, model_dir: str, out_dir: str) -> None:
                    "local_kv_heads": part.model.layers[0].self_attn.num_kv_heads}, f)
     dist.barrier()  # no rank tears gloo down while another still talks to it
     dist.destroy_process_group()
+    # The interpreter's own teardown aborts now and then after gloo has run in this process
+    # ("terminate called without an active exception", after destroy_process_group returned);
+    # the results are on disk, so the worker leaves without running it.
+    os._exit(0)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2_tied"])

@@ -52,6 +52,10 @@ def _worker_main(rank: int, world: int, init_file: str, kwargs: dict[str, Any], 
             conn.send(("error", traceback.format_exc()))
     dist.barrier()  # no rank tears the group down while another still uses it
     dist.destroy_process_group()
+    conn.close()
+    # Interpreter teardown after gloo has run aborts now and then (a C++ thread destroyed while
+    # joinable, after destroy_process_group returned); everything is sent, so skip it.
+    os._exit(0)
 
 
 class TPLauncher:
