@@ -17,11 +17,15 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import BLOCK_N, attention_launch
+
 
 from kernels.write_kv_triton import write_kv_triton  # noqa: E402,F401  (re-exported)
 
 
-@triton.jit
+# Per-call integers kept off the specialisation key (kernels.launch): a new value class would
+# otherwise compile a new binary mid-serving. All are scalar offsets (no vectorised access).
+@triton.jit(do_not_specialize=["stride_bt", "stride_ls", "kv_chunk"])
 def _paged_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
@@ -130,7 +134,7 @@ def _paged_attn_kernel(
         tl.store(lse_ptr + split * stride_ls + t64 * stride_lt + head, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "stride_ls"])
 def _merge_splits_kernel(
     part_ptr, lse_ptr, out_ptr, query_start_loc_ptr, num_seqs,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
@@ -176,20 +180,11 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _pick_num_splits(query: torch.Tensor, programs: int, max_seq_len: int, block_n: int) -> int:
-    """Split the KV range only when the grid is too small to fill the GPU and keys are many."""
-    if not query.is_cuda:
-        return 1
-    sms = _num_sms(query.device.index if query.device.index is not None else 0)
-    if programs >= sms:
-        return 1
-    by_fill = triton.cdiv(2 * sms, programs)
-    # Down to one key block per split: a decode program is a chain of dependent loads (block
-    # table, then K, then V), so its time is set by iterations, not bytes; the H200 profile at
-    # batch 1 (512-token context, 2048 bucket) put 8.4 us per layer in attention with 4 blocks
-    # per split. Splits past the live context return at once.
-    by_len = triton.cdiv(max_seq_len, block_n)
-    return triton.next_power_of_2(max(1, min(by_fill, by_len, 64))) if by_len > 1 else 1
+def num_sms(t: torch.Tensor) -> int | None:
+    """Streaming multiprocessors of ``t``'s GPU; None off CUDA (no KV split)."""
+    if not t.is_cuda:
+        return None
+    return _num_sms(t.device.index if t.device.index is not None else 0)
 
 
 def _paged_attention(
@@ -216,15 +211,11 @@ def _paged_attention(
     assert k_cache.stride() == v_cache.stride()
 
     group_pad = triton.next_power_of_2(group)
-    # ~64 score rows per program for prefill, but at least 16 (tl.dot's minimum M) for decode.
-    block_q = min(triton.next_power_of_2(max_query_len), max(1, 64 // group_pad))
-    block_q = max(block_q, triton.cdiv(16, group_pad))
-    block_n = 64
     dim_pad = max(16, triton.next_power_of_2(head_dim))
-    q_blocks = triton.cdiv(max_query_len, block_q)
-    if num_splits is None:
-        num_splits = _pick_num_splits(query, num_seqs * q_blocks * num_kv_heads, max_seq_len, block_n)
-    kv_chunk = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
+    cfg = attention_launch(group, num_kv_heads, num_seqs, max_query_len, max_seq_len,
+                           num_sms(query), num_splits)
+    block_q, block_n, q_blocks = cfg.block_q, BLOCK_N, cfg.q_blocks
+    num_splits, kv_chunk = cfg.num_splits, cfg.kv_chunk
     grid = (num_seqs, q_blocks * num_splits, num_kv_heads)
 
     if num_splits == 1:

@@ -233,6 +233,18 @@ def _triton_worker() -> None:
         tri = _paged_attention(q, k, v, tables, starts, qsl, n, 21 + n, 0.2, num_splits=splits,
                                tree_start=starts, tree_mask=mask)
         results[name] = {"err_vs_ref": (tri - ref).abs().max().item()}
+    # Start-up warm-up: every reachable launch configuration, on the engine's own caches.
+    from kernels.launch import reachable_configs
+    from kernels.warmup import warm_attention
+
+    batch = make_batch(MIXED_BATCH, 9, 3, head_dim=32, page_size=16, dtype=torch.float32, seed=9)
+    k0, v0 = batch.k_cache.clone(), batch.v_cache.clone()
+    done = warm_attention(batch.k_cache, batch.v_cache, 9, 300, 700, force=True, sms=132)
+    results["warmup"] = {
+        "launched": [list(c) for c in done],
+        "expected": [list(c) for c in reachable_configs(3, 3, 300, 700, 132)],
+        "caches_untouched": torch.equal(batch.k_cache, k0) and torch.equal(batch.v_cache, v0),
+        "off_cuda_noop": warm_attention(batch.k_cache, batch.v_cache, 9, 300, 700) == []}
     print("RESULTS " + json.dumps(results))
 
 
@@ -296,3 +308,9 @@ def test_custom_ops_under_torch_compile() -> None:
 
 if __name__ == "__main__" and "--triton-worker" in sys.argv:
     _triton_worker()
+
+
+def test_warmup_launches_every_reachable_configuration(triton_results: dict) -> None:
+    r = triton_results["warmup"]
+    assert r["launched"] == r["expected"] and len(r["expected"]) == 3 * 5, r  # 3 block_q x 5 splits
+    assert r["caches_untouched"] and r["off_cuda_noop"]

@@ -1,0 +1,62 @@
+"""Compile, at start-up, every paged-attention binary an engine can launch (``kernels.launch``).
+
+CUDA-graph capture compiles what decode and verification use; an uncaptured prefill meets new
+(block_q, num_splits) classes as prompts vary, and each new one used to JIT-compile inside the
+request that met it. Here each reachable configuration is launched once on a batch whose only
+sequence has no query tokens: the kernel (and, for splits, the merge kernel) is compiled for the
+engine's real cache tensors, dtypes and strides, returns at once, and writes nothing the engine
+reads.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kernels.launch import BLOCK_N, reachable_configs
+
+
+def warm_attention(k_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_heads, head_dim]
+                   v_cache: torch.Tensor,
+                   num_heads: int, max_query_len: int, max_seq_len: int,
+                   force: bool = False, sms: int | None = None) -> list[tuple[int, int]]:
+    """Launch every reachable configuration once; returns them. Off CUDA nothing runs (the
+    engine uses the reference ops there) unless ``force`` (tests, under TRITON_INTERPRET=1,
+    with ``sms`` standing in for the GPU's multiprocessor count)."""
+    if not (k_cache.is_cuda or force):
+        return []
+    from kernels.attention_triton import _paged_attention, num_sms
+
+    _, _, num_kv_heads, head_dim = k_cache.shape
+    dev, dtype = k_cache.device, k_cache.dtype
+    configs = reachable_configs(num_heads // num_kv_heads, num_kv_heads, max_query_len,
+                                max_seq_len, num_sms(k_cache) if sms is None else sms)
+    # q laid out as the decoder passes it: the q slice of one roped [T, q + k heads] tensor.
+    query = torch.zeros(1, num_heads + num_kv_heads, head_dim, dtype=dtype,
+                        device=dev)[:, :num_heads]  # [1, heads, head_dim]
+    tables = torch.zeros(1, 2, dtype=torch.int32, device=dev)
+    seq_lens = torch.zeros(1, dtype=torch.int32, device=dev)
+    qsl = torch.zeros(2, dtype=torch.int32, device=dev)  # one sequence, zero query tokens
+    for block_q, splits in configs:
+        _paged_attention(query, k_cache, v_cache, tables, seq_lens, qsl, block_q,
+                         splits * BLOCK_N, 1.0, num_splits=splits)
+    return configs
+
+
+def warm_model_attention(layers: list[torch.nn.Module], max_query_len: int, max_seq_len: int
+                         ) -> dict[str, float | int]:
+    """``warm_attention`` once per distinct attention shape among ``layers`` (modules with
+    ``num_heads`` and bound ``k_cache`` / ``v_cache``). Returns {configs, seconds}."""
+    t0 = time.perf_counter()
+    seen: set[tuple] = set()
+    n = 0
+    for attn in layers:
+        k, v = attn.k_cache, attn.v_cache
+        key = (attn.num_heads, tuple(k.shape[1:]), k.dtype, k.stride(), k.device)
+        if key in seen:
+            continue
+        seen.add(key)
+        n += len(warm_attention(k, v, attn.num_heads, max_query_len, max_seq_len))
+    if n and torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return {"configs": n, "seconds": round(time.perf_counter() - t0, 3)}

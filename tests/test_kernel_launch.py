@@ -1,0 +1,48 @@
+"""The paged-attention launch policy (kernels/launch.py) and the start-up warm-up that compiles
+every configuration it can pick. A configuration the enumeration missed would JIT-compile inside
+a request (a few hundred ms on the H200, once per new prompt-length class before this existed)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kernels.launch import BLOCK_N, attention_launch, reachable_configs
+
+# (num_heads, num_kv_heads): SmolLM2 (GQA 3), Llama-3.1-8B (GQA 4), MHA, a wide group (GQA 8)
+SHAPES = [(9, 3), (32, 8), (4, 4), (16, 2)]
+
+
+@pytest.mark.parametrize("heads,kv", SHAPES)
+@pytest.mark.parametrize("sms", [132, 16, None])
+def test_every_launch_is_enumerated_and_every_enumerated_one_is_reachable(heads, kv, sms):
+    max_len = 2048
+    allowed = set(reachable_configs(heads // kv, kv, max_len, max_len, sms))
+    rng = random.Random(0)
+    met = set()
+    calls = [(b, q, s) for b in (1, 2, 3, 5, 16, 64) for q in (1, 2, 3, 4, 6, 8, 9, 16, 17, 33,
+                                                                 64, 65, 200, 2000)
+             for s in (q, q + 1, q + 63, q + 130, q + 260, q + 520, q + 900, max_len)
+             if s <= max_len]
+    calls += [(rng.randint(1, 64), q, rng.randint(q, max_len))
+              for q in (rng.randint(1, max_len) for _ in range(3000))]
+    for b, q, s in calls:
+        cfg = attention_launch(heads // kv, kv, b, q, s, sms)
+        assert cfg.key in allowed, (b, q, s, cfg)
+        assert cfg.kv_chunk % BLOCK_N == 0 and cfg.kv_chunk * cfg.num_splits >= s
+        assert cfg.q_blocks * cfg.block_q >= q
+        met.add(cfg.key)
+    assert met == allowed, sorted(allowed - met)  # nothing warmed in vain
+
+
+def test_launch_policy_values():
+    # SmolLM2 (group 3 -> 4 rows per token): decode uses 4 tokens per program (16 rows, the
+    # minimum tl.dot tile), prefill 16; no KV split off the GPU or when the grid is full.
+    assert attention_launch(3, 3, 1, 1, 512, None).key == (4, 1)
+    assert attention_launch(3, 3, 1, 300, 300, None).key == (16, 1)
+    # Batch-1 decode at 512 keys on 132 SMs: 3 programs -> split to one 64-key block each.
+    assert attention_launch(3, 3, 1, 1, 512, 132).key == (4, 8)
+    assert attention_launch(3, 3, 64, 1, 512, 132).key == (4, 1)  # 192 programs fill the GPU
+    assert attention_launch(3, 3, 1, 1, 64, 132).key == (4, 1)  # one key block: no split
+    assert reachable_configs(3, 3, 2048, 2048, None) == [(4, 1), (8, 1), (16, 1)]
+    assert reachable_configs(3, 3, 1, 2048, 132) == [(4, s) for s in (1, 2, 4, 8, 16, 32)]
