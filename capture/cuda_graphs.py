@@ -46,6 +46,7 @@ from typing import Any, Callable, Literal, Mapping
 import torch
 from torch.utils._pytree import tree_map
 
+from capture.host_stage import HostBatch, HostStage
 from capture.pad import LiveBatch, StaticBuffers
 from capture.policy import bucket_max_seq_len, padding_table
 
@@ -101,6 +102,7 @@ class GraphRunner:
         self.capture_failures: list[dict[str, Any]] = []
         self.graph_replays = self.padded_rows = self.eager_fallbacks = 0
         self.fallback_reasons: dict[str, int] = {}
+        self._stage: HostStage | None = None  # numpy mirrors of the buffers, made on first use
 
     @property
     def enabled(self) -> bool:
@@ -153,17 +155,22 @@ class GraphRunner:
 
     # ---- per step ---------------------------------------------------------------------------
     def _lookup(self, live: LiveBatch) -> tuple[int, int] | str:
+        m = live.meta
+        return self._lookup_ints(live.num_seqs, m.max_query_len, m.block_tables.shape[1],
+                                 m.max_seq_len)
+
+    def _lookup_ints(self, b: int, max_query_len: int, width: int, max_seq_len: int
+                     ) -> tuple[int, int] | str:
         """(padded token size, bucket) of the graph to replay, or why there is none."""
         if not self.enabled:
             return "cpu"
-        b = live.num_seqs
         if b == 0:
             return "empty"
-        if live.meta.max_query_len > self.query_len:
+        if max_query_len > self.query_len:
             return "query_len"  # the graph's grid has too few query blocks
-        if live.meta.block_tables.shape[1] > self.buffers.max_blocks:
+        if width > self.buffers.max_blocks:
             return "block_table_width"
-        bucket = bucket_max_seq_len(live.meta.max_seq_len, self.seq_len_buckets)
+        bucket = bucket_max_seq_len(max_seq_len, self.seq_len_buckets)
         if bucket is None:
             return "max_seq_len"
         # Any bucket >= the live max_seq_len is valid; the smallest is preferred, a larger one
@@ -174,20 +181,39 @@ class GraphRunner:
                 return table[b] * self.query_len, bk
         return "size"  # above the largest captured size (or nothing captured)
 
+    def _miss(self, why: str) -> None:
+        self.eager_fallbacks += 1
+        self.fallback_reasons[why] = self.fallback_reasons.get(why, 0) + 1
+
     def run(self, live: LiveBatch) -> Any:
         key = self._lookup(live)
         if isinstance(key, str):  # compiled, no graph; counted so it cannot go unnoticed
-            self.eager_fallbacks += 1
-            self.fallback_reasons[key] = self.fallback_reasons.get(key, 0) + 1
+            self._miss(key)
             return self.fn(live)
         size, bucket = key
+        self.buffers.fill(live, size, size // self.query_len, self.query_len, bucket)
+        return self._replay(key, live.num_tokens, live.num_seqs)
+
+    def run_host(self, hb: HostBatch, drafts_flat: torch.Tensor | None = None) -> Any:
+        """``run`` for a host-built batch, staged in two copies (``capture.host_stage``); None
+        (counted) when no graph fits: the caller then builds device tensors and runs ``fn``."""
+        key = self._lookup_ints(hb.num_seqs, hb.max_query_len, hb.width, hb.max_seq_len)
+        if isinstance(key, str):
+            self._miss(key)
+            return None
+        if self._stage is None:
+            self._stage = HostStage(self.buffers)
+        size, bucket = key
+        self._stage.fill(hb, size, size // self.query_len, self.query_len, bucket, drafts_flat)
+        return self._replay(key, hb.num_tokens, hb.num_seqs)
+
+    def _replay(self, key: tuple[int, int], t: int, b: int) -> Any:
+        size = key[0]
         graph, out = self._graphs[key]
         seqs = size // self.query_len
-        self.buffers.fill(live, size, seqs, self.query_len, bucket)
         graph.replay()
         self.graph_replays += 1
-        self.padded_rows += size - live.num_tokens
-        t, b = live.num_tokens, live.num_seqs
+        self.padded_rows += size - t
         padded, keep = (size, t) if self.output_rows == "tokens" else (seqs, b)
 
         def _slice(x: Any) -> Any:

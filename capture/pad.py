@@ -177,14 +177,22 @@ class StaticBuffers:
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
         self.num_steps = num_steps
         self.device = torch.device(device)
-        i64, i32 = dict(dtype=torch.int64, device=self.device), dict(dtype=torch.int32,
-                                                                        device=self.device)
-        self.input_ids = torch.zeros(max_tokens, **i64)  # [max_tokens]
-        self.positions = torch.zeros(num_steps, max_tokens, **i64)  # [S, max_tokens]
-        self.slot_mapping = torch.full((num_steps, max_tokens), -1, **i64)  # [S, max_tokens]
-        self.block_tables = torch.zeros(max_seqs, max_blocks, **i32)  # [max_seqs, max_blocks]
-        self.seq_lens = torch.zeros(num_steps, max_seqs, **i32)  # [S, max_seqs]
-        self.query_start_loc = torch.zeros(max_seqs + 1, **i32)  # [max_seqs + 1]
+        t, b, s = max_tokens, max_seqs, num_steps
+        # Two flat buffers (int64, int32) with every integer input as a view: a host-built batch
+        # lands in them in two copies (``capture.host_stage``). The int32 tables come last so a
+        # copy of the prefix up to the live rows' tables carries everything.
+        self.flat64 = torch.zeros(t * (3 + 2 * s), dtype=torch.int64, device=self.device)
+        self.input_ids = self.flat64[:t]  # [max_tokens]
+        self.draft_dst = self.flat64[t:2 * t]  # rows of input_ids taking device-resident drafts
+        self.draft_src = self.flat64[2 * t:3 * t]  # ... from these flat draft indices
+        self.positions = self.flat64[3 * t:(3 + s) * t].view(s, t)  # [S, max_tokens]
+        self.slot_mapping = self.flat64[(3 + s) * t:].view(s, t)  # [S, max_tokens]
+        self.slot_mapping.fill_(-1)
+        self.flat32 = torch.zeros(s * b + b + 1 + b * max_blocks, dtype=torch.int32,
+                                  device=self.device)
+        self.seq_lens = self.flat32[:s * b].view(s, b)  # [S, max_seqs]
+        self.query_start_loc = self.flat32[s * b:s * b + b + 1]  # [max_seqs + 1]
+        self.block_tables = self.flat32[s * b + b + 1:].view(b, max_blocks)  # [max_seqs, W]
         self.extras: dict[str, torch.Tensor] = {}
         self._seq_extras = set((seq_extras or {}).keys())
         for specs, rows in ((token_extras or {}, max_tokens), (seq_extras or {}, max_seqs)):

@@ -312,3 +312,38 @@ def test_failed_bucket_falls_through_to_a_larger_one(world):
     st = runner.stats()
     assert st["graph_replays"] == 1 and st["captured_graphs"] == [(1, 64), (2, 64)]
     assert len(st["capture_failures"]) == 2
+
+
+def test_host_stage_equals_the_device_fill_path():
+    """A host-built batch staged in two copies (capture.host_stage) leaves the static views
+    exactly as building device tensors and padding them (StaticBuffers.fill) does, draft rows
+    included, and a smaller batch after a larger one leaves nothing of it behind."""
+    from capture.host_stage import HostBatch, HostStage
+    from compiled_spec.engine.batch import host_batch_to_device
+
+    drafts = torch.arange(100, 112)  # [3 requests x k=4] device-resident drafts, flattened
+    big = HostBatch(input_ids=[5, 0, 0, 7, 0, 9, 0, 0, 0], positions=[4, 5, 6, 2, 3, 8, 9, 10, 11],
+                    slots=[4, 5, 6, 18, 19, 40, 41, -1, -1], seq_lens=[7, 4, 12],
+                    query_start_loc=[0, 3, 5, 9], tables=[[0], [1, 3], [2, 2, 6]],
+                    max_query_len=4, max_seq_len=12, draft_dst=[1, 2, 4, 6, 7, 8],
+                    draft_src=[0, 1, 4, 8, 9, 10])
+    small = HostBatch(input_ids=[3, 0], positions=[9, 10], slots=[9, 10], seq_lens=[11],
+                      query_start_loc=[0, 2], tables=[[4]], max_query_len=2, max_seq_len=11,
+                      draft_dst=[1], draft_src=[5])
+    bufs, ref_bufs = StaticBuffers(16, 4, 8, CPU), StaticBuffers(16, 4, 8, CPU)
+    stage = HostStage(bufs)
+    for hb, tokens, seqs in ((big, 12, 3), (small, 4, 2)):
+        got = stage.fill(hb, tokens, seqs, 4, 64, drafts)
+        ids, pos, meta = host_batch_to_device(hb, CPU, drafts)
+        want = ref_bufs.fill(LiveBatch(ids, pos, meta), tokens, seqs, 4, 64)
+        assert torch.equal(got.input_ids, want.input_ids)
+        assert got.input_ids[hb.draft_dst].tolist() == [100 + s for s in hb.draft_src]
+        assert torch.equal(got.positions, want.positions)
+        for f in ("slot_mapping", "seq_lens", "query_start_loc", "block_tables"):
+            assert torch.equal(getattr(got.meta, f), getattr(want.meta, f)), f
+        assert (got.meta.max_query_len, got.meta.max_seq_len) == (4, 64)
+        assert got.input_ids.data_ptr() == bufs.input_ids.data_ptr()  # the captured pointers
+    with pytest.raises(ValueError, match="does not fit"):
+        stage.fill(big, 20, 3, 4, 64, drafts)
+    with pytest.raises(ValueError, match="no drafts"):
+        stage.fill(small, 4, 2, 4, 64, None)

@@ -62,8 +62,12 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
     k = runner.k
     timer = PhaseTimer(dev)
     # Decode / verify steps only (prefill is not a per-token cost); propose as a whole.
-    runner.target_fn = timer.wrap("verify", runner.target_fn,
+    target = runner.target_fn
+    runner.target_fn = timer.wrap("verify", target,
                                   when=lambda ids, pos, meta, *a: meta.max_query_len <= k + 1)
+    if hasattr(target, "run_host"):  # CUDA graphs: the engine stages host batches itself
+        runner.target_fn.run_host = timer.wrap(  # type: ignore[attr-defined]
+            "verify", target.run_host, when=lambda hb, *a: hb.max_query_len <= k + 1)
     if runner.proposer is not None:
         runner.proposer.propose = timer.wrap("propose", runner.proposer.propose)
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)

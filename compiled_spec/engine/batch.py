@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from capture.host_stage import HostBatch
 from compiled_spec.attention_metadata import AttentionMetadata
 from compiled_spec.kv_cache import BlockAllocator
 
@@ -97,6 +98,30 @@ def build_metadata(allocator: BlockAllocator, spans: list[Span],
     return metadata_to_device(device, positions, slots, seq_lens, qsl,
                               [allocator.tables[s.req_id] for s in spans],
                               max(s.length for s in spans), max(seq_lens))
+
+
+def build_host_batch(allocator: BlockAllocator, spans: list[Span], input_ids: list[int],
+                     draft_dst: list[int] = (), draft_src: list[int] = ()) -> HostBatch:
+    """The flat batch of ``spans`` as host lists (no device work: ``host_batch_to_device`` or a
+    graph's ``run_host`` takes it from here)."""
+    positions, slots, seq_lens, qsl = span_rows(allocator, spans)
+    return HostBatch(input_ids=input_ids, positions=positions, slots=slots, seq_lens=seq_lens,
+                     query_start_loc=qsl, tables=[allocator.tables[s.req_id] for s in spans],
+                     max_query_len=max(s.length for s in spans), max_seq_len=max(seq_lens),
+                     draft_dst=list(draft_dst), draft_src=list(draft_src))
+
+
+def host_batch_to_device(hb: HostBatch, device: torch.device,
+                         drafts_flat: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """(input_ids [T], positions [T], metadata) on ``device``; draft rows filled on device."""
+    positions, meta = metadata_to_device(device, hb.positions, hb.slots, hb.seq_lens,
+                                         hb.query_start_loc, hb.tables, hb.max_query_len,
+                                         hb.max_seq_len)
+    input_ids = to_device(hb.input_ids, device)  # [T]
+    if hb.draft_dst:
+        input_ids[to_device(hb.draft_dst, device)] = drafts_flat[to_device(hb.draft_src, device)]
+    return input_ids, positions, meta
 
 
 def build_loop_metadata(allocator: BlockAllocator, roots: list[Span], write_limits: list[int],

@@ -31,7 +31,9 @@ import torch
 from capture import (CapturePolicy, GraphRegistry, GraphRunner, LiveBatch, StaticBuffers,
                      decode_sizes, verify_sizes)
 from capture.emulate import EmulatedGraphRunner
+from capture.host_stage import HostBatch
 from compiled_spec.attention_metadata import AttentionMetadata
+from compiled_spec.engine.batch import host_batch_to_device
 from compiled_spec.engine.model_runner import ModelRunner
 from compiled_spec.engine.propose_graph import ProposeGraphs
 from compiled_spec.engine.tree_graphs import TreeProposeGraphs, register_tree_verify, tree_live
@@ -64,6 +66,25 @@ class GraphedTarget:
         self.prefill_calls += 1
         return self.fn(input_ids, positions, meta, aux_layer_ids)
 
+    def run_host(self, hb: HostBatch, drafts_flat: torch.Tensor | None,
+                 aux_layer_ids: tuple[int, ...] = ()) -> Any:
+        """The engine's causal steps from a host-built batch: decode / verify replay with the
+        inputs staged in two copies; anything without a graph (prefill, or a counted miss)
+        gets device tensors built here and runs compiled."""
+        if hb.max_query_len == 1:
+            runner: GraphRunner | None = self.decode
+        elif self.verify is not None and hb.max_query_len <= self.verify_query_len:
+            runner = self.verify
+        else:
+            runner = None
+            self.prefill_calls += 1
+        out = None if runner is None else runner.run_host(hb, drafts_flat)
+        if out is not None:
+            return out
+        input_ids, positions, meta = host_batch_to_device(hb, self.decode.buffers.device,
+                                                          drafts_flat)
+        return self.fn(input_ids, positions, meta, aux_layer_ids)
+
 
 class EngineGraphs:
     """Registers, captures (dummy runs at start-up) and routes the engine's CUDA graphs."""
@@ -93,9 +114,14 @@ class EngineGraphs:
         top_tokens = max_seqs * (k + 1)
         tbufs = StaticBuffers(top_tokens, max_seqs, max_blocks, device)
         target_graph_fn = lambda b: target_fn(b.input_ids, b.positions, b.meta, aux_ids)  # noqa: E731
-        decode = reg("target_decode", target_graph_fn, decode_sizes(policy), tbufs)
-        verify = reg("target_verify", target_graph_fn, verify_sizes(policy), tbufs,
-                     query_len=k + 1) if k > 0 else None
+        # Chain and vanilla engines read the target's outputs before any other replay of the
+        # pool (logits right away; the aux states in the next propose's eager fc, which runs
+        # before its replay), so they need no copy out of graph memory: one launch per output
+        # saved per step. Tree engines replay several graphs in between and keep the copies.
+        treg = functools.partial(reg, clone_outputs=tree is not None)
+        decode = treg("target_decode", target_graph_fn, decode_sizes(policy), tbufs)
+        verify = treg("target_verify", target_graph_fn, verify_sizes(policy), tbufs,
+                      query_len=k + 1) if k > 0 else None
         tree_verify = None if tree is None else register_tree_verify(
             reg, target_fn, tree, policy.batch_sizes, max_blocks, device, aux_ids)
         self.target = GraphedTarget(target_fn, decode, verify, k + 1, tree_verify)

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import record_function
 
-from compiled_spec.attention_metadata import AttentionMetadata
-from compiled_spec.engine.batch import Span, build_metadata, to_device
+from capture.host_stage import HostBatch
+from compiled_spec.engine.batch import Span, build_host_batch, host_batch_to_device, to_device
 from compiled_spec.engine.request import Request
 from compiled_spec.kv_cache import BlockAllocator, KVCacheExhausted
 from compiled_spec.models.decoder import CausalLM
@@ -89,9 +89,15 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, reqs: list[Request], num_new: list[int]) -> StepOutput:
         with record_function("prepare"):
-            input_ids, positions, meta, spans, num_draft = self._prepare(reqs, num_new)
+            hb, spans, num_draft = self._prepare(reqs, num_new)
         with record_function("verify"):
-            hidden, aux = self.target_fn(input_ids, positions, meta, self.aux_layer_ids)
+            drafts = None if self._drafts is None else self._drafts.reshape(-1)
+            run_host = getattr(self.target_fn, "run_host", None)
+            if run_host is not None:  # CUDA graphs: staged straight into the static buffers
+                hidden, aux = run_host(hb, drafts, self.aux_layer_ids)
+            else:
+                input_ids, positions, meta = host_batch_to_device(hb, self.device, drafts)
+                hidden, aux = self.target_fn(input_ids, positions, meta, self.aux_layer_ids)
             logits, row_start = self._logits(hidden, spans, num_draft)
         with record_function("rejection_sample"):
             new_tokens = self._accept(reqs, logits, num_draft)
@@ -100,8 +106,8 @@ class ModelRunner:
         return StepOutput(new_tokens=new_tokens, num_draft=num_draft)
 
     def _prepare(self, reqs: list[Request], num_new: list[int]
-                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[Span], list[int]]:
-        """Flat input ids (drafts copied on device), positions and metadata for the target."""
+                 ) -> tuple[HostBatch, list[Span], list[int]]:
+        """The step's flat batch on the host; draft rows point into the device-resident drafts."""
         spans, num_draft, host_ids = [], [], []
         draft_dst, draft_src = [], []
         for r, n in zip(reqs, num_new):
@@ -109,18 +115,14 @@ class ModelRunner:
             start = r.num_computed
             offset = len(host_ids)
             host_ids.extend(r.token_ids[start:start + n])
-            host_ids.extend([0] * k_i)  # filled from the device-resident drafts below
+            host_ids.extend([0] * k_i)  # filled from the device-resident drafts
             row = self._draft_row.get(r.req_id, 0)
             draft_dst.extend(range(offset + n, offset + n + k_i))
             draft_src.extend(row * max(self.k, 1) + j for j in range(k_i))
             spans.append(Span(r.req_id, start, n + k_i))
             num_draft.append(k_i)
-        input_ids = to_device(host_ids, self.device)  # [num_tokens]
-        if draft_dst:
-            input_ids[to_device(draft_dst, self.device)] = self._drafts.reshape(-1)[
-                to_device(draft_src, self.device)]
-        positions, meta = build_metadata(self.allocator, spans, self.device)
-        return input_ids, positions, meta, spans, num_draft
+        hb = build_host_batch(self.allocator, spans, host_ids, draft_dst, draft_src)
+        return hb, spans, num_draft
 
     def _logits(self, hidden: torch.Tensor, spans: list[Span], num_draft: list[int]
                 ) -> tuple[torch.Tensor, list[int]]:

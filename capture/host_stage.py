@@ -1,0 +1,105 @@
+"""A batch built on the host, staged straight into a graph's static buffers: two copies per step.
+
+The engine builds every integer input of a step (ids, positions, slots, sequence lengths, query
+starts, block tables) from its own Python state. Turning those lists into live device tensors
+and then padding them into the static buffers cost ~20 small launches per target step (tensor
+creation, a copy and a fill per field); at batch 1 a SmolLM2 decode step is host-bound, so each
+one shows. Here the lists are written, already padded (same inert rows as ``capture.pad``), into
+numpy mirrors of ``StaticBuffers.flat64`` / ``flat32`` and uploaded in two copies; the drafts,
+which live on the device, are then moved into their input rows by one gather + one scatter.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from capture.pad import LiveBatch, StaticBuffers
+
+
+@dataclass
+class HostBatch:
+    """A flat single-step batch as host lists (``Span`` layout, inert padding already applied
+    to rows past a request's write limit)."""
+
+    input_ids: list[int]  # [T]; rows in draft_dst are placeholders
+    positions: list[int]  # [T]
+    slots: list[int]  # [T], -1 = write nothing
+    seq_lens: list[int]  # [B]
+    query_start_loc: list[int]  # [B + 1]
+    tables: list[list[int]]  # [B][blocks]
+    max_query_len: int
+    max_seq_len: int
+    draft_dst: list[int] = field(default_factory=list)  # rows of input_ids ...
+    draft_src: list[int] = field(default_factory=list)  # ... taking drafts_flat[src]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def width(self) -> int:
+        return max((len(t) for t in self.tables), default=0)
+
+
+class HostStage:
+    """Numpy mirrors of one single-step ``StaticBuffers`` and the two uploads into it."""
+
+    def __init__(self, bufs: StaticBuffers) -> None:
+        if bufs.num_steps != 1 or bufs.extras:
+            raise ValueError("HostStage: single-step buffers without extras only")
+        self.bufs = bufs
+        self.h64 = np.zeros(bufs.flat64.numel(), dtype=np.int64)
+        self.h32 = np.zeros(bufs.flat32.numel(), dtype=np.int32)
+        self.h64[4 * bufs.max_tokens:] = -1  # slots of rows never written: inert
+        t, b = bufs.max_tokens, bufs.max_seqs
+        self._ids, self._dst, self._src = (self.h64[i * t:(i + 1) * t] for i in range(3))
+        self._pos, self._slots = self.h64[3 * t:4 * t], self.h64[4 * t:5 * t]
+        self._lens, self._qsl = self.h32[:b], self.h32[b:2 * b + 1]
+        self._tables = self.h32[2 * b + 1:].reshape(b, bufs.max_blocks)
+
+    def fill(self, hb: HostBatch, padded_tokens: int, padded_seqs: int, max_query_len: int,
+             max_seq_len: int, drafts_flat: torch.Tensor | None) -> LiveBatch:
+        """Stage ``hb`` padded to (padded_tokens, padded_seqs); returns the static views with
+        the graph's host ints. ``drafts_flat``: the device drafts that draft_src indexes."""
+        bufs, t, b = self.bufs, hb.num_tokens, hb.num_seqs
+        if not (t <= padded_tokens <= bufs.max_tokens and b <= padded_seqs <= bufs.max_seqs):
+            raise ValueError(f"host batch (tokens={t}, seqs={b}) -> padded ({padded_tokens}, "
+                             f"{padded_seqs}) does not fit buffers ({bufs.max_tokens}, "
+                             f"{bufs.max_seqs})")
+        if hb.width > bufs.max_blocks:
+            raise ValueError(f"block tables of {hb.width} blocks exceed {bufs.max_blocks}")
+        self._ids[:t] = hb.input_ids
+        self._ids[t:padded_tokens] = 0
+        self._pos[:t] = hb.positions
+        self._pos[t:padded_tokens] = 0
+        self._slots[:t] = hb.slots
+        self._slots[t:padded_tokens] = -1
+        n_d = len(hb.draft_dst)
+        self._dst[:n_d] = hb.draft_dst
+        self._src[:n_d] = hb.draft_src
+        self._lens[:b] = hb.seq_lens
+        self._lens[b:padded_seqs] = 0
+        self._qsl[:b + 1] = hb.query_start_loc
+        self._qsl[b + 1:padded_seqs + 1] = t
+        tab = self._tables[:padded_seqs]
+        tab[:] = 0
+        for i, row in enumerate(hb.tables):
+            tab[i, :len(row)] = row
+        # Pageable sources: each copy returns once staged, so the mirrors may be rewritten next
+        # step while the replay still runs.
+        end64 = 4 * bufs.max_tokens + padded_tokens
+        end32 = 2 * bufs.max_seqs + 1 + padded_seqs * bufs.max_blocks
+        bufs.flat64[:end64].copy_(torch.from_numpy(self.h64[:end64]), non_blocking=True)
+        bufs.flat32[:end32].copy_(torch.from_numpy(self.h32[:end32]), non_blocking=True)
+        if n_d:
+            if drafts_flat is None:
+                raise ValueError("host batch has draft rows but no drafts were given")
+            bufs.input_ids.index_copy_(0, bufs.draft_dst[:n_d],
+                                       drafts_flat.index_select(0, bufs.draft_src[:n_d]))
+        return bufs._views(padded_tokens, padded_seqs, max_query_len, max_seq_len)
