@@ -9,13 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.profiler import record_function
 
 from capture.host_stage import HostBatch
 from compiled_spec.engine.batch import Span, build_host_batch, host_batch_to_device, to_device
 from compiled_spec.engine.request import Request
 from compiled_spec.kv_cache import BlockAllocator, KVCacheExhausted
 from compiled_spec.models.decoder import CausalLM
+from compiled_spec.profile import phase
 from compiled_spec.sampler import SamplingTensors, apply_filters
 from compiled_spec.spec.proposer import EagleProposer, ProposeBatch
 from compiled_spec.spec.rejection import rejection_sample
@@ -88,9 +88,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, reqs: list[Request], num_new: list[int]) -> StepOutput:
-        with record_function("prepare"):
+        with phase("prepare"):
             hb, spans, num_draft = self._prepare(reqs, num_new)
-        with record_function("verify"):
+        with phase("verify"):
             drafts = None if self._drafts is None else self._drafts.reshape(-1)
             run_host = getattr(self.target_fn, "run_host", None)
             if run_host is not None:  # CUDA graphs: staged straight into the static buffers
@@ -99,7 +99,7 @@ class ModelRunner:
                 input_ids, positions, meta = host_batch_to_device(hb, self.device, drafts)
                 hidden, aux = self.target_fn(input_ids, positions, meta, self.aux_layer_ids)
             logits, row_start = self._logits(hidden, spans, num_draft)
-        with record_function("rejection_sample"):
+        with phase("rejection_sample"):
             new_tokens = self._accept(reqs, logits, num_draft)
         self._pending = _Pending(hidden=aux if self.aux_layer_ids else hidden, spans=spans,
                                  row_start=row_start, num_draft=num_draft)
@@ -146,25 +146,43 @@ class ModelRunner:
         return logits.view(len(spans), kmax + 1, -1), row_start
 
     def _accept(self, reqs: list[Request], logits: torch.Tensor, num_draft: list[int]) -> list[list[int]]:
-        """Greedy or rejection sampling on device; one device-to-host copy of the results."""
+        """Greedy or rejection sampling; one device-to-host copy of the results."""
         B, K1, V = logits.shape
         kmax = K1 - 1
         greedy = all(r.params.greedy for r in reqs)  # host-known: no sampling tensors needed
         if greedy and kmax == 0:  # vanilla greedy decode: the argmax is the whole step
             return [[t] for t in logits[:, 0].argmax(dim=-1).tolist()]
+        if greedy:
+            return self._greedy_accept_host(reqs, logits.argmax(dim=-1), num_draft)
         k_t = to_device(num_draft, self.device)  # [B]
         drafts = self._gather_drafts(reqs, kmax)  # [B, K]
-        if greedy:
-            out, n_acc = _greedy_accept(logits, drafts, k_t)
-        else:
-            st = build_sampling_tensors(reqs, self.device, repeat=kmax + 1)
-            probs = apply_filters(logits.view(B * (kmax + 1), V), st).view(B, kmax + 1, V)
-            seeds = st.seeds.view(B, kmax + 1)[:, 0]
-            positions0 = to_device([r.num_tokens for r in reqs], self.device)
-            out, n_acc = rejection_sample(probs, drafts, k_t, seeds, positions0,
-                                          self._gather_draft_probs(reqs, kmax))
+        st = build_sampling_tensors(reqs, self.device, repeat=kmax + 1)
+        probs = apply_filters(logits.view(B * (kmax + 1), V), st).view(B, kmax + 1, V)
+        seeds = st.seeds.view(B, kmax + 1)[:, 0]
+        positions0 = to_device([r.num_tokens for r in reqs], self.device)
+        out, n_acc = rejection_sample(probs, drafts, k_t, seeds, positions0,
+                                      self._gather_draft_probs(reqs, kmax))
         packed = torch.cat([n_acc[:, None], out], dim=1).tolist()  # the step's one D2H copy
         return [row[1:2 + row[0]] for row in packed]
+
+    def _greedy_accept_host(self, reqs: list[Request], target: torch.Tensor,  # [B, K+1]
+                            num_draft: list[int]) -> list[list[int]]:
+        """Greedy verification: accept drafts while they equal the target's argmax, then the
+        target's next token. At most k compares per request, so they run on the host from one
+        copy of the argmax and the drafts, not as a dozen tiny kernels on a host-bound step."""
+        k1 = target.shape[1]
+        width = self._drafts.shape[1]  # [B_prev, k] from the last proposal
+        flat = torch.cat([target.reshape(-1), self._drafts.reshape(-1)]).tolist()  # one D2H
+        drafts = flat[target.numel():]
+        out = []
+        for i, (r, k_i) in enumerate(zip(reqs, num_draft)):
+            row = flat[i * k1:(i + 1) * k1]
+            base = self._draft_row.get(r.req_id, 0) * width
+            n = 0
+            while n < k_i and drafts[base + n] == row[n]:
+                n += 1
+            out.append(row[:n + 1])
+        return out
 
     def _gather_drafts(self, reqs: list[Request], kmax: int) -> torch.Tensor:
         if kmax == 0:
@@ -216,7 +234,7 @@ class ModelRunner:
             r.draft_computed = span.start + m  # the first pass writes draft KV up to here
         if not chosen:
             return
-        with record_function("propose"):
+        with phase("propose"):
             self._propose(chosen, first_pass, token_ids, hidden_rows, limits, pend)
 
     def _grow_cap(self, req: Request) -> int:
@@ -231,17 +249,3 @@ class ModelRunner:
         self._drafts, self._draft_probs = self.proposer.propose(batch, pend.hidden)
         self._draft_row = {r.req_id: i for i, r in enumerate(chosen)}
 
-
-def _greedy_accept(logits: torch.Tensor, drafts: torch.Tensor, num_draft: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy verification: accept drafts while they equal the target's argmax.
-
-    logits [B, K+1, V], drafts [B, K], num_draft [B] -> (tokens [B, K+1] padded -1, accepted [B]).
-    """
-    target = logits.argmax(dim=-1)  # [B, K+1]
-    K = drafts.shape[1]
-    slot = torch.arange(K, device=logits.device)[None, :]
-    match = (drafts == target[:, :K]) & (slot < num_draft[:, None])  # [B, K]
-    n_acc = match.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [B]
-    keep = torch.arange(K + 1, device=logits.device)[None, :] <= n_acc[:, None]
-    return torch.where(keep, target, torch.full_like(target, -1)), n_acc

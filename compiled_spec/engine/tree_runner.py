@@ -20,12 +20,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-from torch.profiler import record_function
 
 from compiled_spec.engine.batch import Span, metadata_to_device, to_device
 from compiled_spec.engine.model_runner import (ModelRunner, StepOutput, _Pending,
                                                build_sampling_tensors)
 from compiled_spec.engine.request import Request
+from compiled_spec.profile import phase
 from compiled_spec.sampler import STREAM_TOKEN, apply_filters, position_keys, sample_from_probs
 from compiled_spec.spec.tree import TreeConfig, compact_kv, greedy_accept
 from compiled_spec.spec.tree_proposer import DraftTree, TreeProposer
@@ -67,7 +67,7 @@ class TreeModelRunner(ModelRunner):
 
     def _execute_tree(self, reqs: list[Request]) -> StepOutput:
         n_nodes, dev, alloc = self.tree.num_draft_tokens, self.device, self.allocator
-        with record_function("prepare"):
+        with phase("prepare"):
             in_tree = [self.num_drafts_for(r) > 0 for r in reqs]
             host_ids, base, slots, qsl, tables, starts = [], [], [], [0], [], []
             node_dst, tree_rows = [], []
@@ -102,10 +102,10 @@ class TreeModelRunner(ModelRunner):
             # Every sequence's context is its prefix plus its N tree slots.
             meta = replace(meta, tree_start=meta.seq_lens - n_nodes, tree_mask=mask)
             table_t = meta.block_tables
-        with record_function("verify"):
+        with phase("verify"):
             hidden, aux = self.target_fn(input_ids, positions, meta, self.aux_layer_ids)
             logits = self.model.compute_logits(hidden)  # [T, V]
-        with record_function("rejection_sample"):
+        with phase("rejection_sample"):
             reps = [qsl[i + 1] - qsl[i] for i in range(len(reqs))]
             st = build_sampling_tensors(reqs, dev, reps)
             if st.all_greedy:
