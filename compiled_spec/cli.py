@@ -27,6 +27,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tree verification budget, root included")
     p.add_argument("--enable-prefix-caching", action="store_true")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--draft-tensor-parallel", action="store_true",
+                   help="shard the draft too (default: replicated on every rank)")
 
 
 def _add_prompt_args(p: argparse.ArgumentParser, num_prompts: int, max_tokens: int) -> None:
@@ -43,7 +45,8 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
                 compile=a.compile, speculative_topk=a.speculative_topk,
                 speculative_num_draft_tokens=a.speculative_num_draft_tokens,
                 enable_prefix_caching=a.enable_prefix_caching,
-                tensor_parallel_size=a.tensor_parallel_size)
+                tensor_parallel_size=a.tensor_parallel_size,
+                draft_tensor_parallel=a.draft_tensor_parallel)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

@@ -13,7 +13,7 @@ from compiled_spec.config import (CacheConfig, EngineConfig, SchedulerConfig, Sp
 from capture import CapturePolicy
 from compiled_spec.compile import (CompileConfig, CompiledModels, capture_graphs, compile_models,
                                    use_compiled)
-from compiled_spec.distributed import TPGroup, shard_causal_lm
+from compiled_spec.distributed import TPGroup, shard_causal_lm, shard_draft
 from compiled_spec.draft.loader import load_draft
 from compiled_spec.heads import resolve_draft
 from compiled_spec.engine.engine import LLMEngine
@@ -35,6 +35,9 @@ class LLM:
     None) that proposes ``num_speculative_tokens`` tokens per step; output follows exactly the
     target's distribution. ``draft_sampling="sample"`` samples drafts from the draft distribution
     at temperature > 0 (and keeps their probabilities for the acceptance test) instead of argmax.
+    ``tensor_parallel_size=N`` shards the target over N ranks; the draft stays replicated unless
+    ``draft_tensor_parallel`` (heads and MLP split like the target's, draft lm_head vocabulary
+    parallel).
     """
 
     def __init__(
@@ -62,9 +65,12 @@ class LLM:
         compile: bool = False,
         compile_config: CompileConfig | None = None,
         tensor_parallel_size: int = 1,
+        draft_tensor_parallel: bool = False,
     ) -> None:
         t_start = time.perf_counter()
         self._tp = None
+        if not isinstance(draft_tensor_parallel, bool):
+            raise ValueError(f"draft_tensor_parallel={draft_tensor_parallel!r}: must be a bool")
         if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) \
                 or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r}: must be an "
@@ -87,7 +93,7 @@ class LLM:
         dt = resolve_dtype(dtype, dev)
         net, mcfg = load_model(path, dt, dev)
         if tensor_parallel_size > 1:  # Dynamo traces the layers' c10d collectives as graph ops
-            shard_causal_lm(net, TPGroup.from_default())  # the draft stays replicated
+            shard_causal_lm(net, TPGroup.from_default())
         if max_model_len is None:
             max_model_len = mcfg.max_position_embeddings
         elif isinstance(max_model_len, int) and max_model_len > mcfg.max_position_embeddings:
@@ -110,6 +116,8 @@ class LLM:
         draft_model = None
         if draft is not None:
             draft_model = load_draft(draft, net, dt, dev, method=method)
+            if tensor_parallel_size > 1 and draft_tensor_parallel:  # else replicated
+                shard_draft(draft_model, TPGroup.from_default())
         self.tokenizer = load_tokenizer(tokenizer or path)
         eos = set(mcfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:

@@ -33,7 +33,7 @@ from compiled_spec.compile import CompileConfig  # noqa: E402
 
 
 def run(target: str, head: str | None, tp: int, batches: list[int], tokenizer: str,
-        max_tokens: int, device: str) -> list[dict]:
+        max_tokens: int, device: str, shard_draft: bool = False) -> list[dict]:
     t0 = time.perf_counter()
     gpu = device == "cuda"
     kw = dict(model=target, tokenizer=tokenizer, device=device,
@@ -43,6 +43,8 @@ def run(target: str, head: str | None, tp: int, batches: list[int], tokenizer: s
               compile_config=CompileConfig(capture_batch_sizes=tuple(sorted(set(batches)))))
     if head is not None:
         kw.update(draft=head, method="eagle3", num_speculative_tokens=3)
+        if tp > 1:
+            kw["draft_tensor_parallel"] = shard_draft
     llm = LLM(**kw)
     startup = time.perf_counter() - t0
     g = __import__("random").Random(0)
@@ -57,7 +59,9 @@ def run(target: str, head: str | None, tp: int, batches: list[int], tokenizer: s
         per_req = [1e3 * (o.metrics.finish_time - o.metrics.first_token_time)
                    / max(1, len(o.outputs[0].token_ids) - 1) for o in outs]
         stats = llm.stats.spec.as_dict() if head is not None else {}
-        rows.append({"tp": tp, "method": "eagle3 k=3 (random head)" if head else "vanilla",
+        method = ("eagle3 k=3 (random head" + (", sharded draft)" if shard_draft else ")")
+                  if head else "vanilla")
+        rows.append({"tp": tp, "method": method,
                      "batch": b, "startup_s": round(startup, 1),
                      "tokens_per_s": round(sum(len(o.outputs[0].token_ids) for o in outs) / wall, 1),
                      "ms_per_token": round(statistics.median(per_req), 3),
@@ -74,7 +78,9 @@ def main() -> int:
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--methods", nargs="+", default=["vanilla", "eagle3"])
+    ap.add_argument("--methods", nargs="+", default=["vanilla", "eagle3", "eagle3_sharded"],
+                    help="eagle3: draft replicated on every rank; eagle3_sharded: draft sharded "
+                         "too (TP > 1 only)")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run over gloo (use --shape tiny)")
     ap.add_argument("--shape", choices=["llama8b", "tiny"], default="llama8b")
     a = ap.parse_args()
@@ -85,8 +91,10 @@ def main() -> int:
         target, head = _random_shape(LLAMA8B if a.shape == "llama8b" else TINY, Path(tmp))
         for tp in a.tp:
             for m in a.methods:
-                rows += run(target, head if m == "eagle3" else None, tp, a.batch, a.tokenizer,
-                            a.max_tokens, a.device)
+                if m == "eagle3_sharded" and tp == 1:
+                    continue
+                rows += run(target, None if m == "vanilla" else head, tp, a.batch, a.tokenizer,
+                            a.max_tokens, a.device, shard_draft=m == "eagle3_sharded")
                 Path(a.out).write_text(json.dumps({
                     "gpus": [torch.cuda.get_device_name(i)
                              for i in range(torch.cuda.device_count())],

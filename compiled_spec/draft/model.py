@@ -147,8 +147,8 @@ class EagleDraft(nn.Module):
         if len(caches) != cfg.num_hidden_layers:
             raise ValueError(f"expected {cfg.num_hidden_layers} draft (k, v) cache pairs, "
                              f"got {len(caches)}")
-        want = (cfg.num_key_value_heads, cfg.head_dim)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, caches)):
+            want = (layer.self_attn.num_kv_heads, cfg.head_dim)  # this rank's heads when sharded
             if k_cache.dim() != 4 or tuple(k_cache.shape[2:]) != want or \
                     k_cache.shape != v_cache.shape:
                 raise ValueError(f"draft layer {i}: k/v caches {tuple(k_cache.shape)} / "

@@ -62,8 +62,8 @@ class LLMEngine:
         kv_shapes = [(layer.self_attn.num_kv_heads, mcfg.head_dim)
                      for layer in model.model.layers]
         if draft is not None:
-            dc = draft.config
-            kv_shapes += [(dc.num_key_value_heads, dc.head_dim)] * dc.num_hidden_layers
+            kv_shapes += [(layer.self_attn.num_kv_heads, draft.config.head_dim)
+                          for layer in draft.layers]
         num_blocks = cfg.cache.num_blocks
         if num_blocks is None:
             per_block = sum(bytes_per_block(page, h, d, cfg.dtype) for h, d in kv_shapes)
