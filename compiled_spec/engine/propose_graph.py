@@ -6,9 +6,9 @@ Why a dedicated runner rather than ``GraphRunner`` + ``StaticBuffers``: a propos
 every launched op counts. Here the host writes every integer input, already padded to the
 captured size, into one int64 and one int32 host array (numpy, no torch ops); two host->device
 copies land them in the static buffers the graph reads. Before the replay only EAGLE-3's fc runs,
-eagerly (gather of the accepted target rows, fc, copy into the static hidden buffer): it
-depends on the target's aux width and token count, never on the graph (seeds/003). After the
-replay one clone takes the drafts out of the graph pool.
+eagerly, over all of the step's target rows (fc, copy into the static hidden buffer; the graph
+gathers the accepted rows): it depends on the target's aux width and token count, never on the
+graph (seeds/003). After the replay one clone takes the drafts out of the graph pool.
 
 Padding rules (as ``capture.pad``): padded tokens have id 0, position 0, slot -1 and belong to
 no sequence (query_start_loc repeats the live count); padded sequences have seq_len 0, block
@@ -75,8 +75,10 @@ class ProposeGraphs:
         self.h32 = np.zeros(self.l32.size, dtype=np.int32)
         self.d64 = torch.zeros(self.l64.size, dtype=torch.int64, device=self.device)
         self.d32 = torch.zeros(self.l32.size, dtype=torch.int32, device=self.device)
+        # [T_max, h]: the fc output (eager) over ALL of the target's rows of the step; the
+        # graph gathers each request's accepted rows itself, so the host launches no gathers.
         self.hidden = torch.zeros(tm, proposer.draft.config.hidden_size, dtype=hidden_dtype,
-                                  device=self.device)  # [T_max, h] fc output (eager)
+                                  device=self.device)
         self._graphs: dict[int, tuple[Any, Any]] = {}
         self.capture_failures: list[dict[str, Any]] = []
         self.graph_replays = self.padded_rows = self.eager_fallbacks = 0
@@ -107,7 +109,7 @@ class ProposeGraphs:
         bm = self.sizes[-1]
         return {
             "ids": g64("ids", t), "positions": g64("positions", t), "rows": g64("rows", t),
-            "last": g64("last", b), "seeds": g64("seeds", b), "hidden": self.hidden[:t],
+            "last": g64("last", b), "seeds": g64("seeds", b), "hidden": self.hidden,
             "temperature": g32("temperature", b).view(torch.float32),
             "meta": AttentionMetadata(
                 slot_mapping=g64("slots", t), block_tables=g32("tables", b * w).view(b, w),
@@ -126,7 +128,8 @@ class ProposeGraphs:
         """The captured computation: first pass, first draft, k-1 loop steps."""
         p = self.prop
         metas = {n: v["meta"] for n in p.layer_names}
-        feed, for_logits = p.step_fn(v["ids"], v["hidden"], v["positions"], metas)  # [T, h]
+        hidden = v["hidden"].index_select(0, v["rows"])  # [T, h] accepted target rows
+        feed, for_logits = p.step_fn(v["ids"], hidden, v["positions"], metas)  # [T, h]
         last = v["last"]
         feed = feed[last]  # [b, h]
         tok, q = p._pick(p.draft.compute_logits(for_logits[last]), v["temperature"], v["seeds"],
@@ -198,14 +201,17 @@ class ProposeGraphs:
         if b is None:
             self._miss("size")
             return None
+        aux = target_hidden if isinstance(target_hidden, list) else [target_hidden]
+        if aux[0].shape[0] > self.hidden.shape[0]:  # a target step larger than any graph
+            self._miss("target_rows")
+            return None
         why = self._fill(batch, b)
         if why is not None:
             self._miss(why)
             return None
-        rows = self.l64.seg(self.d64, "rows", len(batch.hidden_rows))
-        aux = target_hidden if isinstance(target_hidden, list) else [target_hidden]
-        # EAGLE-3's fc, eager and outside the graph: [T, n*h_target] -> [T, h].
-        hidden = self.prop.draft.combine_aux([a.index_select(0, rows) for a in aux])
+        # EAGLE-3's fc, eager and outside the graph, over every target row of the step:
+        # [T_target, n*h_target] -> [T_target, h] (EAGLE-1: the final hidden, as it is).
+        hidden = self.prop.draft.combine_aux(aux)
         self.hidden[:hidden.shape[0]].copy_(hidden)
         graph, (drafts, probs) = self._graphs[b]
         graph.replay()
