@@ -18,6 +18,19 @@ import torch
 from capture.pad import LiveBatch, StaticBuffers
 
 
+def staging(n: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, np.ndarray]:
+    """A host buffer for uploads to ``device`` and its numpy view (written by the host code).
+
+    Pinned on CUDA: a copy from pageable memory goes through a driver staging buffer and may
+    synchronise with the stream first (CUDA's API notes), which would make the host wait for
+    the replay still running before it could launch the next one. A pinned buffer may only be
+    rewritten once its last copy has run; every engine step ends with its one device-to-host
+    read of the results, which orders all of the step's copies before the next step's writes.
+    """
+    t = torch.zeros(n, dtype=dtype, pin_memory=device.type == "cuda")
+    return t, t.numpy()
+
+
 @dataclass
 class HostBatch:
     """A flat single-step batch as host lists (``Span`` layout, inert padding already applied
@@ -54,8 +67,8 @@ class HostStage:
         if bufs.num_steps != 1 or bufs.extras:
             raise ValueError("HostStage: single-step buffers without extras only")
         self.bufs = bufs
-        self.h64 = np.zeros(bufs.flat64.numel(), dtype=np.int64)
-        self.h32 = np.zeros(bufs.flat32.numel(), dtype=np.int32)
+        self.t64, self.h64 = staging(bufs.flat64.numel(), torch.int64, bufs.device)
+        self.t32, self.h32 = staging(bufs.flat32.numel(), torch.int32, bufs.device)
         self.h64[4 * bufs.max_tokens:] = -1  # slots of rows never written: inert
         t, b = bufs.max_tokens, bufs.max_seqs
         self._ids, self._dst, self._src = (self.h64[i * t:(i + 1) * t] for i in range(3))
@@ -91,12 +104,10 @@ class HostStage:
         tab[:] = 0
         for i, row in enumerate(hb.tables):
             tab[i, :len(row)] = row
-        # Pageable sources: each copy returns once staged, so the mirrors may be rewritten next
-        # step while the replay still runs.
         end64 = 4 * bufs.max_tokens + padded_tokens
         end32 = 2 * bufs.max_seqs + 1 + padded_seqs * bufs.max_blocks
-        bufs.flat64[:end64].copy_(torch.from_numpy(self.h64[:end64]), non_blocking=True)
-        bufs.flat32[:end32].copy_(torch.from_numpy(self.h32[:end32]), non_blocking=True)
+        bufs.flat64[:end64].copy_(self.t64[:end64], non_blocking=True)
+        bufs.flat32[:end32].copy_(self.t32[:end32], non_blocking=True)
         if n_d:
             if drafts_flat is None:
                 raise ValueError("host batch has draft rows but no drafts were given")

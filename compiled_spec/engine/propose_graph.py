@@ -4,11 +4,12 @@ request's accepted positions (<= k + 1 per request), the first draft, and the k 
 Why a dedicated runner rather than ``GraphRunner`` + ``StaticBuffers``: a propose call is small
 (at batch 1 the draft's kernels take ~0.3 ms on an H200) and its cost is mostly host work, so
 every launched op counts. Here the host writes every integer input, already padded to the
-captured size, into one int64 and one int32 host array (numpy, no torch ops); two host->device
-copies land them in the static buffers the graph reads. Before the replay only EAGLE-3's fc runs,
-eagerly, over all of the step's target rows (fc, copy into the static hidden buffer; the graph
-gathers the accepted rows): it depends on the target's aux width and token count, never on the
-graph (seeds/003). After the replay one clone takes the drafts out of the graph pool.
+captured size, into one int64 and one int32 host array (numpy views of pinned buffers, no torch
+ops); two host->device copies land them in the static buffers the graph reads. Before the
+replay only EAGLE-3's fc runs, eagerly, over all of the step's target rows (fc, copy into the
+static hidden buffer; the graph gathers the accepted rows): it depends on the target's aux width
+and token count, never on the graph (seeds/003). After the replay one clone takes the drafts out
+of the graph pool.
 
 Padding rules (as ``capture.pad``): padded tokens have id 0, position 0, slot -1 and belong to
 no sequence (query_start_loc repeats the live count); padded sequences have seq_len 0, block
@@ -23,6 +24,7 @@ import torch
 
 from capture.cuda_graphs import capture_graph
 from capture.emulate import emulate_graph
+from capture.host_stage import staging
 from capture.pad import LiveBatch
 from compiled_spec.attention_metadata import AttentionMetadata
 from compiled_spec.engine.batch import loop_rows, span_rows
@@ -69,10 +71,9 @@ class ProposeGraphs:
                             ("loop_slots", s * bm)])
         self.l32 = _Layout([("seq_lens", bm), ("qsl", bm + 1), ("tables", bm * w),
                             ("loop_lens", s * bm), ("loop_qsl", bm + 1), ("temperature", bm)])
-        # Pageable host arrays: their copy returns once the data is staged, so the next call may
-        # overwrite them at once (a pinned buffer would race with the previous async copy).
-        self.h64 = np.zeros(self.l64.size, dtype=np.int64)
-        self.h32 = np.zeros(self.l32.size, dtype=np.int32)
+        # Host buffers (pinned on CUDA; see capture.host_stage.staging for why that is safe).
+        self.t64, self.h64 = staging(self.l64.size, torch.int64, self.device)
+        self.t32, self.h32 = staging(self.l32.size, torch.int32, self.device)
         self.d64 = torch.zeros(self.l64.size, dtype=torch.int64, device=self.device)
         self.d32 = torch.zeros(self.l32.size, dtype=torch.int32, device=self.device)
         # [T_max, h]: the fc output (eager) over ALL of the target's rows of the step; the
@@ -178,8 +179,8 @@ class ProposeGraphs:
         self._graphs[b] = emulate_graph(run) if self.emulate else capture_graph(run, self.pool)
 
     def _upload(self) -> None:
-        self.d64.copy_(torch.from_numpy(self.h64), non_blocking=True)
-        self.d32.copy_(torch.from_numpy(self.h32), non_blocking=True)
+        self.d64.copy_(self.t64, non_blocking=True)
+        self.d32.copy_(self.t32, non_blocking=True)
 
     # ---- per propose -------------------------------------------------------------------------
     def _miss(self, why: str) -> None:
