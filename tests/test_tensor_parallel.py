@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -192,6 +193,30 @@ def test_llm_sharded_draft_matches_single_process(trained_eagle3_pair, smollm2_g
         assert llm.stats.spec.num_accepted_tokens > 0
     finally:
         llm.shutdown()
+
+
+def test_torchrun_ranks_match_single_process(trained_eagle3_pair, smollm2_gguf_path, tmp_path):
+    """Under torchrun (torch.distributed initialised by the launcher's script) each rank's
+    ``LLM(tensor_parallel_size=2)`` is its shard: both ranks write one process's tokens."""
+    import subprocess
+    import sys
+
+    from compiled_spec import LLM
+    from tests.torchrun_worker import PARAMS, PROMPTS
+
+    target, head = trained_eagle3_pair
+    ref = [o.token_ids for o in LLM(model=target, tokenizer=smollm2_gguf_path, device="cpu",
+                                    max_model_len=128, draft=head, num_speculative_tokens=3
+                                    ).generate(PROMPTS, PARAMS)]
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(root / "tests" / "torchrun_worker.py"), target, head, smollm2_gguf_path,
+         str(tmp_path)], cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    for r in range(WORLD):
+        res = json.loads((tmp_path / f"torchrun_rank{r}.json").read_text())
+        assert res["tokens"] == ref and res["drafting_steps"] > 0, (r, res)
 
 
 def test_llm_tensor_parallel_compiled(trained_eagle3_pair, smollm2_gguf_path):
