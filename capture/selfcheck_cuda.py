@@ -6,7 +6,9 @@ GraphRunners for target decode (q=1), target verify (q=k+1) and a (k-1)-step dra
 one graph, at several sizes and two max_seq_len buckets. Live batches of various sizes are padded
 and replayed, and each is checked against the same function run eagerly on the unpadded batch:
 outputs match, the KV cache matches, and every slot the live batch does not own (padding rows
-included) is bit-for-bit untouched. Prints a table; exits 1 on any failure. On a CPU-only
+included) is bit-for-bit untouched; single-step batches also go through ``run_host`` (the
+engine's path: host lists staged in two pinned copies) and must give the replay's bits. Prints a
+table; exits 1 on any failure. On a CPU-only
 machine it exits with a message (tests/test_capture.py covers the CPU path).
 """
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 
 import kernels.ops  # noqa: F401  (registers torch.ops.compiled_spec.*)
 from capture.cuda_graphs import GraphFn, GraphRegistry, GraphRunner
+from capture.host_stage import HostBatch
 from capture.pad import LiveBatch, StaticBuffers, stack_steps
 from capture.policy import CapturePolicy, decode_sizes, draft_step_sizes, verify_sizes
 from compiled_spec.attention_metadata import AttentionMetadata
@@ -129,9 +132,27 @@ def check_case(model: TinyModel, runner: GraphRunner, ref_fn: GraphFn, live: Liv
         diff = (out.float() - ref.float()).abs().max().item() / max(ref.abs().max().item(), 1e-6)
     else:
         diff = float((out != ref).sum().item())  # mismatching draft ids
+    host_equal = True
+    if live.num_steps == 1 and runner.graph_replays > before:
+        # The engine's path: the same batch as host lists, staged in two (pinned) copies.
+        out = out.clone()  # graph memory: the next replay rewrites it
+        staged = runner.run_host(host_batch_of(live))
+        torch.cuda.synchronize()
+        host_equal = staged is not None and torch.equal(staged, out)
+        for (k, v), (ks, vs) in zip(model.caches, snap):
+            k.copy_(ks), v.copy_(vs)
     return {"path": "graph" if runner.graph_replays > before else "eager", "diff": diff,
-            "kv_diff": kv_diff, "untouched": untouched,
-            "ok": out.shape == ref.shape and diff <= tol and kv_diff <= tol and untouched}
+            "kv_diff": kv_diff, "untouched": untouched, "host_equal": host_equal,
+            "ok": out.shape == ref.shape and diff <= tol and kv_diff <= tol and untouched
+            and host_equal}
+
+
+def host_batch_of(live: LiveBatch) -> HostBatch:
+    m = live.meta
+    return HostBatch(input_ids=live.input_ids.tolist(), positions=live.positions.tolist(),
+                     slots=m.slot_mapping.tolist(), seq_lens=m.seq_lens.tolist(),
+                     query_start_loc=m.query_start_loc.tolist(), tables=m.block_tables.tolist(),
+                     max_query_len=m.max_query_len, max_seq_len=m.max_seq_len)
 
 
 def main(argv: list[str] | None = None) -> int:
