@@ -127,6 +127,8 @@ class LLM:
         self._compiled: CompiledModels | None = None
         # Seconds per start-up phase; "compile" covers torch.compile and CUDA-graph capture.
         self.startup_s: dict[str, float] = {"load": time.perf_counter() - t_start}
+        # Part of "load": compiling every attention launch configuration (CUDA only).
+        self.startup_s["attention_warmup"] = float(self.engine.kernel_warmup["seconds"])
         if compile:
             self.set_compiled(True)
 

@@ -35,7 +35,7 @@ t0 = time.perf_counter()
 llm = LLM(model=a.model, device="cuda", dtype="bfloat16", compile=True, max_model_len=2048,
           max_num_seqs=4)
 start = time.perf_counter() - t0
-warm = llm.compile_stats["cuda_graphs"].get("kernel_warmup")
+warm = llm.engine.kernel_warmup
 before = binaries()
 sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
 ttft = []

@@ -19,6 +19,7 @@ from compiled_spec.prefix_cache import block_keys, matchable_blocks
 from compiled_spec.sampling_params import SamplingParams
 from compiled_spec.spec.metrics import SpecStats
 from compiled_spec.spec.proposer import EagleProposer
+from kernels.warmup import warm_model_attention
 
 
 @dataclass
@@ -87,6 +88,12 @@ class LLMEngine:
                                      cfg.spec.draft_sampling == "sample", mcfg.vocab_size)
             if draft.config.method == "eagle3":
                 aux_ids = tuple(draft.config.aux_layer_ids)
+        # Uncaptured calls (prefills above all) meet attention launch configurations that no
+        # graph capture compiled: compile every reachable one now (CUDA only), not inside the
+        # first request of each new prompt-length class.
+        attn = [layer.self_attn for layer in model.model.layers]
+        attn += [layer.self_attn for layer in draft.layers] if draft is not None else []
+        self.kernel_warmup = warm_model_attention(attn, cfg.max_model_len, cfg.max_model_len)
         tree = cfg.spec.tree if cfg.spec is not None else None
         self.tree = tree
         self.scheduler = Scheduler(cfg.scheduler, self.allocator,

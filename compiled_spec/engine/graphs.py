@@ -37,7 +37,6 @@ from compiled_spec.engine.batch import host_batch_to_device
 from compiled_spec.engine.model_runner import ModelRunner
 from compiled_spec.engine.propose_graph import ProposeGraphs
 from compiled_spec.engine.tree_graphs import TreeProposeGraphs, register_tree_verify, tree_live
-from kernels.warmup import warm_model_attention
 
 TargetFn = Callable[..., Any]  # (input_ids, positions, meta, aux_layer_ids) -> (hidden, aux)
 
@@ -95,10 +94,6 @@ class EngineGraphs:
         device = runner.device
         self.policy = policy
         self.capture_s: float | None = None
-        self.kernel_warmup: dict[str, float | int] = {}
-        self._attention_layers = [layer.self_attn for layer in runner.model.model.layers]
-        if runner.proposer is not None:
-            self._attention_layers += [layer.self_attn for layer in runner.proposer.draft.layers]
         self.registry = GraphRegistry(device, strict=strict,
                                       runner_cls=EmulatedGraphRunner if emulate else None)
         tree = getattr(runner, "tree", None)  # TreeConfig of a draft-tree engine
@@ -149,11 +144,6 @@ class EngineGraphs:
         """Dummy runs + capture of every component; raises ``CaptureError`` when a component
         (the draft included) ends up with no graph at all on CUDA. Returns the seconds taken."""
         t0 = time.perf_counter()
-        # Uncaptured prefills meet attention launch configurations that no capture compiled:
-        # compile them all now, not inside the first request of each prompt-length class.
-        self.kernel_warmup = warm_model_attention(self._attention_layers,
-                                                  self.policy.max_model_len,
-                                                  self.policy.max_model_len)
         self.registry.capture_all()
         if self.registry.device.type == "cuda" or all(r.enabled for r in
                                                       self.registry.runners.values()):
@@ -164,8 +154,7 @@ class EngineGraphs:
     def stats(self) -> dict[str, Any]:
         per = self.registry.stats()
         per["target_decode"]["prefill_calls"] = self.target.prefill_calls
-        return {"capture_s": self.capture_s, "kernel_warmup": self.kernel_warmup,
-                "components": per,
+        return {"capture_s": self.capture_s, "components": per,
                 "replayed": sum(r["graph_replays"] for r in per.values()),
                 "padded_rows": sum(r["padded_rows"] for r in per.values()),
                 "without_graph": {name: r["fallback_reasons"] for name, r in per.items()
