@@ -347,3 +347,39 @@ def test_host_stage_equals_the_device_fill_path():
         stage.fill(big, 20, 3, 4, 64, drafts)
     with pytest.raises(ValueError, match="no drafts"):
         stage.fill(small, 4, 2, 4, 64, None)
+
+
+@pytest.mark.parametrize("kind,n", [("decode", 3), ("decode", 6), ("verify", 3), ("mixed", 5)])
+def test_run_host_replays_like_run_and_counts_misses(world, kind, n):
+    """The engine's path (host lists staged in two copies) replays the same graph as ``run`` and
+    gives its exact output; what no graph fits comes back as None with its reason counted."""
+    from capture.host_stage import HostBatch
+
+    model = world[0]
+    q = 4 if kind != "decode" else 1
+    runner = CpuReplayRunner(kind, model.forward, [s * q for s in (1, 2, 4)],
+                             StaticBuffers(8 * q, 8, 16, CPU), query_len=q,
+                             seq_len_buckets=(16, 64))
+    runner.capture()
+    live = _batch(world, kind, n)
+    m = live.meta
+    hb = HostBatch(input_ids=live.input_ids.tolist(), positions=live.positions.tolist(),
+                   slots=m.slot_mapping.tolist(), seq_lens=m.seq_lens.tolist(),
+                   query_start_loc=m.query_start_loc.tolist(), tables=m.block_tables.tolist(),
+                   max_query_len=m.max_query_len, max_seq_len=m.max_seq_len)
+    snap = [(k.clone(), v.clone()) for k, v in model.caches]
+    ref = runner.run(live)
+    ref = ref.clone() if ref is not None else None
+    for (k, v), (ks, vs) in zip(model.caches, snap):
+        k.copy_(ks), v.copy_(vs)
+    out = runner.run_host(hb)
+    st = runner.stats()
+    if n <= 4:
+        assert st["graph_replays"] == 2 and torch.equal(out, ref)
+    else:  # above the largest size: run() fell back, run_host hands it back to the caller
+        assert out is None and st["fallback_reasons"] == {"size": 2}
+    wide = HostBatch(**{**hb.__dict__, "tables": [[0] * 17] * hb.num_seqs})
+    assert runner.run_host(wide) is None and runner.fallback_reasons["block_table_width"] == 1
+    if kind == "decode":
+        long_q = HostBatch(**{**hb.__dict__, "max_query_len": 2})
+        assert runner.run_host(long_q) is None and runner.fallback_reasons["query_len"] == 1
