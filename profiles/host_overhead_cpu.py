@@ -90,12 +90,12 @@ def measure(name: str, llm: LLM, k: int, batch: int, tokens: int, ops: bool,
     cfg = llm.config
     models = compile_models(llm.engine.runner, CompileConfig(inductor=False))
     llm._compiled = models
-    policy = CapturePolicy(max_batch_size=4, num_speculative_tokens=k,
-                           max_model_len=cfg.max_model_len, batch_sizes=(1, 2, 4),
+    policy = CapturePolicy(max_batch_size=batch, num_speculative_tokens=k,
+                           max_model_len=cfg.max_model_len, batch_sizes=(batch,),
                            seq_len_buckets=(cfg.max_model_len,))
     capture_graphs(llm.engine.runner, models, policy, cfg.cache.page_size, emulate=True)
     sp = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    prompts = [[3, 7, 1, 9, 2, 4][: 3 + i % 3] for i in range(batch)]
+    prompts = [[3, 7, 1, 9, 2, 4][: 3 + i % 3] + [i % 29 + 1] for i in range(batch)]
     llm.generate(prompts, sp, use_tqdm=False)  # warm: Dynamo guards, allocator, graphs
 
     eng = llm.engine
@@ -139,6 +139,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--ops", action="store_true", help="count aten ops (slows the host timing)")
     ap.add_argument("--cprofile", action="store_true", help="print the top host functions")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 64])
     a = ap.parse_args()
     if a.tokenizer is None:
         from compiled_spec.models.gguf_loader import find_default_gguf
@@ -146,18 +147,19 @@ def main() -> None:
         a.tokenizer = find_default_gguf()
     torch.set_num_threads(1)
     target, head, tok = fixtures(Path(a.fixtures), a.tokenizer)
-    kw = dict(model=target, tokenizer=tok, max_model_len=256, max_num_seqs=4, dtype="float32")
     rows = []
-    for name, draft, k, batch in (("vanilla", None, 0, 1), ("eagle3_k5", head, 5, 1),
-                                  ("vanilla", None, 0, 4), ("eagle3_k5", head, 5, 4)):
-        spec = {"draft": draft, "num_speculative_tokens": k} if draft else {}
-        llm = LLM(**kw, **spec)
-        prof = cProfile.Profile() if a.cprofile else None
-        row = measure(name, llm, k, batch, a.tokens, a.ops, prof)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        if prof is not None:
-            pstats.Stats(prof).sort_stats("cumulative").print_stats(r"compiled_spec|capture", 40)
+    for batch in a.batch:
+        for name, draft, k in (("vanilla", None, 0), ("eagle3_k5", head, 5)):
+            spec = {"draft": draft, "num_speculative_tokens": k} if draft else {}
+            llm = LLM(model=target, tokenizer=tok, max_model_len=256, max_num_seqs=batch,
+                      num_kv_blocks=20 * batch + 8, dtype="float32", **spec)
+            prof = cProfile.Profile() if a.cprofile else None
+            row = measure(name, llm, k, batch, a.tokens, a.ops, prof)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if prof is not None:
+                pstats.Stats(prof).sort_stats("cumulative").print_stats(r"compiled_spec|capture",
+                                                                        40)
     print(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(),
                       "cpu": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}))
 

@@ -58,15 +58,18 @@ def span_rows(allocator: BlockAllocator, spans: list[Span]
     slots: list[int] = []
     seq_lens: list[int] = []
     qsl = [0]
+    page, tables = allocator.page_size, allocator.tables
+    # Hot: every token of every running request, every step; the slot arithmetic is inlined.
     for s in spans:
-        limit = s.start + s.length if s.write_limit is None else s.write_limit
-        for p in range(s.start, s.start + s.length):
-            if p < limit:
-                positions.append(p)
-                slots.append(allocator.slot(s.req_id, p))
-            else:
-                positions.append(limit - 1)
-                slots.append(-1)
+        end = s.start + s.length
+        live_end = end if s.write_limit is None else min(end, s.write_limit)
+        table = tables[s.req_id] if live_end > s.start else ()
+        positions.extend(range(s.start, live_end))
+        slots.extend([table[p // page] * page + p % page for p in range(s.start, live_end)])
+        if live_end < end:  # inert rows past the write limit
+            pad = max(live_end, s.start)
+            positions.extend([s.write_limit - 1] * (end - pad))
+            slots.extend([-1] * (end - pad))
         seq_lens.append(positions[-1] + 1 if s.length else s.start)
         qsl.append(qsl[-1] + s.length)
     return positions, slots, seq_lens, qsl
@@ -80,11 +83,13 @@ def loop_rows(allocator: BlockAllocator, roots: list[Span], write_limits: list[i
     positions = [[0] * len(roots) for _ in range(num_steps)]
     slots = [[0] * len(roots) for _ in range(num_steps)]
     lens = [[0] * len(roots) for _ in range(num_steps)]
+    page, tables = allocator.page_size, allocator.tables
     for b, (s, limit) in enumerate(zip(roots, write_limits)):
+        table = tables[s.req_id]
         for j in range(num_steps):
             p = s.start + s.length + j
             if p < limit:
-                positions[j][b], slots[j][b] = p, allocator.slot(s.req_id, p)
+                positions[j][b], slots[j][b] = p, table[p // page] * page + p % page
             else:
                 positions[j][b], slots[j][b] = limit - 1, -1
             lens[j][b] = positions[j][b] + 1

@@ -110,15 +110,16 @@ class ModelRunner:
         """The step's flat batch on the host; draft rows point into the device-resident drafts."""
         spans, num_draft, host_ids = [], [], []
         draft_dst, draft_src = [], []
+        width = max(self.k, 1)  # drafts per row of the last proposal
         for r, n in zip(reqs, num_new):
             k_i = self.num_drafts_for(r)
             start = r.num_computed
             offset = len(host_ids)
-            host_ids.extend(r.token_ids[start:start + n])
+            host_ids.extend(r.tokens(start, start + n))
             host_ids.extend([0] * k_i)  # filled from the device-resident drafts
-            row = self._draft_row.get(r.req_id, 0)
+            src = self._draft_row.get(r.req_id, 0) * width
             draft_dst.extend(range(offset + n, offset + n + k_i))
-            draft_src.extend(row * max(self.k, 1) + j for j in range(k_i))
+            draft_src.extend(range(src, src + k_i))
             spans.append(Span(r.req_id, start, n + k_i))
             num_draft.append(k_i)
         hb = build_host_batch(self.allocator, spans, host_ids, draft_dst, draft_src)
@@ -128,20 +129,25 @@ class ModelRunner:
                 ) -> tuple[torch.Tensor, list[int]]:
         """Target logits for each request's last k_i + 1 query tokens, padded: [B, K+1, V]."""
         kmax = max(num_draft)
-        row_start, rows, pad_idx = [], [], []
-        first = 0
-        for s, k_i in zip(spans, num_draft):
+        row_start, first = [], 0
+        for s in spans:
             row_start.append(first)
-            base = len(rows)
-            rows.extend(range(first + s.length - k_i - 1, first + s.length))
-            pad_idx.extend(base + min(j, k_i) for j in range(kmax + 1))
             first += s.length
-        # Plain decode (one row per request, every row wanted): no gathers, so no index copies
-        # and their kernels in the step's host-bound hot path.
-        if rows != list(range(hidden.shape[0])):
+        # Decode and full verification (every row wanted, every request verifying kmax drafts)
+        # need no gathers: no index lists, copies or kernels on the step's host-bound path.
+        every_row = all(s.length == k_i + 1 for s, k_i in zip(spans, num_draft))
+        same_k = all(k_i == kmax for k_i in num_draft)
+        if every_row and same_k:
+            return self.model.compute_logits(hidden).view(len(spans), kmax + 1, -1), row_start
+        rows, pad_idx = [], []
+        for s, k_i, r0 in zip(spans, num_draft, row_start):
+            base = len(rows)
+            rows.extend(range(r0 + s.length - k_i - 1, r0 + s.length))
+            pad_idx.extend(base + min(j, k_i) for j in range(kmax + 1))
+        if not every_row:  # prefill rows in the batch: keep each request's last k_i + 1
             hidden = hidden[to_device(rows, self.device)]
         logits = self.model.compute_logits(hidden)  # [R, V]
-        if pad_idx != list(range(len(rows))):
+        if not same_k:  # fewer drafts for some requests: repeat their last row up to kmax + 1
             logits = logits[to_device(pad_idx, self.device)]
         return logits.view(len(spans), kmax + 1, -1), row_start
 
@@ -226,7 +232,7 @@ class ModelRunner:
                 continue
             m = span.length - k_d + accepted[r.req_id]  # accepted target positions
             first_pass.append(Span(r.req_id, span.start, m))
-            token_ids.extend(r.token_ids[span.start + 1:span.start + 1 + m])
+            token_ids.extend(r.tokens(span.start + 1, span.start + 1 + m))
             rows = pend.rows_by_req.get(r.req_id) if pend.rows_by_req else None
             hidden_rows.extend(rows[:m] if rows is not None else range(row0, row0 + m))
             limits.append(n_tok - 2 + k_next)

@@ -1,0 +1,59 @@
+"""Host-side batch construction, the engine's per-step hot path: the inlined slot arithmetic of
+``span_rows`` / ``loop_rows`` against the allocator's own ``slot()``, inert rows past write
+limits included, and ``Request.tokens`` against slicing the whole token list."""
+from __future__ import annotations
+
+import random
+
+from compiled_spec.engine.batch import Span, loop_rows, span_rows
+from compiled_spec.engine.request import Request
+from compiled_spec.kv_cache import BlockAllocator
+from compiled_spec.sampling_params import SamplingParams
+
+
+def _span_rows_ref(alloc: BlockAllocator, spans: list[Span]):
+    positions, slots, seq_lens, qsl = [], [], [], [0]
+    for s in spans:
+        limit = s.start + s.length if s.write_limit is None else s.write_limit
+        for p in range(s.start, s.start + s.length):
+            if p < limit:
+                positions.append(p)
+                slots.append(alloc.slot(s.req_id, p))
+            else:
+                positions.append(limit - 1)
+                slots.append(-1)
+        seq_lens.append(positions[-1] + 1 if s.length else s.start)
+        qsl.append(qsl[-1] + s.length)
+    return positions, slots, seq_lens, qsl
+
+
+def test_span_and_loop_rows_match_the_allocator():
+    rng = random.Random(0)
+    for page in (1, 4, 16):
+        alloc = BlockAllocator(4000, page)
+        for r in range(12):
+            alloc.grow(r, 200)
+        for _ in range(600):
+            spans = []
+            for r in rng.sample(range(12), rng.randint(1, 6)):
+                start, length = rng.randint(0, 180), rng.randint(0, 12)
+                limit = rng.choice([None, max(1, start + rng.randint(-3, length + 2))])
+                spans.append(Span(r, start, length, limit))
+            assert span_rows(alloc, spans) == _span_rows_ref(alloc, spans), spans
+            roots = [Span(s.req_id, s.start, max(1, s.length)) for s in spans]
+            limits = [s.start + s.length + rng.randint(0, 5) for s in roots]
+            pos, slots, lens = loop_rows(alloc, roots, limits, 4)
+            for b, (s, lim) in enumerate(zip(roots, limits)):
+                for j in range(4):
+                    p = s.start + s.length + j
+                    want = (p, alloc.slot(s.req_id, p)) if p < lim else (lim - 1, -1)
+                    assert (pos[j][b], slots[j][b]) == want and lens[j][b] == want[0] + 1
+
+
+def test_request_tokens_equals_slicing_the_whole_sequence():
+    req = Request(req_id=0, prompt_token_ids=[1, 2, 3, 4], params=SamplingParams(), seed=0,
+                  max_total_tokens=20)
+    req.output_token_ids.extend([5, 6, 7])
+    for start in range(8):
+        for end in range(start, 9):
+            assert req.tokens(start, end) == req.token_ids[start:end], (start, end)
