@@ -143,6 +143,8 @@ class GraphRunner:
             seqs = sorted(s // self.query_len for s, b in self._graphs if b == bucket)
             if seqs:
                 self._tables[bucket] = padding_table(seqs)
+        if self._graphs and self.buffers.num_steps == 1 and not self.buffers.extras:
+            self._stage = HostStage(self.buffers)  # pinned buffers now, not in the first step
 
     def _capture_one(self, size: int, bucket: int) -> None:
         # The dummy batch lives in the same static views that replay refills: the pointers the
