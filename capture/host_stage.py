@@ -31,6 +31,12 @@ def staging(n: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Ten
     return t, t.numpy()
 
 
+def put(arr: np.ndarray, live: list, size: int, pad: int) -> None:
+    """``arr[:size]`` = the live values, then ``pad`` up to the padded size."""
+    arr[:len(live)] = live
+    arr[len(live):size] = pad
+
+
 @dataclass
 class HostBatch:
     """A flat single-step batch as host lists (``Span`` layout, inert padding already applied
@@ -87,19 +93,14 @@ class HostStage:
                              f"{bufs.max_seqs})")
         if hb.width > bufs.max_blocks:
             raise ValueError(f"block tables of {hb.width} blocks exceed {bufs.max_blocks}")
-        self._ids[:t] = hb.input_ids
-        self._ids[t:padded_tokens] = 0
-        self._pos[:t] = hb.positions
-        self._pos[t:padded_tokens] = 0
-        self._slots[:t] = hb.slots
-        self._slots[t:padded_tokens] = -1
+        put(self._ids, hb.input_ids, padded_tokens, 0)
+        put(self._pos, hb.positions, padded_tokens, 0)
+        put(self._slots, hb.slots, padded_tokens, -1)
         n_d = len(hb.draft_dst)
         self._dst[:n_d] = hb.draft_dst
         self._src[:n_d] = hb.draft_src
-        self._lens[:b] = hb.seq_lens
-        self._lens[b:padded_seqs] = 0
-        self._qsl[:b + 1] = hb.query_start_loc
-        self._qsl[b + 1:padded_seqs + 1] = t
+        put(self._lens, hb.seq_lens, padded_seqs, 0)
+        put(self._qsl, hb.query_start_loc, padded_seqs + 1, t)
         tab = self._tables[:padded_seqs]
         tab[:] = 0
         for i, row in enumerate(hb.tables):

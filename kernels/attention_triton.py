@@ -18,9 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels.launch import BLOCK_N, attention_launch
-
-
-from kernels.write_kv_triton import write_kv_triton  # noqa: E402,F401  (re-exported)
+from kernels.write_kv_triton import write_kv_triton  # noqa: F401  (re-exported)
 
 
 # Per-call integers kept off the specialisation key (kernels.launch): a new value class would

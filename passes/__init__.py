@@ -13,6 +13,7 @@ from passes.unfuse_addmm import UnfuseResidualAddmm
 
 __all__ = [
     "DUMP_ENV", "GraphPass", "hash_source", "BindPerLayerAttnMetadata", "HoistEagle3Fc",
-    "HoistedPart", "NoOpElimination", "UnfuseResidualAddmm", "PASS_ORDER", "POST_GRAD_ORDER", "CompiledSpecBackend", "PassManager",
+    "HoistedPart", "NoOpElimination", "UnfuseResidualAddmm", "PASS_ORDER", "POST_GRAD_ORDER",
+    "CompiledSpecBackend", "PassManager",
     "default_passes", "make_backend",
 ]

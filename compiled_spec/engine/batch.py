@@ -99,10 +99,7 @@ def loop_rows(allocator: BlockAllocator, roots: list[Span], write_limits: list[i
 def build_metadata(allocator: BlockAllocator, spans: list[Span],
                    device: torch.device) -> tuple[torch.Tensor, AttentionMetadata]:
     """Returns positions [num_tokens] int64 and the metadata for the flat batch of ``spans``."""
-    positions, slots, seq_lens, qsl = span_rows(allocator, spans)
-    return metadata_to_device(device, positions, slots, seq_lens, qsl,
-                              [allocator.tables[s.req_id] for s in spans],
-                              max(s.length for s in spans), max(seq_lens))
+    return _host_metadata_to_device(build_host_batch(allocator, spans, []), device)
 
 
 def build_host_batch(allocator: BlockAllocator, spans: list[Span], input_ids: list[int],
@@ -120,13 +117,17 @@ def host_batch_to_device(hb: HostBatch, device: torch.device,
                          drafts_flat: torch.Tensor | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """(input_ids [T], positions [T], metadata) on ``device``; draft rows filled on device."""
-    positions, meta = metadata_to_device(device, hb.positions, hb.slots, hb.seq_lens,
-                                         hb.query_start_loc, hb.tables, hb.max_query_len,
-                                         hb.max_seq_len)
+    positions, meta = _host_metadata_to_device(hb, device)
     input_ids = to_device(hb.input_ids, device)  # [T]
     if hb.draft_dst:
         input_ids[to_device(hb.draft_dst, device)] = drafts_flat[to_device(hb.draft_src, device)]
     return input_ids, positions, meta
+
+
+def _host_metadata_to_device(hb: HostBatch, device: torch.device
+                             ) -> tuple[torch.Tensor, AttentionMetadata]:
+    return metadata_to_device(device, hb.positions, hb.slots, hb.seq_lens, hb.query_start_loc,
+                              hb.tables, hb.max_query_len, hb.max_seq_len)
 
 
 def build_loop_metadata(allocator: BlockAllocator, roots: list[Span], write_limits: list[int],

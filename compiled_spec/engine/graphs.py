@@ -57,26 +57,26 @@ class GraphedTarget:
             if self.tree is None:
                 raise RuntimeError("tree attention reached an engine without a tree-verify graph")
             return self.tree.run(tree_live(input_ids, positions, meta))
-        live = LiveBatch(input_ids, positions, meta)
-        if meta.max_query_len == 1:
-            return self.decode.run(live)
-        if self.verify is not None and meta.max_query_len <= self.verify_query_len:
-            return self.verify.run(live)
-        self.prefill_calls += 1
+        runner = self._causal_runner(meta.max_query_len)
+        if runner is not None:
+            return runner.run(LiveBatch(input_ids, positions, meta))
         return self.fn(input_ids, positions, meta, aux_layer_ids)
+
+    def _causal_runner(self, max_query_len: int) -> GraphRunner | None:
+        """Decode (one query token) or verify (up to k + 1); None, counted, for a prefill."""
+        if max_query_len == 1:
+            return self.decode
+        if self.verify is not None and max_query_len <= self.verify_query_len:
+            return self.verify
+        self.prefill_calls += 1
+        return None
 
     def run_host(self, hb: HostBatch, drafts_flat: torch.Tensor | None,
                  aux_layer_ids: tuple[int, ...] = ()) -> Any:
         """The engine's causal steps from a host-built batch: decode / verify replay with the
         inputs staged in two copies; anything without a graph (prefill, or a counted miss)
         gets device tensors built here and runs compiled."""
-        if hb.max_query_len == 1:
-            runner: GraphRunner | None = self.decode
-        elif self.verify is not None and hb.max_query_len <= self.verify_query_len:
-            runner = self.verify
-        else:
-            runner = None
-            self.prefill_calls += 1
+        runner = self._causal_runner(hb.max_query_len)
         out = None if runner is None else runner.run_host(hb, drafts_flat)
         if out is not None:
             return out

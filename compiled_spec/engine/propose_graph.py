@@ -24,7 +24,7 @@ import torch
 
 from capture.cuda_graphs import capture_graph
 from capture.emulate import emulate_graph
-from capture.host_stage import staging
+from capture.host_stage import put, staging
 from capture.pad import LiveBatch
 from compiled_spec.attention_metadata import AttentionMetadata
 from compiled_spec.engine.batch import loop_rows, span_rows
@@ -235,11 +235,6 @@ class ProposeGraphs:
             return "max_seq_len"
         n, t_live = len(batch.first_pass), len(pos)
         h64, h32, l64, l32 = self.h64, self.h32, self.l64, self.l32
-
-        def put(arr: np.ndarray, live: list, size: int, pad: int) -> None:
-            arr[:len(live)] = live
-            arr[len(live):size] = pad
-
         put(l64.seg(h64, "ids"), batch.token_ids, t, 0)
         put(l64.seg(h64, "positions"), pos, t, 0)
         put(l64.seg(h64, "slots"), slots, t, -1)
