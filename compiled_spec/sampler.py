@@ -36,12 +36,22 @@ def position_keys(seeds: torch.Tensor, positions: torch.Tensor, stream: int = ST
     return _mix32((k + positions * _GOLDEN) & _M32)
 
 
+def bits_to_unit(h: torch.Tensor) -> torch.Tensor:
+    """int64 hashes in [0, 2**32) -> float32 uniforms strictly inside (0, 1).
+
+    23 bits, not 24: (2**24 - 0.5) / 2**24 is not a float32 and rounds to exactly 1.0, whose
+    -log is 0, so an exponential race would divide by zero and pick a token of probability 0.
+    Every (m + 0.5) / 2**23 with m < 2**23 is exact in float32's 24-bit significand.
+    """
+    return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+
+
 def uniform_noise(keys: torch.Tensor, width: int) -> torch.Tensor:
     """[B] keys -> [B, width] uniforms in (0, 1), one per vocabulary index."""
     idx = torch.arange(width, device=keys.device, dtype=torch.int64)
     h = _mix32((keys[:, None] ^ ((idx[None, :] * _GOLDEN) & _M32)) + 0x6A09E667 & _M32)
     h = _mix32(h ^ keys[:, None])
-    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return bits_to_unit(h)
 
 
 @dataclass

@@ -48,9 +48,11 @@ def main() -> int:
     cfg = SimpleNamespace(batch_size=a.batch_size, ttt_steps=a.ttt_steps, ttt_decay=0.8)
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda"
                 else nullcontext())
-    loss, acc = evaluate(draft, feats, seqs, cfg, autocast)
+    ev = evaluate(draft, feats, seqs, cfg, autocast)
     print(json.dumps({"head": a.head, "val": a.val, "sequences": len(seqs),
-                      "val_loss": round(loss, 4), "val_acc": [round(x, 4) for x in acc],
+                      "val_loss": round(ev.loss, 4), "val_acc": [round(x, 4) for x in ev.accuracy],
+                      "val_acc_by_kind": {k: [round(x, 4) for x in v]
+                                          for k, v in ev.accuracy_by_kind.items()},
                       "seconds": round(time.perf_counter() - t0, 1)}))
     return 0
 

@@ -106,7 +106,7 @@ def trainer_eval(a: argparse.Namespace) -> None:
 
     from compiled_spec.draft.loader import load_draft
     from compiled_spec.heads import resolve_draft
-    from compiled_spec.train.data import generate_sequences
+    from compiled_spec.train.multiturn import generate_sequences
     from compiled_spec.train.heldout import evaluate
     from compiled_spec.train.trainer import TrainConfig
 
@@ -130,10 +130,11 @@ def trainer_eval(a: argparse.Namespace) -> None:
 
         backend = sdpa_kernel(SDPBackend.MATH)
     with backend:
-        loss, acc = evaluate(draft, feats, seqs, cfg, autocast)
+        ev = evaluate(draft, feats, seqs, cfg, autocast)
+        loss, acc = ev.loss, ev.accuracy
     print(json.dumps({"trainer_eval_prompts": len(seqs), "dtype": a.dtype, "device": a.device,
                       "sdpa_math": a.sdpa_math,
-                      "response_tokens": sum(len(s.input_ids) - s.num_prompt for s in seqs),
+                      "response_tokens": sum(len(s.response_ids()) for s in seqs),
                       "val_loss": round(loss, 4), "val_acc": [round(x, 4) for x in acc],
                       "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
     del llm

@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from compiled_spec.sampler import (SamplingTensors, apply_filters, position_keys, sample,
-                                   sample_from_probs, uniform_noise)
+from compiled_spec.sampler import (SamplingTensors, apply_filters, bits_to_unit, position_keys,
+                                   sample, sample_from_probs, uniform_noise)
 from compiled_spec.sampling_params import SamplingParams
 
 
@@ -36,6 +36,32 @@ def test_uniform_noise_is_uniform_and_keyed():
         assert abs(row.var().item() - 1 / 12) < 0.003
     # Same key, same noise: reproducible by construction.
     assert torch.equal(uniform_noise(keys[:1], 50), uniform_noise(keys[:1], 50))
+
+
+def test_hash_to_uniform_never_reaches_0_or_1():
+    # Exhaustive over the top and bottom 2**20 hash values: the old 24-bit mapping turned the
+    # top 256 of them into exactly 1.0 (then -log(u) = 0 and the race picked p = 0 tokens).
+    top = torch.arange(2**32 - 2**20, 2**32, dtype=torch.int64)
+    bottom = torch.arange(0, 2**20, dtype=torch.int64)
+    for h in (top, bottom):
+        u = bits_to_unit(h)
+        assert (u > 0).all() and (u < 1).all()
+        assert torch.isfinite(-torch.log(u)).all() and (-torch.log(u) > 0).all()
+
+
+def test_race_never_picks_a_zero_probability_token():
+    # Two-token support inside a 65,536-wide vocabulary: each row draws 65,536 noises, so 4,096
+    # rows see ~2.7e8 draws, where the old mapping hit u == 1.0 about 16 times (a NaN ratio that
+    # argmax takes). Greedy (one-hot) rows share the batch, as they do in the engine.
+    width, rows = 65536, 4096
+    probs = torch.zeros(256, width)
+    probs[:, 7], probs[:, 40000] = 0.6, 0.4
+    probs[::4] = 0.0
+    probs[::4, 123] = 1.0  # greedy rows: one-hot
+    for start in range(0, rows, 256):
+        keys = position_keys(torch.full((256,), 99), torch.arange(start, start + 256))
+        toks = sample_from_probs(probs, keys)
+        assert (probs.gather(1, toks[:, None]) > 0).all(), toks
 
 
 def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:

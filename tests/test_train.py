@@ -160,13 +160,17 @@ def test_train_end_to_end(bigram_setup, smollm2_gguf_path):
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
         assert f.get_tensor("t2d").sum() == 24
-    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
+    assert {"fc.weight", "norm.weight", "d2t", "t2d",
             "midlayer.hidden_norm.weight", "midlayer.self_attn.q_proj.weight"} <= keys
+    # The readout was frozen at the target's rows (the default): not stored, rebuilt at load.
+    assert "lm_head.weight" not in keys and cfg["lm_head_from_target"] is True
     assert not any(k.startswith("layers.") or "embed" in k for k in keys)
 
     net, _ = load_model(target, torch.float32, "cpu")
     draft = load_draft(str(out), net, torch.float32, "cpu")
     assert draft.config.method == "eagle3" and draft.config.draft_vocab_size == 24
+    ids = draft_ids_from_d2t(draft.d2t)
+    assert torch.equal(draft.lm_head.weight, net.lm_head.weight[ids])
     load_draft(str(out / "best"), net, torch.float32, "cpu")
 
     rng = random.Random(123)  # held-out prompts

@@ -15,6 +15,9 @@ from compiled_spec.models.config import Llama3RopeScaling, ModelConfig
 
 METHODS = ("eagle", "eagle3")
 # Tensors only an EAGLE-3 head has (after renaming midlayer. -> layers.0.).
+# config.json flag (ours): the head stores no lm_head; it is the target's lm_head at the draft
+# vocabulary (a head trained with its readout frozen there), rebuilt at load from d2t.
+LM_HEAD_FROM_TARGET = "lm_head_from_target"
 _EAGLE3_ONLY = ("d2t", "t2d", "norm.weight", "lm_head.weight")
 
 

@@ -2,7 +2,9 @@
 
 As strict as the target loader (whose key/shape checker it reuses): every draft parameter must come
 from the checkpoint with the exact shape and nothing else may be present, except ``t2d`` (accepted,
-unused) and ``d2t`` (validated, loaded as an int64 buffer). Heads built for another target are
+unused) and ``d2t`` (validated, loaded as an int64 buffer), and an EAGLE-3 ``lm_head`` left out by
+a head whose config.json says ``lm_head_from_target`` (its rows are then the target's lm_head rows
+at the draft vocabulary: heads trained with a frozen readout). Heads built for another target are
 rejected with both values named. Only safetensors are read; pickle checkpoints never are.
 """
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from compiled_spec.draft.config import DraftConfig, rename_key
+from compiled_spec.draft.config import LM_HEAD_FROM_TARGET, DraftConfig, rename_key
 from compiled_spec.draft.model import EagleDraft
 from compiled_spec.models.decoder import CausalLM
 from compiled_spec.models.loader import (
@@ -64,6 +66,15 @@ def load_draft(path: str, target: CausalLM, dtype: torch.dtype,
         draft = EagleDraft(config, target, own_embedding="embed_tokens.weight" in shapes)
     index_shapes = {k: shapes.pop(k) for k in _INDEX_KEYS if k in shapes}
     extra = list(duplicates) + _index_problems(config, index_shapes)
+    # A head trained with a frozen readout stores no lm_head: its rows are the target's at the
+    # draft vocabulary (``LM_HEAD_FROM_TARGET`` in config.json), rebuilt here from d2t.
+    tied = (config.method == "eagle3" and bool(raw.get(LM_HEAD_FROM_TARGET))
+            and "lm_head.weight" not in shapes)
+    if tied:
+        shapes["lm_head.weight"] = (config.draft_vocab_size, config.hidden_size)
+        if config.hidden_size != target.config.hidden_size:
+            extra.append(f"{LM_HEAD_FROM_TARGET} needs the target's hidden size "
+                         f"{target.config.hidden_size}, the head has {config.hidden_size}")
     to_load = check_checkpoint(draft, shapes, str(p), extra_problems=extra)
 
     with ExitStack() as stack:
@@ -72,14 +83,18 @@ def load_draft(path: str, target: CausalLM, dtype: torch.dtype,
                   for f in files}
 
         def get(key: str) -> torch.Tensor:
+            if tied and key == "lm_head.weight":
+                w = target.lm_head.weight.detach()  # [V, h]
+                return w[(torch.arange(d2t.numel(), device=d2t.device) + d2t).to(w.device)]
             f, checkpoint_key = source[key]
             return opened[f].get_tensor(checkpoint_key)
 
-        load_tensors(draft, to_load, get, dtype, device)
-        if config.method == "eagle3":
+        if config.method == "eagle3":  # checked first: a tied lm_head is gathered through it
             d2t = (get("d2t").to(device=device, dtype=torch.int64) if "d2t" in index_shapes
                    else torch.zeros(config.draft_vocab_size, dtype=torch.int64, device=device))
             _check_d2t(d2t.cpu(), config.target_vocab_size or 0, str(p))
+        load_tensors(draft, to_load, get, dtype, device)
+        if config.method == "eagle3":
             draft.d2t = d2t
     return _finalize(draft, device)
 

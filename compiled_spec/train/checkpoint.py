@@ -2,7 +2,8 @@
 
 The head is ``config.json`` + ``model.safetensors`` with the keys public EAGLE-3 loaders read:
 ``fc.weight``, ``midlayer.*`` (one layer; ``layers.N.*`` for deeper drafts), ``norm.weight``,
-``lm_head.weight``, ``d2t``, ``t2d``. The embedding is the target's and is not saved. Optimizer state
+``lm_head.weight``, ``d2t``, ``t2d``. The embedding is the target's and is not saved; so is the
+lm_head of a head trained with it frozen at the target's rows (config ``lm_head_from_target``). Optimizer state
 is a plain ``torch.save`` dict of tensors and numbers, only ever read with ``weights_only=True``.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from compiled_spec.draft.config import DraftConfig, rename_key
+from compiled_spec.draft.config import LM_HEAD_FROM_TARGET, DraftConfig, rename_key
 from compiled_spec.draft.model import EagleDraft
 from compiled_spec.models.config import ModelConfig
 
@@ -65,16 +66,25 @@ def _atomic(path: Path, write) -> None:
     os.replace(tmp, path)  # a crash mid-save never leaves a half-written checkpoint
 
 
+def lm_head_frozen(draft: EagleDraft) -> bool:
+    """An EAGLE-3 head trained with the target's own readout rows: its lm_head is not saved."""
+    return draft.config.method == "eagle3" and not draft.lm_head.weight.requires_grad
+
+
 def save_head(draft: EagleDraft, t2d: torch.Tensor, out_dir: Path) -> None:
     cfg = draft.config
+    skip = {"d2t"} | ({"lm_head.weight"} if lm_head_frozen(draft) else set())
     sd = {_checkpoint_key(k, cfg.num_hidden_layers): v.detach().float().cpu().contiguous()
-          for k, v in draft.state_dict().items() if k != "d2t"}
+          for k, v in draft.state_dict().items() if k not in skip}
     sd["d2t"] = draft.d2t.detach().to(torch.int64).cpu().contiguous()
     sd["t2d"] = t2d.to(torch.bool).cpu().contiguous()
     out_dir.mkdir(parents=True, exist_ok=True)
     _atomic(out_dir / "model.safetensors",
             lambda p: save_file(sd, str(p), metadata={"format": "pt"}))
-    text = json.dumps(eagle3_config_dict(cfg, draft.target.config), indent=2)
+    config = eagle3_config_dict(cfg, draft.target.config)
+    if lm_head_frozen(draft):
+        config[LM_HEAD_FROM_TARGET] = True
+    text = json.dumps(config, indent=2)
     _atomic(out_dir / "config.json", lambda p: p.write_text(text))
 
 
@@ -97,6 +107,8 @@ def load_head_into(draft: EagleDraft, out_dir: Path) -> torch.Tensor:
             with safe_open(str(path), framework="pt") as f:
                 t2d = f.get_tensor("t2d") if "t2d" in f.keys() else None
     missing = set(own) - seen
+    if json.loads((Path(out_dir) / "config.json").read_text()).get(LM_HEAD_FROM_TARGET):
+        missing.discard("lm_head.weight")  # the target's rows, already in place (build_head)
     if missing or t2d is None:
         raise ValueError(f"{out_dir}: saved head lacks {sorted(missing) or ['t2d']}")
     return t2d

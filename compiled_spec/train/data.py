@@ -5,7 +5,8 @@ distribution it will be verified against, not some other model's. A training seq
 prompt + response token ids with a loss mask over the response. Several responses per prompt (one
 per sampling temperature) multiply the data: the labels are the target's full distribution at every
 position, so a sampled response is as valid a training sequence as the greedy one and visits states
-the greedy one never reaches. The target's features are recomputed per batch (``features.py``).
+the greedy one never reaches. The target's features are recomputed per batch (``features.py``);
+the generation itself is ``multiturn.py``.
 """
 from __future__ import annotations
 
@@ -13,13 +14,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
-
 import torch
-from tqdm.auto import tqdm
-
-if TYPE_CHECKING:
-    from compiled_spec.llm import LLM
 
 
 @dataclass
@@ -27,13 +22,30 @@ class PromptRow:
     id: str
     text: str | None  # chat-templated with the target's template
     ids: list[int] | None  # used verbatim (``prompt_ids`` rows: no template)
+    source: str = ""  # where the prompt comes from (held-out figures are reported per kind)
 
 
 @dataclass
 class TrainSequence:
     id: str
-    input_ids: list[int]  # prompt + response, target vocab
-    num_prompt: int  # loss covers input_ids[num_prompt:]
+    input_ids: list[int]  # prompt + response(s), target vocab
+    num_prompt: int  # without spans: the loss covers input_ids[num_prompt:]
+    # [start, end) ranges of the target's own tokens (every assistant turn of a multi-turn
+    # conversation); None: the single response after num_prompt.
+    spans: list[tuple[int, int]] | None = None
+    kind: str = ""  # "prose" | "code" | ... (see ``prompt_kind``)
+
+    def loss_spans(self) -> list[tuple[int, int]]:
+        return self.spans if self.spans is not None else [(self.num_prompt, len(self.input_ids))]
+
+    def response_ids(self) -> list[int]:
+        return [t for a, b in self.loss_spans() for t in self.input_ids[a:b]]
+
+
+def prompt_kind(source: str) -> str:
+    """The kind of a prompt source, for held-out figures: code data sets vs everything else.
+    MT-bench is prose, so the prose figure is the headline."""
+    return "code" if "code" in source.lower() else "prose"
 
 
 def load_prompts(path: str | Path, num_prompts: int | None = None) -> list[PromptRow]:
@@ -51,14 +63,14 @@ def load_prompts(path: str | Path, num_prompts: int | None = None) -> list[Promp
             r = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{n}: malformed JSON: {e}") from None
-        rid = str(r.get("id", n))
+        rid, src = str(r.get("id", n)), str(r.get("source", ""))
         if isinstance(r.get("prompt_ids"), list):
             ids = r["prompt_ids"]
             if not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
                 raise ValueError(f"{path}:{n}: prompt_ids must be a non-empty list of ints")
-            rows.append(PromptRow(rid, None, list(ids)))
+            rows.append(PromptRow(rid, None, list(ids), src))
         elif isinstance(r.get("prompt"), str) and r["prompt"]:
-            rows.append(PromptRow(rid, r["prompt"], None))
+            rows.append(PromptRow(rid, r["prompt"], None, src))
         else:
             raise ValueError(f"{path}:{n}: expected a non-empty 'prompt' string or 'prompt_ids'")
         if num_prompts is not None and len(rows) >= num_prompts:
@@ -68,60 +80,13 @@ def load_prompts(path: str | Path, num_prompts: int | None = None) -> list[Promp
     return rows
 
 
-def generate_sequences(llm: "LLM", prompts: list[PromptRow], max_new_tokens: int,
-                       max_seq_len: int, temperatures: tuple[float, ...] = (0.0,),
-                       batch_size: int = 32, seed: int = 0, ignore_eos: bool = False,
-                       partial: Path | None = None) -> list[TrainSequence]:
-    """Let the target answer every prompt once per temperature with our engine. Prompts too long
-    to leave room for at least two response tokens within ``max_seq_len`` are skipped.
-
-    With ``partial``, finished chunks are appended there as they complete and the rows already in
-    it are not generated again, so a generation cut short (a time limit) resumes where it stopped.
-    """
-    from compiled_spec.sampling_params import SamplingParams
-
-    done: dict[str, TrainSequence] = {}
-    if partial is not None and partial.is_file():
-        done = {s.id: s for s in load_sequences(partial, strict=False)}
-    jobs: list[tuple[str, list[int], float, int]] = []  # (sequence id, prompt ids, temp, seed)
-    for row in prompts:
-        ids = row.ids if row.ids is not None else llm.encode_chat(
-            [{"role": "user", "content": row.text}])
-        if len(ids) > max_seq_len - 2:
-            continue
-        for ti, temp in enumerate(temperatures):
-            sid = row.id if ti == 0 else f"{row.id}#t{ti}"
-            jobs.append((sid, ids, temp, seed * 1_000_003 + len(jobs)))
-    out: list[TrainSequence] = [done[j[0]] for j in jobs if j[0] in done]
-    todo = [j for j in jobs if j[0] not in done]
-    bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc="self-distill",
-               unit="seq")
-    # Chunks of several engine batches: continuous batching refills the slots of responses that
-    # end early, and each finished chunk is one append to ``partial``.
-    chunk_size = 4 * batch_size
-    for start in range(0, len(todo), chunk_size):
-        chunk = todo[start:start + chunk_size]
-        params = [SamplingParams(max_tokens=min(max_new_tokens, max_seq_len - len(ids)),
-                                 temperature=temp, seed=sd, ignore_eos=ignore_eos)
-                  for _, ids, temp, sd in chunk]
-        new: list[TrainSequence] = []
-        for (sid, ids, _, _), res in zip(chunk, llm.generate([j[1] for j in chunk], params)):
-            resp = res.outputs[0].token_ids
-            if resp:
-                new.append(TrainSequence(sid, list(ids) + list(resp), len(ids)))
-        if partial is not None:
-            with partial.open("a") as f:
-                f.write("".join(_row(s) for s in new))
-        out.extend(new)
-        bar.update(len(chunk))
-    bar.close()
-    if not out:
-        raise ValueError("the target produced no usable training sequences")
-    return out
-
-
 def _row(s: TrainSequence) -> str:
-    return json.dumps({"id": s.id, "input_ids": s.input_ids, "num_prompt": s.num_prompt}) + "\n"
+    row: dict = {"id": s.id, "input_ids": s.input_ids, "num_prompt": s.num_prompt}
+    if s.spans is not None:
+        row["spans"] = s.spans
+    if s.kind:
+        row["kind"] = s.kind
+    return json.dumps(row) + "\n"
 
 
 def save_sequences(path: Path, seqs: list[TrainSequence]) -> None:
@@ -143,7 +108,10 @@ def load_sequences(path: Path, strict: bool = True) -> list[TrainSequence]:
             if strict or n != len(lines):
                 raise ValueError(f"{path}:{n}: malformed row") from None
             continue
-        out.append(TrainSequence(str(r["id"]), list(r["input_ids"]), int(r["num_prompt"])))
+        spans = r.get("spans")
+        out.append(TrainSequence(str(r["id"]), list(r["input_ids"]), int(r["num_prompt"]),
+                                 None if spans is None else [(int(a), int(b)) for a, b in spans],
+                                 str(r.get("kind", ""))))
     return out
 
 
@@ -152,6 +120,7 @@ class Batch:
     input_ids: torch.Tensor  # [B, S] int64, right-padded with 0
     lengths: torch.Tensor  # [B] int64
     loss_mask: torch.Tensor  # [B, S] bool: response tokens (never padding)
+    num_tokens: int = 0  # real tokens (sum of lengths), known on the host
 
 
 def collate(seqs: list[TrainSequence], device: torch.device | str) -> Batch:
@@ -160,9 +129,36 @@ def collate(seqs: list[TrainSequence], device: torch.device | str) -> Batch:
     mask = torch.zeros(len(seqs), width, dtype=torch.bool)
     for b, s in enumerate(seqs):
         ids[b, :len(s.input_ids)] = torch.tensor(s.input_ids, dtype=torch.int64)
-        mask[b, s.num_prompt:len(s.input_ids)] = True
-    lengths = torch.tensor([len(s.input_ids) for s in seqs], dtype=torch.int64)
-    return Batch(ids.to(device), lengths.to(device), mask.to(device))
+        for start, end in s.loss_spans():
+            mask[b, start:end] = True
+    lens = [len(s.input_ids) for s in seqs]
+    lengths = torch.tensor(lens, dtype=torch.int64)
+    return Batch(ids.to(device), lengths.to(device), mask.to(device), sum(lens))
+
+
+def length_batches(lengths: list[int], batch_tokens: int, seed: int,
+                   pool: int = 64) -> list[list[int]]:
+    """One epoch of length-grouped batches: a seeded shuffle, cut into pools of ``pool``
+    batches' worth of sequences, each pool sorted by length and cut greedily so that a batch's
+    padded size (count x its longest) stays within ``batch_tokens``; batch order shuffled again.
+    Padding is then a few percent, where random batches of mixed chat lengths waste most."""
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(lengths), generator=g).tolist()
+    mean = max(1, sum(lengths) // max(1, len(lengths)))
+    pool_size = max(1, pool * batch_tokens // mean)
+    batches: list[list[int]] = []
+    for start in range(0, len(order), pool_size):
+        chunk = sorted(order[start:start + pool_size], key=lambda i: lengths[i])
+        cur: list[int] = []
+        for i in chunk:  # ascending: the newest sequence is the longest in the batch
+            if cur and (len(cur) + 1) * lengths[i] > batch_tokens:
+                batches.append(cur)
+                cur = []
+            cur.append(i)
+        if cur:
+            batches.append(cur)
+    perm = torch.randperm(len(batches), generator=g).tolist()
+    return [batches[i] for i in perm]
 
 
 def batch_indices(num_items: int, batch_size: int, step: int, seed: int) -> list[int]:

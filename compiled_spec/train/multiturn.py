@@ -1,0 +1,162 @@
+"""Multi-turn self-distillation: the target writes every assistant turn of a conversation.
+
+Round r sends each conversation's first r user turns, with the target's own earlier replies as
+the assistant turns, through the chat template, and the engine answers all of them as one
+continuously batched workload. The training sequence of a conversation is its last round's
+prompt plus reply; the loss covers every assistant reply in it (``TrainSequence.spans``), which is
+what EAGLE trains on: the target's text in the contexts a chat user gives it.
+
+A reply re-enters the next round as text, re-tokenized by the template as a real chat client
+would send it. Where re-tokenizing changes the reply's tokens, the earlier spans are clipped to
+the prefix the two tokenizations share, so every trained position holds the target's own tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tqdm.auto import tqdm
+
+from compiled_spec.train.data import PromptRow, TrainSequence, _row, load_sequences, prompt_kind
+from compiled_spec.train.sharegpt import Conversation
+
+if TYPE_CHECKING:
+    from compiled_spec.llm import LLM
+
+
+@dataclass
+class ChatJob:
+    """One conversation answered at one temperature."""
+
+    id: str
+    user_turns: list[str]
+    temperature: float
+    seed: int
+    kind: str
+    first_ids: list[int] | None = None  # verbatim first prompt (``prompt_ids`` rows, one turn)
+    messages: list[dict] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)  # the conversation so far, token ids
+    spans: list[tuple[int, int]] = field(default_factory=list)
+    num_prompt: int = 0  # prompt length of the last answered round
+    done: bool = False
+
+    def sequence(self) -> TrainSequence | None:
+        if not self.spans:
+            return None
+        spans = None if self.first_ids is not None else list(self.spans)
+        return TrainSequence(self.id, list(self.ids), self.num_prompt, spans, self.kind)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _next_prompt(llm: "LLM", job: ChatJob, turn: int) -> list[int]:
+    """Token ids of the prompt for ``turn`` (0-based), and the earlier spans clipped to the
+    prefix this prompt shares with the conversation's tokens so far."""
+    if job.first_ids is not None:
+        return list(job.first_ids)
+    prompt = llm.encode_chat(job.messages + [{"role": "user", "content": job.user_turns[turn]}])
+    if job.ids:
+        keep = _common_prefix(prompt, job.ids)
+        job.spans = [(a, min(b, keep)) for a, b in job.spans if a < keep]
+    return prompt
+
+
+def _run_round(llm: "LLM", jobs: list[ChatJob], turn: int, max_new_tokens: int,
+               max_seq_len: int, ignore_eos: bool) -> None:
+    """Answer user turn ``turn`` of every job in ``jobs`` (one engine workload)."""
+    from compiled_spec.sampling_params import SamplingParams
+
+    live, prompts, params = [], [], []
+    for job in jobs:
+        prompt = _next_prompt(llm, job, turn)
+        room = min(max_new_tokens, max_seq_len - len(prompt))
+        if room < 2:  # no room left for a reply worth training on
+            job.done = True
+            continue
+        live.append(job)
+        prompts.append(prompt)
+        params.append(SamplingParams(max_tokens=room, temperature=job.temperature,
+                                     seed=job.seed + 7919 * turn, ignore_eos=ignore_eos))
+    if not live:
+        return
+    for job, prompt, res in zip(live, prompts, llm.generate(prompts, params)):
+        reply = list(res.outputs[0].token_ids)
+        if not reply:
+            job.done = True
+            continue
+        job.spans.append((len(prompt), len(prompt) + len(reply)))
+        job.ids, job.num_prompt = prompt + reply, len(prompt)
+        job.messages = job.messages + [
+            {"role": "user", "content": job.user_turns[turn]},
+            {"role": "assistant", "content": llm.tokenizer.decode(reply,
+                                                                  skip_special_tokens=True)}]
+
+
+def generate_chats(llm: "LLM", jobs: list[ChatJob], max_new_tokens: int, max_seq_len: int,
+                   batch_size: int, ignore_eos: bool = False, partial: Path | None = None,
+                   desc: str = "self-distill") -> list[TrainSequence]:
+    """Answer every job's user turns in order; one TrainSequence per job with a reply.
+
+    Jobs go in chunks of several engine batches through all their rounds (later rounds shrink as
+    short conversations end, so chunks are kept large). With ``partial``, each finished chunk is
+    appended there and jobs already in it are skipped, so a cut-short run resumes.
+    """
+    done: dict[str, TrainSequence] = {}
+    if partial is not None and partial.is_file():
+        done = {s.id: s for s in load_sequences(partial, strict=False)}
+    out = [done[j.id] for j in jobs if j.id in done]
+    todo = [j for j in jobs if j.id not in done]
+    bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc=desc, unit="seq")
+    chunk_size = 8 * batch_size
+    for start in range(0, len(todo), chunk_size):
+        chunk = todo[start:start + chunk_size]
+        for turn in range(max(len(j.user_turns) for j in chunk)):
+            _run_round(llm, [j for j in chunk if turn < len(j.user_turns) and not j.done],
+                       turn, max_new_tokens, max_seq_len, ignore_eos)
+        new = [s for s in (j.sequence() for j in chunk) if s is not None]
+        if partial is not None:
+            with partial.open("a") as f:
+                f.write("".join(_row(s) for s in new))
+        out.extend(new)
+        bar.update(len(chunk))
+    bar.close()
+    if not out:
+        raise ValueError("the target produced no usable training sequences")
+    return out
+
+
+def chat_jobs(rows: list[PromptRow | Conversation], temperatures: tuple[float, ...],
+              seed: int) -> list[ChatJob]:
+    """One job per (prompt or conversation, temperature); the first temperature keeps the row's
+    id, later ones are ``id#t<i>``. Seeds depend only on the job's index, so a rerun draws the
+    same replies."""
+    jobs: list[ChatJob] = []
+    for row in rows:
+        if isinstance(row, Conversation):
+            turns, first, kind = row.user_turns, None, prompt_kind(row.source)
+        else:
+            turns = [row.text] if row.text is not None else [""]
+            first, kind = row.ids, prompt_kind(row.source)
+        for ti, temp in enumerate(temperatures):
+            sid = row.id if ti == 0 else f"{row.id}#t{ti}"
+            jobs.append(ChatJob(sid, list(turns), temp, seed * 1_000_003 + len(jobs), kind,
+                                first))
+    return jobs
+
+
+def generate_sequences(llm: "LLM", rows: list[PromptRow | Conversation], max_new_tokens: int,
+                       max_seq_len: int, temperatures: tuple[float, ...] = (0.0,),
+                       batch_size: int = 32, seed: int = 0, ignore_eos: bool = False,
+                       partial: Path | None = None) -> list[TrainSequence]:
+    """Let the target answer every prompt (every turn of every conversation) once per
+    temperature with our engine; see ``generate_chats``. Prompts that leave no room for two
+    reply tokens within ``max_seq_len`` give no sequence."""
+    return generate_chats(llm, chat_jobs(rows, temperatures, seed), max_new_tokens, max_seq_len,
+                          batch_size, ignore_eos, partial)

@@ -1,0 +1,139 @@
+"""Training data: the tolerant ShareGPT reader, multi-turn self-distillation (every assistant turn
+written by the target, loss spans over exactly its tokens), length-grouped batches, held-out
+figures per prompt kind, and a run stopped by its time limit that exports and resumes."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from compiled_spec.llm import LLM
+from compiled_spec.sampling_params import SamplingParams
+from compiled_spec.train.data import collate, length_batches, load_sequences
+from compiled_spec.train.multiturn import generate_sequences
+from compiled_spec.train.sharegpt import Conversation, load_sharegpt
+from compiled_spec.train.trainer import TrainConfig, read_log, train
+
+
+def _record(i: int, turns: list[tuple[str, str]]) -> dict:
+    return {"id": f"c{i}", "conversations": [{"from": f, "value": v} for f, v in turns]}
+
+
+def _write_sharegpt(path: Path, records: list[dict], cut: int = 0) -> Path:
+    text = json.dumps(records, indent=2)
+    path.write_text(text[:len(text) - cut] if cut else text)
+    return path
+
+
+def test_sharegpt_reader_keeps_complete_records_of_a_cut_off_file(tmp_path):
+    recs = [_record(0, [("human", "hi"), ("gpt", "hello"), ("human", "more?"), ("gpt", "yes")]),
+            _record(1, [("system", "be nice"), ("human", "a"), ("gpt", "b")]),
+            _record(2, [("gpt", "I start"), ("human", "q1"), ("gpt", "a1"), ("gpt", "oops"),
+                        ("human", "never read")]),
+            _record(3, [("gpt", "only me")]),
+            _record(4, [("human", "x" * 5000), ("gpt", "y" * 5000), ("human", "last")])]
+    whole, stats = load_sharegpt(_write_sharegpt(tmp_path / "a.json", recs))
+    assert not stats.truncated and stats.records == 5 and stats.skipped == 1
+    assert [c.user_turns for c in whole] == [["hi", "more?"], ["a"], ["q1"],
+                                             ["x" * 5000, "last"]]
+    # Cut inside the last record, with chunks far smaller than a record: four are kept.
+    import compiled_spec.train.sharegpt as sg
+    path = _write_sharegpt(tmp_path / "b.json", recs, cut=2000)
+    stats = sg.ReadStats()
+    with path.open() as f:
+        got = list(sg.iter_json_array(f, stats, chunk_chars=64))
+    assert len(got) == 4 and stats.truncated and stats.tail_bytes > 0
+    convs, stats = load_sharegpt(path, max_turns=1)
+    assert stats.truncated and [c.user_turns for c in convs] == [["hi"], ["a"], ["q1"]]
+    # A broken record in the middle is an error, not a silent stop.
+    bad = tmp_path / "c.json"
+    bad.write_text('[{"id": 1, "conversations": []} {"id": 2}]')
+    with pytest.raises(ValueError, match="after record 1"):
+        load_sharegpt(bad)
+
+
+@pytest.fixture(scope="module")
+def chat_target(tmp_path_factory, smollm2_tokenizer):
+    from tests.spec_models import write_tiny_llama
+
+    return write_tiny_llama(tmp_path_factory.mktemp("chat_target"), smollm2_tokenizer,
+                            max_positions=512)
+
+
+def test_multiturn_spans_hold_exactly_the_targets_replies(chat_target, tmp_path):
+    llm = LLM(model=chat_target, max_model_len=512, max_num_seqs=4)
+    convs = [Conversation("a", ["Name a colour.", "And another one?", "Why?"]),
+             Conversation("b", ["Hello"], source="codealpaca")]
+    seqs = generate_sequences(llm, convs, max_new_tokens=12, max_seq_len=512,
+                              temperatures=(0.0, 1.0), batch_size=4, ignore_eos=True,
+                              partial=tmp_path / "p.jsonl")
+    by_id = {s.id: s for s in seqs}
+    assert sorted(by_id) == ["a", "a#t1", "b", "b#t1"]
+    assert by_id["a"].kind == "prose" and by_id["b"].kind == "code"
+    a = by_id["a"]
+    assert len(a.spans) == 3 and all(e - s == 12 for s, e in a.spans)
+    # Replaying the conversation turn by turn through the engine: each span is what the target
+    # answers (greedy) to everything before it, and the text between spans is the template.
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    for start, end in a.spans:
+        reply = llm.generate([a.input_ids[:start]], greedy)[0].token_ids
+        assert a.input_ids[start:end] == list(reply)
+    messages = []
+    for turn, (start, end) in zip(["Name a colour.", "And another one?", "Why?"], a.spans):
+        messages.append({"role": "user", "content": turn})
+        assert a.input_ids[:start] == llm.encode_chat(messages)
+        messages.append({"role": "assistant",
+                         "content": llm.tokenizer.decode(a.input_ids[start:end],
+                                                         skip_special_tokens=True)})
+    mask = collate([a], "cpu").loss_mask[0]
+    assert mask.sum() == 36 and all(mask[s:e].all() for s, e in a.spans)
+    # The partial file holds the finished chunk: a rerun generates nothing and reads it back.
+    again = generate_sequences(None, convs, max_new_tokens=12, max_seq_len=512,  # type: ignore
+                               temperatures=(0.0, 1.0), batch_size=4,
+                               partial=tmp_path / "p.jsonl")
+    assert [(s.id, s.input_ids, s.spans) for s in again] == \
+        [(s.id, s.input_ids, s.spans) for s in seqs]
+
+
+def test_length_batches_cover_each_sequence_once_within_the_budget():
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.randint(5, 400, (1000,), generator=g).tolist()
+    plan = length_batches(lengths, 2048, seed=11)
+    flat = sorted(i for b in plan for i in b)
+    assert flat == list(range(1000))
+    assert all(len(b) * max(lengths[i] for i in b) <= 2048 for b in plan)
+    padded = sum(len(b) * max(lengths[i] for i in b) for b in plan)
+    assert padded < 1.15 * sum(lengths)  # random batches of this mix pad ~2x
+    assert plan == length_batches(lengths, 2048, seed=11)
+    assert plan != length_batches(lengths, 2048, seed=12)
+
+
+def test_time_limited_run_exports_reports_kinds_and_resumes(tmp_path, smollm2_gguf_path):
+    from tests.spec_models import write_bigram_target, write_id_prompts
+
+    target = write_bigram_target(tmp_path / "target", vocab=32, layers=2)
+    prompts = Path(write_id_prompts(tmp_path / "prompts.jsonl", 24, vocab=32))
+    rows = [json.loads(line) for line in prompts.read_text().splitlines()]
+    for i, r in enumerate(rows):  # two kinds of prompt
+        r["source"] = "codealpaca" if i % 2 else "alpaca"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = TrainConfig(target=target, prompts=str(prompts), out=str(tmp_path / "run"),
+                      tokenizer=smollm2_gguf_path, draft_vocab_size=24, ttt_steps=2,
+                      steps=100000, batch_size=4, batch_tokens=128, lr=5e-3, warmup_steps=2,
+                      max_seq_len=64, max_new_tokens=24, ignore_eos=True, log_every=5,
+                      eval_every=5, val_prompts=6, save_every=0, seed=0, time_limit_s=3.0,
+                      export_dir=str(tmp_path / "export"), export_max_shard_mb=0.01)
+    out = train(cfg)
+    rows = read_log(out)
+    stopped = rows[-1]["step"]
+    assert 0 < stopped < 100000 and rows[-1]["tokens_per_s"] > 0
+    kinds = [r["val_acc_by_kind"] for r in rows if "val_acc_by_kind" in r]
+    assert kinds and set(kinds[-1]) == {"code", "prose"}
+    assert {s.kind for s in load_sequences(out / "val.jsonl")} == {"code", "prose"}
+    assert json.loads((out / "vocab.json").read_text())["coverage"] == 1.0
+    shards = list((tmp_path / "export").glob("model-*.safetensors"))
+    assert len(shards) > 1 and json.loads(
+        (tmp_path / "export" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert torch.load(str(out / "trainer_state.pt"), weights_only=True)["step"] == stopped
+    more = train(TrainConfig(**{**cfg.__dict__, "resume": True, "export_dir": None}))
+    assert read_log(more)[-1]["step"] > stopped
