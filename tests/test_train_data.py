@@ -69,7 +69,7 @@ def test_multiturn_spans_hold_exactly_the_targets_replies(chat_target, tmp_path)
                               partial=tmp_path / "p.jsonl")
     by_id = {s.id: s for s in seqs}
     assert sorted(by_id) == ["a", "a#t1", "b", "b#t1"]
-    assert by_id["a"].kind == "prose" and by_id["b"].kind == "code"
+    assert by_id["a"].kind == "chat" and by_id["b"].kind == "code"
     a = by_id["a"]
     assert len(a.spans) == 3 and all(e - s == 12 for s, e in a.spans)
     # Replaying the conversation turn by turn through the engine: each span is what the target

@@ -38,6 +38,8 @@ def add_train_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentPars
     t.add_argument("--export-max-shard-mb", type=float, default=15.0)
     t.add_argument("--gen-compile", action="store_true",
                    help="self-distil with the compiled engine (CUDA graphs on a GPU)")
+    t.add_argument("--gen-time-limit", type=float, default=None, metavar="SECONDS",
+                   help="stop self-distilling after this long and train on what was written")
     t.add_argument("--lr", type=float, default=1e-4)
     t.add_argument("--warmup-steps", type=int, default=50)
     t.add_argument("--max-seq-len", type=int, default=2048)
@@ -95,7 +97,8 @@ def cmd_train(a: argparse.Namespace) -> int:
         sharegpt_conversations=a.sharegpt_conversations, max_turns=a.max_turns,
         batch_tokens=a.batch_tokens, freeze_lm_head=not a.train_lm_head,
         time_limit_s=a.time_limit, export_dir=a.export_dir,
-        export_max_shard_mb=a.export_max_shard_mb, gen_compile=a.gen_compile)
+        export_max_shard_mb=a.export_max_shard_mb, gen_compile=a.gen_compile,
+        gen_time_limit_s=a.gen_time_limit)
     out = train(cfg)
     if cfg.data_only:
         return 0

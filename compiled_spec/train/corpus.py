@@ -8,6 +8,7 @@ all of them, so held-out figures cover every kind of prompt; they are reported p
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -69,9 +70,11 @@ def load_corpus(cfg: "TrainConfig", out: Path
               max_model_len=cfg.max_seq_len, max_num_seqs=cfg.gen_batch_size, seed=cfg.seed,
               max_num_batched_tokens=max(4096, 16 * cfg.gen_batch_size),
               compile=cfg.gen_compile, compile_config=_gen_compile_config(cfg))
+    deadline = (None if cfg.gen_time_limit_s is None
+                else time.monotonic() + cfg.gen_time_limit_s)
     gen = dict(max_new_tokens=cfg.max_new_tokens, max_seq_len=cfg.max_seq_len,
                batch_size=cfg.gen_batch_size, seed=cfg.seed, ignore_eos=cfg.ignore_eos,
-               partial=out / PARTIAL_FILE)
+               partial=out / PARTIAL_FILE, deadline=deadline)
     val = generate_sequences(llm, val_rows, temperatures=cfg.temperatures[:1], **gen) \
         if val_rows else []
     seqs = generate_sequences(llm, train_rows, temperatures=cfg.temperatures, **gen)

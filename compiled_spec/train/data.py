@@ -43,9 +43,11 @@ class TrainSequence:
 
 
 def prompt_kind(source: str) -> str:
-    """The kind of a prompt source, for held-out figures: code data sets vs everything else.
-    MT-bench is prose, so the prose figure is the headline."""
-    return "code" if "code" in source.lower() else "prose"
+    """The kind of a prompt source, for held-out figures: code data sets, multi-turn chat
+    (ShareGPT), and single-turn prose instructions. MT-bench is prose and chat, so those two
+    figures are the headline."""
+    src = source.lower()
+    return "code" if "code" in src else "chat" if "sharegpt" in src else "prose"
 
 
 def load_prompts(path: str | Path, num_prompts: int | None = None) -> list[PromptRow]:

