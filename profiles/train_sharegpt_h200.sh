@@ -32,8 +32,8 @@ setup0)
   python3 -m pip install -q --no-index --no-deps --target ~/site .device/whl/*.whl
   nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv | tee "$OUT/gpu.txt"
   python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/gpu.txt"
-  timeout ${LIMIT:-170} python3 profiles/train_speed_h200.py --tokenizer ~/tok --sections gen \
-    --gen-batch 512 --gen-prompts 1024 --gen-tokens 256 --limit 80 --out "$OUT/speed_gen.json" \
+  timeout ${LIMIT:-210} python3 profiles/train_speed_h200.py --tokenizer ~/tok --sections gen \
+    --gen-batch 512 --gen-prompts 1024 --gen-tokens 256 --limit 100 --out "$OUT/speed_gen.json" \
     > "$OUT/speed_gen.log" 2>&1
   grep '^{' "$OUT/speed_gen.log" ;;
 speed)

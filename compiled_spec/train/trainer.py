@@ -244,10 +244,6 @@ def train(cfg: TrainConfig) -> Path:
     done = start
     with (out / LOG_FILE).open("a") as log:
         for step in range(start, total):
-            if cfg.time_limit_s is not None and time.perf_counter() - t0 > cfg.time_limit_s:
-                print(f"time limit {cfg.time_limit_s:.0f} s reached at step {step} of {total}; "
-                      f"continue with --resume")
-                break
             lr = lr_at(cfg, step, total)
             for g in opt.param_groups:
                 g["lr"] = lr
@@ -264,13 +260,17 @@ def train(cfg: TrainConfig) -> Path:
             window.append((sum(cfg.ttt_decay ** i * l for i, l in enumerate(res.step_losses)),
                            res.step_accuracy))
             done = step + 1
-            if done % cfg.log_every == 0 or done == total:
+            # Checked after the step, so the last step is logged, evaluated and saved below.
+            time_up = (cfg.time_limit_s is not None and done < total
+                       and time.perf_counter() - t0 > cfg.time_limit_s)
+            last = done == total or time_up
+            if done % cfg.log_every == 0 or last:
                 n = len(window)
                 row = {"step": done, "loss": sum(w[0] for w in window) / n,
                        "acc": [sum(w[1][i] for w in window) / n for i in range(cfg.ttt_steps)],
                        "lr": lr, "elapsed_s": round(time.perf_counter() - t0, 3),
                        "tokens_per_s": round(tokens / max(time.perf_counter() - t0, 1e-9))}
-                if val and (done % cfg.eval_every == 0 or done == total):
+                if val and (done % cfg.eval_every == 0 or last):
                     ev = evaluate(draft, feats, val, cfg, autocast)
                     row["val_loss"], row["val_acc"] = ev.loss, ev.accuracy
                     row["val_acc_by_kind"] = ev.accuracy_by_kind
@@ -280,6 +280,10 @@ def train(cfg: TrainConfig) -> Path:
                 window.clear()
             if cfg.save_every and done % cfg.save_every == 0 and done < total:
                 _save(draft, t2d, out, done, opt)
+            if time_up:
+                print(f"time limit {cfg.time_limit_s:.0f} s reached after step {done} of "
+                      f"{total}; continue with --resume")
+                break
     _save(draft, t2d, out, max(done, start), opt)
     plot_curves(out)
     if cfg.export_dir:
