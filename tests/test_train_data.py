@@ -85,6 +85,22 @@ def test_multiturn_spans_hold_exactly_the_targets_replies(chat_target, tmp_path)
         messages.append({"role": "assistant",
                          "content": llm.tokenizer.decode(a.input_ids[start:end],
                                                          skip_special_tokens=True)})
+    # A deadline passed after the first round: every conversation keeps its first reply.
+    import time
+    from compiled_spec.train.multiturn import chat_jobs, generate_chats
+    jobs = chat_jobs(convs, (0.0,), seed=0)
+    t0 = time.monotonic()
+    orig = llm.generate
+
+    def slow_generate(*args, **kw):  # the first round outlasts the deadline
+        out = orig(*args, **kw)
+        time.sleep(max(0.0, t0 + 0.5 - time.monotonic()))
+        return out
+    llm.generate = slow_generate
+    cut = generate_chats(llm, jobs, 12, 512, 4, ignore_eos=True, deadline=t0 + 0.2)
+    llm.generate = orig
+    assert len(cut) == 2 and all(len(s.spans) == 1 for s in cut)
+    assert {s.id: s.input_ids for s in cut}["a"] == a.input_ids[:a.spans[0][1]]
     mask = collate([a], "cpu").loss_mask[0]
     assert mask.sum() == 36 and all(mask[s:e].all() for s, e in a.spans)
     # The partial file holds the finished chunk: a rerun generates nothing and reads it back.

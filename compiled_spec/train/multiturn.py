@@ -109,7 +109,9 @@ def generate_chats(llm: "LLM", jobs: list[ChatJob], max_new_tokens: int, max_seq
     Jobs go in chunks of several engine batches through all their rounds (later rounds shrink as
     short conversations end, so chunks are kept large). With ``partial``, each finished chunk is
     appended there and jobs already in it are skipped, so a cut-short run resumes. Past
-    ``deadline`` (``time.monotonic()``) no new chunk starts: the data is what finished by then.
+    ``deadline`` (``time.monotonic()``) no new round starts: the chunk in flight ends with the
+    turns it has answered (a conversation cut after any turn is a valid training sequence) and
+    no new chunk starts, so a run overshoots its limit by one round at most.
     """
     done: dict[str, TrainSequence] = {}
     if partial is not None and partial.is_file():
@@ -118,12 +120,17 @@ def generate_chats(llm: "LLM", jobs: list[ChatJob], max_new_tokens: int, max_seq
     todo = [j for j in jobs if j.id not in done]
     bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc="self-distill", unit="seq")
     chunk_size = 8 * batch_size
+    def late() -> bool:
+        return deadline is not None and time.monotonic() > deadline
+
     for start in range(0, len(todo), chunk_size):
-        if deadline is not None and time.monotonic() > deadline:
+        if late():
             print(f"generation time limit: {len(out)} of {len(jobs)} sequences written")
             break
         chunk = todo[start:start + chunk_size]
         for turn in range(max(len(j.user_turns) for j in chunk)):
+            if turn > 0 and late():
+                break
             _run_round(llm, [j for j in chunk if turn < len(j.user_turns) and not j.done],
                        turn, max_new_tokens, max_seq_len, ignore_eos)
         new = [s for s in (j.sequence() for j in chunk) if s is not None]
