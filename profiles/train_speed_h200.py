@@ -84,7 +84,8 @@ def gen_section(model: str, tok: str, batch: int, compiled: bool, n_prompts: int
 
 
 def train_section(model: str, batch_tokens: int, vocab: int, ttt_steps: int, steps: int,
-                  compile_ttt: bool, device: str, lengths: list[int]) -> dict:
+                  compile_ttt: bool, device: str, lengths: list[int],
+                  profile_to: str | None = None) -> dict:
     from compiled_spec.models.loader import load_model
     from compiled_spec.train.data import TrainSequence, collate, length_batches
     from compiled_spec.train.features import TargetFeaturizer
@@ -118,6 +119,11 @@ def train_section(model: str, batch_tokens: int, vocab: int, ttt_steps: int, ste
             phases = dict.fromkeys(phases, 0.0)
         batch = collate([seqs[i] for i in idx], dev)
         tokens += batch.num_tokens
+        prof = None
+        if profile_to and k == 3:  # one steady-state step: its kernels, by total GPU time
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
+                [torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else []))
+            prof.__enter__()
         t0 = time.perf_counter()
         aux, tl = feats(batch.input_ids, batch.lengths)
         sync(); t1 = time.perf_counter()
@@ -129,6 +135,14 @@ def train_section(model: str, batch_tokens: int, vocab: int, ttt_steps: int, ste
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()
         sync(); t3 = time.perf_counter()
+        if prof is not None:  # a profiler failure must not cost the section its figures
+            try:
+                prof.__exit__(None, None, None)
+                key = "cuda_time_total" if dev.type == "cuda" else "cpu_time_total"
+                Path(profile_to).write_text(prof.key_averages().table(sort_by=key,
+                                                                      row_limit=30))
+            except Exception as e:  # noqa: BLE001
+                Path(profile_to).write_text(f"profiler failed: {type(e).__name__}: {e}\n")
         phases["features"] += t1 - t0
         phases["forward"] += t2 - t1
         phases["backward+opt"] += t3 - t2
@@ -159,6 +173,8 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--limit", type=int, default=90, help="seconds per section")
     ap.add_argument("--compile-ttt", action="store_true")
+    ap.add_argument("--profile", default=None, metavar="FILE",
+                    help="kernel table of one training step (first --batch-tokens value)")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp())
     (tmp / "config.json").write_text(json.dumps(SMOLLM2))
@@ -173,9 +189,10 @@ def main() -> int:
                 jobs.append(lambda b=b, c=c: gen_section(model, a.tokenizer, b, c, a.gen_prompts,
                                                          a.gen_tokens, a.device))
     if "train" in a.sections:
-        for bt in a.batch_tokens:
-            jobs.append(lambda bt=bt: train_section(model, bt, a.vocab, 5, a.train_steps, False,
-                                                    a.device, lengths))
+        for i, bt in enumerate(a.batch_tokens):
+            jobs.append(lambda bt=bt, i=i: train_section(
+                model, bt, a.vocab, 5, a.train_steps, False, a.device, lengths,
+                a.profile if i == 0 else None))
         if a.compile_ttt:
             jobs.append(lambda: train_section(model, a.batch_tokens[1], a.vocab, 5,
                                               a.train_steps, True, a.device, lengths))

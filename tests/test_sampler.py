@@ -4,8 +4,9 @@ import math
 import pytest
 import torch
 
-from compiled_spec.sampler import (SamplingTensors, apply_filters, bits_to_unit, position_keys,
-                                   sample, sample_from_probs, uniform_noise)
+from compiled_spec.sampler import (SamplingTensors, _mix32, apply_filters, bits_to_unit,
+                                   position_keys, row_uniform, sample, sample_from_probs,
+                                   uniform_noise)
 from compiled_spec.sampling_params import SamplingParams
 
 
@@ -47,6 +48,18 @@ def test_hash_to_uniform_never_reaches_0_or_1():
         u = bits_to_unit(h)
         assert (u > 0).all() and (u < 1).all()
         assert torch.isfinite(-torch.log(u)).all() and (-torch.log(u) > 0).all()
+
+
+def test_row_uniform_stays_inside_0_1_at_the_extremes():
+    # Keys whose two hashes hit the extreme 23-bit values map to (0.5 / 2**46) and
+    # (2**46 - 0.5) / 2**46, both exact in float64; scan enough keys to meet many near-extremes.
+    keys = torch.arange(0, 2**22, dtype=torch.int64) * 1021
+    u = row_uniform(keys)
+    assert u.dtype == torch.float64 and (u > 0).all() and (u < 1).all()
+    assert abs(u.mean().item() - 0.5) < 1e-3
+    top = torch.tensor([2**23 - 1], dtype=torch.float64)
+    assert ((top * 2**23 + top + 0.5) / 2**46).item() < 1.0
+    assert torch.equal(_mix32(keys[:8]), _mix32(keys[:8]))
 
 
 def test_race_never_picks_a_zero_probability_token():

@@ -153,3 +153,57 @@ def test_time_limited_run_exports_reports_kinds_and_resumes(tmp_path, smollm2_gg
     assert torch.load(str(out / "trainer_state.pt"), weights_only=True)["step"] == stopped
     more = train(TrainConfig(**{**cfg.__dict__, "resume": True, "export_dir": None}))
     assert read_log(more)[-1]["step"] > stopped
+
+
+def _dense_ttt_loss(draft, input_ids, aux, target_logits, loss_mask, num_steps, decay):
+    """The loss over every [B, S] position, masked afterwards (the trainer's earlier form)."""
+    import torch.nn.functional as F
+    from compiled_spec.train.ttt import label_mask, ttt_forward
+
+    b, s = input_ids.shape
+    hidden = draft.combine_aux(list(aux.chunk(3, dim=-1)))
+    outs = ttt_forward(draft, F.pad(input_ids[:, 1:], (0, 1)), hidden,
+                       torch.arange(s).expand(b, s), num_steps)
+    labels = F.pad(target_logits[:, 1:], (0, 0, 0, 1)).float()
+    target_p = torch.softmax(labels, dim=-1)
+    trainable = label_mask(loss_mask)
+    total = 0.0
+    for step, (_, for_logits) in enumerate(outs, 1):
+        m = trainable & (torch.arange(s)[None, :] >= step - 1)
+        ce = -(target_p * torch.log_softmax(draft.compute_logits(for_logits).float(), -1)).sum(-1)
+        total = total + decay ** (step - 1) * torch.where(m, ce, 0.0).sum() / m.sum().clamp(min=1)
+    return total
+
+
+def test_ttt_loss_on_trainable_rows_equals_the_dense_loss(tmp_path):
+    from compiled_spec.draft.loader import load_draft
+    from compiled_spec.draft.testing import write_eagle3_head
+    from compiled_spec.models.loader import load_model
+    from compiled_spec.train.ttt import ttt_loss
+    from tests.spec_models import write_bigram_target
+
+    write_bigram_target(tmp_path / "t", vocab=48, hidden=32, layers=4, seed=3)
+    target, tcfg = load_model(str(tmp_path / "t"), torch.float32, "cpu")
+    path = write_eagle3_head(str(tmp_path / "head"), tcfg, draft_vocab_size=20,
+                             aux_layer_ids=(0, 2, 4), seed=1)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 48, (3, 13), generator=g)
+    aux = torch.randn(3, 13, 3 * tcfg.hidden_size, generator=g)
+    tl = torch.randn(3, 13, 20, generator=g)
+    mask = torch.zeros(3, 13, dtype=torch.bool)
+    mask[0, 4:13], mask[1, 2:7], mask[2, 9:11] = True, True, True  # prompts, padding, ends
+    grads = []
+    for fn in (lambda d: ttt_loss(d, ids, aux, tl, mask, 4, 0.8).loss,
+               lambda d: _dense_ttt_loss(d, ids, aux, tl, mask, 4, 0.8)):
+        draft = load_draft(path, target, torch.float32, "cpu")
+        for p in draft.parameters():
+            p.requires_grad_(True)
+        loss = fn(draft)
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad.clone() for n, p in draft.named_parameters()
+                                      if p.grad is not None}))
+    (la, ga), (lb, gb) = grads
+    torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-6)
+    assert ga.keys() == gb.keys() and ga
+    for n in ga:
+        torch.testing.assert_close(ga[n], gb[n], rtol=1e-4, atol=1e-6)

@@ -115,18 +115,21 @@ def ttt_loss(draft: EagleDraft,
     draft_in = F.pad(input_ids[:, 1:], (0, 1))  # [B, S]: t_{j+1}; the last one is never trained
     positions = torch.arange(s, device=input_ids.device).expand(b, s)
     outs = ttt_forward(draft, draft_in, hidden, positions, num_steps)
-    # Label of position j: the target's distribution for t_{j+2}, i.e. its logits at j+1.
-    labels = F.pad(target_logits[:, 1:], (0, 0, 0, 1)).float()  # [B, S, V_draft]
+    # Only trainable positions reach the readout and the loss: prompts and padding (a third of
+    # chat data) never pay for [*, V_draft] logits. One host sync per batch for their indices.
+    rows = label_mask(loss_mask).reshape(-1).nonzero().squeeze(1)  # [N] flat b*S + j
+    # Label of position j: the target's distribution for t_{j+2}, i.e. its logits at j+1 (same
+    # sequence: a trainable j is at most S-3).
+    labels = target_logits.reshape(b * s, -1)[rows + 1].float()  # [N, V_draft]
     target_p = torch.softmax(labels, dim=-1)
-    target_top = labels.argmax(dim=-1)  # [B, S]
-    trainable = label_mask(loss_mask)
-    root_ok = torch.arange(s, device=input_ids.device)[None, :]  # j; step s needs j >= s-1
+    target_top = labels.argmax(dim=-1)  # [N]
+    root = rows % s  # [N] j; step s needs a chain root j - s + 1 >= 0
     total = aux.new_zeros((), dtype=torch.float32)
     stats = []  # per step [loss, hits, count], read back with one device sync at the end
     for step, (_, for_logits) in enumerate(outs, 1):
-        m = trainable & (root_ok >= step - 1)  # [B, S]
-        logits = draft.compute_logits(for_logits).float()  # [B, S, V_draft]
-        ce = -(target_p * torch.log_softmax(logits, dim=-1)).sum(-1)  # [B, S]
+        m = root >= step - 1  # [N]
+        logits = draft.compute_logits(for_logits.reshape(b * s, -1)[rows]).float()  # [N, V]
+        ce = -(target_p * torch.log_softmax(logits, dim=-1)).sum(-1)  # [N]
         n = m.sum()
         # where, not multiply: garbage rows (no chain root) must not leak NaN/inf into the sum.
         step_loss = torch.where(m, ce, torch.zeros_like(ce)).sum() / n.clamp(min=1)
