@@ -16,14 +16,14 @@ import torch
 def run_acceptance(a: argparse.Namespace) -> int:
     from compiled_spec import LLM, SamplingParams
     from compiled_spec.bench import load_mt_bench, mt_bench_prompts
-    from compiled_spec.cli import _engine_kwargs
+    from compiled_spec.engine_args import engine_kwargs
 
     if a.draft is None:
         raise ValueError("--draft is required: the head whose acceptance to measure")
     texts = load_mt_bench(a.prompts, a.num_prompts)
     results = []
     for k in a.k_list:
-        kw = {**_engine_kwargs(a), "num_speculative_tokens": k, "max_num_seqs": len(texts)}
+        kw = {**engine_kwargs(a), "num_speculative_tokens": k, "max_num_seqs": len(texts)}
         llm = LLM(**kw)
         prompts = mt_bench_prompts(llm, texts)
         sp = SamplingParams(max_tokens=a.max_tokens, temperature=0.0)

@@ -81,7 +81,7 @@ class LLM:
 
             args = {k: v for k, v in locals().items()
                     if k not in ("self", "t_start", "TPLauncher", "__class__")}
-            self._tp = TPLauncher(tensor_parallel_size, args)
+            self._tp = TPLauncher(tensor_parallel_size, args, LLM)
             self.config = self._tp.call("attr", "config")
             return
         if tensor_parallel_size > 1 and dist.get_world_size() != tensor_parallel_size:

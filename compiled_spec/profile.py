@@ -1,18 +1,15 @@
-"""``compiled-spec profile``: a torch.profiler trace of generation, readable in TensorBoard
-(torch-tb-profiler), with the propose / verify latencies read back from the trace itself.
+"""Profiler ranges for the engine's phases, and their latencies read back from a trace.
 
 The engine marks its phases with ``record_function`` ranges: ``prepare``, ``verify``,
-``rejection_sample`` and ``propose``.
+``rejection_sample`` and ``propose`` (``phase``); ``phase_latencies`` reads them back from a
+torch.profiler trace. The ``compiled-spec profile`` command that writes such a trace lives in
+``profile_run.py``: this module stays below the engine that imports it.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
-import glob
 import json
-import os
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -44,33 +41,3 @@ def phase_latencies(trace_file: str) -> dict[str, dict[str, float]]:
                               "p50": durs[len(durs) // 2], "p90": durs[min(len(durs) - 1, int(0.9 * len(durs)))],
                               "source": cat}
     return out
-
-
-def run_profile(a: argparse.Namespace) -> int:
-    from compiled_spec import LLM, SamplingParams
-    from compiled_spec.bench import load_mt_bench, mt_bench_prompts
-    from compiled_spec.cli import _engine_kwargs
-
-    llm = LLM(**_engine_kwargs(a))
-    texts = load_mt_bench(a.prompts, a.num_prompts)
-    prompts = mt_bench_prompts(llm, texts)
-    sp = SamplingParams(max_tokens=a.max_tokens, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts[0], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
-    out_dir = Path(a.out_dir) / time.strftime("%Y%m%d-%H%M%S")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    acts = [torch.profiler.ProfilerActivity.CPU]
-    if llm.config.device.type == "cuda":
-        acts.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=acts,
-                                on_trace_ready=torch.profiler.tensorboard_trace_handler(str(out_dir))):
-        for ids in prompts:  # batch 1, one request at a time
-            llm.generate(ids, sp)
-    trace = max(glob.glob(str(out_dir / "*.pt.trace.json")), key=os.path.getmtime)
-    lat = phase_latencies(trace)
-    print(f"trace: {trace}\nview:  tensorboard --logdir {a.out_dir}   (pip install torch-tb-profiler)")
-    print(f"{'phase':18s} {'count':>6s} {'mean ms':>9s} {'p50 ms':>9s} {'p90 ms':>9s}  source")
-    for phase, st in lat.items():
-        print(f"{phase:18s} {st['count']:6d} {st['mean']:9.3f} {st['p50']:9.3f} {st['p90']:9.3f}  {st['source']}")
-    if "propose" not in lat and llm.config.spec is not None:
-        print("warning: no propose ranges in the trace")
-    return 0

@@ -1,7 +1,7 @@
 """The engine's CUDA-graph routing, on the CPU through emulated graphs (``capture.emulate``):
 every target decode / verify, draft first pass and k-1 step draft loop is padded into static
 buffers and "replayed" with the captured host ints, and must give exactly the eager engine's
-output and acceptance. Real CUDA graphs are checked on the H200 by profiles/graphs_h200.py."""
+output and acceptance. Real CUDA graphs are checked on the H200 by profiles/scripts/graphs_h200.py."""
 from __future__ import annotations
 
 import pytest

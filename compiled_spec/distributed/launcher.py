@@ -8,6 +8,9 @@ same drafts and writes the same tokens without any extra broadcast. Rank 0's res
 returned; the other ranks' are compared with them (a disagreement would be a bug, and raises).
 Under torchrun (torch.distributed already initialised) no processes are launched: each rank's
 ``LLM`` is one shard of the SPMD program.
+
+The launcher is handed the class each worker builds (``factory``, pickled by reference), so it
+does not import ``llm.py``, which imports it.
 """
 from __future__ import annotations
 
@@ -15,10 +18,11 @@ import atexit
 import os
 import tempfile
 import traceback
-from typing import Any
+from typing import Any, Callable
 
 
-def _worker_main(rank: int, world: int, init_file: str, kwargs: dict[str, Any], conn) -> None:
+def _worker_main(rank: int, world: int, init_file: str, factory: Callable[..., Any],
+                 kwargs: dict[str, Any], conn) -> None:
     import torch
     import torch.distributed as dist
 
@@ -31,9 +35,7 @@ def _worker_main(rank: int, world: int, init_file: str, kwargs: dict[str, Any], 
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"file://{init_file}",
                                 rank=rank, world_size=world)
-        from compiled_spec.llm import LLM
-
-        llm = LLM(**kwargs)
+        llm = factory(**kwargs)
         conn.send(("ok", None))
     except Exception:
         conn.send(("error", traceback.format_exc()))
@@ -59,7 +61,9 @@ def _worker_main(rank: int, world: int, init_file: str, kwargs: dict[str, Any], 
 
 
 class TPLauncher:
-    def __init__(self, world: int, kwargs: dict[str, Any]) -> None:
+    def __init__(self, world: int, kwargs: dict[str, Any], factory: Callable[..., Any]) -> None:
+        """``world`` worker processes, each running ``factory(**kwargs)`` (the ``LLM`` class: it
+        must be picklable, i.e. importable by name in a spawned process) on its rank."""
         import torch.multiprocessing as mp
 
         ctx = mp.get_context("spawn")
@@ -69,8 +73,8 @@ class TPLauncher:
         self.conns, self.procs = [], []
         for rank in range(world):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker_main, args=(rank, world, self._init_file, kwargs,
-                                                       child), daemon=True)
+            p = ctx.Process(target=_worker_main, args=(rank, world, self._init_file, factory,
+                                                       kwargs, child), daemon=True)
             p.start()
             self.conns.append(parent)
             self.procs.append(p)

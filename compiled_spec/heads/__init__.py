@@ -2,7 +2,8 @@
 
 ``smollm2-eagle3``: EAGLE-3 head for SmolLM2-135M-Instruct (the default target), trained by
 ``compiled-spec train`` on the project's self-distilled prompts; bf16, 8192-token draft
-vocabulary, two safetensors shards. How it was trained and what it accepts: profiles/README.md.
+vocabulary, two safetensors shards. How it was trained and what it accepts:
+profiles/results/2026-11-30_h200_train-smollm2-run2/ and profiles/results/HISTORY.md.
 """
 from __future__ import annotations
 

@@ -18,8 +18,8 @@ import torch
 
 from compiled_spec.models.config import ModelConfig
 from compiled_spec.models.decoder import CausalLM
-from compiled_spec.models.loader import (build_meta_model, check_checkpoint, finalize_model,
-                                         load_tensors)
+from compiled_spec.models.materialize import (build_meta_model, check_checkpoint, finalize_model,
+                                              load_tensors)
 
 _GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 

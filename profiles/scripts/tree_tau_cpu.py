@@ -1,6 +1,6 @@
 """Chain vs draft trees with the shipped SmolLM2 head: tau on MT-bench first turns (CPU, fp32).
 
-python profiles/tree_tau_cpu.py --num-prompts 20 --max-tokens 128 > profiles/tree_tau_cpu.txt
+python profiles/scripts/tree_tau_cpu.py --num-prompts 20 --max-tokens 128 > profiles/results/2026-11-30_cpu_tree-tau/tree_tau_cpu.txt
 Acceptance does not depend on the device, up to bf16-vs-fp32 rounding; speed is measured on the
 H200 only.
 """

@@ -1,7 +1,7 @@
 """Issue 5: is the gap between the head's training accuracy and its engine acceptance a
 train/inference mismatch, or only where the engine drafts? (CPU, fp32.)
 
-python profiles/head_gap_cpu.py [--num-prompts 8] [--max-tokens 96] [--k-list 1 5]
+python profiles/scripts/head_gap_cpu.py [--num-prompts 8] [--max-tokens 96] [--k-list 1 5]
                                 [--set mt_bench|heldout]
 
 For every prompt the engine (shipped ``smollm2-eagle3`` head, chain drafts, greedy) writes the
@@ -100,7 +100,7 @@ def _full_logits(feats: TargetFeaturizer, target, ids: torch.Tensor) -> torch.Te
 def trainer_eval(a: argparse.Namespace) -> None:
     """The trainer's held-out numbers for this head, recomputed here: val sequences made with
     the trainer's ``generate_sequences`` (greedy, 256 new tokens, max_seq_len 768, as in
-    profiles/train_h200.sh) from the first N held-out prompts, then ``heldout.evaluate`` with
+    profiles/scripts/train_h200.sh) from the first N held-out prompts, then ``heldout.evaluate`` with
     the draft's fp32 weights under the trainer's autocast (bf16 on CUDA with a bf16 target)."""
     from contextlib import nullcontext
 

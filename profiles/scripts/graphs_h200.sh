@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 4's H200 figures: bash profiles/graphs_h200.sh smollm2|llama8b. The GGUF travels in three
+# Issue 4's H200 figures: bash profiles/scripts/graphs_h200.sh smollm2|llama8b. The GGUF travels in three
 # parts (the tree with the shipped head plus half the GGUF is over one call's 64 MiB): call 1
 # carries .device/q0 + .device/whl and installs, call 2 carries .device/q1, call 3 .device/q2.
 set -u
@@ -16,7 +16,7 @@ if [ "$SHAPE" = smollm2 ]; then
 else
   ARGS=()
 fi
-timeout ${LIMIT:-540} python3 profiles/graphs_h200.py --shape "$SHAPE" --tokenizer "$M" "${ARGS[@]}" "${EXTRA[@]}" \
+timeout ${LIMIT:-540} python3 profiles/scripts/graphs_h200.py --shape "$SHAPE" --tokenizer "$M" "${ARGS[@]}" "${EXTRA[@]}" \
   --out "$OUT/graphs_$SHAPE.json" > "$OUT/graphs_$SHAPE.log" 2>&1
 echo "rc=$?"
 grep -vE "Warning|warn\(|^\s*$|tokeniz" "$OUT/graphs_$SHAPE.log" | tail -60

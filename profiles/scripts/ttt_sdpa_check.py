@@ -3,7 +3,7 @@ through F.scaled_dot_product_attention, bf16 autocast) compute the same thing on
 backend? The shipped head's logged held-out accuracy (0.64, H200) does not reproduce on the CPU
 (0.50) with the same code, so the CUDA attention path is the suspect.
 
-python profiles/ttt_sdpa_check.py --model ~/m/model.gguf [--draft smollm2-eagle3]
+python profiles/scripts/ttt_sdpa_check.py --model ~/m/model.gguf [--draft smollm2-eagle3]
 Prints, per TTT step and backend, the max |logits - fp32 math reference| and the fraction of
 positions whose argmax agrees with the reference.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from compiled_spec.draft.loader import load_draft  # noqa: E402
 from compiled_spec.heads import resolve_draft  # noqa: E402

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Train the shipped EAGLE-3 head for SmolLM2-135M-Instruct on the H200 (after the GGUF setup
-# calls described in profiles/graphs_h200.sh; CODE may point at a frozen copy of the repo):
-#   bash profiles/train_h200.sh data    # self-distil all training prompts (resumable)
-#   bash profiles/train_h200.sh train   # finish the data if cut short, train, measure, export
+# calls described in profiles/scripts/graphs_h200.sh; CODE may point at a frozen copy of the repo):
+#   bash profiles/scripts/train_h200.sh data    # self-distil all training prompts (resumable)
+#   bash profiles/scripts/train_h200.sh train   # finish the data if cut short, train, measure, export
 # INIT=smollm2-eagle3 continues from the shipped head (--init-from) instead of from scratch.
 set -u
 PHASE=${1:?data|train}
@@ -40,10 +40,10 @@ timeout 120 "${ACC[@]}" --draft "$OUT/head" --prompts "$DATA/question.jsonl" --n
 # 0.52 re-measured): the head as trained (fp32) and as exported (bf16) on the trainer's own
 # val.jsonl, then the exported head on freshly generated held-out responses.
 for H in $HEAD "$OUT/head"; do
-  timeout 90 python3 profiles/eval_head_val.py --model "$M" --head "$H" --val ~/head/val.jsonl \
+  timeout 90 python3 profiles/scripts/eval_head_val.py --model "$M" --head "$H" --val ~/head/val.jsonl \
     >> "$OUT/run.log" 2>&1
 done
-timeout 120 python3 profiles/head_gap_cpu.py --model "$M" --device cuda --dtype bfloat16 \
+timeout 120 python3 profiles/scripts/head_gap_cpu.py --model "$M" --device cuda --dtype bfloat16 \
   --draft "$OUT/head" --set heldout --num-prompts 8 --max-tokens 64 --k-list 1 \
   --trainer-eval 64 --prompts "$DATA/question.jsonl" \
   --train-prompts "$DATA/train_prompts.jsonl" >> "$OUT/run.log" 2>&1

@@ -6,7 +6,7 @@ attention launch configurations. ``kernels.warmup`` now compiles every reachable
 at start-up; this counts the attention kernels' compiled binaries before and after 24 prompts of
 new lengths, and times each request's prefill.
 
-python profiles/jit_check_h200.py [--model ~/m/model.gguf]
+python profiles/scripts/jit_check_h200.py [--model ~/m/model.gguf]
 """
 import argparse
 import json
@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from compiled_spec import LLM, SamplingParams  # noqa: E402
 from kernels import attention_triton as at  # noqa: E402

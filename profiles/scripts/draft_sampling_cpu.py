@@ -1,14 +1,14 @@
 """Argmax drafts vs drafts sampled from q (probabilities kept for the acceptance test), at T > 0.
 
 CPU, a tiny bigram target and an EAGLE-3 head trained on it for 150 steps (as in the tests).
-Run: python profiles/draft_sampling_cpu.py  (from the repository root)
+Run: python profiles/scripts/draft_sampling_cpu.py  (from the repository root)
 """
 import random
 import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from compiled_spec import LLM, SamplingParams  # noqa: E402
 from compiled_spec.models.gguf_loader import find_default_gguf  # noqa: E402

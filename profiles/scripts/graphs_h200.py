@@ -1,8 +1,8 @@
 """H200: what compile + CUDA graphs buy, per component and end to end (issue 4's figures).
 
 One shape per run (a target and an EAGLE-3 head):
-  python profiles/graphs_h200.py --shape smollm2 --model ~/m/model.gguf --draft HEAD --out F.json
-  python profiles/graphs_h200.py --shape llama8b --out F.json   (random Llama-3.1-8B + 32k head)
+  python profiles/scripts/graphs_h200.py --shape smollm2 --model ~/m/model.gguf --draft HEAD --out F.json
+  python profiles/scripts/graphs_h200.py --shape llama8b --out F.json   (random Llama-3.1-8B + 32k head)
 
 Reports start-up (load; torch.compile + capture by dummy runs), then at a 512-token context and
 batch 1: the target forward at T = 1 / 4 / 8 tokens (eager, compiled, compiled + graph) and the
@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from capture import CapturePolicy, LiveBatch, StaticBuffers  # noqa: E402
 from compiled_spec import LLM, SamplingParams  # noqa: E402

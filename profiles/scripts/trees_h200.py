@@ -1,6 +1,6 @@
 """Issue 7 on the H200: chain vs draft trees, compiled + CUDA graphs, batch 1, greedy.
 
-python profiles/trees_h200.py --model ~/m/model.gguf --prompts .device/data/question.jsonl \
+python profiles/scripts/trees_h200.py --model ~/m/model.gguf --prompts .device/data/question.jsonl \
     --num-prompts 5 --max-tokens 128 --out trees.json
 
 SmolLM2-135M-Instruct with the shipped head, MT-bench first turns through the chat template. Per
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from compiled_spec import LLM, SamplingParams  # noqa: E402
 from compiled_spec.bench import load_mt_bench, mt_bench_prompts  # noqa: E402

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 6's H200 run, in two device calls (each is capped at 10 minutes) after the GGUF setup
-# calls of profiles/graphs_h200.sh; the second merges the first into profiles/BENCHMARKS.md:
-#   bash profiles/bench_h200.sh a   # transformers x3, our eager engines (batch 1, 4, 16, 64)
-#   bash profiles/bench_h200.sh b   # our compiled + graph engines, the Llama-3.1-8B shape; merge
+# calls of profiles/scripts/graphs_h200.sh; the second merges the first into profiles/BENCHMARKS.md:
+#   bash profiles/scripts/bench_h200.sh a   # transformers x3, our eager engines (batch 1, 4, 16, 64)
+#   bash profiles/scripts/bench_h200.sh b   # our compiled + graph engines, the Llama-3.1-8B shape; merge
 # (SHAPE_ARGS="" leaves the Llama-3.1-8B shape out; a's JSON also comes back as $OUT/bench_a.json: a later machine merges it with A_JSON=FILE)
 set -u
 export PYTHONPATH=~/site:$PWD PYTHONUNBUFFERED=1

@@ -8,11 +8,11 @@ measured here: the engine runs compiled (our passes, no Inductor) through emulat
 each is a kernel launch or a copy, each costing host time), and the step's wall time minus the
 time spent inside replays is its host time.
 
-python profiles/host_overhead_cpu.py [--fixtures .device/tc] [--tokenizer GGUF] [--tokens 96]
+python profiles/scripts/host_overhead_cpu.py [--fixtures .device/tc] [--tokenizer GGUF] [--tokens 96]
                                      [--ops] [--cprofile]
 
 Fixtures: the tiny bigram target + EAGLE-3 head of tests/conftest.py (built on first use, as in
-profiles/tree_graphs_check.py). Model size does not matter here: replays are excluded.
+profiles/scripts/tree_graphs_check.py). Model size does not matter here: replays are excluded.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from capture import CapturePolicy  # noqa: E402
 from capture.emulate import EmulatedGraph  # noqa: E402

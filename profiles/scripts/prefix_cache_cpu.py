@@ -5,7 +5,7 @@ Turn 1: the first questions, answered by the engine (greedy). Turn 2: the conver
 prompt resends the first turn. Reported per configuration: prefill tokens computed, prompt
 tokens served from the cache, and the second turn's mean time to first token.
 
-python profiles/prefix_cache_cpu.py --num 10 --max-tokens 64 > profiles/prefix_cache_cpu.txt
+python profiles/scripts/prefix_cache_cpu.py --num 10 --max-tokens 64 > profiles/results/2026-11-30_cpu_prefix-cache/prefix_cache_cpu.txt
 """
 from __future__ import annotations
 

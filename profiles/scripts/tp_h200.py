@@ -1,6 +1,6 @@
 """Issue 9 on the nvidia-h200-x2 machine: tensor parallelism 1 vs 2 for the Llama-3.1-8B shape.
 
-python profiles/tp_h200.py --tokenizer ~/m/model.gguf --out tp.json [--tp 1 2] [--batch 1 16]
+python profiles/scripts/tp_h200.py --tokenizer ~/m/model.gguf --out tp.json [--tp 1 2] [--batch 1 16]
 
 Random weights (`random:` target of the 8B config, seeded, identical on every rank) and a random
 EAGLE-3 head of its shape (32k draft vocabulary, replicated on every rank): drafts are almost
@@ -25,7 +25,7 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
                ("NVSHMEM_DISABLE_NVLS", "1")):
     os.environ.setdefault(_k, _v)  # before torch / NCCL start; inherited by the TP workers
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from compiled_spec import LLM, SamplingParams  # noqa: E402
 from compiled_spec.bench.run import LLAMA8B, TINY, _random_shape  # noqa: E402

@@ -2,7 +2,7 @@
 eager tree engine's and vanilla decoding's exact output (fp32), at page 1 / 16, topk 2 / 4, with a
 target whose attention matters, and seeded sampling.
 
-python profiles/tree_graphs_check.py [--fixtures DIR] [--tokenizer GGUF_OR_DIR]
+python profiles/scripts/tree_graphs_check.py [--fixtures DIR] [--tokenizer GGUF_OR_DIR]
 
 Fixtures: the bigram target and EAGLE-3 head the tests train (tests/conftest.py's
 trained_eagle3_pair: 150 CPU-cheap steps), built into DIR on first use.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from compiled_spec import LLM, SamplingParams  # noqa: E402
 from compiled_spec.compile import CompileConfig  # noqa: E402

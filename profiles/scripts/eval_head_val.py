@@ -2,7 +2,7 @@
 sequences (the trainer's own ``val.jsonl``), so the head as trained (fp32, ``HEAD_DIR/best``) and
 as exported (bf16) can be compared on exactly the data the training log scored.
 
-python profiles/eval_head_val.py --model ~/m/model.gguf --head HEAD --val HEAD_DIR/val.jsonl
+python profiles/scripts/eval_head_val.py --model ~/m/model.gguf --head HEAD --val HEAD_DIR/val.jsonl
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from compiled_spec.draft.loader import load_draft  # noqa: E402
 from compiled_spec.heads import resolve_draft  # noqa: E402

@@ -1,0 +1,52 @@
+"""The options that build an engine, shared by every command that builds one (``compiled-spec
+generate / bench / parity / profile / acceptance``): the argparse flags and their mapping onto
+``LLM(**kwargs)``.
+
+It sits below both the CLI and the command modules (``acceptance.py``, ``profile_run.py``), which
+read the parsed options back through ``engine_kwargs``, so neither imports ``cli.py``.
+"""
+from __future__ import annotations
+
+import argparse
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF directory or .gguf file (default: SmolLM2-135M-Instruct GGUF)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default=None)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--draft", default=None, help="EAGLE-1 / EAGLE-3 head directory (HF layout), or "
+                   "smollm2-eagle3 (the head shipped for the default SmolLM2 target)")
+    p.add_argument("--method", default=None, choices=["eagle", "eagle3"],
+                   help="draft method (default: detected from the checkpoint)")
+    p.add_argument("--num-speculative-tokens", "-k", type=int, default=3)
+    p.add_argument("--draft-sampling", default="argmax", choices=["argmax", "sample"])
+    p.add_argument("--compile", action="store_true", help="torch.compile target and draft (our backend)")
+    p.add_argument("--speculative-topk", type=int, default=1, help="> 1: EAGLE-2 draft trees")
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=None,
+                   help="tree verification budget, root included")
+    p.add_argument("--enable-prefix-caching", action="store_true")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--draft-tensor-parallel", action="store_true",
+                   help="shard the draft too (default: replicated on every rank)")
+
+
+def add_prompt_args(p: argparse.ArgumentParser, num_prompts: int, max_tokens: int) -> None:
+    """MT-bench first turns (chat template applied) and how many tokens to write for each."""
+    p.add_argument("--prompts", default="../shared/data/mt_bench/question.jsonl")
+    p.add_argument("--num-prompts", type=int, default=num_prompts)
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+
+
+def engine_kwargs(a: argparse.Namespace) -> dict:
+    """``LLM(**engine_kwargs(a))`` builds the engine that ``add_engine_args`` describes."""
+    return dict(model=a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
+                page_size=a.page_size, max_num_seqs=a.max_num_seqs, draft=a.draft, method=a.method,
+                num_speculative_tokens=a.num_speculative_tokens, draft_sampling=a.draft_sampling,
+                compile=a.compile, speculative_topk=a.speculative_topk,
+                speculative_num_draft_tokens=a.speculative_num_draft_tokens,
+                enable_prefix_caching=a.enable_prefix_caching,
+                tensor_parallel_size=a.tensor_parallel_size,
+                draft_tensor_parallel=a.draft_tensor_parallel)

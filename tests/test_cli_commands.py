@@ -1,0 +1,46 @@
+"""``compiled-spec acceptance`` and ``compiled-spec profile`` end to end on a tiny model (CPU):
+both build their engine from the shared options of ``compiled_spec.engine_args``."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from compiled_spec.cli import main
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory, smollm2_tokenizer):
+    from compiled_spec.draft.testing import write_eagle3_head
+    from compiled_spec.models.loader import read_model_config
+    from tests.spec_models import write_tiny_llama
+
+    root = tmp_path_factory.mktemp("cli_pair")
+    target = write_tiny_llama(root / "target", smollm2_tokenizer, layers=4, max_positions=1024)
+    head = write_eagle3_head(str(root / "head"), read_model_config(target))
+    return target, head
+
+
+def test_acceptance_writes_one_row_per_k(tiny_pair, mt_bench_path, tmp_path):
+    target, head = tiny_pair
+    out = tmp_path / "acc.json"
+    assert main(["acceptance", "--model", target, "--draft", head, "--device", "cpu",
+                 "--prompts", mt_bench_path, "--num-prompts", "2", "--max-tokens", "6",
+                 "--max-model-len", "1024", "--k-list", "1", "2", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [r["k"] for r in rows] == [1, 2] and all(r["tau"] >= 1.0 for r in rows)
+
+
+def test_acceptance_needs_a_draft(tiny_pair, mt_bench_path):
+    assert main(["acceptance", "--model", tiny_pair[0], "--device", "cpu",
+                 "--prompts", mt_bench_path, "--num-prompts", "1"]) == 2
+
+
+def test_profile_writes_a_trace_with_phases(tiny_pair, mt_bench_path, tmp_path, capsys):
+    target, head = tiny_pair
+    assert main(["profile", "--model", target, "--draft", head, "--device", "cpu",
+                 "--prompts", mt_bench_path, "--num-prompts", "1", "--max-tokens", "4",
+                 "--max-model-len", "1024", "--out-dir", str(tmp_path / "traces")]) == 0
+    assert list((tmp_path / "traces").rglob("*.pt.trace.json"))
+    printed = capsys.readouterr().out
+    assert "propose" in printed and "verify" in printed
