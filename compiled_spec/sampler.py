@@ -1,7 +1,8 @@
 """On-device sampling: greedy, temperature, top-k, top-p and min-p, with counter-based noise.
 
-Random draws are a hash of (request seed, token position, vocabulary index) computed with
-integer tensor ops, instead of a stateful generator per request. So a seeded request gives the
+Random draws are a hash of (request seed, token position, stream) computed with integer tensor
+ops, instead of a stateful generator per request: one uniform per row, turned into a token by
+inverse-CDF sampling. So a seeded request gives the
 same tokens whatever else is in the batch, the whole step stays on device (no per-row generator
 loop, nothing a CUDA graph could not capture), and a later speculative step that samples position
 n draws exactly the noise vanilla decoding draws at position n.

@@ -4,7 +4,7 @@ into place before the next step.
 
 Acceptance, greedy or sampled, is the coupling rule of ``spec.rejection`` applied along the tree:
 at every node the token vanilla decoding would draw at the next position is drawn (argmax, or an
-exponential race keyed by (seed, position)); the child holding that token is accepted, and at the
+inverse-CDF draw keyed by (seed, position)); the child holding that token is accepted, and at the
 first node without one that token is emitted. Exact for deterministic (top-k) candidates, and a
 seeded request writes exactly its vanilla output.
 

@@ -75,7 +75,7 @@ def rejection_sample(
 
     if draft_probs is None or k == 0:
         # Coupling rule for one-hot drafts. At every slot draw the token vanilla decoding would
-        # draw there, t_j = race(p_j, key(seed, position + j, STREAM_TOKEN)), accept draft j iff
+        # draw there, t_j = draw(p_j, key(seed, position + j, STREAM_TOKEN)), accept draft j iff
         # d_j == t_j, and emit t_j at the first mismatch (or as the bonus).
         # Why exact: with q = one-hot(d), Leviathan accepts with prob min(1, p(d)/q(d)) = p(d) =
         # P(t_j == d); on rejection he samples normalize(max(p - q, 0)) = p with d removed and
@@ -110,7 +110,7 @@ def rejection_sample(
     q_idx = n.clamp(max=k - 1)[:, None, None].expand(bsz, 1, vocab)  # n == K only for the bonus
     q_n = draft_probs.gather(1, q_idx).squeeze(1)  # [B, V]
     rejected = (n < num_draft).to(q_n.dtype)[:, None]  # [B, 1]
-    residual = (p_n - q_n * rejected).clamp_min(0.0)  # [B, V]; the race needs no normalisation
+    residual = (p_n - q_n * rejected).clamp_min(0.0)  # [B, V]; the draw needs no normalisation
     # p <= q everywhere (p == q up to rounding) leaves no mass: fall back to p. Greedy rows keep
     # mass 1 - q(argmax) > 0 on the argmax only (or fall back to the one-hot p), so recovered = argmax.
     has_mass = residual.sum(dim=-1, keepdim=True) > 0  # [B, 1]

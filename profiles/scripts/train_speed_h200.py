@@ -3,7 +3,7 @@ needed): self-distillation tokens/s of our engine at large batch (eager vs compi
 graphs), and EAGLE-3 training tokens/s with the target's features computed in the same step
 (batch size, compiled TTT step), with a per-phase split of one step.
 
-  python profiles/train_speed_h200.py --tokenizer TOKDIR --out F.json [--sections gen train]
+  python profiles/scripts/train_speed_h200.py --tokenizer TOKDIR --out F.json [--sections gen train]
 
 Random weights write garbage, so generation runs with ignore_eos (fixed reply lengths): the
 figure is the engine's, not the model's. Every section has its own time limit.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from compiled_spec.bench.run import LLAMA8B  # noqa: E402
 
