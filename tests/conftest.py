@@ -53,8 +53,10 @@ def smollm2_hf(smollm2_gguf_path):
 
 @pytest.fixture(scope="session")
 def mt_bench_path() -> str:
-    """MT-bench's question file, from ../shared/data beside the repository (as CI lays it out)."""
-    return str(Path(_ROOT).parent / "shared" / "data" / "mt_bench" / "question.jsonl")
+    """MT-bench's question file, shipped in the package (nothing beside the repository is needed)."""
+    from compiled_spec.data import mt_bench_path
+
+    return str(mt_bench_path())
 
 
 @pytest.fixture(scope="session")
