@@ -1,6 +1,7 @@
 """The user-facing API: ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
 from __future__ import annotations
 
+import threading
 import time
 from typing import Sequence
 
@@ -21,10 +22,20 @@ from compiled_spec.engine.request import RequestOutput
 from compiled_spec.models.gguf_loader import find_default_gguf
 from compiled_spec.parity import ParityReport, check_parity
 from compiled_spec.models.loader import load_model
-from compiled_spec.sampling_params import SamplingParams
+from compiled_spec.sampling_params import SamplingParams, as_int
 from compiled_spec.tokenizer import chat_ids, load_tokenizer
 
 Prompt = str | list[int]
+
+
+def _is_id_prompt(p: object) -> bool:
+    """One token-id prompt: a list / tuple / 1-D array whose first entry is an integer (a
+    tuple of ids is one prompt, not several)."""
+    if isinstance(p, (str, bytes, dict)) or not hasattr(p, "__len__") or not hasattr(p, "__getitem__"):
+        return False
+    if getattr(p, "ndim", 1) != 1:
+        return False
+    return len(p) > 0 and as_int(p[0]) is not None
 
 
 class LLM:
@@ -69,6 +80,7 @@ class LLM:
     ) -> None:
         t_start = time.perf_counter()
         self._tp = None
+        self._lock = threading.RLock()  # generate() calls take turns (see generate)
         if not isinstance(draft_tensor_parallel, bool):
             raise ValueError(f"draft_tensor_parallel={draft_tensor_parallel!r}: must be a bool")
         if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) \
@@ -176,9 +188,10 @@ class LLM:
     def _encode(self, prompt: Prompt) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=True), prompt
-        if isinstance(prompt, (list, tuple)):
-            return list(prompt), None
-        raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if _is_id_prompt(prompt) or (isinstance(prompt, (list, tuple)) and not prompt):
+            return list(prompt), None  # each id is checked by engine.check_request
+        raise ValueError(f"a prompt must be a string or a list of token ids, got "
+                         f"{type(prompt).__name__}: {str(prompt)[:80]!r}")
 
     def generate(
         self,
@@ -189,11 +202,15 @@ class LLM:
         """Generate for each prompt (text or token ids); results come back in prompt order.
 
         Every prompt and parameter set is checked before anything runs, so one bad request raises
-        a ValueError naming it and no request is started.
+        a ValueError naming it and no request is started. A step that fails inside the engine
+        aborts only the request at fault (finish_reason="abort", ``outputs[0].error``). If this
+        call is interrupted (Ctrl-C, any exception), its requests are aborted and their KV
+        blocks freed before the exception goes on. Calls from several threads run one at a time.
         """
         if self._tp is not None:
             return self._tp.call("generate", prompts, sampling_params, use_tqdm=use_tqdm)
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        # A single prompt: a string, or one sequence of ids (list, tuple or 1-D array).
+        if isinstance(prompts, str) or _is_id_prompt(prompts):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
@@ -202,20 +219,35 @@ class LLM:
                   else list(sampling_params))
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        encoded = [self._encode(p) for p in prompts]
-        for i, ((ids, _), sp) in enumerate(zip(encoded, params)):
+        encoded = []
+        for i, (p, sp) in enumerate(zip(prompts, params)):
             try:
-                self.engine.check_request(ids, sp)
+                ids, text = self._encode(p)
+                encoded.append((self.engine.check_request(ids, sp), text))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        order = [self.engine.add_request(ids, sp, text) for (ids, text), sp in zip(encoded, params)]
+        # The engine is one state machine (scheduler queues, KV tables, the runner's drafts):
+        # two threads stepping it at once corrupt it, so calls take turns.
+        with self._lock:
+            order: list[int] = []
+            try:
+                for (ids, text), sp in zip(encoded, params):
+                    order.append(self.engine.add_request(ids, sp, text))
+                return self._run_until_done(order, use_tqdm)
+            except BaseException:
+                self.engine.abort(set(order), "generate() was interrupted")
+                raise
+
+    def _run_until_done(self, order: list[int], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[int, RequestOutput] = {}
         bar = tqdm(total=len(order), disable=not use_tqdm, desc="generate")
-        while self.engine.has_unfinished():
-            for req in self.engine.step():
-                done[req.req_id] = self.engine.to_output(req)
-                bar.update(1)
-        bar.close()
+        try:
+            while self.engine.has_unfinished():
+                for req in self.engine.step():
+                    done[req.req_id] = self.engine.to_output(req)
+                    bar.update(1)
+        finally:
+            bar.close()
         return [done[i] for i in order]
 
     def chat(

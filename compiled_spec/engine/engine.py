@@ -1,6 +1,7 @@
 """The engine loop: admit requests, schedule a batch, run it, finish requests."""
 from __future__ import annotations
 
+import logging
 import random
 import time
 from dataclasses import dataclass, field
@@ -16,10 +17,12 @@ from compiled_spec.kv_cache import BlockAllocator, allocate_kv_pair, bytes_per_b
 from compiled_spec.models.decoder import CausalLM
 from compiled_spec.models.fuse import fuse_projections
 from compiled_spec.prefix_cache import block_keys, matchable_blocks
-from compiled_spec.sampling_params import SamplingParams
+from compiled_spec.sampling_params import SamplingParams, as_int
 from compiled_spec.spec.metrics import SpecStats
 from compiled_spec.spec.proposer import EagleProposer
 from kernels.warmup import warm_model_attention
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -31,6 +34,7 @@ class EngineStats:
     num_aborted: int = 0
     num_requests_without_speculation: int = 0  # ran plain decoding in a speculative engine
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    num_step_faults: int = 0  # steps that raised (their requests retried alone or aborted)
     spec: SpecStats = field(default_factory=SpecStats)
 
 
@@ -117,17 +121,24 @@ class LLMEngine:
         self._next_id = 0
         self.stats = EngineStats()
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError/TypeError naming what is wrong with a request; touches no state."""
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """Raise ValueError naming what is wrong with a request; touches no state. Returns the
+        prompt as Python ints (numpy integers are token ids too; booleans are not)."""
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        params.validate()  # again: fields may have been changed since construction
+        if isinstance(prompt_token_ids, (str, bytes)) or not hasattr(prompt_token_ids, "__len__"):
+            raise ValueError(f"a token-id prompt must be a list of ints, got "
+                             f"{type(prompt_token_ids).__name__}")
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("prompt is empty: give at least one token")
         vocab = self.model.config.vocab_size
-        bad = [t for t in prompt_token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        ids = [as_int(t) for t in prompt_token_ids]
+        bad = [t for t, i in zip(prompt_token_ids, ids) if i is None or not 0 <= i < vocab]
         if bad:
-            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+            what = "is not an integer" if as_int(bad[0]) is None else "is outside the vocabulary"
+            raise ValueError(f"prompt token id {bad[0]!r} {what} [0, {vocab})")
         if n >= self.cfg.max_model_len:
             raise ValueError(f"prompt has {n} tokens but max_model_len={self.cfg.max_model_len} "
                              f"leaves no room for output (prompt must be shorter than max_model_len)")
@@ -135,13 +146,17 @@ class LLMEngine:
         if need > self.allocator.num_blocks:
             raise ValueError(f"prompt of {n} tokens needs {need} KV blocks of {self.allocator.page_size} "
                              f"tokens, but the whole pool has {self.allocator.num_blocks}")
+        return ids  # type: ignore[return-value]  # every entry checked above
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None) -> int:
-        """Validate and queue a request. Bad input raises here and leaves the engine untouched."""
-        self.check_request(prompt_token_ids, params)
-        n = len(prompt_token_ids)
+        """Validate and queue a request. Bad input raises here and leaves the engine untouched.
+        The engine keeps a validated copy of ``params``: later changes to the caller's object do
+        not reach the running request."""
+        ids = self.check_request(prompt_token_ids, params)
+        params = params.checked_copy()
+        n = len(ids)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        req = Request(req_id=self._next_id, prompt_token_ids=list(prompt_token_ids), params=params,
+        req = Request(req_id=self._next_id, prompt_token_ids=ids, params=params,
                       seed=seed, max_total_tokens=min(n + params.max_tokens, self.cfg.max_model_len),
                       prompt=prompt, spec_enabled=self.draft is not None and params.speculate)
         if self.draft is not None:
@@ -156,20 +171,61 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[Request]:
-        """Run one engine step; returns the requests that finished in it."""
+        """Run one engine step; returns the requests that finished in it.
+
+        A step that raises does not break the engine: its requests' blocks are freed and the
+        runner forgets its drafts; alone in the step, the request is finished with
+        finish_reason="abort" and the error, else every request of the step is retried alone
+        (recomputed, as after preemption, so outputs do not change) to find the one at fault.
+        """
         batch = self.scheduler.schedule()
         finished = list(batch.aborted)
         self.stats.num_aborted += len(batch.aborted)
         self.stats.num_preemptions = self.scheduler.num_preemptions
         if batch.empty:
             return finished
-        out = self.runner.execute(batch.requests, batch.num_new_tokens)
+        try:
+            self._run(batch.requests, batch.num_new_tokens, finished)
+        except Exception as e:  # noqa: BLE001 - any fault of one step is contained here
+            finished += self._fault([r for r in batch.requests if not r.finished], e)
+        return finished
+
+    def _fault(self, reqs: list[Request], e: Exception) -> list[Request]:
+        self.runner.reset()
+        self.stats.num_step_faults += 1
+        log.warning("engine step over requests %s raised %s: %s", [r.req_id for r in reqs],
+                    type(e).__name__, e)
+        if len(reqs) > 1:
+            self.scheduler.retry_alone(reqs)
+            return []
+        for req in reqs:
+            self.scheduler.remove(req, f"engine step failed: {type(e).__name__}: {e}")
+            req.metrics.finish_time = time.perf_counter()
+        self.stats.num_aborted += len(reqs)
+        return reqs
+
+    def abort(self, req_ids: set[int], why: str) -> list[Request]:
+        """Finish the unfinished requests among ``req_ids`` with finish_reason="abort" and free
+        their blocks (``LLM.generate`` calls it when interrupted, Ctrl-C included)."""
+        reqs = [r for r in list(self.scheduler.waiting) + self.scheduler.running
+                if r.req_id in req_ids]
+        for req in reqs:
+            self.scheduler.remove(req, why)
+        if reqs:
+            self.runner.reset()  # a step may have stopped half-way
+            self.stats.num_aborted += len(reqs)
+        return reqs
+
+    def _run(self, reqs: list[Request], num_new: list[int], finished: list[Request]) -> None:
+        """The step proper; appends to ``finished`` as requests finish (kept if it raises)."""
+        out = self.runner.execute(reqs, num_new)
         now = time.perf_counter()
         self.stats.num_steps += 1
         going_on: list[Request] = []
         accepted: dict[int, int] = {}
         verified = [(k, len(t) - 1) for k, t in zip(out.num_draft, out.new_tokens)]
-        for req, n, toks, (k_d, acc) in zip(batch.requests, batch.num_new_tokens, out.new_tokens, verified):
+        for req, n, toks, (k_d, acc) in zip(reqs, num_new, out.new_tokens, verified):
+            req.suspect = False  # it ran a step (alone, if it was a suspect)
             if n > 1 or req.num_computed == 0:
                 self.stats.num_prefill_tokens += n
             req.num_computed += n + acc  # accepted drafts' KV was written during verification
@@ -201,7 +257,6 @@ class LLMEngine:
         if self.cfg.cache.prefix_caching:
             for req in going_on:
                 self._register_blocks(req)
-        return finished
 
     # ---- prefix caching ----------------------------------------------------------------------
     def _match_prefix(self, req: Request) -> None:

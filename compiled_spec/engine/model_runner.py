@@ -79,6 +79,12 @@ class ModelRunner:
         self._draft_row: dict[int, int] = {}  # req_id -> row in the tensors above
         self._pending: _Pending | None = None
 
+    def reset(self) -> None:
+        """Forget the last proposal and pending hidden states (after a step raised, or requests
+        were aborted mid-step): the next step verifies no drafts, which stays exact."""
+        self._drafts = self._draft_probs = self._pending = None
+        self._draft_row = {}
+
     def num_drafts_for(self, req: Request) -> int:
         """Drafts to verify this step: what was proposed, capped so nothing passes the request's
         token budget (and so max_model_len): k shrinks near the end instead of failing."""

@@ -48,6 +48,9 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     error: str | None = None
+    # In a step that raised with other requests: retried alone on its next step, so a fault is
+    # pinned on the request that causes it (engine.py, _fault).
+    suspect: bool = False
     spec_enabled: bool = False  # drafted and verified (False: plain decoding in the same batch)
     spec_stats: SpecStats | None = None  # per-request acceptance, in speculative engines
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))

@@ -41,6 +41,10 @@ class TreeModelRunner(ModelRunner):
         self._tree: DraftTree | None = None
         self._tree_row: dict[int, int] = {}
 
+    def reset(self) -> None:
+        super().reset()
+        self._tree, self._tree_row = None, {}
+
     def _takes_tree(self, req: Request) -> bool:
         """Room for at least one draft, and the tree's slots inside max_model_len. Slots may
         pass the request's own budget (they are scratch); acceptance is capped to the budget."""
