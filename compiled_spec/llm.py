@@ -90,9 +90,15 @@ class LLM:
         if tensor_parallel_size > 1 and not dist.is_initialized():
             # Launch one worker per rank; this object forwards to them (see launcher.py).
             from compiled_spec.distributed.launcher import TPLauncher
+            from compiled_spec.distributed.shard import check_tp_shapes
+            from compiled_spec.models.loader import read_model_config
 
+            # Refuse shapes that do not split before any worker process is started.
+            check_tp_shapes(read_model_config(model if model is not None else
+                                              find_default_gguf()), tensor_parallel_size)
             args = {k: v for k, v in locals().items()
-                    if k not in ("self", "t_start", "TPLauncher", "__class__")}
+                    if k not in ("self", "t_start", "TPLauncher", "__class__", "check_tp_shapes",
+                                 "read_model_config")}
             self._tp = TPLauncher(tensor_parallel_size, args)
             self.config = self._tp.call("attr", "config")
             return

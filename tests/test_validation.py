@@ -84,3 +84,71 @@ def test_prompt_forms(llm):
     with pytest.raises(ValueError, match="sampling params must be SamplingParams"):
         llm.generate([[5]], {"max_tokens": 3})
     assert _free(llm)
+
+
+def test_truncated_checkpoints_name_the_file(tmp_path, smollm2_gguf_path, capsys):
+    import shutil
+
+    from compiled_spec import LLM
+    from compiled_spec.cli import main
+    from tests.spec_models import write_bigram_target
+
+    d = tmp_path / "trunc"
+    write_bigram_target(d, vocab=64)
+    st = d / "model.safetensors"
+    st.write_bytes(st.read_bytes()[:1000])
+    with pytest.raises(ValueError, match=f"{st}: cannot read this checkpoint file .*Safetensor"):
+        LLM(model=str(d), tokenizer=smollm2_gguf_path)
+    g = tmp_path / "trunc.gguf"
+    with open(smollm2_gguf_path, "rb") as f:
+        g.write_bytes(f.read(200_000))
+    with pytest.raises(ValueError, match=f"{g}: cannot read this GGUF file"):
+        LLM(model=str(g))
+    # The CLI says so in one line instead of a traceback.
+    capsys.readouterr()  # the checkpoint writer's progress bar
+    assert main(["generate", "--model", str(d), "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("compiled-spec: error: ") and "Traceback" not in err and str(st) in err
+    shutil.rmtree(d)
+
+
+def test_chat_message_without_content(llm):
+    with pytest.raises(ValueError, match="message 1 .*'content' must be a string"):
+        llm.chat([{"role": "user", "content": "hi"}, {"role": "assistant"}])
+    with pytest.raises(ValueError, match="message 0 must be a dict"):
+        llm.chat([["user", "hi"]])
+
+
+def test_tp_shapes_refused_before_workers_start(tmp_path, monkeypatch):
+    import compiled_spec.distributed.launcher as launcher
+    from compiled_spec import LLM
+    from tests.spec_models import write_bigram_target
+
+    def no_workers(*a, **k):
+        raise AssertionError("workers started before the shape check")
+
+    monkeypatch.setattr(launcher, "TPLauncher", no_workers)
+    target = write_bigram_target(tmp_path / "t", vocab=64)  # 4 heads, 2 KV heads
+    with pytest.raises(ValueError, match="num_attention_heads=4 is not divisible by "
+                                         "tensor_parallel_size=3"):
+        LLM(model=target, tensor_parallel_size=3)
+
+
+def test_kv_pool_larger_than_memory_is_refused(tmp_path, smollm2_gguf_path):
+    import torch
+
+    from compiled_spec import LLM
+    from compiled_spec.memory import available_bytes, check_kv_pool_fits
+    from tests.spec_models import write_bigram_target
+
+    assert available_bytes(torch.device("cpu")) > 0
+    with pytest.raises(ValueError, match="num_kv_blocks=7: .* 7 blocks x 1024 bytes"):
+        check_kv_pool_fits(7, 1024, torch.device("cpu"), "num_kv_blocks=7", available=4096)
+    check_kv_pool_fits(4, 1024, torch.device("cpu"), "num_kv_blocks=4", available=4096)
+    target = write_bigram_target(tmp_path / "t", vocab=64)
+    with pytest.raises(ValueError, match="num_kv_blocks=1000000000000: the KV cache needs"):
+        LLM(model=target, tokenizer=smollm2_gguf_path, num_kv_blocks=10 ** 12)
+    with pytest.raises(ValueError, match="kv_cache_memory_gib=1000000.0: the KV cache needs"):
+        LLM(model=target, tokenizer=smollm2_gguf_path, kv_cache_memory_gib=1e6)
+    with pytest.raises(ValueError, match="kv_cache_memory_gib=inf"):
+        LLM(model=target, tokenizer=smollm2_gguf_path, kv_cache_memory_gib=float("inf"))

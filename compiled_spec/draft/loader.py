@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from compiled_spec.models.file_errors import reading
+
 from compiled_spec.draft.config import DraftConfig, rename_key
 from compiled_spec.draft.model import EagleDraft
 from compiled_spec.models.decoder import CausalLM
@@ -46,7 +48,7 @@ def load_draft(path: str, target: CausalLM, dtype: torch.dtype,
     source: dict[str, tuple[Path, str]] = {}  # our key -> (file, checkpoint key)
     duplicates: list[str] = []
     for f in files:
-        with safe_open(str(f), framework="pt") as st:
+        with reading(f), safe_open(str(f), framework="pt") as st:
             for key in st.keys():
                 ours = rename_key(key)
                 if ours in source:
@@ -67,13 +69,15 @@ def load_draft(path: str, target: CausalLM, dtype: torch.dtype,
     to_load = check_checkpoint(draft, shapes, str(p), extra_problems=extra)
 
     with ExitStack() as stack:
-        opened = {f: stack.enter_context(safe_open(str(f), framework="pt",
-                                                   device=_safetensors_device(device)))
-                  for f in files}
+        with reading(p, "draft head"):
+            opened = {f: stack.enter_context(safe_open(str(f), framework="pt",
+                                                       device=_safetensors_device(device)))
+                      for f in files}
 
         def get(key: str) -> torch.Tensor:
             f, checkpoint_key = source[key]
-            return opened[f].get_tensor(checkpoint_key)
+            with reading(f):
+                return opened[f].get_tensor(checkpoint_key)
 
         load_tensors(draft, to_load, get, dtype, device)
         if config.method == "eagle3":

@@ -13,6 +13,7 @@ from compiled_spec.draft.model import EagleDraft
 from compiled_spec.engine.model_runner import ModelRunner
 from compiled_spec.engine.request import CompletionOutput, Request, RequestOutput, Status
 from compiled_spec.engine.scheduler import Scheduler
+from compiled_spec.memory import available_bytes, check_kv_pool_fits
 from compiled_spec.kv_cache import BlockAllocator, allocate_kv_pair, bytes_per_block
 from compiled_spec.models.decoder import CausalLM
 from compiled_spec.models.fuse import fuse_projections
@@ -39,14 +40,15 @@ class EngineStats:
 
 
 def _kv_budget_bytes(cfg: EngineConfig) -> int:
-    """The KV pool's size: the configured GiB, else 1 GiB on the CPU and half the free memory
-    on a GPU (the weights are already loaded, so what is free is what the pool may take)."""
+    """The KV pool's size: the configured GiB, else half the free memory on a GPU (the weights
+    are already loaded, so what is free is what the pool may take) and on the CPU 1 GiB, or
+    half of what is available when that is less."""
     if cfg.cache.memory_gib is not None:
         return int(cfg.cache.memory_gib * (1 << 30))
+    avail = available_bytes(cfg.device)
     if cfg.device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(cfg.device)
-        return free // 2
-    return 1 << 30
+        return (avail or 0) // 2
+    return 1 << 30 if avail is None else min(1 << 30, avail // 2)
 
 
 class LLMEngine:
@@ -70,8 +72,8 @@ class LLMEngine:
             kv_shapes += [(layer.self_attn.num_kv_heads, draft.config.head_dim)
                           for layer in draft.layers]
         num_blocks = cfg.cache.num_blocks
+        per_block = sum(bytes_per_block(page, h, d, cfg.dtype) for h, d in kv_shapes)
         if num_blocks is None:
-            per_block = sum(bytes_per_block(page, h, d, cfg.dtype) for h, d in kv_shapes)
             num_blocks = max(1, _kv_budget_bytes(cfg) // per_block)
             tp = getattr(model, "tp", None)
             if tp is not None:  # every rank must hold the same number of blocks (lockstep)
@@ -80,6 +82,9 @@ class LLMEngine:
                 n = torch.tensor([num_blocks], device=cfg.device)
                 dist.all_reduce(n, op=dist.ReduceOp.MIN, group=tp.group)
                 num_blocks = int(n.item())
+        asked = (f"num_kv_blocks={cfg.cache.num_blocks}" if cfg.cache.num_blocks is not None else
+                 f"kv_cache_memory_gib={cfg.cache.memory_gib}")
+        check_kv_pool_fits(num_blocks, per_block, cfg.device, asked)
         self.allocator = BlockAllocator(num_blocks, page, prefix_caching=cfg.cache.prefix_caching)
         self.kv_caches = [allocate_kv_pair(num_blocks, page, h, d, cfg.dtype, cfg.device)
                           for h, d in kv_shapes]
