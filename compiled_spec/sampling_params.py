@@ -44,6 +44,9 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
+    # Stop strings: the output stops once its text contains one; the text returned ends before
+    # it (engine/stopping.py). A single string is one stop string.
+    stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     speculate: bool = True  # False: this request decodes plainly even in a speculative engine
@@ -99,6 +102,14 @@ class SamplingParams:
                 raise bad("stop_token_ids", f"entry {v!r} is not a token id")
             ids.append(i)
         self.stop_token_ids = ids
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple)) or not all(
+                isinstance(x, str) and x for x in self.stop):
+            raise bad("stop", "must be a string or a list of non-empty strings")
+        self.stop = list(self.stop)
         for f in ("ignore_eos", "skip_special_tokens", "speculate"):
             if not isinstance(getattr(self, f), bool):
                 raise bad(f, "must be True or False")

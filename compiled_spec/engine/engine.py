@@ -13,6 +13,7 @@ from compiled_spec.draft.model import EagleDraft
 from compiled_spec.engine.model_runner import ModelRunner
 from compiled_spec.engine.request import CompletionOutput, Request, RequestOutput, Status
 from compiled_spec.engine.scheduler import Scheduler
+from compiled_spec.engine.stopping import output_text, stop_reason
 from compiled_spec.memory import available_bytes, check_kv_pool_fits
 from compiled_spec.kv_cache import BlockAllocator, allocate_kv_pair, bytes_per_block
 from compiled_spec.models.decoder import CausalLM
@@ -245,7 +246,8 @@ class LLMEngine:
                 req.output_token_ids.append(tok)
                 if n == 1:
                     self.stats.num_decode_tokens += 1
-                reason = self._stop_reason(req, tok)
+                reason = stop_reason(req, tok, self.eos_token_ids, self.cfg.max_model_len,
+                                     self.detokenize)
                 if reason is not None:
                     break
             if reason is not None:
@@ -291,16 +293,8 @@ class LLMEngine:
             self.allocator.register(req.req_id, i, h, key)
         req.num_registered, req.last_block_hash = full, keys[-1][0]
 
-    def _stop_reason(self, req: Request, tok: int) -> str | None:
-        p = req.params
-        if (not p.ignore_eos and tok in self.eos_token_ids) or tok in p.stop_token_ids:
-            return "stop"
-        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.cfg.max_model_len:
-            return "length"
-        return None
-
     def to_output(self, req: Request) -> RequestOutput:
-        text = self.detokenize(req.output_token_ids, req.params.skip_special_tokens)
+        text = output_text(req, self.detokenize)
         comp = CompletionOutput(text=text, token_ids=list(req.output_token_ids),
                                 finish_reason=req.finish_reason, error=req.error)
         return RequestOutput(request_id=req.req_id, prompt=req.prompt,
