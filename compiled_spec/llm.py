@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from typing import Sequence
 
 import torch
@@ -22,7 +23,7 @@ from compiled_spec.engine.request import RequestOutput
 from compiled_spec.models.gguf_loader import find_default_gguf
 from compiled_spec.parity import ParityReport, check_parity
 from compiled_spec.models.loader import load_model
-from compiled_spec.sampling_params import SamplingParams, as_int
+from compiled_spec.sampling_params import SamplingParams, as_int, sub_seed
 from compiled_spec.tokenizer import chat_ids, load_tokenizer
 
 Prompt = str | list[int]
@@ -235,18 +236,22 @@ class LLM:
         # The engine is one state machine (scheduler queues, KV tables, the runner's drafts):
         # two threads stepping it at once corrupt it, so calls take turns.
         with self._lock:
-            order: list[int] = []
+            groups: list[list[int]] = []  # per prompt, its n requests
             try:
                 for (ids, text), sp in zip(encoded, params):
-                    order.append(self.engine.add_request(ids, sp, text))
-                return self._run_until_done(order, use_tqdm)
+                    subs = [sp] if sp.n == 1 else [replace(sp, n=1, seed=sub_seed(sp.seed, i))
+                                                   for i in range(sp.n)]
+                    groups.append([])
+                    for sub in subs:
+                        groups[-1].append(self.engine.add_request(ids, sub, text))
+                return self._run_until_done(groups, use_tqdm)
             except BaseException:
-                self.engine.abort(set(order), "generate() was interrupted")
+                self.engine.abort({i for g in groups for i in g}, "generate() was interrupted")
                 raise
 
-    def _run_until_done(self, order: list[int], use_tqdm: bool) -> list[RequestOutput]:
+    def _run_until_done(self, groups: list[list[int]], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[int, RequestOutput] = {}
-        bar = tqdm(total=len(order), disable=not use_tqdm, desc="generate")
+        bar = tqdm(total=sum(map(len, groups)), disable=not use_tqdm, desc="generate")
         try:
             while self.engine.has_unfinished():
                 for req in self.engine.step():
@@ -254,7 +259,15 @@ class LLM:
                     bar.update(1)
         finally:
             bar.close()
-        return [done[i] for i in order]
+        outs = []
+        for g in groups:  # n > 1: one RequestOutput, the completions in order (metrics: the first's)
+            first = done[g[0]]
+            for i, rid in enumerate(g[1:], start=1):
+                comp = done[rid].outputs[0]
+                comp.index = i
+                first.outputs.append(comp)
+            outs.append(first)
+        return outs
 
     def chat(
         self,

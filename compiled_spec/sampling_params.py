@@ -11,6 +11,18 @@ from dataclasses import dataclass, field, replace
 # is checked here. top_k above the vocabulary keeps every token, so 2**31 - 1 loses nothing.
 SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1
 TOP_K_MAX = 2 ** 31 - 1
+N_MAX = 1024  # completions per prompt; each is a request with its own KV
+
+
+def sub_seed(seed: int | None, i: int) -> int | None:
+    """The seed of completion ``i`` of an ``n > 1`` request: the seed itself for i = 0 (so
+    n = 1 and the first of n agree), a 64-bit mix of (seed, i) for the others, kept in the
+    int64 range; None stays None (the engine draws a seed per request)."""
+    if seed is None or i == 0:
+        return seed
+    x = (seed * 0x9E3779B97F4A7C15 + i * 0xBF58476D1CE4E5B9) & (2 ** 64 - 1)
+    x ^= x >> 31
+    return x - 2 ** 64 if x >= 2 ** 63 else x
 
 
 def as_int(v: object) -> int | None:
@@ -38,6 +50,7 @@ class SamplingParams:
     """
 
     max_tokens: int = 64
+    n: int = 1  # completions per prompt (each its own request; seeds derived, see sub_seed)
     temperature: float = 1.0
     top_k: int = 0  # 0 = disabled
     top_p: float = 1.0
@@ -66,6 +79,10 @@ class SamplingParams:
         if mt < 1:
             raise bad("max_tokens", "must be at least 1")
         self.max_tokens = mt
+        n = as_int(self.n)
+        if n is None or not 1 <= n <= N_MAX:
+            raise bad("n", f"must be an integer in [1, {N_MAX}]")
+        self.n = n
         t = as_real(self.temperature)
         if t is None or not math.isfinite(t):
             raise bad("temperature", "must be a finite number")

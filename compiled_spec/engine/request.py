@@ -85,6 +85,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     error: str | None = None
+    index: int = 0  # which of the prompt's n completions
 
 
 @dataclass
