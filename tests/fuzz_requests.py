@@ -23,6 +23,8 @@ _GOOD = {
     "stop_token_ids": [[], [], None, [3], (5, 7), [63]],
     "ignore_eos": [False, True],
     "speculate": [True, True, False],
+    "n": [1, 1, 1, 2, 3],
+    "stop": [[], [], None, "!", ["\n", "#$"]],
 }
 _BAD = {
     "max_tokens": [0, -1, True, 2.5, "8", None],
@@ -34,6 +36,8 @@ _BAD = {
     "stop_token_ids": [[True], [-1], 5, "ab", [1.5]],
     "ignore_eos": [1, None],
     "speculate": [0, "yes"],
+    "n": [0, True, 2000],
+    "stop": [[""], 5, ["a", None]],
 }
 
 

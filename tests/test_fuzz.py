@@ -52,9 +52,11 @@ def test_fuzz_requests_keep_the_engine_usable(engine, bigram_eagle3, smollm2_ggu
                 assert r.fault and "injected fault" in o.outputs[0].error
                 aborted += 1
             else:
-                assert o.finish_reason in ("stop", "length"), o
-                assert 1 <= len(o.token_ids) <= r.params.max_tokens
-                assert all(0 <= t < VOCAB for t in o.token_ids)
+                assert len(o.outputs) == r.params.n
+                for c in o.outputs:
+                    assert c.finish_reason in ("stop", "length"), o
+                    assert 1 <= len(c.token_ids) <= r.params.max_tokens
+                    assert all(0 <= t < VOCAB for t in c.token_ids)
                 served += 1
         _idle_and_full(llm)
     assert refused > 3 and aborted >= 1 and served > 20, (refused, aborted, served)
