@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 # is checked here. top_k above the vocabulary keeps every token, so 2**31 - 1 loses nothing.
 SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1
 TOP_K_MAX = 2 ** 31 - 1
+LOGPROBS_MAX = 20  # per-token alternatives in logprobs (vLLM's default max_logprobs)
 N_MAX = 1024  # completions per prompt; each is a request with its own KV
 
 
@@ -63,6 +64,9 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     speculate: bool = True  # False: this request decodes plainly even in a speculative engine
+    # Per-token log-probabilities: None = off, k >= 0 = the emitted token's plus the k most
+    # likely (engine/logprobs.py), in CompletionOutput.logprobs.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -119,6 +123,11 @@ class SamplingParams:
                 raise bad("stop_token_ids", f"entry {v!r} is not a token id")
             ids.append(i)
         self.stop_token_ids = ids
+        if self.logprobs is not None:
+            lp = as_int(self.logprobs)
+            if lp is None or not 0 <= lp <= LOGPROBS_MAX:
+                raise bad("logprobs", f"must be None or an integer in [0, {LOGPROBS_MAX}]")
+            self.logprobs = lp
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):

@@ -25,6 +25,7 @@ _GOOD = {
     "speculate": [True, True, False],
     "n": [1, 1, 1, 2, 3],
     "stop": [[], [], None, "!", ["\n", "#$"]],
+    "logprobs": [None, None, 0, 2],
 }
 _BAD = {
     "max_tokens": [0, -1, True, 2.5, "8", None],
@@ -38,6 +39,7 @@ _BAD = {
     "speculate": [0, "yes"],
     "n": [0, True, 2000],
     "stop": [[""], 5, ["a", None]],
+    "logprobs": [-1, 21, True],
 }
 
 

@@ -57,6 +57,9 @@ def test_fuzz_requests_keep_the_engine_usable(engine, bigram_eagle3, smollm2_ggu
                     assert c.finish_reason in ("stop", "length"), o
                     assert 1 <= len(c.token_ids) <= r.params.max_tokens
                     assert all(0 <= t < VOCAB for t in c.token_ids)
+                    if r.params.logprobs is not None:
+                        assert [t in d for t, d in zip(c.token_ids, c.logprobs)] == \
+                            [True] * len(c.token_ids)
                 served += 1
         _idle_and_full(llm)
     assert refused > 3 and aborted >= 1 and served > 20, (refused, aborted, served)

@@ -230,7 +230,8 @@ class LLMEngine:
         going_on: list[Request] = []
         accepted: dict[int, int] = {}
         verified = [(k, len(t) - 1) for k, t in zip(out.num_draft, out.new_tokens)]
-        for req, n, toks, (k_d, acc) in zip(reqs, num_new, out.new_tokens, verified):
+        lps = out.logprobs or [None] * len(reqs)
+        for req, n, toks, (k_d, acc), lp in zip(reqs, num_new, out.new_tokens, verified, lps):
             req.suspect = False  # it ran a step (alone, if it was a suspect)
             if n > 1 or req.num_computed == 0:
                 self.stats.num_prefill_tokens += n
@@ -242,8 +243,10 @@ class LLMEngine:
                 # Counted once the request runs (an admission attempt may give blocks back).
                 self.stats.num_cached_tokens += req.num_cached_tokens
             reason = None
-            for tok in toks:
+            for j, tok in enumerate(toks):
                 req.output_token_ids.append(tok)
+                if lp is not None:
+                    req.output_logprobs.append(lp[j])
                 if n == 1:
                     self.stats.num_decode_tokens += 1
                 reason = stop_reason(req, tok, self.eos_token_ids, self.cfg.max_model_len,
@@ -296,7 +299,9 @@ class LLMEngine:
     def to_output(self, req: Request) -> RequestOutput:
         text = output_text(req, self.detokenize)
         comp = CompletionOutput(text=text, token_ids=list(req.output_token_ids),
-                                finish_reason=req.finish_reason, error=req.error)
+                                finish_reason=req.finish_reason, error=req.error,
+                                logprobs=None if req.params.logprobs is None
+                                else list(req.output_logprobs))
         return RequestOutput(request_id=req.req_id, prompt=req.prompt,
                              prompt_token_ids=req.prompt_token_ids, outputs=[comp],
                              finished=req.status is Status.FINISHED, metrics=req.metrics,

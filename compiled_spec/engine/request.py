@@ -40,6 +40,7 @@ class Request:
     max_total_tokens: int  # min(prompt + max_tokens, max_model_len)
     prompt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)  # logprobs requested
     num_computed: int = 0  # tokens whose KV is in the cache
     draft_computed: int = 0  # positions whose draft KV is valid (speculative engines)
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache (not computed)
@@ -86,6 +87,7 @@ class CompletionOutput:
     finish_reason: str | None
     error: str | None = None
     index: int = 0  # which of the prompt's n completions
+    logprobs: list[dict[int, float]] | None = None  # per token, when SamplingParams.logprobs
 
 
 @dataclass
