@@ -226,16 +226,17 @@ class LLM:
                   else list(sampling_params))
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        encoded = []
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            try:
-                ids, text = self._encode(p)
-                encoded.append((self.engine.check_request(ids, sp), text))
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
-        # The engine is one state machine (scheduler queues, KV tables, the runner's drafts):
-        # two threads stepping it at once corrupt it, so calls take turns.
+        # The engine is one state machine (scheduler queues, KV tables, the runner's drafts) and
+        # a fast tokenizer refuses concurrent use: two threads at once corrupt them, so calls
+        # take turns (an RLock: chat() holds it around its own generate()).
         with self._lock:
+            encoded = []
+            for i, (p, sp) in enumerate(zip(prompts, params)):
+                try:
+                    ids, text = self._encode(p)
+                    encoded.append((self.engine.check_request(ids, sp), text))
+                except ValueError as e:
+                    raise ValueError(f"prompt {i}: {e}") from None
             groups: list[list[int]] = []  # per prompt, its n requests
             try:
                 for (ids, text), sp in zip(encoded, params):
@@ -279,8 +280,9 @@ class LLM:
         if self._tp is not None:
             return self._tp.call("chat", messages, sampling_params, use_tqdm=use_tqdm)
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        ids = [self.encode_chat(c) for c in convs]
-        return self.generate(ids, sampling_params, use_tqdm=use_tqdm)
+        with self._lock:
+            ids = [self.encode_chat(c) for c in convs]
+            return self.generate(ids, sampling_params, use_tqdm=use_tqdm)
 
     def encode_chat(self, conversation: list[dict]) -> list[int]:
         if self._tp is not None:

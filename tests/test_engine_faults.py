@@ -103,10 +103,14 @@ def test_two_threads_take_turns(tiny_llm_dir):
     got: dict[int, list] = {}
     errors: list[BaseException] = []
 
+    texts = ["#$%", "0123"]  # ids below the tiny vocabulary
+    want_text = [o.token_ids for o in llm.generate(texts, sps[:2])]  # the tokenizer is shared too
+
     def worker(t: int) -> None:
         try:
             for _ in range(3):
                 got.setdefault(t, []).append([o.token_ids for o in llm.generate(PROMPTS, sps)])
+                assert [o.token_ids for o in llm.generate(texts, sps[:2])] == want_text
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
