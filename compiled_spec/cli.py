@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     try:
         return a.func(a)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # bad input, missing / unreadable files: no traceback
         print(f"compiled-spec: error: {e}", file=sys.stderr)
         return 2
 

@@ -51,10 +51,12 @@ class CacheConfig:
                              "'successor' or 'recompute'")
         if isinstance(self.page_size, bool) or not isinstance(self.page_size, int) or self.page_size < 1:
             raise ValueError(f"page_size={self.page_size!r}: must be a positive integer")
-        if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 1):
+        if self.num_blocks is not None and (isinstance(self.num_blocks, bool) or not isinstance(
+                self.num_blocks, int) or self.num_blocks < 1):
             raise ValueError(f"num_kv_blocks={self.num_blocks!r}: must be a positive integer")
-        if self.memory_gib is not None and not self.memory_gib > 0:
-            raise ValueError(f"kv_cache_memory_gib={self.memory_gib!r}: must be > 0")
+        if self.memory_gib is not None and (isinstance(self.memory_gib, bool) or not isinstance(
+                self.memory_gib, (int, float)) or not 0 < self.memory_gib < float("inf")):
+            raise ValueError(f"kv_cache_memory_gib={self.memory_gib!r}: must be a finite number > 0")
 
 
 @dataclass

@@ -35,7 +35,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def add_prompt_args(p: argparse.ArgumentParser, num_prompts: int, max_tokens: int) -> None:
     """MT-bench first turns (chat template applied) and how many tokens to write for each."""
-    p.add_argument("--prompts", default="../shared/data/mt_bench/question.jsonl")
+    from compiled_spec.data import mt_bench_path
+
+    p.add_argument("--prompts", default=str(mt_bench_path()),
+                   help="JSONL with 'turns' or 'prompt' (default: MT-bench, shipped in the package)")
     p.add_argument("--num-prompts", type=int, default=num_prompts)
     p.add_argument("--max-tokens", type=int, default=max_tokens)
 

@@ -1,7 +1,9 @@
 """The user-facing API: ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
 from __future__ import annotations
 
+import threading
 import time
+from dataclasses import replace
 from typing import Sequence
 
 import torch
@@ -21,10 +23,20 @@ from compiled_spec.engine.request import RequestOutput
 from compiled_spec.models.gguf_loader import find_default_gguf
 from compiled_spec.parity import ParityReport, check_parity
 from compiled_spec.models.loader import load_model
-from compiled_spec.sampling_params import SamplingParams
+from compiled_spec.sampling_params import SamplingParams, as_int, sub_seed
 from compiled_spec.tokenizer import chat_ids, load_tokenizer
 
 Prompt = str | list[int]
+
+
+def _is_id_prompt(p: object) -> bool:
+    """One token-id prompt: a list / tuple / 1-D array whose first entry is an integer (a
+    tuple of ids is one prompt, not several)."""
+    if isinstance(p, (str, bytes, dict)) or not hasattr(p, "__len__") or not hasattr(p, "__getitem__"):
+        return False
+    if getattr(p, "ndim", 1) != 1:
+        return False
+    return len(p) > 0 and as_int(p[0]) is not None
 
 
 class LLM:
@@ -69,6 +81,7 @@ class LLM:
     ) -> None:
         t_start = time.perf_counter()
         self._tp = None
+        self._lock = threading.RLock()  # generate() calls take turns (see generate)
         if not isinstance(draft_tensor_parallel, bool):
             raise ValueError(f"draft_tensor_parallel={draft_tensor_parallel!r}: must be a bool")
         if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) \
@@ -78,9 +91,15 @@ class LLM:
         if tensor_parallel_size > 1 and not dist.is_initialized():
             # Launch one worker per rank; this object forwards to them (see launcher.py).
             from compiled_spec.distributed.launcher import TPLauncher
+            from compiled_spec.distributed.shard import check_tp_shapes
+            from compiled_spec.models.loader import read_model_config
 
+            # Refuse shapes that do not split before any worker process is started.
+            check_tp_shapes(read_model_config(model if model is not None else
+                                              find_default_gguf()), tensor_parallel_size)
             args = {k: v for k, v in locals().items()
-                    if k not in ("self", "t_start", "TPLauncher", "__class__")}
+                    if k not in ("self", "t_start", "TPLauncher", "__class__", "check_tp_shapes",
+                                 "read_model_config")}
             self._tp = TPLauncher(tensor_parallel_size, args, LLM)
             self.config = self._tp.call("attr", "config")
             return
@@ -176,9 +195,10 @@ class LLM:
     def _encode(self, prompt: Prompt) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=True), prompt
-        if isinstance(prompt, (list, tuple)):
-            return list(prompt), None
-        raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if _is_id_prompt(prompt) or (isinstance(prompt, (list, tuple)) and not prompt):
+            return list(prompt), None  # each id is checked by engine.check_request
+        raise ValueError(f"a prompt must be a string or a list of token ids, got "
+                         f"{type(prompt).__name__}: {str(prompt)[:80]!r}")
 
     def generate(
         self,
@@ -189,11 +209,15 @@ class LLM:
         """Generate for each prompt (text or token ids); results come back in prompt order.
 
         Every prompt and parameter set is checked before anything runs, so one bad request raises
-        a ValueError naming it and no request is started.
+        a ValueError naming it and no request is started. A step that fails inside the engine
+        aborts only the request at fault (finish_reason="abort", ``outputs[0].error``). If this
+        call is interrupted (Ctrl-C, any exception), its requests are aborted and their KV
+        blocks freed before the exception goes on. Calls from several threads run one at a time.
         """
         if self._tp is not None:
             return self._tp.call("generate", prompts, sampling_params, use_tqdm=use_tqdm)
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        # A single prompt: a string, or one sequence of ids (list, tuple or 1-D array).
+        if isinstance(prompts, str) or _is_id_prompt(prompts):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
@@ -202,21 +226,49 @@ class LLM:
                   else list(sampling_params))
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        encoded = [self._encode(p) for p in prompts]
-        for i, ((ids, _), sp) in enumerate(zip(encoded, params)):
+        # The engine is one state machine (scheduler queues, KV tables, the runner's drafts) and
+        # a fast tokenizer refuses concurrent use: two threads at once corrupt them, so calls
+        # take turns (an RLock: chat() holds it around its own generate()).
+        with self._lock:
+            encoded = []
+            for i, (p, sp) in enumerate(zip(prompts, params)):
+                try:
+                    ids, text = self._encode(p)
+                    encoded.append((self.engine.check_request(ids, sp), text))
+                except ValueError as e:
+                    raise ValueError(f"prompt {i}: {e}") from None
+            groups: list[list[int]] = []  # per prompt, its n requests
             try:
-                self.engine.check_request(ids, sp)
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
-        order = [self.engine.add_request(ids, sp, text) for (ids, text), sp in zip(encoded, params)]
+                for (ids, text), sp in zip(encoded, params):
+                    subs = [sp] if sp.n == 1 else [replace(sp, n=1, seed=sub_seed(sp.seed, i))
+                                                   for i in range(sp.n)]
+                    groups.append([])
+                    for sub in subs:
+                        groups[-1].append(self.engine.add_request(ids, sub, text))
+                return self._run_until_done(groups, use_tqdm)
+            except BaseException:
+                self.engine.abort({i for g in groups for i in g}, "generate() was interrupted")
+                raise
+
+    def _run_until_done(self, groups: list[list[int]], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[int, RequestOutput] = {}
-        bar = tqdm(total=len(order), disable=not use_tqdm, desc="generate")
-        while self.engine.has_unfinished():
-            for req in self.engine.step():
-                done[req.req_id] = self.engine.to_output(req)
-                bar.update(1)
-        bar.close()
-        return [done[i] for i in order]
+        bar = tqdm(total=sum(map(len, groups)), disable=not use_tqdm, desc="generate")
+        try:
+            while self.engine.has_unfinished():
+                for req in self.engine.step():
+                    done[req.req_id] = self.engine.to_output(req)
+                    bar.update(1)
+        finally:
+            bar.close()
+        outs = []
+        for g in groups:  # n > 1: one RequestOutput, the completions in order (metrics: the first's)
+            first = done[g[0]]
+            for i, rid in enumerate(g[1:], start=1):
+                comp = done[rid].outputs[0]
+                comp.index = i
+                first.outputs.append(comp)
+            outs.append(first)
+        return outs
 
     def chat(
         self,
@@ -228,8 +280,9 @@ class LLM:
         if self._tp is not None:
             return self._tp.call("chat", messages, sampling_params, use_tqdm=use_tqdm)
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        ids = [self.encode_chat(c) for c in convs]
-        return self.generate(ids, sampling_params, use_tqdm=use_tqdm)
+        with self._lock:
+            ids = [self.encode_chat(c) for c in convs]
+            return self.generate(ids, sampling_params, use_tqdm=use_tqdm)
 
     def encode_chat(self, conversation: list[dict]) -> list[int]:
         if self._tp is not None:

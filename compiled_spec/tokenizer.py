@@ -39,7 +39,22 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
 def chat_ids(tokenizer: PreTrainedTokenizerBase, conversation: list[dict]) -> list[int]:
     """A conversation through the tokenizer's chat template (generation prompt added), as ids;
     transformers returns either a list or a BatchEncoding depending on version and tokenizer."""
+    check_conversation(conversation)
     out = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
     if isinstance(out, dict) or hasattr(out, "input_ids"):
         out = out["input_ids"]
     return list(out)
+
+
+def check_conversation(conversation: object) -> None:
+    """A list of ``{"role": str, "content": str}`` messages; anything else is a ValueError naming
+    the message (the template would fail with a jinja error that names nothing)."""
+    if not isinstance(conversation, list) or not conversation:
+        raise ValueError(f"a conversation must be a non-empty list of messages, got "
+                         f"{str(conversation)[:80]!r}")
+    for i, m in enumerate(conversation):
+        if not isinstance(m, dict):
+            raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")
+        for key in ("role", "content"):
+            if not isinstance(m.get(key), str):
+                raise ValueError(f"message {i} {m!r}: '{key}' must be a string")

@@ -53,8 +53,10 @@ def smollm2_hf(smollm2_gguf_path):
 
 @pytest.fixture(scope="session")
 def mt_bench_path() -> str:
-    """MT-bench's question file, from ../shared/data beside the repository (as CI lays it out)."""
-    return str(Path(_ROOT).parent / "shared" / "data" / "mt_bench" / "question.jsonl")
+    """MT-bench's question file, shipped in the package (nothing beside the repository is needed)."""
+    from compiled_spec.data import mt_bench_path
+
+    return str(mt_bench_path())
 
 
 @pytest.fixture(scope="session")
@@ -83,3 +85,20 @@ def trained_eagle3_pair(tmp_path_factory, smollm2_gguf_path):
         max_seq_len=64, max_new_tokens=40, ignore_eos=True, log_every=50,
         save_every=0, seed=0))
     return target, str(out)
+
+
+@pytest.fixture(scope="session")
+def bigram_eagle3(tmp_path_factory):
+    """A 64-token bigram target and a random EAGLE-3 head for it (no training: milliseconds), for
+    tests that need a speculative engine but not a good head (fault isolation, fuzzing)."""
+    from compiled_spec.draft.testing import write_eagle3_head
+    import json
+
+    from compiled_spec.models.config import ModelConfig
+    from tests.spec_models import write_bigram_target
+
+    root = tmp_path_factory.mktemp("bigram_eagle3")
+    target = write_bigram_target(root / "target", vocab=64, layers=3, seed=3)
+    head = write_eagle3_head(str(root / "head"), ModelConfig.from_hf_dict(
+        json.loads((root / "target" / "config.json").read_text())), draft_vocab_size=48)
+    return target, head

@@ -4,12 +4,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from compiled_spec.data import mt_bench_path
+
 
 def load_mt_bench(path: str, n: int) -> list[str]:
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"prompt file {path!r} not found (MT-bench lives in "
-                                "../shared/data/mt_bench/)")
+        raise FileNotFoundError(f"prompt file {path!r} not found (MT-bench ships with the package: "
+                                f"{mt_bench_path()})")
     rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
     return [r["turns"][0] if "turns" in r else r["prompt"] for r in rows[:n]]
 

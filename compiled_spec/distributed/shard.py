@@ -13,6 +13,7 @@ from compiled_spec.distributed.group import TPGroup
 from compiled_spec.distributed.layers import (ColumnParallelLinear, ParallelLMHead,
                                               RowParallelLinear, VocabParallelEmbedding)
 from compiled_spec.draft.model import EagleDraft
+from compiled_spec.models.config import ModelConfig
 from compiled_spec.models.decoder import CausalLM
 
 
@@ -28,6 +29,18 @@ def _shard_layers(layers: list, tp: TPGroup) -> None:
         m.gate_proj = ColumnParallelLinear(m.gate_proj, tp, "intermediate_size")
         m.up_proj = ColumnParallelLinear(m.up_proj, tp, "intermediate_size")
         m.down_proj = RowParallelLinear(m.down_proj, tp, "intermediate_size")
+
+
+def check_tp_shapes(cfg: ModelConfig, world_size: int) -> None:
+    """Refuse a model whose heads / MLP / vocabulary do not split over ``world_size`` ranks;
+    called before any worker is started (they would each fail the same way, later)."""
+    if world_size == 1:
+        return
+    tp = TPGroup(0, world_size)
+    for n, what in ((cfg.num_attention_heads, "num_attention_heads"),
+                    (cfg.num_key_value_heads, "num_key_value_heads"),
+                    (cfg.intermediate_size, "intermediate_size"), (cfg.vocab_size, "vocab_size")):
+        tp.split(n, what)
 
 
 def shard_causal_lm(model: CausalLM, tp: TPGroup) -> CausalLM:

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from compiled_spec.models.file_errors import reading
+
 from compiled_spec.draft.config import LM_HEAD_FROM_TARGET, DraftConfig, rename_key
 from compiled_spec.draft.model import EagleDraft
 from compiled_spec.models.decoder import CausalLM
@@ -48,7 +50,7 @@ def load_draft(path: str, target: CausalLM, dtype: torch.dtype,
     source: dict[str, tuple[Path, str]] = {}  # our key -> (file, checkpoint key)
     duplicates: list[str] = []
     for f in files:
-        with safe_open(str(f), framework="pt") as st:
+        with reading(f), safe_open(str(f), framework="pt") as st:
             for key in st.keys():
                 ours = rename_key(key)
                 if ours in source:
@@ -78,16 +80,18 @@ def load_draft(path: str, target: CausalLM, dtype: torch.dtype,
     to_load = check_checkpoint(draft, shapes, str(p), extra_problems=extra)
 
     with ExitStack() as stack:
-        opened = {f: stack.enter_context(safe_open(str(f), framework="pt",
-                                                   device=_safetensors_device(device)))
-                  for f in files}
+        with reading(p, "draft head"):
+            opened = {f: stack.enter_context(safe_open(str(f), framework="pt",
+                                                       device=_safetensors_device(device)))
+                      for f in files}
 
         def get(key: str) -> torch.Tensor:
             if tied and key == "lm_head.weight":
                 w = target.lm_head.weight.detach()  # [V, h]
                 return w[(torch.arange(d2t.numel(), device=d2t.device) + d2t).to(w.device)]
             f, checkpoint_key = source[key]
-            return opened[f].get_tensor(checkpoint_key)
+            with reading(f):
+                return opened[f].get_tensor(checkpoint_key)
 
         if config.method == "eagle3":  # checked first: a tied lm_head is gathered through it
             d2t = (get("d2t").to(device=device, dtype=torch.int64) if "d2t" in index_shapes

@@ -1,6 +1,7 @@
 """The engine loop: admit requests, schedule a batch, run it, finish requests."""
 from __future__ import annotations
 
+import logging
 import random
 import time
 from dataclasses import dataclass, field
@@ -12,14 +13,18 @@ from compiled_spec.draft.model import EagleDraft
 from compiled_spec.engine.model_runner import ModelRunner
 from compiled_spec.engine.request import CompletionOutput, Request, RequestOutput, Status
 from compiled_spec.engine.scheduler import Scheduler
+from compiled_spec.engine.stopping import output_text, stop_reason
+from compiled_spec.memory import available_bytes, check_kv_pool_fits
 from compiled_spec.kv_cache import BlockAllocator, allocate_kv_pair, bytes_per_block
 from compiled_spec.models.decoder import CausalLM
 from compiled_spec.models.fuse import fuse_projections
 from compiled_spec.prefix_cache import block_keys, matchable_blocks
-from compiled_spec.sampling_params import SamplingParams
+from compiled_spec.sampling_params import SamplingParams, as_int
 from compiled_spec.spec.metrics import SpecStats
 from compiled_spec.spec.proposer import EagleProposer
 from kernels.warmup import warm_model_attention
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -31,18 +36,20 @@ class EngineStats:
     num_aborted: int = 0
     num_requests_without_speculation: int = 0  # ran plain decoding in a speculative engine
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    num_step_faults: int = 0  # steps that raised (their requests retried alone or aborted)
     spec: SpecStats = field(default_factory=SpecStats)
 
 
 def _kv_budget_bytes(cfg: EngineConfig) -> int:
-    """The KV pool's size: the configured GiB, else 1 GiB on the CPU and half the free memory
-    on a GPU (the weights are already loaded, so what is free is what the pool may take)."""
+    """The KV pool's size: the configured GiB, else half the free memory on a GPU (the weights
+    are already loaded, so what is free is what the pool may take) and on the CPU 1 GiB, or
+    half of what is available when that is less."""
     if cfg.cache.memory_gib is not None:
         return int(cfg.cache.memory_gib * (1 << 30))
+    avail = available_bytes(cfg.device)
     if cfg.device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(cfg.device)
-        return free // 2
-    return 1 << 30
+        return (avail or 0) // 2
+    return 1 << 30 if avail is None else min(1 << 30, avail // 2)
 
 
 class LLMEngine:
@@ -66,8 +73,8 @@ class LLMEngine:
             kv_shapes += [(layer.self_attn.num_kv_heads, draft.config.head_dim)
                           for layer in draft.layers]
         num_blocks = cfg.cache.num_blocks
+        per_block = sum(bytes_per_block(page, h, d, cfg.dtype) for h, d in kv_shapes)
         if num_blocks is None:
-            per_block = sum(bytes_per_block(page, h, d, cfg.dtype) for h, d in kv_shapes)
             num_blocks = max(1, _kv_budget_bytes(cfg) // per_block)
             tp = getattr(model, "tp", None)
             if tp is not None:  # every rank must hold the same number of blocks (lockstep)
@@ -76,6 +83,9 @@ class LLMEngine:
                 n = torch.tensor([num_blocks], device=cfg.device)
                 dist.all_reduce(n, op=dist.ReduceOp.MIN, group=tp.group)
                 num_blocks = int(n.item())
+        asked = (f"num_kv_blocks={cfg.cache.num_blocks}" if cfg.cache.num_blocks is not None else
+                 f"kv_cache_memory_gib={cfg.cache.memory_gib}")
+        check_kv_pool_fits(num_blocks, per_block, cfg.device, asked)
         self.allocator = BlockAllocator(num_blocks, page, prefix_caching=cfg.cache.prefix_caching)
         self.kv_caches = [allocate_kv_pair(num_blocks, page, h, d, cfg.dtype, cfg.device)
                           for h, d in kv_shapes]
@@ -117,17 +127,24 @@ class LLMEngine:
         self._next_id = 0
         self.stats = EngineStats()
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError/TypeError naming what is wrong with a request; touches no state."""
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """Raise ValueError naming what is wrong with a request; touches no state. Returns the
+        prompt as Python ints (numpy integers are token ids too; booleans are not)."""
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        params.validate()  # again: fields may have been changed since construction
+        if isinstance(prompt_token_ids, (str, bytes)) or not hasattr(prompt_token_ids, "__len__"):
+            raise ValueError(f"a token-id prompt must be a list of ints, got "
+                             f"{type(prompt_token_ids).__name__}")
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("prompt is empty: give at least one token")
         vocab = self.model.config.vocab_size
-        bad = [t for t in prompt_token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        ids = [as_int(t) for t in prompt_token_ids]
+        bad = [t for t, i in zip(prompt_token_ids, ids) if i is None or not 0 <= i < vocab]
         if bad:
-            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+            what = "is not an integer" if as_int(bad[0]) is None else "is outside the vocabulary"
+            raise ValueError(f"prompt token id {bad[0]!r} {what} [0, {vocab})")
         if n >= self.cfg.max_model_len:
             raise ValueError(f"prompt has {n} tokens but max_model_len={self.cfg.max_model_len} "
                              f"leaves no room for output (prompt must be shorter than max_model_len)")
@@ -135,13 +152,17 @@ class LLMEngine:
         if need > self.allocator.num_blocks:
             raise ValueError(f"prompt of {n} tokens needs {need} KV blocks of {self.allocator.page_size} "
                              f"tokens, but the whole pool has {self.allocator.num_blocks}")
+        return ids  # type: ignore[return-value]  # every entry checked above
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None) -> int:
-        """Validate and queue a request. Bad input raises here and leaves the engine untouched."""
-        self.check_request(prompt_token_ids, params)
-        n = len(prompt_token_ids)
+        """Validate and queue a request. Bad input raises here and leaves the engine untouched.
+        The engine keeps a validated copy of ``params``: later changes to the caller's object do
+        not reach the running request."""
+        ids = self.check_request(prompt_token_ids, params)
+        params = params.checked_copy()
+        n = len(ids)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        req = Request(req_id=self._next_id, prompt_token_ids=list(prompt_token_ids), params=params,
+        req = Request(req_id=self._next_id, prompt_token_ids=ids, params=params,
                       seed=seed, max_total_tokens=min(n + params.max_tokens, self.cfg.max_model_len),
                       prompt=prompt, spec_enabled=self.draft is not None and params.speculate)
         if self.draft is not None:
@@ -156,20 +177,62 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[Request]:
-        """Run one engine step; returns the requests that finished in it."""
+        """Run one engine step; returns the requests that finished in it.
+
+        A step that raises does not break the engine: its requests' blocks are freed and the
+        runner forgets its drafts; alone in the step, the request is finished with
+        finish_reason="abort" and the error, else every request of the step is retried alone
+        (recomputed, as after preemption, so outputs do not change) to find the one at fault.
+        """
         batch = self.scheduler.schedule()
         finished = list(batch.aborted)
         self.stats.num_aborted += len(batch.aborted)
         self.stats.num_preemptions = self.scheduler.num_preemptions
         if batch.empty:
             return finished
-        out = self.runner.execute(batch.requests, batch.num_new_tokens)
+        try:
+            self._run(batch.requests, batch.num_new_tokens, finished)
+        except Exception as e:  # noqa: BLE001 - any fault of one step is contained here
+            finished += self._fault([r for r in batch.requests if not r.finished], e)
+        return finished
+
+    def _fault(self, reqs: list[Request], e: Exception) -> list[Request]:
+        self.runner.reset()
+        self.stats.num_step_faults += 1
+        log.warning("engine step over requests %s raised %s: %s", [r.req_id for r in reqs],
+                    type(e).__name__, e)
+        if len(reqs) > 1:
+            self.scheduler.retry_alone(reqs)
+            return []
+        for req in reqs:
+            self.scheduler.remove(req, f"engine step failed: {type(e).__name__}: {e}")
+            req.metrics.finish_time = time.perf_counter()
+        self.stats.num_aborted += len(reqs)
+        return reqs
+
+    def abort(self, req_ids: set[int], why: str) -> list[Request]:
+        """Finish the unfinished requests among ``req_ids`` with finish_reason="abort" and free
+        their blocks (``LLM.generate`` calls it when interrupted, Ctrl-C included)."""
+        reqs = [r for r in list(self.scheduler.waiting) + self.scheduler.running
+                if r.req_id in req_ids]
+        for req in reqs:
+            self.scheduler.remove(req, why)
+        if reqs:
+            self.runner.reset()  # a step may have stopped half-way
+            self.stats.num_aborted += len(reqs)
+        return reqs
+
+    def _run(self, reqs: list[Request], num_new: list[int], finished: list[Request]) -> None:
+        """The step proper; appends to ``finished`` as requests finish (kept if it raises)."""
+        out = self.runner.execute(reqs, num_new)
         now = time.perf_counter()
         self.stats.num_steps += 1
         going_on: list[Request] = []
         accepted: dict[int, int] = {}
         verified = [(k, len(t) - 1) for k, t in zip(out.num_draft, out.new_tokens)]
-        for req, n, toks, (k_d, acc) in zip(batch.requests, batch.num_new_tokens, out.new_tokens, verified):
+        lps = out.logprobs or [None] * len(reqs)
+        for req, n, toks, (k_d, acc), lp in zip(reqs, num_new, out.new_tokens, verified, lps):
+            req.suspect = False  # it ran a step (alone, if it was a suspect)
             if n > 1 or req.num_computed == 0:
                 self.stats.num_prefill_tokens += n
             req.num_computed += n + acc  # accepted drafts' KV was written during verification
@@ -180,11 +243,14 @@ class LLMEngine:
                 # Counted once the request runs (an admission attempt may give blocks back).
                 self.stats.num_cached_tokens += req.num_cached_tokens
             reason = None
-            for tok in toks:
+            for j, tok in enumerate(toks):
                 req.output_token_ids.append(tok)
+                if lp is not None:
+                    req.output_logprobs.append(lp[j])
                 if n == 1:
                     self.stats.num_decode_tokens += 1
-                reason = self._stop_reason(req, tok)
+                reason = stop_reason(req, tok, self.eos_token_ids, self.cfg.max_model_len,
+                                     self.detokenize)
                 if reason is not None:
                     break
             if reason is not None:
@@ -201,7 +267,6 @@ class LLMEngine:
         if self.cfg.cache.prefix_caching:
             for req in going_on:
                 self._register_blocks(req)
-        return finished
 
     # ---- prefix caching ----------------------------------------------------------------------
     def _match_prefix(self, req: Request) -> None:
@@ -231,18 +296,12 @@ class LLMEngine:
             self.allocator.register(req.req_id, i, h, key)
         req.num_registered, req.last_block_hash = full, keys[-1][0]
 
-    def _stop_reason(self, req: Request, tok: int) -> str | None:
-        p = req.params
-        if (not p.ignore_eos and tok in self.eos_token_ids) or tok in p.stop_token_ids:
-            return "stop"
-        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.cfg.max_model_len:
-            return "length"
-        return None
-
     def to_output(self, req: Request) -> RequestOutput:
-        text = self.detokenize(req.output_token_ids, req.params.skip_special_tokens)
+        text = output_text(req, self.detokenize)
         comp = CompletionOutput(text=text, token_ids=list(req.output_token_ids),
-                                finish_reason=req.finish_reason, error=req.error)
+                                finish_reason=req.finish_reason, error=req.error,
+                                logprobs=None if req.params.logprobs is None
+                                else list(req.output_logprobs))
         return RequestOutput(request_id=req.req_id, prompt=req.prompt,
                              prompt_token_ids=req.prompt_token_ids, outputs=[comp],
                              finished=req.status is Status.FINISHED, metrics=req.metrics,

@@ -12,6 +12,7 @@ import torch
 
 from capture.host_stage import HostBatch
 from compiled_spec.engine.batch import Span, build_host_batch, host_batch_to_device, to_device
+from compiled_spec.engine.logprobs import gather_logprobs
 from compiled_spec.engine.request import Request
 from compiled_spec.kv_cache import BlockAllocator, KVCacheExhausted
 from compiled_spec.models.decoder import CausalLM
@@ -47,6 +48,8 @@ def build_sampling_tensors(reqs: list[Request], device: torch.device,
 class StepOutput:
     new_tokens: list[list[int]]  # per request: accepted drafts then the sampled token
     num_draft: list[int]  # drafts verified per request (0 for prefill / vanilla)
+    # Per request, per emitted token (None: not asked for); see engine/logprobs.py.
+    logprobs: list[list[dict[int, float]] | None] | None = None
 
 
 @dataclass
@@ -79,6 +82,12 @@ class ModelRunner:
         self._draft_row: dict[int, int] = {}  # req_id -> row in the tensors above
         self._pending: _Pending | None = None
 
+    def reset(self) -> None:
+        """Forget the last proposal and pending hidden states (after a step raised, or requests
+        were aborted mid-step): the next step verifies no drafts, which stays exact."""
+        self._drafts = self._draft_probs = self._pending = None
+        self._draft_row = {}
+
     def num_drafts_for(self, req: Request) -> int:
         """Drafts to verify this step: what was proposed, capped so nothing passes the request's
         token budget (and so max_model_len): k shrinks near the end instead of failing."""
@@ -103,7 +112,10 @@ class ModelRunner:
             new_tokens = self._accept(reqs, logits, num_draft)
         self._pending = _Pending(hidden=aux if self.aux_layer_ids else hidden, spans=spans,
                                  row_start=row_start, num_draft=num_draft)
-        return StepOutput(new_tokens=new_tokens, num_draft=num_draft)
+        lp = None
+        if any(r.params.logprobs is not None for r in reqs):
+            lp = gather_logprobs(list(logits), new_tokens, [r.params.logprobs for r in reqs])
+        return StepOutput(new_tokens=new_tokens, num_draft=num_draft, logprobs=lp)
 
     def _prepare(self, reqs: list[Request], num_new: list[int]
                  ) -> tuple[HostBatch, list[Span], list[int]]:

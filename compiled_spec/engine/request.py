@@ -40,6 +40,7 @@ class Request:
     max_total_tokens: int  # min(prompt + max_tokens, max_model_len)
     prompt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)  # logprobs requested
     num_computed: int = 0  # tokens whose KV is in the cache
     draft_computed: int = 0  # positions whose draft KV is valid (speculative engines)
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache (not computed)
@@ -48,6 +49,9 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     error: str | None = None
+    # In a step that raised with other requests: retried alone on its next step, so a fault is
+    # pinned on the request that causes it (engine.py, _fault).
+    suspect: bool = False
     spec_enabled: bool = False  # drafted and verified (False: plain decoding in the same batch)
     spec_stats: SpecStats | None = None  # per-request acceptance, in speculative engines
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
@@ -82,6 +86,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     error: str | None = None
+    index: int = 0  # which of the prompt's n completions
+    logprobs: list[dict[int, float]] | None = None  # per token, when SamplingParams.logprobs
 
 
 @dataclass

@@ -55,6 +55,24 @@ class Scheduler:
         self.running.remove(req)
         self.waiting.appendleft(req)
 
+    def retry_alone(self, reqs: list[Request]) -> None:
+        """Requests of a step that raised: blocks freed (recomputed later, as after preemption)
+        and queued first, each marked to run its next step alone."""
+        for req in reversed(reqs):
+            if req in self.running:
+                self._preempt(req)
+                req.metrics.num_preemptions -= 1  # not a preemption: the step failed
+                self.num_preemptions -= 1
+            req.suspect = True
+
+    def remove(self, req: Request, why: str) -> None:
+        """Abort a request wherever it is (waiting or running) and free its blocks."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._abort(req, why)
+
     def _abort(self, req: Request, why: str) -> None:
         self.allocator.free(req.req_id)
         req.status = Status.FINISHED
@@ -93,6 +111,8 @@ class Scheduler:
         admitted: list[Request] = []
         while self.waiting and len(self.running) + len(admitted) < self.cfg.max_num_seqs:
             req = self.waiting[0]
+            if req.suspect and (self.running or admitted):
+                break  # a suspect runs its next step alone (see retry_alone)
             if self.on_admit is not None and req.num_computed == 0:
                 self.on_admit(req)
             n = req.num_tokens - req.num_computed
@@ -118,6 +138,8 @@ class Scheduler:
             req.status = Status.RUNNING
             admitted.append(req)
             budget -= n
+            if req.suspect:
+                break
         decoding = list(self.running)
         self.running.extend(admitted)
         reqs = decoding + admitted

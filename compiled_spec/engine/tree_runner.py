@@ -22,6 +22,7 @@ from dataclasses import replace
 import torch
 
 from compiled_spec.engine.batch import Span, metadata_to_device, to_device
+from compiled_spec.engine.logprobs import gather_logprobs
 from compiled_spec.engine.model_runner import (ModelRunner, StepOutput, _Pending,
                                                build_sampling_tensors)
 from compiled_spec.engine.request import Request
@@ -40,6 +41,10 @@ class TreeModelRunner(ModelRunner):
         self.lookahead = tree.lookahead
         self._tree: DraftTree | None = None
         self._tree_row: dict[int, int] = {}
+
+    def reset(self) -> None:
+        super().reset()
+        self._tree, self._tree_row = None, {}
 
     def _takes_tree(self, req: Request) -> bool:
         """Room for at least one draft, and the tree's slots inside max_model_len. Slots may
@@ -152,7 +157,12 @@ class TreeModelRunner(ModelRunner):
         self._pending = _Pending(hidden=aux if self.aux_layer_ids else hidden, spans=spans,
                                  row_start=qsl[:-1], num_draft=[0] * len(reqs),
                                  rows_by_req=rows_by_req)
-        return StepOutput(new_tokens=new_tokens, num_draft=num_draft)
+        lp = None
+        if any(r.params.logprobs is not None for r in reqs):  # the rows the tokens came from
+            rows = [logits[to_device(rows_by_req.get(r.req_id, [qsl[i]]), dev)]
+                    for i, r in enumerate(reqs)]
+            lp = gather_logprobs(rows, new_tokens, [r.params.logprobs for r in reqs])
+        return StepOutput(new_tokens=new_tokens, num_draft=num_draft, logprobs=lp)
 
     def propose(self, reqs: list[Request], accepted: dict[int, int]) -> None:
         self._tree_row = {}

@@ -18,6 +18,7 @@ import torch
 
 from compiled_spec.models.config import ModelConfig
 from compiled_spec.models.decoder import CausalLM
+from compiled_spec.models.file_errors import reading
 from compiled_spec.models.materialize import (build_meta_model, check_checkpoint, finalize_model,
                                               load_tensors)
 
@@ -139,8 +140,9 @@ def load_gguf(path: str, dtype: torch.dtype,
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"GGUF file does not exist: {path}")
-    reader = gguf.GGUFReader(str(p))  # memory-maps the file; tensors are read lazily
-    config = config_from_gguf(reader, path)
+    with reading(path, "GGUF file"):
+        reader = gguf.GGUFReader(str(p))  # memory-maps the file; tensors are read lazily
+        config = config_from_gguf(reader, path)
 
     tensors = {hf_name(t.name): t for t in reader.tensors}
     # GGUF shapes list the fastest-varying dim first; HF/PyTorch order is the reverse.
@@ -163,7 +165,8 @@ def load_gguf(path: str, dtype: torch.dtype,
             w = w.copy()
         return torch.from_numpy(np.ascontiguousarray(w))
 
-    load_tensors(model, to_load, get, dtype, device)
+    with reading(path, "GGUF file"):  # a truncated file fails here, dequantizing
+        load_tensors(model, to_load, get, dtype, device)
     return finalize_model(model, device), config
 
 

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from compiled_spec.models.file_errors import reading
+
 from compiled_spec.models.config import ModelConfig
 from compiled_spec.models.decoder import CausalLM
 # Re-exported: the strict build-check-install steps every checkpoint format shares.
@@ -49,7 +51,7 @@ def load_model(path: str, dtype: torch.dtype,
     owner: dict[str, Path] = {}
     duplicates: list[str] = []
     for f in files:
-        with safe_open(str(f), framework="pt") as st:
+        with reading(f), safe_open(str(f), framework="pt") as st:
             for key in st.keys():
                 if key in owner:
                     duplicates.append(f"key {key!r} appears in both {owner[key].name} and {f.name}")
@@ -63,7 +65,8 @@ def load_model(path: str, dtype: torch.dtype,
         if keys:
             # With a device, safe_open maps each tensor straight there; the cast then runs on
             # the target device one tensor at a time.
-            with safe_open(str(f), framework="pt", device=_safetensors_device(device)) as st:
+            with reading(f), safe_open(str(f), framework="pt",
+                                       device=_safetensors_device(device)) as st:
                 load_tensors(model, keys, st.get_tensor, dtype, device)
     return finalize_model(model, device), config
 
@@ -84,7 +87,8 @@ def read_model_config(path: str) -> ModelConfig:
 
         from compiled_spec.models.gguf_loader import config_from_gguf
 
-        return config_from_gguf(gguf.GGUFReader(str(p)), str(p))
+        with reading(p, "GGUF file"):
+            return config_from_gguf(gguf.GGUFReader(str(p)), str(p))
     return read_hf_config(p)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -139,21 +140,54 @@ def load_state(out_dir: Path, device: torch.device) -> dict[str, Any]:
     return torch.load(str(out_dir / STATE_FILE), map_location=device, weights_only=True)
 
 
+_EXPORT_NAME = re.compile(r"^(config\.json|model\.safetensors|model\.safetensors\.index\.json|"
+                          r"model-\d{5}-of-\d{5}\.safetensors)$")
+
+
+def _clear_previous_export(dst: Path) -> None:
+    """Remove what an earlier export left in ``dst`` (its shards and index would otherwise be
+    what the loader reads: an index wins over model.safetensors). A folder holding anything
+    else is refused: those files are not ours to delete."""
+    if not dst.exists():
+        return
+    if not dst.is_dir():
+        raise ValueError(f"export-head destination {dst} exists and is not a directory")
+    entries = list(dst.iterdir())
+    foreign = sorted(e.name for e in entries if not (e.is_file() and _EXPORT_NAME.match(e.name)))
+    if foreign:
+        raise ValueError(f"export-head destination {dst} holds files that are not a head "
+                         f"export: {foreign[:5]}; give an empty or new directory")
+    for e in entries:
+        e.unlink()
+
+
 def export_head(src: str | Path, dst: str | Path, dtype: str = "bfloat16",
                 max_shard_mb: float | None = None) -> list[Path]:
-    """Copy the head in ``src`` to ``dst`` with its float tensors cast to ``dtype`` (``d2t`` /
-    ``t2d`` keep theirs), split into shards of at most ``max_shard_mb`` MiB plus a
-    ``model.safetensors.index.json`` when more than one file is needed (the HF sharded layout)."""
+    """Copy the head in ``src`` (one file or shards + index) to ``dst`` with its float tensors
+    cast to ``dtype`` (``d2t`` / ``t2d`` keep theirs), split into shards of at most
+    ``max_shard_mb`` MiB plus a ``model.safetensors.index.json`` when more than one file is
+    needed (the HF sharded layout). A previous export in ``dst`` is replaced whole."""
+    from compiled_spec.models.file_errors import reading
+
     src, dst = Path(src), Path(dst)
-    if not (src / "model.safetensors").is_file() or not (src / "config.json").is_file():
-        raise FileNotFoundError(f"{src}: not a head directory (config.json + model.safetensors)")
+    if not (src / "config.json").is_file():
+        raise FileNotFoundError(f"{src}: not a head directory (config.json + model.safetensors "
+                                "or shards with model.safetensors.index.json)")
     to = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(dtype)
     if to is None:
         raise ValueError(f"dtype={dtype!r}: expected bfloat16, float16 or float32")
     if max_shard_mb is not None and not max_shard_mb > 0:
         raise ValueError(f"max_shard_mb={max_shard_mb!r}: must be > 0")
-    sd = {k: (v.to(to) if v.is_floating_point() else v).contiguous()
-          for k, v in load_file(str(src / "model.safetensors")).items()}
+    sd: dict[str, torch.Tensor] = {}
+    for f in head_files(src):  # read everything before dst is touched (dst may be src)
+        with reading(f):
+            part = load_file(str(f))
+        dup = sorted(set(part) & set(sd))
+        if dup:
+            raise ValueError(f"{src}: tensor {dup[0]!r} appears in more than one shard")
+        sd.update({k: (v.to(to) if v.is_floating_point() else v).contiguous()
+                   for k, v in part.items()})
+    config = json.loads((src / "config.json").read_text())
     limit = float("inf") if max_shard_mb is None else max_shard_mb * 2**20
     shards: list[dict[str, torch.Tensor]] = [{}]
     sizes = [0]
@@ -169,6 +203,7 @@ def export_head(src: str | Path, dst: str | Path, dtype: str = "bfloat16",
             i = len(shards) - 1
         shards[i][k] = sd[k]
         sizes[i] += nbytes
+    _clear_previous_export(dst)
     dst.mkdir(parents=True, exist_ok=True)
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
@@ -180,7 +215,6 @@ def export_head(src: str | Path, dst: str | Path, dtype: str = "bfloat16",
                  "weight_map": {k: n for n, sh in zip(names, shards) for k in sh}}
         (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
         files.append(dst / "model.safetensors.index.json")
-    config = json.loads((src / "config.json").read_text())
     config["torch_dtype"] = dtype
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return files + [dst / "config.json"]

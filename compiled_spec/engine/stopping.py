@@ -1,0 +1,45 @@
+"""When a request stops, and the text it returns: EOS / stop token ids, stop strings,
+max_tokens and max_model_len.
+
+Stop strings are matched on the detokenized output after every emitted token, accepted drafts
+included one by one, so a speculative request stops on exactly the token vanilla decoding
+stops on and drops the drafts accepted after it. The returned text ends before the earliest
+stop string (as vLLM's default); the token ids keep the token that completed it.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from compiled_spec.engine.request import Request
+
+Detokenize = Callable[[list[int], bool], str]
+
+
+def first_stop_string(text: str, stops: list[str]) -> int | None:
+    """Index in ``text`` where the earliest of ``stops`` begins, None when none occurs."""
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(found) if found else None
+
+
+def stop_reason(req: Request, tok: int, eos_token_ids: set[int], max_model_len: int,
+                detokenize: Detokenize) -> str | None:
+    """Why ``req`` stops after emitting ``tok`` (already appended), or None."""
+    p = req.params
+    if (not p.ignore_eos and tok in eos_token_ids) or tok in p.stop_token_ids:
+        return "stop"
+    # The whole output is decoded, not a tail: a token's text can depend on its neighbours.
+    if p.stop and first_stop_string(detokenize(req.output_token_ids, p.skip_special_tokens),
+                                    p.stop) is not None:
+        return "stop"
+    if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= max_model_len:
+        return "length"
+    return None
+
+
+def output_text(req: Request, detokenize: Detokenize) -> str:
+    text = detokenize(req.output_token_ids, req.params.skip_special_tokens)
+    if req.finish_reason == "stop" and req.params.stop:
+        cut = first_stop_string(text, req.params.stop)
+        if cut is not None:
+            text = text[:cut]
+    return text
