@@ -207,3 +207,21 @@ def test_ttt_loss_on_trainable_rows_equals_the_dense_loss(tmp_path):
     assert ga.keys() == gb.keys() and ga
     for n in ga:
         torch.testing.assert_close(ga[n], gb[n], rtol=1e-4, atol=1e-6)
+
+
+def test_length_grouped_steps_walk_epochs_of_different_sizes():
+    from compiled_spec.train.data import Batches, TrainSequence
+
+    g = torch.Generator().manual_seed(5)
+    lengths = torch.randint(3, 120, (300,), generator=g).tolist()
+    seqs = [TrainSequence(str(i), [1] * n, 1) for i, n in enumerate(lengths)]
+    plans = [length_batches(lengths, 256, e) for e in range(6)]
+    assert len({len(p) for p in plans}) > 1  # epochs differ in their number of batches
+    b = Batches(seqs, 8, 256, seed=0)
+    step = 0
+    for plan in plans:  # every epoch's batches in order, each sequence once per epoch
+        for batch in plan:
+            assert [s.id for s in b.at(step)] == [str(i) for i in batch]
+            step += 1
+    fresh = Batches(seqs, 8, 256, seed=0)  # a resumed run starts anywhere and sees the same batch
+    assert [s.id for s in fresh.at(step - 1)] == [str(i) for i in plans[-1][-1]]

@@ -71,6 +71,13 @@ class ParallelLMHead(nn.Module):
         self.tp = tp
         self.weight = weight if isinstance(weight, nn.Parameter) else _param(weight)
 
+    def full_weight(self) -> torch.Tensor:  # [V, h], the same on every rank
+        """Every rank's rows gathered (a collective: all ranks call it together), for readers of
+        the whole readout such as a draft head whose lm_head is the target's rows."""
+        parts = [torch.empty_like(self.weight) for _ in range(self.tp.world_size)]
+        dist.all_gather(parts, self.weight.detach().contiguous(), group=self.tp.group)
+        return torch.cat(parts, dim=0)
+
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # [T, h] -> [T, V]
         local = F.linear(h, self.weight)  # [T, V/tp]
         parts = [torch.empty_like(local) for _ in range(self.tp.world_size)]

@@ -87,8 +87,8 @@ def load_draft(path: str, target: CausalLM, dtype: torch.dtype,
 
         def get(key: str) -> torch.Tensor:
             if tied and key == "lm_head.weight":
-                w = target.lm_head.weight.detach()  # [V, h]
-                return w[(torch.arange(d2t.numel(), device=d2t.device) + d2t).to(w.device)]
+                return readout[(torch.arange(d2t.numel(), device=d2t.device) + d2t).to(
+                    readout.device)]
             f, checkpoint_key = source[key]
             with reading(f):
                 return opened[f].get_tensor(checkpoint_key)
@@ -97,6 +97,9 @@ def load_draft(path: str, target: CausalLM, dtype: torch.dtype,
             d2t = (get("d2t").to(device=device, dtype=torch.int64) if "d2t" in index_shapes
                    else torch.zeros(config.draft_vocab_size, dtype=torch.int64, device=device))
             _check_d2t(d2t.cpu(), config.target_vocab_size or 0, str(p))
+        if tied:  # [V, h]: a vocabulary-parallel target holds V/tp rows per rank, so gather
+            full = getattr(target.lm_head, "full_weight", None)
+            readout = full() if full is not None else target.lm_head.weight.detach()
         load_tensors(draft, to_load, get, dtype, device)
         if config.method == "eagle3":
             draft.d2t = d2t

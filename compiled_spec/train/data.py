@@ -14,6 +14,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+
 import torch
 
 
@@ -173,3 +174,34 @@ def batch_indices(num_items: int, batch_size: int, step: int, seed: int) -> list
     return perm[k * batch_size:(k + 1) * batch_size]
 
 
+class Batches:
+    """Which sequences make training step ``step``: a pure function of (seed, step), so a
+    resumed run sees the same batches. Fixed-size random batches, or with ``batch_tokens``
+    length-grouped ones (``length_batches``), one seeded plan per epoch; plans of different
+    epochs may hold different numbers of batches, so steps walk them cumulatively."""
+
+    def __init__(self, seqs: list[TrainSequence], batch_size: int, batch_tokens: int | None,
+                 seed: int) -> None:
+        self.seqs, self.batch_size, self.batch_tokens, self.seed = (seqs, batch_size,
+                                                                    batch_tokens, seed)
+        self._lengths = [len(s.input_ids) for s in seqs]
+        self._plans: list[list[list[int]]] = []  # epochs planned so far, in order
+        self.per_epoch = (math.ceil(len(seqs) / batch_size) if batch_tokens is None
+                          else len(self._plan(0)))
+
+    def _plan(self, epoch: int) -> list[list[int]]:
+        while len(self._plans) <= epoch:
+            self._plans.append(length_batches(self._lengths, self.batch_tokens,
+                                              self.seed * 7919 + len(self._plans)))
+        return self._plans[epoch]
+
+    def at(self, step: int) -> list[TrainSequence]:
+        if self.batch_tokens is None:
+            idx = batch_indices(len(self.seqs), self.batch_size, step, self.seed)
+        else:
+            epoch = 0
+            while step >= len(self._plan(epoch)):
+                step -= len(self._plan(epoch))
+                epoch += 1
+            idx = self._plan(epoch)[step]
+        return [self.seqs[i] for i in idx]

@@ -23,7 +23,7 @@ from compiled_spec.draft.model import EagleDraft
 from compiled_spec.models.decoder import CausalLM
 from compiled_spec.train import checkpoint as ckpt
 from compiled_spec.train.corpus import choose_vocab, load_corpus
-from compiled_spec.train.data import TrainSequence, batch_indices, collate, length_batches
+from compiled_spec.train.data import Batches, collate
 from compiled_spec.train.features import TargetFeaturizer
 from compiled_spec.train.heldout import evaluate
 from compiled_spec.train.logs import LOG_FILE, plot_curves, read_log, truncate_log
@@ -231,7 +231,7 @@ def train(cfg: TrainConfig) -> Path:
         start = int(state["step"])
     truncate_log(out / LOG_FILE, start)
 
-    batches = _Batches(seqs, cfg)
+    batches = Batches(seqs, cfg.batch_size, cfg.batch_tokens, cfg.seed)
     total = cfg.steps if cfg.epochs is None else max(
         1, math.ceil(cfg.epochs * batches.per_epoch))
     feats = TargetFeaturizer(target, draft.aux_layer_ids, draft_ids)
@@ -294,33 +294,6 @@ def train(cfg: TrainConfig) -> Path:
     return out
 
 
-class _Batches:
-    """Which sequences make training step ``step``: a pure function of (seed, step), so a
-    resumed run sees the same batches. Fixed-size random batches, or with ``batch_tokens``
-    length-grouped ones (``length_batches``), one seeded order per epoch."""
-
-    def __init__(self, seqs: list[TrainSequence], cfg: TrainConfig) -> None:
-        self.seqs, self.cfg = seqs, cfg
-        self._epoch: tuple[int, list[list[int]]] | None = None
-        self.per_epoch = (math.ceil(len(seqs) / cfg.batch_size) if cfg.batch_tokens is None
-                          else len(self._plan(0)))
-
-    def _plan(self, epoch: int) -> list[list[int]]:
-        if self._epoch is None or self._epoch[0] != epoch:
-            lengths = [len(s.input_ids) for s in self.seqs]
-            self._epoch = (epoch, length_batches(lengths, self.cfg.batch_tokens,
-                                                 self.cfg.seed * 7919 + epoch))
-        return self._epoch[1]
-
-    def at(self, step: int) -> list[TrainSequence]:
-        if self.cfg.batch_tokens is None:
-            idx = batch_indices(len(self.seqs), self.cfg.batch_size, step, self.cfg.seed)
-        else:
-            epoch, k = divmod(step, self.per_epoch)
-            idx = self._plan(epoch)[k]
-        return [self.seqs[i] for i in idx]
-
-
 def _keep_best(draft: EagleDraft, t2d: torch.Tensor, out: Path, step: int, val_loss: float
                ) -> None:
     """Save the head to out/best/ when its held-out loss is the lowest seen (across resumes)."""
@@ -335,5 +308,3 @@ def _save(draft: EagleDraft, t2d: torch.Tensor, out: Path, step: int,
           opt: torch.optim.Optimizer) -> None:
     ckpt.save_head(draft, t2d, out)
     ckpt.save_state(out, step, opt)
-
-
