@@ -7,6 +7,7 @@ all of them, so held-out figures cover every kind of prompt; they are reported p
 """
 from __future__ import annotations
 
+import gc
 import json
 import time
 from collections import Counter
@@ -81,7 +82,14 @@ def load_corpus(cfg: "TrainConfig", out: Path
     save_sequences(val_file, val)
     save_sequences(data_file, seqs)
     (out / PARTIAL_FILE).unlink(missing_ok=True)
-    return llm.engine.model, seqs, val
+    model = llm.engine.model
+    # The engine's KV pool (half the free GPU memory by default) stays bound to the layers while
+    # they live: unbind it, so training (features, draft, activations) gets that memory back.
+    for layer in model.model.layers:
+        layer.self_attn.k_cache = layer.self_attn.v_cache = None
+    del llm
+    gc.collect()  # the engine's reference cycles, with the pool's and graphs' tensors
+    return model, seqs, val
 
 
 def _gen_compile_config(cfg: "TrainConfig"):
