@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 
-from compiled_spec.config import resolve_device, resolve_dtype
 from compiled_spec.draft.config import DraftConfig
 from compiled_spec.draft.model import EagleDraft
 from compiled_spec.models.decoder import CausalLM
