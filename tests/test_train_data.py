@@ -227,12 +227,23 @@ def test_length_grouped_steps_walk_epochs_of_different_sizes():
     assert [s.id for s in fresh.at(step - 1)] == [str(i) for i in plans[-1][-1]]
 
 
-def test_generation_hands_its_kv_pool_back_before_training(tmp_path, smollm2_gguf_path):
+def test_generation_hands_its_kv_pool_back_before_training(tmp_path, smollm2_gguf_path,
+                                                           monkeypatch):
     import gc
+    import weakref
 
+    import compiled_spec.engine.engine as engine_mod
     from compiled_spec.train.corpus import load_corpus
     from tests.spec_models import write_bigram_target, write_id_prompts
 
+    pools: list[weakref.ref] = []  # every KV tensor the generating engine allocates
+    real = engine_mod.allocate_kv_pair
+
+    def tracked(*args, **kw):
+        pair = real(*args, **kw)
+        pools.extend(weakref.ref(t) for t in pair)
+        return pair
+    monkeypatch.setattr(engine_mod, "allocate_kv_pair", tracked)
     target = write_bigram_target(tmp_path / "t", vocab=32, layers=2)
     prompts = write_id_prompts(tmp_path / "p.jsonl", 6, vocab=32)
     (tmp_path / "out").mkdir()
@@ -240,10 +251,8 @@ def test_generation_hands_its_kv_pool_back_before_training(tmp_path, smollm2_ggu
                       tokenizer=smollm2_gguf_path, max_seq_len=64, max_new_tokens=8,
                       ignore_eos=True, draft_vocab_size=24)
     model, seqs, _ = load_corpus(cfg, tmp_path / "out")
-    assert len(seqs) == 6
+    assert len(seqs) == 6 and pools
     assert all(l.self_attn.k_cache is None and l.self_attn.v_cache is None
                for l in model.model.layers)
-    page = 16  # the engine's page size: its pool tensors are [blocks, 16, kv_heads, head_dim]
-    pools = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.dim() == 4
-             and o.shape[1] == page]
-    assert pools == []
+    gc.collect()
+    assert [r for r in pools if r() is not None] == []  # the pool is freed, not just unbound
