@@ -110,13 +110,13 @@ def choose_vocab(seqs: list[TrainSequence], size: int, target_vocab: int, out: P
                  ) -> torch.Tensor:  # [size] ascending target ids
     """The draft vocabulary: the most frequent tokens of the target's own replies. Its coverage
     of the replies, overall and per prompt kind, bounds acceptance and goes to out/vocab.json."""
-    counts = count_tokens(s.response_ids() for s in seqs)
+    by_kind: dict[str, Counter[int]] = {}  # reply tokens per prompt kind, one pass over them
+    for s in seqs:
+        by_kind.setdefault(s.kind or "unknown", Counter()).update(s.response_ids())
+    counts = sum(by_kind.values(), Counter())
     prompt_counts = count_tokens(s.input_ids[:s.loss_spans()[0][0]] for s in seqs)
     draft_ids = select_draft_vocab(counts, min(size, target_vocab), target_vocab, prompt_counts)
     kept = set(draft_ids.tolist())
-    by_kind: dict[str, Counter[int]] = {}
-    for s in seqs:
-        by_kind.setdefault(s.kind or "unknown", Counter()).update(s.response_ids())
     report = {"draft_vocab_size": draft_ids.numel(), "coverage": _coverage(counts, kept),
               "coverage_by_kind": {k: _coverage(c, kept) for k, c in sorted(by_kind.items())},
               "response_tokens": sum(counts.values())}

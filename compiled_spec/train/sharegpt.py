@@ -13,7 +13,7 @@ from __future__ import annotations
 import gzip
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -35,7 +35,6 @@ class ReadStats:
     skipped: int = 0  # records with no usable user turn, or of the wrong shape
     truncated: bool = False  # the file ended inside a record
     tail_bytes: int = 0  # bytes of the torn record that were dropped
-    notes: list[str] = field(default_factory=list)
 
 
 def iter_json_array(f: IO[str], stats: ReadStats, chunk_chars: int = 1 << 20) -> Iterator[object]:
