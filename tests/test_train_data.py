@@ -256,3 +256,17 @@ def test_generation_hands_its_kv_pool_back_before_training(tmp_path, smollm2_ggu
                for l in model.model.layers)
     gc.collect()
     assert [r for r in pools if r() is not None] == []  # the pool is freed, not just unbound
+
+
+def test_lr_by_time_reaches_zero_at_the_time_limit():
+    from compiled_spec.train.trainer import TrainConfig, lr_at
+
+    cfg = TrainConfig(target="t", prompts="p", out="o", lr=1.0, warmup_steps=2, steps=1000,
+                      time_limit_s=60.0, lr_by_time=True)
+    assert lr_at(cfg, 0, 1000, 0.9) == 0.5  # warm-up is by step
+    assert lr_at(cfg, 10, 1000, 0.0) > 0.99  # early in both
+    assert lr_at(cfg, 10, 1000, 0.5) == pytest.approx(0.5)  # half the time: cosine midpoint
+    assert lr_at(cfg, 10, 1000, 1.0) == pytest.approx(0.0)
+    assert lr_at(cfg, 1000, 1000, 0.1) == pytest.approx(0.0)  # the steps may end first
+    with pytest.raises(ValueError, match="lr_by_time needs time_limit_s"):
+        TrainConfig(target="t", prompts="p", out="o", lr_by_time=True)

@@ -25,12 +25,21 @@ def add_train_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentPars
     t.add_argument("--steps", type=int, default=1000)
     t.add_argument("--epochs", type=float, default=None, help="overrides --steps")
     t.add_argument("--batch-size", type=int, default=8)
+    t.add_argument("--ttt-impl", choices=("packed", "padded"), default="packed",
+                   help="packed: sequences back to back in --batch-tokens, block-sparse flex "
+                   "attention (GPU) and a fused loss; padded: the [B, S] reference")
+    t.add_argument("--ce-chunk", type=int, default=8192,
+                   help="rows per chunk of the fused soft cross-entropy")
     t.add_argument("--batch-tokens", type=int, default=None,
-                   help="padded tokens per batch, sequences grouped by length (overrides "
-                        "--batch-size for training)")
+                   help="tokens per batch (overrides --batch-size for training): the packed "
+                        "budget, or with --ttt-impl padded the padded B*S of length-grouped "
+                        "batches")
     t.add_argument("--train-lm-head", action="store_true",
                    help="train the head's own readout (default: frozen at the target's lm_head "
                         "rows and left out of the saved head)")
+    t.add_argument("--lr-by-time", action="store_true",
+                   help="with --time-limit: the lr decays to 0 at the time limit (or at --steps, "
+                   "whichever comes first)")
     t.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
                    help="stop training after this long (saved; continue with --resume)")
     t.add_argument("--export-dir", default=None,
@@ -95,8 +104,9 @@ def cmd_train(a: argparse.Namespace) -> int:
         seed=a.seed, save_every=a.save_every, log_every=a.log_every, resume=a.resume,
         init_from=a.init_from, sharegpt=a.sharegpt,
         sharegpt_conversations=a.sharegpt_conversations, max_turns=a.max_turns,
-        batch_tokens=a.batch_tokens, freeze_lm_head=not a.train_lm_head,
-        time_limit_s=a.time_limit, export_dir=a.export_dir,
+        batch_tokens=a.batch_tokens, ttt_impl=a.ttt_impl, ce_chunk=a.ce_chunk,
+        freeze_lm_head=not a.train_lm_head,
+        time_limit_s=a.time_limit, lr_by_time=a.lr_by_time, export_dir=a.export_dir,
         export_max_shard_mb=a.export_max_shard_mb, gen_compile=a.gen_compile,
         gen_time_limit_s=a.gen_time_limit)
     out = train(cfg)

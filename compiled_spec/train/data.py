@@ -164,6 +164,31 @@ def length_batches(lengths: list[int], batch_tokens: int, seed: int,
     return [batches[i] for i in perm]
 
 
+def pack_batches(lengths: list[int], budget: int, seed: int, window: int = 64
+                 ) -> list[list[int]]:
+    """One epoch: sequences in a seeded random order, each into the first of the last
+    ``window`` batches with room for it (else a new batch), batch order shuffled again. Random
+    chat lengths fill batches to within a few percent of the budget."""
+    if lengths and max(lengths) > budget:
+        raise ValueError(f"a sequence of {max(lengths)} tokens does not fit a packed batch of "
+                         f"{budget} tokens")
+    g = torch.Generator().manual_seed(seed)
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in torch.randperm(len(lengths), generator=g).tolist():
+        n = lengths[i]
+        for b in range(max(0, len(bins) - window), len(bins)):
+            if room[b] >= n:
+                bins[b].append(i)
+                room[b] -= n
+                break
+        else:
+            bins.append([i])
+            room.append(budget - n)
+    perm = torch.randperm(len(bins), generator=g).tolist()
+    return [bins[i] for i in perm]
+
+
 def batch_indices(num_items: int, batch_size: int, step: int, seed: int) -> list[int]:
     """Items of training step ``step`` (0-based): epochs are seeded permutations walked in
     order, so the order depends only on (seed, step) and a resumed run sees the same batches."""
@@ -176,27 +201,36 @@ def batch_indices(num_items: int, batch_size: int, step: int, seed: int) -> list
 
 class Batches:
     """Which sequences make training step ``step``: a pure function of (seed, step), so a
-    resumed run sees the same batches. Fixed-size random batches, or with ``batch_tokens``
-    length-grouped ones (``length_batches``), one seeded plan per epoch; plans of different
-    epochs may hold different numbers of batches, so steps walk them cumulatively."""
+    resumed run sees the same batches. Fixed-size random batches, with ``batch_tokens``
+    length-grouped ones (``length_batches``), or with ``packed_budget`` packed ones
+    (``pack_batches``), one seeded plan per epoch; plans of different epochs may hold
+    different numbers of batches, so steps walk them cumulatively."""
 
     def __init__(self, seqs: list[TrainSequence], batch_size: int, batch_tokens: int | None,
-                 seed: int) -> None:
+                 seed: int, packed_budget: int | None = None) -> None:
         self.seqs, self.batch_size, self.batch_tokens, self.seed = (seqs, batch_size,
                                                                     batch_tokens, seed)
+        self.packed_budget = packed_budget  # set: packed batches of this many tokens
         self._lengths = [len(s.input_ids) for s in seqs]
         self._plans: list[list[list[int]]] = []  # epochs planned so far, in order
-        self.per_epoch = (math.ceil(len(seqs) / batch_size) if batch_tokens is None
+        self.per_epoch = (math.ceil(len(seqs) / batch_size) if self._fixed_size
                           else len(self._plan(0)))
+
+    @property
+    def _fixed_size(self) -> bool:
+        return self.batch_tokens is None and self.packed_budget is None
 
     def _plan(self, epoch: int) -> list[list[int]]:
         while len(self._plans) <= epoch:
-            self._plans.append(length_batches(self._lengths, self.batch_tokens,
-                                              self.seed * 7919 + len(self._plans)))
+            seed = self.seed * 7919 + len(self._plans)
+            if self.packed_budget is not None:
+                self._plans.append(pack_batches(self._lengths, self.packed_budget, seed))
+            else:
+                self._plans.append(length_batches(self._lengths, self.batch_tokens, seed))
         return self._plans[epoch]
 
     def at(self, step: int) -> list[TrainSequence]:
-        if self.batch_tokens is None:
+        if self._fixed_size:
             idx = batch_indices(len(self.seqs), self.batch_size, step, self.seed)
         else:
             epoch = 0

@@ -6,12 +6,17 @@ training step on large targets and saves [S, 3h + V] floats per token of disk.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
 from compiled_spec.engine.batch import Span, build_metadata
 from compiled_spec.kv_cache import BlockAllocator, allocate_kv_pair
 from compiled_spec.models.decoder import CausalLM
+
+if TYPE_CHECKING:
+    from compiled_spec.train.packing import PackedBatch
 
 
 class TargetFeaturizer:
@@ -44,20 +49,16 @@ class TargetFeaturizer:
         self._num_blocks = num_blocks
 
     @torch.no_grad()  # not inference_mode: the outputs feed autograd (fc saves its input)
-    def __call__(self, input_ids: torch.Tensor,  # [B, S] int64, right-padded
-                 lengths: torch.Tensor,  # [B]
-                 ) -> tuple[torch.Tensor, torch.Tensor]:  # (aux [B, S, n*h], logits [B, S, V_out])
-        b, s = input_ids.shape
-        device = input_ids.device
-        lens = [int(n) for n in lengths.tolist()]
+    def _flat(self, flat_ids: torch.Tensor,  # [T] int64, sequences back to back
+              lens: list[int],
+              ) -> tuple[torch.Tensor, torch.Tensor]:  # (final [T, h] normed, aux [T, n*h])
+        device = flat_ids.device
         alloc = BlockAllocator(sum(-(-n // self.page_size) for n in lens), self.page_size)
         self._ensure_cache(alloc.num_blocks)
         for i, n in enumerate(lens):
             alloc.grow(i, n)
         positions, meta = build_metadata(alloc, [Span(i, 0, n) for i, n in enumerate(lens)],
                                          device)
-        valid = torch.arange(s, device=device)[None, :] < lengths[:, None]  # [B, S]
-        flat_ids = input_ids[valid]  # [T] row-major == the spans' order
         layers = self.target.model.layers
         saved = [(l.self_attn.k_cache, l.self_attn.v_cache) for l in layers]
         self.target.bind_kv_cache(self._caches)
@@ -66,10 +67,29 @@ class TargetFeaturizer:
         finally:
             for l, (k, v) in zip(layers, saved):
                 l.self_attn.k_cache, l.self_attn.v_cache = k, v
+        return final, torch.cat(aux, dim=-1)
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor,  # [B, S] int64, right-padded
+                 lengths: torch.Tensor,  # [B]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:  # (aux [B, S, n*h], logits [B, S, V_out])
+        b, s = input_ids.shape
+        valid = torch.arange(s, device=input_ids.device)[None, :] < lengths[:, None]  # [B, S]
+        # input_ids[valid] is row-major == the spans' order
+        final, aux_cat = self._flat(input_ids[valid], [int(n) for n in lengths.tolist()])
         logits = F.linear(final, self.head).float()  # [T, V_out]
-        aux_cat = torch.cat(aux, dim=-1)  # [T, n*h]
         aux_out = aux_cat.new_zeros(b, s, aux_cat.shape[-1])
         logit_out = logits.new_zeros(b, s, logits.shape[-1])
         aux_out[valid] = aux_cat
         logit_out[valid] = logits
         return aux_out, logit_out
+
+    @torch.no_grad()
+    def packed(self, batch: "PackedBatch") -> tuple[torch.Tensor, torch.Tensor]:
+        """(aux [T, n*h], final hidden [T, h]) of a packed batch, zeros on its tail. The
+        logits are left to the loss, which forms them from ``final`` and ``self.head`` chunk
+        by chunk."""
+        n = batch.num_tokens
+        final, aux_cat = self._flat(batch.input_ids[:n], batch.lengths)
+        pad = batch.input_ids.shape[0] - n
+        return F.pad(aux_cat, (0, 0, 0, pad)), F.pad(final, (0, 0, 0, pad))

@@ -7,12 +7,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from compiled_spec.draft.model import EagleDraft
-from compiled_spec.train.data import TrainSequence, collate
-from compiled_spec.train.features import TargetFeaturizer
-from compiled_spec.train.ttt import ttt_loss
+from compiled_spec.train.data import TrainSequence
 
 if TYPE_CHECKING:
-    from compiled_spec.train.trainer import TrainConfig
+    from compiled_spec.train.step import TTTStep
 
 
 def split_prompts(rows: list, num_val: int, seed: int) -> tuple[list, list]:
@@ -33,14 +31,13 @@ class HeldOut:
 
 
 @torch.no_grad()
-def evaluate(draft: EagleDraft, feats: TargetFeaturizer, seqs: list[TrainSequence],
-             cfg: "TrainConfig", autocast) -> HeldOut:
+def evaluate(draft: EagleDraft, step: "TTTStep", seqs: list[TrainSequence]) -> HeldOut:
     """Held-out TTT loss and per-step top-1 accuracy (weighted by the number of scored
     positions), overall and per kind: batches are formed within a kind, so each kind's figure
     is exact rather than sampled from mixed batches."""
     was_training = draft.training
     draft.eval()
-    n_steps = cfg.ttt_steps
+    n_steps, decay = step.cfg.ttt_steps, step.cfg.ttt_decay
     by_kind: dict[str, list[TrainSequence]] = {}
     for s in seqs:
         by_kind.setdefault(s.kind or "unknown", []).append(s)
@@ -48,12 +45,8 @@ def evaluate(draft: EagleDraft, feats: TargetFeaturizer, seqs: list[TrainSequenc
     sums: dict[str, tuple[list[float], list[int]]] = {}
     for kind, group in sorted(by_kind.items()):
         hits, counts = [0.0] * n_steps, [0] * n_steps
-        for start in range(0, len(group), cfg.batch_size):
-            batch = collate(group[start:start + cfg.batch_size], feats.head.device)
-            aux, tlogits = feats(batch.input_ids, batch.lengths)
-            with autocast:
-                res = ttt_loss(draft, batch.input_ids, aux, tlogits, batch.loss_mask,
-                               n_steps, cfg.ttt_decay)
+        for batch in step.eval_batches(group):
+            res, _ = step(draft, batch)
             for i, (l, a, n) in enumerate(zip(res.step_losses, res.step_accuracy,
                                               res.step_counts)):
                 loss_sums[i] += l * n  # step means -> sums, so batches weigh by positions
@@ -63,7 +56,7 @@ def evaluate(draft: EagleDraft, feats: TargetFeaturizer, seqs: list[TrainSequenc
     draft.train(was_training)
     counts = [sum(c[i] for _, c in sums.values()) for i in range(n_steps)]
     hits = [sum(h[i] for h, _ in sums.values()) for i in range(n_steps)]
-    loss = sum(cfg.ttt_decay ** i * ls / max(c, 1)
+    loss = sum(decay ** i * ls / max(c, 1)
                for i, (ls, c) in enumerate(zip(loss_sums, counts)))
     return HeldOut(loss, [h / max(c, 1) for h, c in zip(hits, counts)],
                    {k: [h / max(c, 1) for h, c in zip(*v)] for k, v in sums.items()})

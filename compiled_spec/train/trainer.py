@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -22,11 +21,11 @@ from compiled_spec.draft.model import EagleDraft
 from compiled_spec.models.decoder import CausalLM
 from compiled_spec.train import checkpoint as ckpt
 from compiled_spec.train.corpus import choose_vocab, load_corpus
-from compiled_spec.train.data import Batches, collate
+from compiled_spec.train.data import Batches
 from compiled_spec.train.features import TargetFeaturizer
 from compiled_spec.train.heldout import evaluate
 from compiled_spec.train.logs import LOG_FILE, plot_curves, read_log, truncate_log
-from compiled_spec.train.ttt import ttt_loss
+from compiled_spec.train.step import TTT_IMPLS, TTTStep
 from compiled_spec.train.vocab import vocab_maps
 
 BEST_DIR = "best"
@@ -51,12 +50,19 @@ class TrainConfig:
     weight_decay: float = 0.0
     warmup_steps: int = 50
     schedule: str = "cosine"  # decay after warm-up: "cosine" | "linear" | "constant"
+    # With time_limit_s: the decay follows the elapsed share of the time limit when that is
+    # ahead of the steps' share, so a run cut by its limit still ends at lr 0.
+    lr_by_time: bool = False
     steps: int = 1000
     epochs: float | None = None  # when set, overrides steps: epochs * batches per epoch
     batch_size: int = 8
     # Token budget per batch (padded B * S): sequences of similar length batched together, so
     # short and long conversations waste no padding; None: batch_size sequences in random order.
     batch_tokens: int | None = None
+    # "packed": sequences back to back in batch_tokens (default batch_size * max_seq_len),
+    # flex attention and the fused loss; "padded": the [B, S] reference implementation.
+    ttt_impl: str = "packed"
+    ce_chunk: int = 8192  # rows per chunk of the fused soft cross-entropy
     freeze_lm_head: bool = True  # readout = the target's lm_head rows (not saved with the head)
     time_limit_s: float | None = None  # stop training here (saved, exported) and resume later
     export_dir: str | None = None  # at the end: the head (best/ if any) in bf16 shards here
@@ -124,6 +130,13 @@ class TrainConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < (name == "eval_every"):
                 raise ValueError(f"TrainConfig.{name}={v!r}: must be an integer >= "
                                  f"{int(name == 'eval_every')}")
+        if self.ttt_impl not in TTT_IMPLS:
+            raise ValueError(f"TrainConfig.ttt_impl={self.ttt_impl!r}: one of {TTT_IMPLS}")
+        if isinstance(self.ce_chunk, bool) or not isinstance(self.ce_chunk, int) or \
+                self.ce_chunk < 1:
+            raise ValueError(f"TrainConfig.ce_chunk={self.ce_chunk!r}: must be a positive integer")
+        if self.lr_by_time and self.time_limit_s is None:
+            raise ValueError("TrainConfig.lr_by_time needs time_limit_s")
         if self.schedule not in ("cosine", "linear", "constant"):
             raise ValueError(f"TrainConfig.schedule={self.schedule!r}: cosine|linear|constant")
         if self.aux_layer_ids is not None:
@@ -138,13 +151,14 @@ def default_aux_layer_ids(num_layers: int) -> tuple[int, ...]:
     return (0, num_layers // 2, num_layers)
 
 
-def lr_at(cfg: TrainConfig, step: int, total: int) -> float:
-    """Learning rate of 0-based ``step``: linear warm-up, then the chosen decay to 0."""
+def lr_at(cfg: TrainConfig, step: int, total: int, time_frac: float = 0.0) -> float:
+    """Learning rate of 0-based ``step``: linear warm-up, then the chosen decay to 0 (over the
+    steps, or over ``time_frac`` of the time limit when that is further along)."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     if cfg.schedule == "constant":
         return cfg.lr
-    frac = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
+    frac = max((step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps), time_frac)
     if cfg.schedule == "linear":
         return cfg.lr * max(0.0, 1.0 - frac)
     return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * min(1.0, frac)))
@@ -230,12 +244,12 @@ def train(cfg: TrainConfig) -> Path:
         start = int(state["step"])
     truncate_log(out / LOG_FILE, start)
 
-    batches = Batches(seqs, cfg.batch_size, cfg.batch_tokens, cfg.seed)
+    feats = TargetFeaturizer(target, draft.aux_layer_ids, draft_ids)
+    ttt = TTTStep(feats, cfg)
+    batches = Batches(seqs, cfg.batch_size, cfg.batch_tokens, cfg.seed,
+                      ttt.budget if ttt.packed else None)
     total = cfg.steps if cfg.epochs is None else max(
         1, math.ceil(cfg.epochs * batches.per_epoch))
-    feats = TargetFeaturizer(target, draft.aux_layer_ids, draft_ids)
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
-                and target.lm_head.weight.dtype == torch.bfloat16 else nullcontext())
     draft.train()
     window: list[tuple[float, list[float]]] = []
     t0 = time.perf_counter()
@@ -243,15 +257,13 @@ def train(cfg: TrainConfig) -> Path:
     done = start
     with (out / LOG_FILE).open("a") as log:
         for step in range(start, total):
-            lr = lr_at(cfg, step, total)
+            time_frac = ((time.perf_counter() - t0) / cfg.time_limit_s
+                         if cfg.lr_by_time and cfg.time_limit_s else 0.0)
+            lr = lr_at(cfg, step, total, time_frac)
             for g in opt.param_groups:
                 g["lr"] = lr
-            batch = collate(batches.at(step), device)
-            tokens += batch.num_tokens
-            aux, tlogits = feats(batch.input_ids, batch.lengths)  # [B,S,3h], [B,S,V_draft]
-            with autocast:
-                res = ttt_loss(draft, batch.input_ids, aux, tlogits, batch.loss_mask,
-                               cfg.ttt_steps, cfg.ttt_decay)
+            res, n_tokens = ttt(draft, batches.at(step))
+            tokens += n_tokens
             opt.zero_grad(set_to_none=True)
             res.loss.backward()
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
@@ -270,7 +282,7 @@ def train(cfg: TrainConfig) -> Path:
                        "lr": lr, "elapsed_s": round(time.perf_counter() - t0, 3),
                        "tokens_per_s": round(tokens / max(time.perf_counter() - t0, 1e-9))}
                 if val and (done % cfg.eval_every == 0 or last):
-                    ev = evaluate(draft, feats, val, cfg, autocast)
+                    ev = evaluate(draft, ttt, val)
                     row["val_loss"], row["val_acc"] = ev.loss, ev.accuracy
                     row["val_acc_by_kind"] = ev.accuracy_by_kind
                     _keep_best(draft, t2d, out, done, ev.loss)

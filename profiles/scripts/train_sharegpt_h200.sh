@@ -2,9 +2,12 @@
 # Issue 14 on the H200: ShareGPT + training prompts, multi-turn self-distillation, a 32k-vocab
 # EAGLE-3 head with a frozen readout, compared with the shipped head. One phase per device call,
 # back to back on the warm machine (the GGUF travels in three parts, see .device/ below):
-#   bash profiles/scripts/train_sharegpt_h200.sh setup0   # carry .device/q0 .device/whl .device/tok: gen tokens/s
-#   bash profiles/scripts/train_sharegpt_h200.sh speed    # carry .device/q1 .device/data: train tokens/s
-#   bash profiles/scripts/train_sharegpt_h200.sh data     # carry .device/q2: self-distil (GEN_LIMIT s)
+#   bash profiles/scripts/train_sharegpt_h200.sh setup0   # carry .device/q0 .device/whl .device/tok:
+#                         packed-vs-padded check, train tokens/s, kernel table (random weights)
+#   bash profiles/scripts/train_sharegpt_h200.sh speed    # carry .device/q1 .device/data (gen tokens/s
+#                                                 # with SECTIONS=gen)
+#   bash profiles/scripts/train_sharegpt_h200.sh data     # carry .device/q2: self-distil (GEN_LIMIT s);
+#                         the data come back gzipped in 15 MB parts (data.jsonl.gz.part*, val.jsonl.gz)
 #   bash profiles/scripts/train_sharegpt_h200.sh train    # train on that data (TRAIN_LIMIT s), export,
 #                                                 # MT-bench, held out per kind vs the shipped head
 # Arguments after the phase go to `compiled-spec train` (e.g. --init-from DIR).
@@ -24,7 +27,7 @@ TRAIN=(python3 -m compiled_spec.cli train --target "$M" --prompts $D/train_promp
   --temperatures 0 0.8 --val-prompts 600 --max-new-tokens 512 --max-seq-len 2048
   --gen-batch-size ${GEN_BATCH:-1024} --ttt-steps 5 --dtype bfloat16 --log-every 20
   --batch-tokens ${BATCH_TOKENS:-32768} --lr ${LR:-8e-4} --warmup-steps 60
-  --steps ${STEPS:-1000} --eval-every ${EVAL_EVERY:-250} --save-every 250)
+  --ttt-impl ${IMPL:-packed} --steps ${STEPS:-1000} --eval-every ${EVAL_EVERY:-250} --save-every 250)
 ACC=(python3 -m compiled_spec.cli acceptance --model "$M" --device cuda --dtype bfloat16
   --max-model-len 2048 --prompts $D/question.jsonl --num-prompts 80 --max-tokens 256)
 case "$PHASE" in
@@ -34,26 +37,33 @@ setup0)
   python3 -m pip install -q --no-index --no-deps --target ~/site .device/whl/*.whl
   nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv | tee "$OUT/gpu.txt"
   python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/gpu.txt"
-  timeout ${LIMIT:-210} python3 profiles/scripts/train_speed_h200.py --tokenizer ~/tok --sections gen \
-    --gen-batch 512 --gen-prompts 1024 --gen-tokens 256 --limit 100 --out "$OUT/speed_gen.json" \
-    > "$OUT/speed_gen.log" 2>&1
-  grep '^{' "$OUT/speed_gen.log" ;;
+  timeout ${LIMIT:-330} python3 profiles/scripts/train_speed_h200.py --tokenizer ~/tok \
+    --sections check train --impl packed --batch-tokens 32768 65536 --train-steps 8 --limit 150 \
+    --profile "$OUT/prof_train.txt" --out "$OUT/speed_train.json" > "$OUT/speed_train.log" 2>&1
+  timeout 90 python3 profiles/scripts/train_speed_h200.py --tokenizer ~/tok --sections train \
+    --impl padded --batch-tokens 32768 --train-steps 6 --limit 80 \
+    --out "$OUT/speed_train_padded.json" > "$OUT/speed_train_padded.log" 2>&1
+  grep -h '^{' "$OUT"/speed_train*.log ;;
 speed)
   cp .device/q1/part1 ~/m/ && cp .device/data/* $D/
-  timeout ${LIMIT:-200} python3 profiles/scripts/train_speed_h200.py --tokenizer ~/tok --sections train \
-    --batch-tokens 32768 65536 --train-steps 10 --limit 60 --compile-ttt \
-    --out "$OUT/speed_train.json" > "$OUT/speed_train.log" 2>&1
-  grep '^{' "$OUT/speed_train.log" ;;
+  [ "${SECTIONS:-}" = gen ] || exit 0
+  timeout ${LIMIT:-210} python3 profiles/scripts/train_speed_h200.py --tokenizer ~/tok --sections gen \
+    --gen-batch 512 --gen-prompts 1024 --gen-tokens 256 --limit 200 --out "$OUT/speed_gen.json" \
+    > "$OUT/speed_gen.log" 2>&1
+  grep '^{' "$OUT/speed_gen.log" ;;
 data)
   [ -f "$M" ] || cat ~/m/part0 ~/m/part1 .device/q2/part2 > "$M"
   sha256sum "$M"
   ( time timeout ${LIMIT:-540} "${TRAIN[@]}" --data-only ${GEN_COMPILE:-} \
       --gen-time-limit ${GEN_LIMIT:-420} "${@:2}" ) > "$OUT/data.log" 2>&1
   grep -vE "it/s\]|s/it\]|seq/s\]|Warning|warn\(" "$OUT/data.log" | tail -15
-  wc -l $HEAD/*.jsonl ;;
+  wc -l $HEAD/*.jsonl
+  gzip -c $HEAD/val.jsonl > "$OUT/val.jsonl.gz"
+  gzip -c $HEAD/data.jsonl | split -b 15M - "$OUT/data.jsonl.gz.part"
+  ls -l "$OUT" ;;
 train)
   # --gen-time-limit: whatever the data phase left unanswered stays so (no generating here).
-  ( time timeout ${LIMIT:-420} "${TRAIN[@]}" --time-limit ${TRAIN_LIMIT:-330} \
+  ( time timeout ${LIMIT:-420} "${TRAIN[@]}" --time-limit ${TRAIN_LIMIT:-330} --lr-by-time \
       --gen-time-limit 0.001 --export-dir ~/export "${@:2}" ) > "$OUT/run.log" 2>&1
   tail -c 1500 "$OUT/run.log"
   cp -r ~/export "$OUT/head"

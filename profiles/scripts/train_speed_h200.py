@@ -1,7 +1,8 @@
 """Issue 14's throughput figures on a SmolLM2-135M-shaped target with random weights (no GGUF
 needed): self-distillation tokens/s of our engine at large batch (eager vs compiled + CUDA
 graphs), and EAGLE-3 training tokens/s with the target's features computed in the same step
-(batch size, compiled TTT step), with a per-phase split of one step.
+(batch size, packed vs padded TTT step), with a per-phase split of one step, and a numerical
+check of the packed step (flex attention, fused loss) against the padded reference.
 
   python profiles/scripts/train_speed_h200.py --tokenizer TOKDIR --out F.json [--sections gen train]
 
@@ -83,80 +84,121 @@ def gen_section(model: str, tok: str, batch: int, compiled: bool, n_prompts: int
     return row
 
 
-def train_section(model: str, batch_tokens: int, vocab: int, ttt_steps: int, steps: int,
-                  compile_ttt: bool, device: str, lengths: list[int],
-                  profile_to: str | None = None) -> dict:
+def _setup(model: str, vocab: int, device: str, **cfg_kw):
     from compiled_spec.models.loader import load_model
-    from compiled_spec.train.data import TrainSequence, collate, length_batches
     from compiled_spec.train.features import TargetFeaturizer
+    from compiled_spec.train.step import TTTStep
     from compiled_spec.train.trainer import TrainConfig, build_head
-    from compiled_spec.train.ttt import ttt_loss
 
     dev = torch.device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     target, _ = load_model(model, dtype, dev)
-    rng = random.Random(1)
-    seqs = [TrainSequence(str(i), [rng.randrange(49152) for _ in range(n)], min(40, n // 2),
-                          kind="prose") for i, n in enumerate(lengths)]
     cfg = TrainConfig(target=model, prompts="x", out="/tmp/x", draft_vocab_size=vocab,
-                      ttt_steps=ttt_steps, max_seq_len=2048, batch_tokens=batch_tokens)
-    draft_ids = torch.randperm(49152)[:vocab].sort().values
-    draft = build_head(target, cfg, draft_ids)
+                      max_seq_len=2048, **cfg_kw)
+    draft_ids = torch.randperm(49152, generator=torch.Generator().manual_seed(0))[:vocab]
+    draft = build_head(target, cfg, draft_ids.sort().values)
     draft.lm_head.weight.requires_grad_(False)
+    feats = TargetFeaturizer(target, draft.aux_layer_ids, draft_ids.sort().values)
+    return target, draft, TTTStep(feats, cfg), cfg
+
+
+def _seqs(lengths: list[int]):
+    from compiled_spec.train.data import TrainSequence
+
+    rng = random.Random(1)
+    return [TrainSequence(str(i), [rng.randrange(49152) for _ in range(n)], min(40, n // 2),
+                          kind="prose") for i, n in enumerate(lengths)]
+
+
+def train_section(model: str, batch_tokens: int, vocab: int, ttt_steps: int, steps: int,
+                  impl: str, device: str, lengths: list[int],
+                  profile_to: str | None = None) -> dict:
+    """Training tokens/s of the trainer's own step (``TTTStep``) with the target's features
+    computed in it, split into the phases of a step."""
+    from compiled_spec.train.data import Batches
+
+    dev = torch.device(device)
+    target, draft, ttt, cfg = _setup(model, vocab, device, ttt_steps=ttt_steps,
+                                     batch_tokens=batch_tokens, ttt_impl=impl)
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95))
-    feats = TargetFeaturizer(target, draft.aux_layer_ids, draft_ids)
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda"
-                else nullcontext())
-    loss_fn = torch.compile(ttt_loss, dynamic=True) if compile_ttt else ttt_loss
-    plan = length_batches([len(s.input_ids) for s in seqs], batch_tokens, 0)
-    phases = {"features": 0.0, "forward": 0.0, "backward+opt": 0.0}
-    tokens, t_start, done = 0, None, 0
-    for k, idx in enumerate(plan[:steps + 2]):
+    seqs = _seqs(lengths)
+    batches = Batches(seqs, 8, batch_tokens, 0, ttt.budget if ttt.packed else None)
+    phases = {"step": 0.0, "backward+opt": 0.0}
+    tokens, t_start, done, warm_s = 0, None, 0, 0.0
+    t_first = time.perf_counter()
+    for k in range(steps + 2):
         if k == 2:  # two warm-up steps (allocator, autotuning, compile)
             sync()
+            warm_s = time.perf_counter() - t_first
             t_start, tokens = time.perf_counter(), 0
             phases = dict.fromkeys(phases, 0.0)
-        batch = collate([seqs[i] for i in idx], dev)
-        tokens += batch.num_tokens
         prof = None
         if profile_to and k == 3:  # one steady-state step: its kernels, by total GPU time
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
                 [torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else []))
             prof.__enter__()
         t0 = time.perf_counter()
-        aux, tl = feats(batch.input_ids, batch.lengths)
+        res, n = ttt(draft, batches.at(k))
+        tokens += n
         sync(); t1 = time.perf_counter()
-        with autocast:
-            res = loss_fn(draft, batch.input_ids, aux, tl, batch.loss_mask, ttt_steps, 0.8)
-        sync(); t2 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         res.loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()
-        sync(); t3 = time.perf_counter()
+        sync(); t2 = time.perf_counter()
         if prof is not None:  # a profiler failure must not cost the section its figures
             try:
                 prof.__exit__(None, None, None)
                 key = "cuda_time_total" if dev.type == "cuda" else "cpu_time_total"
                 Path(profile_to).write_text(prof.key_averages().table(sort_by=key,
-                                                                      row_limit=30))
+                                                                      row_limit=40))
             except Exception as e:  # noqa: BLE001
                 Path(profile_to).write_text(f"profiler failed: {type(e).__name__}: {e}\n")
-        phases["features"] += t1 - t0
-        phases["forward"] += t2 - t1
-        phases["backward+opt"] += t3 - t2
+        phases["step"] += t1 - t0
+        phases["backward+opt"] += t2 - t1
         done = k - 1
     dt = time.perf_counter() - t_start
-    row = {"section": "train", "batch_tokens": batch_tokens, "draft_vocab": vocab,
-           "ttt_steps": ttt_steps, "compiled_ttt": compile_ttt, "steps": done,
-           "tokens_per_s": round(tokens / dt),
+    row = {"section": "train", "impl": impl, "budget": ttt.budget if ttt.packed else None,
+           "batch_tokens": batch_tokens, "draft_vocab": vocab, "ttt_steps": ttt_steps,
+           "steps": done, "tokens_per_s": round(tokens / dt), "warmup_s": round(warm_s, 1),
            "ms_per_step": {k: round(1000 * v / max(done, 1), 1) for k, v in phases.items()},
+           "fill": round(tokens / done / ttt.budget, 3) if ttt.packed else None,
            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1)
            if dev.type == "cuda" else None}
-    del target, draft, opt, feats
+    del target, draft, opt, ttt
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
     return row
+
+
+def check_section(model: str, vocab: int, device: str, lengths: list[int]) -> dict:
+    """One batch through three implementations of the same loss: packed with flex attention
+    and the compiled fused loss (the GPU default), packed with the dense mask, and the padded
+    reference: losses and the relative difference of every gradient (bf16 autocast)."""
+    from compiled_spec.train.data import pack_batches
+
+    out = {"section": "check"}
+    seqs = _seqs(lengths)
+    plan = pack_batches([len(s.input_ids) for s in seqs], 4096, 0)
+    batch = [seqs[i] for i in plan[0]]
+    grads = {}
+    for name, impl, flex in (("flex", "packed", True), ("dense", "packed", False),
+                             ("padded", "padded", False)):
+        _, draft, ttt, _ = _setup(model, vocab, device, ttt_steps=5, batch_tokens=4096,
+                                  ttt_impl=impl)
+        ttt.flex = flex
+        res, _ = ttt(draft, batch)
+        res.loss.backward()
+        out[f"loss_{name}"] = round(res.loss.item(), 5)
+        out[f"acc_{name}"] = [round(a, 4) for a in res.step_accuracy]
+        grads[name] = {n: p.grad.float() for n, p in draft.named_parameters()
+                       if p.grad is not None}
+    for other in ("dense", "padded"):
+        out[f"max_rel_grad_diff_flex_vs_{other}"] = round(max(
+            ((grads["flex"][n] - g).norm() / g.norm().clamp(min=1e-12)).item()
+            for n, g in grads[other].items()), 5)
+    return out
 
 
 def main() -> int:
@@ -164,7 +206,7 @@ def main() -> int:
     ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--sections", nargs="+", default=["gen", "train"])
+    ap.add_argument("--sections", nargs="+", default=["gen", "check", "train"])
     ap.add_argument("--gen-batch", type=int, nargs="+", default=[512])
     ap.add_argument("--gen-prompts", type=int, default=1024)
     ap.add_argument("--gen-tokens", type=int, default=256)
@@ -172,7 +214,7 @@ def main() -> int:
     ap.add_argument("--train-steps", type=int, default=12)
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--limit", type=int, default=90, help="seconds per section")
-    ap.add_argument("--compile-ttt", action="store_true")
+    ap.add_argument("--impl", nargs="+", default=["packed"], choices=["packed", "padded"])
     ap.add_argument("--profile", default=None, metavar="FILE",
                     help="kernel table of one training step (first --batch-tokens value)")
     a = ap.parse_args()
@@ -181,21 +223,21 @@ def main() -> int:
     model = f"random:{tmp}"
     rng = random.Random(2)
     # Lengths like multi-turn chat data: many short single turns, a long tail up to 2048.
-    lengths = [min(2048, int(rng.lognormvariate(6.2, 0.7))) + 16 for _ in range(6000)]
+    lengths = [min(2048, int(rng.lognormvariate(6.2, 0.7)) + 16) for _ in range(6000)]
     jobs = []
     if "gen" in a.sections:
         for b in a.gen_batch:
             for c in (False, True):
                 jobs.append(lambda b=b, c=c: gen_section(model, a.tokenizer, b, c, a.gen_prompts,
                                                          a.gen_tokens, a.device))
+    if "check" in a.sections:
+        jobs.append(lambda: check_section(model, a.vocab, a.device, lengths))
     if "train" in a.sections:
-        for i, bt in enumerate(a.batch_tokens):
-            jobs.append(lambda bt=bt, i=i: train_section(
-                model, bt, a.vocab, 5, a.train_steps, False, a.device, lengths,
-                a.profile if i == 0 else None))
-        if a.compile_ttt:
-            jobs.append(lambda: train_section(model, a.batch_tokens[1], a.vocab, 5,
-                                              a.train_steps, True, a.device, lengths))
+        for impl in a.impl:
+            for i, bt in enumerate(a.batch_tokens):
+                jobs.append(lambda bt=bt, i=i, impl=impl: train_section(
+                    model, bt, a.vocab, 5, a.train_steps, impl, a.device, lengths,
+                    f"{a.profile}.{impl}" if a.profile and i == 0 else None))
     rows = []
     for job in jobs:
         try:

@@ -1,0 +1,53 @@
+"""Packed training batches: sequences back to back in one row of a fixed token budget.
+
+One fixed shape per batch means the compiled attention and loss kernels compile once, and no
+token is padding except the batch's tail. Each token carries its sequence index (``doc``) and
+its position within the sequence, which is all the TTT attention mask and the loss need. Which
+sequences share a batch is ``data.pack_batches``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from compiled_spec.train.data import TrainSequence
+
+ALIGN = 128  # budgets are rounded up to whole flex-attention blocks
+
+
+def packed_budget(batch_tokens: int) -> int:
+    return -(-batch_tokens // ALIGN) * ALIGN
+
+
+@dataclass
+class PackedBatch:
+    input_ids: torch.Tensor  # [T] int64, sequences back to back, zeros after them
+    doc: torch.Tensor  # [T] int64 sequence index of each token; the tail is one more "sequence"
+    positions: torch.Tensor  # [T] int64 position within its sequence (0 on the tail)
+    loss_mask: torch.Tensor  # [T] bool: the target's own tokens (never the tail)
+    lengths: list[int]  # per sequence, on the host
+    num_tokens: int  # sum(lengths)
+
+
+def collate_packed(seqs: list[TrainSequence], budget: int, device: torch.device | str
+                   ) -> PackedBatch:
+    lens = [len(s.input_ids) for s in seqs]
+    used = sum(lens)
+    if used > budget:
+        raise ValueError(f"{used} tokens do not fit a packed batch of {budget}")
+    ids = torch.zeros(budget, dtype=torch.int64)
+    doc = torch.full((budget,), len(seqs), dtype=torch.int64)
+    pos = torch.zeros(budget, dtype=torch.int64)
+    mask = torch.zeros(budget, dtype=torch.bool)
+    at = 0
+    for i, s in enumerate(seqs):
+        n = lens[i]
+        ids[at:at + n] = torch.tensor(s.input_ids, dtype=torch.int64)
+        doc[at:at + n] = i
+        pos[at:at + n] = torch.arange(n)
+        for a, b in s.loss_spans():
+            mask[at + a:at + b] = True
+        at += n
+    return PackedBatch(ids.to(device), doc.to(device), pos.to(device), mask.to(device), lens,
+                       used)

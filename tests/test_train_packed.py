@@ -1,0 +1,154 @@
+"""The packed TTT path (``ttt_packed.py``, ``soft_ce.py``, ``packing.py``) against the padded
+reference (``ttt.py``, which ``test_train.py`` ties to paged inference)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compiled_spec.draft.loader import load_draft
+from compiled_spec.draft.testing import write_eagle3_head
+from compiled_spec.models.loader import load_model
+from compiled_spec.train.data import TrainSequence, collate, pack_batches
+from compiled_spec.train.features import TargetFeaturizer
+from compiled_spec.train.packing import collate_packed
+from compiled_spec.train.soft_ce import soft_cross_entropy
+from compiled_spec.train.ttt import ttt_loss
+from compiled_spec.train.ttt_packed import PackedTTTMask, packed_ttt_loss
+from tests.spec_models import write_bigram_target
+
+
+def _seqs(lengths: list[int], vocab: int, seed: int = 0) -> list[TrainSequence]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, n in enumerate(lengths):
+        ids = torch.randint(0, vocab, (n,), generator=g).tolist()
+        # single replies, multi-turn spans, a reply too short to train on
+        spans = [(min(2, n - 1), n)] if i % 2 else [(1, min(4, n)), (min(6, n), n)]
+        out.append(TrainSequence(str(i), ids, spans[0][0], spans))
+    return out
+
+
+@pytest.mark.parametrize("chunk", [5, 64, 1000])
+@pytest.mark.parametrize("train_w", [False, True])
+def test_soft_ce_equals_unfused_loss_and_gradients(chunk, train_w):
+    g = torch.Generator().manual_seed(1)
+    n, h, v = 37, 16, 50
+    x = torch.randn(n, h, generator=g, requires_grad=True)
+    w = torch.randn(v, h, generator=g, requires_grad=train_w)
+    th, tw = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g)
+    weight = torch.rand(n, generator=g) * (torch.rand(n, generator=g) > 0.3)
+    loss, ce, hits = soft_cross_entropy(x, w, th, tw, weight, chunk)
+    (loss * 3).backward()
+    grads = (x.grad.clone(), w.grad.clone() if train_w else None)
+    x.grad = None
+    w.grad = None
+    ld, lt = x @ w.t(), th @ tw.t()
+    ref_ce = -(torch.softmax(lt, -1) * torch.log_softmax(ld, -1)).sum(-1)
+    ref = (ref_ce * weight).sum()
+    (ref * 3).backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ce, ref_ce, rtol=1e-5, atol=1e-6)
+    assert torch.equal(hits, ld.argmax(-1) == lt.argmax(-1))
+    torch.testing.assert_close(grads[0], x.grad, rtol=1e-5, atol=1e-6)
+    if train_w:
+        torch.testing.assert_close(grads[1], w.grad, rtol=1e-5, atol=1e-6)
+    assert not ce.requires_grad and not hits.requires_grad
+
+
+def test_pack_batches_cover_each_sequence_once_within_the_budget():
+    g = torch.Generator().manual_seed(4)
+    lengths = torch.randint(3, 300, (500,), generator=g).tolist()
+    plan = pack_batches(lengths, 1024, seed=3)
+    assert sorted(i for b in plan for i in b) == list(range(500))
+    assert all(sum(lengths[i] for i in b) <= 1024 for b in plan)
+    assert sum(lengths) / (1024 * len(plan)) > 0.9  # packed, not one sequence per batch
+    assert plan == pack_batches(lengths, 1024, seed=3) != pack_batches(lengths, 1024, seed=4)
+    with pytest.raises(ValueError, match="1025 tokens"):
+        pack_batches([1025], 1024, seed=0)
+
+
+@pytest.mark.parametrize("step", [1, 2, 4])
+def test_block_mask_equals_the_dense_mask(step):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    lengths = [5, 130, 1, 250, 9, 200]  # crossing 128-row blocks; the tail is 1.1 blocks
+    batch = collate_packed(_seqs(lengths, 20), 768, "cpu")
+    mask = PackedTTTMask(batch.positions, 4, flex=True)
+    dense = torch.cat([mask.dense(step), torch.zeros(768, (4 - step) * 768, dtype=torch.bool)], 1)
+    ours = mask.block(step)
+    assert torch.equal(ours.to_dense().bool(), create_block_mask(
+        lambda b, h, q, kv: mask.allowed(q, kv, step), None, None, 768, 4 * 768,
+        device="cpu").to_dense().bool())
+    # Block-level coverage is exact: a block is kept iff it holds a visible key, and "full"
+    # blocks (no mask_mod evaluated) hold only visible keys.
+    blocks = dense.view(6, 128, 24, 128).permute(0, 2, 1, 3).reshape(6, 24, -1)
+    full = torch.zeros(6, 24, dtype=torch.bool)
+    fnum, fidx = ours.full_kv_num_blocks[0, 0], ours.full_kv_indices[0, 0]
+    for r in range(6):
+        full[r, fidx[r, :fnum[r]].long()] = True
+    assert torch.equal(full, blocks.all(-1))
+    assert torch.equal(ours.to_dense()[0, 0].bool(), blocks.any(-1))
+    # Every query sees at least one key (its own entry of this step).
+    assert dense.any(1).all()
+
+
+def test_flex_forward_equals_dense_attention_on_cpu():
+    """Flex attention's CPU forward (no backward there) over our BlockMask == SDPA over the
+    dense mask; the GPU run checks gradients too (profiles/scripts/train_speed_h200.py)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    batch = collate_packed(_seqs([40, 100, 7, 90], 20), 256, "cpu")
+    mask = PackedTTTMask(batch.positions, 3, flex=True)
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 4, 256, 8, generator=g)
+    k, v = torch.randn(1, 2, 3 * 256, 8, generator=g), torch.randn(1, 2, 3 * 256, 8, generator=g)
+    for step in (1, 2, 3):
+        k_s, v_s = k.clone(), v.clone()
+        k_s[:, :, step * 256:] = 0  # steps not run yet: zeros, as the trainer's buffer
+        v_s[:, :, step * 256:] = 0
+        out = flex_attention(q, k_s, v_s, block_mask=mask.block(step), enable_gqa=True)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q, k[:, :, :step * 256].repeat_interleave(2, 1),
+            v[:, :, :step * 256].repeat_interleave(2, 1), attn_mask=mask.dense(step))
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def target_and_head(tmp_path_factory):
+    d = tmp_path_factory.mktemp("packed")
+    write_bigram_target(d / "t", vocab=48, hidden=32, layers=4, seed=3)
+    target, tcfg = load_model(str(d / "t"), torch.float32, "cpu")
+    path = write_eagle3_head(str(d / "head"), tcfg, num_layers=2, draft_vocab_size=48,
+                             aux_layer_ids=(0, 2, 4), seed=1)
+    return target, path
+
+
+@pytest.mark.parametrize("steps", [1, 4])
+def test_packed_loss_and_gradients_equal_the_padded_reference(target_and_head, steps):
+    target, path = target_and_head
+    seqs = _seqs([13, 7, 20, 3, 31, 2], 48, seed=steps)
+    results = []
+    for packed in (True, False):
+        draft = load_draft(path, target, torch.float32, "cpu")
+        for p in draft.parameters():
+            p.requires_grad_(True)
+        feats = TargetFeaturizer(target, draft.aux_layer_ids, torch.arange(48))
+        if packed:
+            batch = collate_packed(seqs, 128, "cpu")
+            aux, final = feats.packed(batch)
+            res = packed_ttt_loss(draft, batch, aux, final, feats.head, steps, 0.8, chunk=16)
+        else:
+            batch = collate(seqs, "cpu")
+            aux, tl = feats(batch.input_ids, batch.lengths)
+            res = ttt_loss(draft, batch.input_ids, aux, tl, batch.loss_mask, steps, 0.8)
+        res.loss.backward()
+        results.append((res, {n: p.grad.clone() for n, p in draft.named_parameters()
+                              if p.grad is not None}))
+    (a, ga), (b, gb) = results
+    assert a.step_counts == b.step_counts and a.step_counts[0] > 0
+    torch.testing.assert_close(a.loss, b.loss, rtol=1e-5, atol=1e-6)
+    for x, y in zip(a.step_losses + a.step_accuracy, b.step_losses + b.step_accuracy):
+        assert x == pytest.approx(y, rel=1e-5, abs=1e-6)
+    assert ga.keys() == gb.keys() and "lm_head.weight" in ga
+    for n in ga:
+        torch.testing.assert_close(ga[n], gb[n], rtol=1e-4, atol=1e-6)
