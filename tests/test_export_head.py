@@ -66,7 +66,6 @@ def test_sharded_heads_export_the_shipped_one_too(pair, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
     shipped = Path(resolve_draft("smollm2-eagle3"))
-    assert (shipped / "model.safetensors.index.json").is_file()
     out = tmp_path / "shipped"
     export_head(shipped, out, "float32")
     want, got = _tensors(shipped), _tensors(out)

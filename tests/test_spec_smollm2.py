@@ -1,6 +1,7 @@
 """Speculative decoding on the real target (SmolLM2-135M, fp32 CPU) with random EAGLE heads in the
 published layouts: the output must equal vanilla greedy decoding token for token."""
 import pytest
+import torch
 
 from compiled_spec import LLM, SamplingParams
 from compiled_spec.draft.testing import write_eagle1_head, write_eagle3_head
@@ -42,7 +43,12 @@ def test_shipped_head_is_lossless_and_accepts(setup, smollm2_gguf_path):
     llm = LLM(model=smollm2_gguf_path, dtype="float32", device="cpu", max_model_len=1024,
               draft="smollm2-eagle3", num_speculative_tokens=3)
     cfg = llm.engine.draft.config
-    assert cfg.method == "eagle3" and cfg.draft_vocab_size == 8192
+    assert cfg.method == "eagle3" and cfg.draft_vocab_size == 32768
+    # its readout is the target's lm_head at the draft vocabulary, rebuilt at load
+    d2t = llm.engine.draft.d2t
+    rows = torch.arange(32768) + d2t.cpu()
+    assert torch.equal(llm.engine.draft.lm_head.weight.detach().cpu(),
+                       llm.engine.model.lm_head.weight.detach().cpu()[rows])
     assert [o.token_ids for o in llm.generate(prompts, SP)] == vanilla
     tau = llm.stats.spec.mean_acceptance_length
     print(f"shipped head, 3 MT-bench prompts x 48 tokens, k=3: tau {tau:.3f}")

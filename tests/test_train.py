@@ -230,6 +230,13 @@ def test_data_only_and_partial_generation_resume(bigram_setup, smollm2_gguf_path
     assert not (out / "data.partial.jsonl").exists()
     again = load_sequences(out / "data.jsonl")
     assert sorted((s.id, s.input_ids) for s in again) == sorted((s.id, s.input_ids) for s in seqs)
+    # A held-out file already there is reused (figures stay comparable across sessions).
+    from compiled_spec.train.data import save_sequences
+
+    (out / "data.jsonl").unlink()
+    save_sequences(out / "val.jsonl", [replace(v, id=v.id + "-kept") for v in val])
+    train(cfg)
+    assert [s.id for s in load_sequences(out / "val.jsonl")] == [v.id + "-kept" for v in val]
     with pytest.raises(ValueError, match="temperatures"):
         replace(cfg, temperatures=(-1.0,))
 

@@ -1,9 +1,11 @@
 """Draft heads shipped with the package, addressable by name wherever a head path is taken.
 
 ``smollm2-eagle3``: EAGLE-3 head for SmolLM2-135M-Instruct (the default target), trained by
-``compiled-spec train`` on the project's self-distilled prompts; bf16, 8192-token draft
-vocabulary, two safetensors shards. How it was trained and what it accepts:
-profiles/results/2026-11-30_h200_train-smollm2-run2/ and profiles/results/HISTORY.md.
+``compiled-spec train`` (packed TTT, 5 steps) on the target's own multi-turn answers to ShareGPT,
+Alpaca and CodeAlpaca prompts; bf16, one layer, 32768-token draft vocabulary whose readout is
+the target's own lm_head rows (``lm_head_from_target``: rebuilt at load from ``d2t``, not stored).
+How it was trained and what it accepts: profiles/results/2026-12-01_h200_packed-ttt/ and
+profiles/results/HISTORY.md.
 """
 from __future__ import annotations
 

@@ -51,7 +51,8 @@ def load_rows(cfg: "TrainConfig") -> list[PromptRow | Conversation]:
 def load_corpus(cfg: "TrainConfig", out: Path
                 ) -> tuple["CausalLM", list[TrainSequence], list[TrainSequence]]:
     """The target, plus the (training, held-out) sequences: read back from out/ when a previous
-    run wrote them, else generated now (resuming a generation that was cut short)."""
+    run wrote them, else generated now (resuming a generation that was cut short: sequences in
+    out/data.partial.jsonl are kept and their jobs skipped, out/val.jsonl is reused)."""
     from compiled_spec.config import resolve_device, resolve_dtype
 
     data_file, val_file = out / DATA_FILE, out / VAL_FILE
@@ -76,8 +77,14 @@ def load_corpus(cfg: "TrainConfig", out: Path
     gen = dict(max_new_tokens=cfg.max_new_tokens, max_seq_len=cfg.max_seq_len,
                batch_size=cfg.gen_batch_size, seed=cfg.seed, ignore_eos=cfg.ignore_eos,
                partial=out / PARTIAL_FILE, deadline=deadline)
-    val = generate_sequences(llm, val_rows, temperatures=cfg.temperatures[:1], **gen) \
-        if val_rows else []
+    # A held-out file from an earlier run (the split is seeded, so the same prompts) is reused:
+    # held-out figures stay comparable across runs and sessions.
+    if val_file.is_file():
+        val = load_sequences(val_file)
+        print(f"reusing the held-out sequences in {val_file}")
+    else:
+        val = generate_sequences(llm, val_rows, temperatures=cfg.temperatures[:1], **gen) \
+            if val_rows else []
     seqs = generate_sequences(llm, train_rows, temperatures=cfg.temperatures, **gen)
     save_sequences(val_file, val)
     save_sequences(data_file, seqs)

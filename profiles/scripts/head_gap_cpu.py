@@ -108,6 +108,7 @@ def trainer_eval(a: argparse.Namespace) -> None:
     from compiled_spec.heads import resolve_draft
     from compiled_spec.train.multiturn import generate_sequences
     from compiled_spec.train.heldout import evaluate
+    from compiled_spec.train.step import TTTStep
     from compiled_spec.train.trainer import TrainConfig
 
     t0 = time.perf_counter()
@@ -121,16 +122,16 @@ def trainer_eval(a: argparse.Namespace) -> None:
     draft = load_draft(resolve_draft(a.draft), target, torch.float32, device)  # fp32 master
     vocab_ids = draft.draft_to_target(torch.arange(draft.config.draft_vocab_size, device=device))
     feats = TargetFeaturizer(target, draft.aux_layer_ids, vocab_ids)
-    cfg = TrainConfig(target="-", prompts="-", out="-", ttt_steps=5, batch_size=32)
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
-                and target.lm_head.weight.dtype == torch.bfloat16 else nullcontext())
+    cfg = TrainConfig(target="-", prompts="-", out="-", ttt_steps=5, batch_size=4,
+                      ttt_impl="packed" if device.type == "cuda" else "padded",
+                      batch_tokens=32768)
     backend = nullcontext()
     if a.sdpa_math:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         backend = sdpa_kernel(SDPBackend.MATH)
     with backend:
-        ev = evaluate(draft, feats, seqs, cfg, autocast)
+        ev = evaluate(draft, TTTStep(feats, cfg), seqs)
         loss, acc = ev.loss, ev.accuracy
     print(json.dumps({"trainer_eval_prompts": len(seqs), "dtype": a.dtype, "device": a.device,
                       "sdpa_math": a.sdpa_math,
@@ -144,7 +145,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None, help="target (default: the SmolLM2 GGUF)")
     ap.add_argument("--set", choices=["mt_bench", "heldout", "trained"], default="mt_bench")
-    ap.add_argument("--prompts", default="../shared/data/mt_bench/question.jsonl")
+    ap.add_argument("--prompts", default=None, help="default: the MT-bench file shipped in "
+                    "compiled_spec/data")
     ap.add_argument("--train-prompts", default="../shared/data/train_prompts.jsonl")
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=96)
@@ -163,7 +165,9 @@ def main() -> None:
     if a.trainer_eval:
         trainer_eval(a)
     if a.set == "mt_bench":
-        texts = load_mt_bench(a.prompts, a.num_prompts)
+        from compiled_spec.data import mt_bench_path
+
+        texts = load_mt_bench(a.prompts or str(mt_bench_path()), a.num_prompts)
     else:  # the trainer's split of the training prompts (seed 0, 256 held out)
         trained, val = split_prompts(load_prompts(a.train_prompts), 256, 0)
         texts = [r.text for r in (val if a.set == "heldout" else trained)[:a.num_prompts]]

@@ -6,8 +6,10 @@
 #                         packed-vs-padded check, train tokens/s, kernel table (random weights)
 #   bash profiles/scripts/train_sharegpt_h200.sh speed    # carry .device/q1 .device/data (gen tokens/s
 #                                                 # with SECTIONS=gen)
-#   bash profiles/scripts/train_sharegpt_h200.sh data     # carry .device/q2: self-distil (GEN_LIMIT s);
-#                         the data come back gzipped in 15 MB parts (data.jsonl.gz.part*, val.jsonl.gz)
+#   bash profiles/scripts/train_sharegpt_h200.sh data     # carry .device/q2 [.device/gen]: self-distil
+#                         (GEN_LIMIT s), continuing the data in .device/gen; all the data come back
+#                         gzipped in 15 MB parts (data.jsonl.gz.part*, val.jsonl.gz): keep them as
+#                         .device/gen/data.jsonl.gz (parts concatenated) and .device/gen/val.jsonl.gz
 #   bash profiles/scripts/train_sharegpt_h200.sh train    # train on that data (TRAIN_LIMIT s), export,
 #                                                 # MT-bench, held out per kind vs the shipped head
 # Arguments after the phase go to `compiled-spec train` (e.g. --init-from DIR).
@@ -54,6 +56,11 @@ speed)
 data)
   [ -f "$M" ] || cat ~/m/part0 ~/m/part1 .device/q2/part2 > "$M"
   sha256sum "$M"
+  # Data of earlier sessions (carry .device/gen): their jobs are skipped, new ones answered.
+  if [ -f .device/gen/data.jsonl.gz ]; then
+    mkdir -p $HEAD && gunzip -c .device/gen/data.jsonl.gz > $HEAD/data.partial.jsonl
+    gunzip -c .device/gen/val.jsonl.gz > $HEAD/val.jsonl
+  fi
   ( time timeout ${LIMIT:-540} "${TRAIN[@]}" --data-only ${GEN_COMPILE:-} \
       --gen-time-limit ${GEN_LIMIT:-420} "${@:2}" ) > "$OUT/data.log" 2>&1
   grep -vE "it/s\]|s/it\]|seq/s\]|Warning|warn\(" "$OUT/data.log" | tail -15
