@@ -40,11 +40,13 @@ Block tables must already cover all k lookahead positions (the proposer grows th
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from typing import Any, Callable, Literal, Mapping
 
 import torch
 from torch.utils._pytree import tree_map
+from tqdm.auto import tqdm
 
 from capture.host_stage import HostBatch, HostStage
 from capture.pad import LiveBatch, StaticBuffers
@@ -53,6 +55,12 @@ from capture.policy import bucket_max_seq_len, padding_table
 log = logging.getLogger(__name__)
 
 GraphFn = Callable[[LiveBatch], Any]  # outputs: a pytree of tensors, [T, ...] or [B, ...]
+
+
+def progress_enabled() -> bool:
+    """Start-up progress bars (capture: which component, how many graphs of how many) go to
+    stderr unless ``COMPILED_SPEC_PROGRESS=0``."""
+    return os.environ.get("COMPILED_SPEC_PROGRESS", "1") != "0"
 
 
 def capture_graph(run: Callable[[], Any], pool: Any = None, warmup_iters: int = 2
@@ -122,23 +130,27 @@ class GraphRunner:
             return
         if self._graphs or self.capture_failures:
             raise RuntimeError(f"{self.name}: capture() called twice")
-        for bucket in reversed(self.seq_len_buckets):
-            for size in reversed(self.sizes):  # largest first: smaller graphs reuse the pool
+        todo = [(size, bucket) for bucket in reversed(self.seq_len_buckets)
+                for size in reversed(self.sizes)]  # largest first: smaller graphs reuse the pool
+        # Progress (what, how many of how many): the first sizes also compile, which is what
+        # makes a cold start-up take minutes.
+        for size, bucket in tqdm(todo, desc=f"capture {self.name}", unit="graph",
+                                 disable=not progress_enabled()):
+            try:
+                self._capture_one(size, bucket)
+            except Exception as e:  # recorded and reported, never swallowed silently
                 try:
-                    self._capture_one(size, bucket)
-                except Exception as e:  # recorded and reported, never swallowed silently
-                    try:
-                        torch.cuda.synchronize()
-                    except Exception:  # a sticky CUDA error: the message below still reports
-                        pass
-                    self.capture_failures.append(
-                        {"size": size, "max_seq_len": bucket, "error": f"{type(e).__name__}: {e}"})
-                    msg = f"{self.name}: CUDA graph capture failed for size {size}, " \
-                          f"max_seq_len {bucket}: {type(e).__name__}: {e}"
-                    if self.strict:
-                        raise CaptureError(msg) from e
-                    log.warning(msg)
-                    warnings.warn(msg, RuntimeWarning, stacklevel=2)
+                    torch.cuda.synchronize()
+                except Exception:  # a sticky CUDA error: the message below still reports
+                    pass
+                self.capture_failures.append(
+                    {"size": size, "max_seq_len": bucket, "error": f"{type(e).__name__}: {e}"})
+                msg = f"{self.name}: CUDA graph capture failed for size {size}, " \
+                      f"max_seq_len {bucket}: {type(e).__name__}: {e}"
+                if self.strict:
+                    raise CaptureError(msg) from e
+                log.warning(msg)
+                warnings.warn(msg, RuntimeWarning, stacklevel=2)
         for bucket in self.seq_len_buckets:
             seqs = sorted(s // self.query_len for s, b in self._graphs if b == bucket)
             if seqs:

@@ -15,6 +15,7 @@ graphs by dummy runs (``compiled_spec.engine.graphs``) and the engine replays th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,11 +35,18 @@ class CompileConfig:
     capture_batch_sizes: tuple[int, ...] = ()  # () = 1, 2, 4, 8, 16, ... up to max_num_seqs
     seq_len_buckets: tuple[int, ...] = ()  # max_seq_len host ints captured; () = max_model_len
     strict_capture: bool = False  # a failed capture raises (default: warned and counted)
+    # Persistent Inductor cache (compile_cache.py): None = ~/.cache/compiled_spec/inductor (or
+    # an exported TORCHINDUCTOR_CACHE_DIR), a path = that directory, "" = Inductor's default.
+    cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("inductor", "dynamic", "cudagraphs", "strict_capture"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"CompileConfig.{name}={getattr(self, name)!r}: must be a bool")
+        if self.cache_dir is not None and not isinstance(self.cache_dir, (str, Path)):
+            raise ValueError(f"CompileConfig.cache_dir={self.cache_dir!r}: a path, '' or None")
+        if isinstance(self.cache_dir, Path):
+            self.cache_dir = str(self.cache_dir)
         self.capture_batch_sizes = tuple(self.capture_batch_sizes)
         self.seq_len_buckets = tuple(self.seq_len_buckets)
 

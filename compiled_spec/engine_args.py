@@ -24,6 +24,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-speculative-tokens", "-k", type=int, default=3)
     p.add_argument("--draft-sampling", default="argmax", choices=["argmax", "sample"])
     p.add_argument("--compile", action="store_true", help="torch.compile target and draft (our backend)")
+    p.add_argument("--compile-cache-dir", default=None, metavar="DIR",
+                   help="persistent Inductor cache (default ~/.cache/compiled_spec/inductor, or "
+                   "an exported TORCHINDUCTOR_CACHE_DIR; '' = Inductor's own default)")
     p.add_argument("--speculative-topk", type=int, default=1, help="> 1: EAGLE-2 draft trees")
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None,
                    help="tree verification budget, root included")
@@ -45,7 +48,7 @@ def add_prompt_args(p: argparse.ArgumentParser, num_prompts: int, max_tokens: in
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
     """``LLM(**engine_kwargs(a))`` builds the engine that ``add_engine_args`` describes."""
-    return dict(model=a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
+    kw = dict(model=a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
                 page_size=a.page_size, max_num_seqs=a.max_num_seqs, draft=a.draft, method=a.method,
                 num_speculative_tokens=a.num_speculative_tokens, draft_sampling=a.draft_sampling,
                 compile=a.compile, speculative_topk=a.speculative_topk,
@@ -53,3 +56,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 enable_prefix_caching=a.enable_prefix_caching,
                 tensor_parallel_size=a.tensor_parallel_size,
                 draft_tensor_parallel=a.draft_tensor_parallel)
+    if getattr(a, "compile_cache_dir", None) is not None:
+        from compiled_spec.compile import CompileConfig
+
+        kw["compile_config"] = CompileConfig(cache_dir=a.compile_cache_dir)
+    return kw

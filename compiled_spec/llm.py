@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from compiled_spec.config import (CacheConfig, EngineConfig, SchedulerConfig, SpecConfig,
                                   resolve_device, resolve_dtype)
 from capture import CapturePolicy
+from compiled_spec.compile_cache import CacheStats, activate as activate_compile_cache
 from compiled_spec.compile import (CompileConfig, CompiledModels, capture_graphs, compile_models,
                                    use_compiled)
 from compiled_spec.distributed import TPGroup, shard_causal_lm, shard_draft
@@ -144,8 +145,12 @@ class LLM:
         self.engine = LLMEngine(self.config, net, sorted(eos), self._detokenize, draft_model)
         self._compile_config = compile_config or CompileConfig()
         self._compiled: CompiledModels | None = None
-        # Seconds per start-up phase; "compile" covers torch.compile and CUDA-graph capture.
+        # Seconds per start-up phase: load; with compile=True, "compile" (our passes + Inductor,
+        # served from the compile cache when it hits) and "capture" (the rest of the dummy runs:
+        # Dynamo tracing and CUDA-graph capture). Graphs first compiled at a later call (CPU: at
+        # the first request) are not start-up.
         self.startup_s: dict[str, float] = {"load": time.perf_counter() - t_start}
+        self._cache_stats: CacheStats | None = None
         # Part of "load": compiling every attention launch configuration (CUDA only).
         self.startup_s["attention_warmup"] = float(self.engine.kernel_warmup["seconds"])
         if compile:
@@ -157,6 +162,7 @@ class LLM:
         if on and self._compiled is None:
             t0 = time.perf_counter()
             cc, ec = self._compile_config, self.config
+            self._cache_stats = CacheStats.begin(activate_compile_cache(cc.cache_dir))
             self._compiled = compile_models(self.engine.runner, cc)
             if not cc.cudagraphs or ec.device.type != "cuda":
                 self._compiled.graphs_off = ("cudagraphs=False" if not cc.cudagraphs else
@@ -170,13 +176,22 @@ class LLM:
                     seq_len_buckets=cc.seq_len_buckets)
                 capture_graphs(self.engine.runner, self._compiled, policy, ec.cache.page_size,
                                cc.strict_capture)
-            self.startup_s["compile"] = time.perf_counter() - t0
+            compile_s = sum(g.compile_s for b in self._compiled.backends.values()
+                            for g in b.graphs)
+            self.startup_s["compile"] = compile_s
+            self.startup_s["capture"] = time.perf_counter() - t0 - compile_s
         if self._compiled is not None:
             use_compiled(self.engine.runner, self._compiled, on)
 
     @property
     def compiled_active(self) -> bool:
         return self._compiled is not None and self._compiled.active
+
+    @property
+    def compile_cache(self) -> dict:
+        """The compile cache in use and its hits / misses (FX graphs, AOTAutograd graphs) since
+        this LLM started compiling; {} before compile=True."""
+        return {} if self._cache_stats is None else self._cache_stats.as_dict()
 
     @property
     def compile_stats(self) -> dict:

@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
-from capture.cuda_graphs import capture_graph
+from capture.cuda_graphs import capture_graph, progress_enabled
 from capture.emulate import emulate_graph
 from capture.host_stage import put, staging
 from capture.pad import LiveBatch
@@ -148,7 +149,9 @@ class ProposeGraphs:
     def capture(self) -> None:
         if not self.enabled:
             return
-        for b in reversed(self.sizes):  # largest first: smaller graphs reuse the pool
+        sizes = list(reversed(self.sizes))  # largest first: smaller graphs reuse the pool
+        for b in tqdm(sizes, desc=f"capture {self.name}", unit="graph",
+                      disable=not progress_enabled()):
             try:
                 self._capture_one(b)
             except Exception as e:  # recorded, warned (or raised when strict), never silent

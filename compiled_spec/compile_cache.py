@@ -1,0 +1,74 @@
+"""The persistent compile cache: where Inductor (and the Triton kernels it builds) keep compiled
+artifacts between processes, and how many of this start-up's graphs came from it.
+
+Inductor already caches compiled FX graphs and AOTAutograd graphs on disk, keyed by the graph,
+its inputs' metadata, the configuration and custom passes (ours fold their uuid into the key,
+see ``passes/post_grad.py``). By default that cache lives under the system temp directory, which
+machines clear; like vLLM we point it at a directory of our own that survives reboots. A second
+start-up of the same configuration then skips Inductor's code generation and C++/Triton builds;
+Dynamo's tracing and our passes still run.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+ENV = "TORCHINDUCTOR_CACHE_DIR"  # read by Inductor whenever it resolves its cache directory
+
+
+def default_cache_dir() -> Path:
+    """``$COMPILED_SPEC_CACHE_DIR``, else ``$XDG_CACHE_HOME/compiled_spec/inductor``, else
+    ``~/.cache/compiled_spec/inductor``."""
+    if os.environ.get("COMPILED_SPEC_CACHE_DIR"):
+        return Path(os.environ["COMPILED_SPEC_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "compiled_spec" / "inductor"
+
+
+def activate(cache_dir: str | None) -> str | None:
+    """Point Inductor at ``cache_dir`` (``""``: leave Inductor's own default) for the rest of the
+    process and return the directory in use. A ``TORCHINDUCTOR_CACHE_DIR`` the user exported
+    wins over our default, never over an explicit ``cache_dir``. Process-wide on purpose:
+    graphs compiled later (a new shape mid-serving) must land in the same cache."""
+    if cache_dir == "":
+        return os.environ.get(ENV)
+    if cache_dir is None and os.environ.get(ENV):
+        return os.environ[ENV]
+    path = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"compile cache directory {str(path)!r} cannot be created: {e}") from None
+    os.environ[ENV] = str(path)
+    return str(path)
+
+
+_KEYS = {"fxgraph_hit": ("inductor", "fxgraph_cache_hit"),
+         "fxgraph_miss": ("inductor", "fxgraph_cache_miss"),
+         "aot_hit": ("aot_autograd", "autograd_cache_hit"),
+         "aot_miss": ("aot_autograd", "autograd_cache_miss")}
+
+
+def _read() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    return {k: int(counters[group][name]) for k, (group, name) in _KEYS.items()}
+
+
+@dataclass
+class CacheStats:
+    """Cache hits and misses of one LLM's compilation. torch counts per process, so these are
+    deltas from when this LLM started compiling (another LLM compiling in the same process in
+    the meantime would be counted too)."""
+
+    dir: str | None
+    _start: dict[str, int]
+
+    @classmethod
+    def begin(cls, cache_dir: str | None) -> "CacheStats":
+        return cls(cache_dir, _read())
+
+    def as_dict(self) -> dict[str, object]:
+        now = _read()
+        return {"dir": self.dir, **{k: now[k] - self._start[k] for k in _KEYS}}

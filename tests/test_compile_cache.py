@@ -1,0 +1,70 @@
+"""The persistent compile cache (``compiled_spec/compile_cache.py``): which directory Inductor
+uses, and a second process with the same configuration served from it."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from compiled_spec.compile import CompileConfig
+from compiled_spec.compile_cache import ENV, activate, default_cache_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_cache_dir_choice(monkeypatch, tmp_path):
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setenv("COMPILED_SPEC_CACHE_DIR", str(tmp_path / "ours"))
+    assert default_cache_dir() == tmp_path / "ours"
+    assert activate(None) == str(tmp_path / "ours") == os.environ[ENV]
+    assert (tmp_path / "ours").is_dir()
+    monkeypatch.setenv(ENV, str(tmp_path / "user"))  # the user's export wins over our default
+    assert activate(None) == str(tmp_path / "user")
+    assert activate(str(tmp_path / "explicit")) == str(tmp_path / "explicit")  # not over this
+    assert os.environ[ENV] == str(tmp_path / "explicit")
+    assert activate("") == str(tmp_path / "explicit")  # "": leave whatever is set alone
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="file/sub"):
+        activate(str(tmp_path / "file" / "sub"))
+    with pytest.raises(ValueError, match="cache_dir=3"):
+        CompileConfig(cache_dir=3)  # type: ignore[arg-type]
+
+
+_RUN = """
+import json, sys
+from compiled_spec import LLM, SamplingParams
+from compiled_spec.compile import CompileConfig
+llm = LLM(model=sys.argv[1], tokenizer=sys.argv[2], dtype="float32", device="cpu",
+          max_model_len=128, compile=True, compile_config=CompileConfig(cache_dir=sys.argv[3]))
+out = llm.generate([[1, 2, 3], [4, 5, 6, 7]], SamplingParams(max_tokens=6, ignore_eos=True))
+print(json.dumps({"cache": llm.compile_cache, "startup": sorted(llm.startup_s),
+                  "ids": [o.token_ids for o in out]}))
+"""
+
+
+def test_second_process_is_served_from_the_cache(tmp_path, smollm2_gguf_path):
+    from tests.spec_models import write_bigram_target
+
+    target = write_bigram_target(tmp_path / "t", vocab=64, layers=2, seed=5)
+    env = {k: v for k, v in os.environ.items() if k != ENV}
+    env["PYTHONPATH"] = str(ROOT)
+    env["COMPILED_SPEC_PROGRESS"] = "0"
+    runs = []
+    for _ in range(2):
+        p = subprocess.run([sys.executable, "-c", _RUN, target, smollm2_gguf_path,
+                            str(tmp_path / "cache")], env=env, capture_output=True, text=True,
+                           timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
+    first, second = runs
+    assert first["cache"]["dir"] == second["cache"]["dir"] == str(tmp_path / "cache")
+    assert first["cache"]["fxgraph_miss"] >= 1 and first["cache"]["fxgraph_hit"] == 0
+    assert second["cache"]["fxgraph_hit"] >= first["cache"]["fxgraph_miss"]
+    assert second["cache"]["fxgraph_miss"] == 0
+    assert first["ids"] == second["ids"]
+    assert {"load", "compile", "capture"} <= set(first["startup"])
+    assert any((tmp_path / "cache").iterdir())
