@@ -241,6 +241,28 @@ def test_data_only_and_partial_generation_resume(bigram_setup, smollm2_gguf_path
         replace(cfg, temperatures=(-1.0,))
 
 
+def test_sharded_generation_equals_one_run(bigram_setup, smollm2_gguf_path):
+    """Self-distillation split over processes (``gen_shard``): the shards' sequences together
+    are one run's (per-job seeds), and only shard 0 answers the held-out prompts."""
+    root, target, prompts = bigram_setup
+    kw = dict(num_prompts=7, temperatures=(0.0, 1.0), val_prompts=2, max_new_tokens=10,
+              data_only=True, gen_kv_gib=0.01)
+    whole = train(_cfg(root, target, prompts, smollm2_gguf_path, "whole", **kw))
+    parts = [train(_cfg(root, target, prompts, smollm2_gguf_path, f"shard{i}",
+                        gen_shard=(i, 2), **kw)) for i in range(2)]
+
+    def rows(d, name):
+        return sorted((s.id, s.input_ids) for s in load_sequences(d / name))
+
+    assert rows(parts[0], "data.jsonl") and rows(parts[1], "data.jsonl")
+    assert sorted(rows(parts[0], "data.jsonl") + rows(parts[1], "data.jsonl")) == \
+        rows(whole, "data.jsonl")
+    assert rows(parts[0], "val.jsonl") == rows(whole, "val.jsonl") != []
+    assert rows(parts[1], "val.jsonl") == []
+    with pytest.raises(ValueError, match="gen_shard"):
+        _cfg(root, target, prompts, smollm2_gguf_path, "bad", gen_shard=(2, 2), **kw)
+
+
 # --- (f) export: bf16, sharded ---------------------------------------------------------------------
 def test_export_head_bf16_sharded_loads_identically(small_target, tmp_path):
     target, tcfg = small_target

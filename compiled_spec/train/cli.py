@@ -40,6 +40,11 @@ def add_train_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentPars
     t.add_argument("--lr-by-time", action="store_true",
                    help="with --time-limit: the lr decays to 0 at the time limit (or at --steps, "
                    "whichever comes first)")
+    t.add_argument("--gen-shard", default=None, metavar="I/N",
+                   help="answer only jobs I, I+N, ... (N processes sharing a GPU); held-out "
+                   "prompts only in shard 0")
+    t.add_argument("--gen-kv-gib", type=float, default=None,
+                   help="KV pool of the generating engine in GiB (default: half the free memory)")
     t.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
                    help="stop training after this long (saved; continue with --resume)")
     t.add_argument("--export-dir", default=None,
@@ -108,7 +113,8 @@ def cmd_train(a: argparse.Namespace) -> int:
         freeze_lm_head=not a.train_lm_head,
         time_limit_s=a.time_limit, lr_by_time=a.lr_by_time, export_dir=a.export_dir,
         export_max_shard_mb=a.export_max_shard_mb, gen_compile=a.gen_compile,
-        gen_time_limit_s=a.gen_time_limit)
+        gen_time_limit_s=a.gen_time_limit, gen_kv_gib=a.gen_kv_gib,
+        gen_shard=None if a.gen_shard is None else _shard(a.gen_shard))
     out = train(cfg)
     if cfg.data_only:
         return 0
@@ -126,3 +132,11 @@ def cmd_train(a: argparse.Namespace) -> int:
         print(f"training throughput {last.get('tokens_per_s', 0):,} tokens/s")
     print(f"EAGLE-3 head saved to {out}")
     return 0
+
+
+def _shard(text: str) -> tuple[int, int]:
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise ValueError(f"--gen-shard {text!r}: expected I/N, e.g. 0/4") from None
+    return i, n

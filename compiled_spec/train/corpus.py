@@ -68,23 +68,26 @@ def load_corpus(cfg: "TrainConfig", out: Path
     from compiled_spec.train.multiturn import generate_sequences
 
     train_rows, val_rows = split_prompts(load_rows(cfg), cfg.val_prompts, cfg.seed)
+    if cfg.gen_shard is not None and cfg.gen_shard[0] > 0:
+        val_rows = []  # shard 0 answers the held-out prompts
     llm = LLM(model=cfg.target, tokenizer=cfg.tokenizer, dtype=cfg.dtype, device=device,
               max_model_len=cfg.max_seq_len, max_num_seqs=cfg.gen_batch_size, seed=cfg.seed,
               max_num_batched_tokens=max(4096, 16 * cfg.gen_batch_size),
+              kv_cache_memory_gib=cfg.gen_kv_gib,
               compile=cfg.gen_compile, compile_config=_gen_compile_config(cfg))
     deadline = (None if cfg.gen_time_limit_s is None
                 else time.monotonic() + cfg.gen_time_limit_s)
     gen = dict(max_new_tokens=cfg.max_new_tokens, max_seq_len=cfg.max_seq_len,
                batch_size=cfg.gen_batch_size, seed=cfg.seed, ignore_eos=cfg.ignore_eos,
-               partial=out / PARTIAL_FILE, deadline=deadline)
+               partial=out / PARTIAL_FILE, deadline=deadline, shard=cfg.gen_shard)
     # A held-out file from an earlier run (the split is seeded, so the same prompts) is reused:
     # held-out figures stay comparable across runs and sessions.
-    if val_file.is_file():
+    if val_file.is_file() and val_rows:
         val = load_sequences(val_file)
         print(f"reusing the held-out sequences in {val_file}")
     else:
-        val = generate_sequences(llm, val_rows, temperatures=cfg.temperatures[:1], **gen) \
-            if val_rows else []
+        val = generate_sequences(llm, val_rows, temperatures=cfg.temperatures[:1],
+                                 **{**gen, "shard": None}) if val_rows else []
     seqs = generate_sequences(llm, train_rows, temperatures=cfg.temperatures, **gen)
     save_sequences(val_file, val)
     save_sequences(data_file, seqs)

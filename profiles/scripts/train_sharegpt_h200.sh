@@ -7,7 +7,8 @@
 #   bash profiles/scripts/train_sharegpt_h200.sh speed    # carry .device/q1 .device/data (gen tokens/s
 #                                                 # with SECTIONS=gen)
 #   bash profiles/scripts/train_sharegpt_h200.sh data     # carry .device/q2 [.device/gen]: self-distil
-#                         (GEN_LIMIT s), continuing the data in .device/gen; all the data come back
+#                         (GEN_LIMIT s, GEN_PROCS engines on the GPU), continuing the data in
+#                         .device/gen; all the data come back
 #                         gzipped in 15 MB parts (data.jsonl.gz.part*, val.jsonl.gz): keep them as
 #                         .device/gen/data.jsonl.gz (parts concatenated) and .device/gen/val.jsonl.gz
 #   bash profiles/scripts/train_sharegpt_h200.sh train    # train on that data (TRAIN_LIMIT s), export,
@@ -56,14 +57,23 @@ speed)
 data)
   [ -f "$M" ] || cat ~/m/part0 ~/m/part1 .device/q2/part2 > "$M"
   sha256sum "$M"
-  # Data of earlier sessions (carry .device/gen): their jobs are skipped, new ones answered.
-  if [ -f .device/gen/data.jsonl.gz ]; then
-    mkdir -p $HEAD && gunzip -c .device/gen/data.jsonl.gz > $HEAD/data.partial.jsonl
-    gunzip -c .device/gen/val.jsonl.gz > $HEAD/val.jsonl
-  fi
-  ( time timeout ${LIMIT:-540} "${TRAIN[@]}" --data-only ${GEN_COMPILE:-} \
-      --gen-time-limit ${GEN_LIMIT:-420} "${@:2}" ) > "$OUT/data.log" 2>&1
-  grep -vE "it/s\]|s/it\]|seq/s\]|Warning|warn\(" "$OUT/data.log" | tail -15
+  # GEN_PROCS engines share the GPU, each answering every GEN_PROCS-th job (one engine at batch
+  # 1,024 is bound by its per-step host work). Data of earlier sessions (carry .device/gen):
+  # their jobs are skipped, new ones answered; the held-out file is reused by shard 0.
+  N=${GEN_PROCS:-4}
+  for i in $(seq 0 $((N - 1))); do
+    S=$HEAD/shard$i; mkdir -p $S
+    [ -f .device/gen/data.jsonl.gz ] && gunzip -c .device/gen/data.jsonl.gz > $S/data.partial.jsonl
+    [ $i = 0 ] && [ -f .device/gen/val.jsonl.gz ] && gunzip -c .device/gen/val.jsonl.gz > $S/val.jsonl
+    ( time timeout ${LIMIT:-540} "${TRAIN[@]}" --out $S --data-only --gen-shard $i/$N \
+        --gen-batch-size $((${GEN_BATCH:-1024} / N)) --gen-kv-gib ${GEN_KV:-24} ${GEN_COMPILE:-} \
+        --gen-time-limit ${GEN_LIMIT:-420} "${@:2}" ) > "$OUT/data$i.log" 2>&1 &
+  done
+  wait
+  cat $HEAD/shard*/data.jsonl > $HEAD/data.jsonl && cp $HEAD/shard0/val.jsonl $HEAD/val.jsonl
+  for i in $(seq 0 $((N - 1))); do
+    grep -vE "it/s\]|s/it\]|seq/s\]|Warning|warn\(" "$OUT/data$i.log" | tail -4
+  done
   wc -l $HEAD/*.jsonl
   gzip -c $HEAD/val.jsonl > "$OUT/val.jsonl.gz"
   gzip -c $HEAD/data.jsonl | split -b 15M - "$OUT/data.jsonl.gz.part"
