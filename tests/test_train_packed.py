@@ -152,3 +152,32 @@ def test_packed_loss_and_gradients_equal_the_padded_reference(target_and_head, s
     assert ga.keys() == gb.keys() and "lm_head.weight" in ga
     for n in ga:
         torch.testing.assert_close(ga[n], gb[n], rtol=1e-4, atol=1e-6)
+
+
+def test_copyable_marks_tokens_a_context_lookup_predicts():
+    s = TrainSequence("x", [5, 6, 7, 5, 6, 7, 5, 6, 9, 5, 6, 9], 0)
+    #               positions: 0  1  2  3  4  5  6  7  8  9 10 11
+    # (5,6)->7, (6,7)->5, (7,5)->6 seen at 2..4 predict positions 5..7; at 8 a 9 follows (5,6)
+    # instead; then (5,6)->9 (the latest) predicts position 11.
+    assert [p for p, c in enumerate(s.copyable()) if c] == [5, 6, 7, 11]
+    assert s.copyable() is s.copyable()  # cached
+
+
+def test_copy_weight_reweights_the_loss_and_novel_accuracy_is_reported(target_and_head):
+    target, path = target_and_head
+    seqs = _seqs([40, 33, 25], 6, seed=3)  # a 6-token vocabulary: many copyable positions
+    batch = collate_packed(seqs, 128, "cpu")
+    draft = load_draft(path, target, torch.float32, "cpu")
+    feats = TargetFeaturizer(target, draft.aux_layer_ids, torch.arange(48))
+    aux, final = feats.packed(batch)
+    with torch.no_grad():
+        out = {w: packed_ttt_loss(draft, batch, aux, final, feats.head, 2, 0.8, copy_weight=w)
+               for w in (1.0, 0.0)}
+    a, b = out[1.0], out[0.0]
+    assert 0 < a.step_counts_novel[0] < a.step_counts[0]
+    assert a.step_losses == b.step_losses  # the logged per-step CE is the plain mean
+    assert a.step_accuracy_novel == b.step_accuracy_novel
+    assert not torch.allclose(a.loss, b.loss)  # weight 0: only the novel rows count
+    with pytest.raises(ValueError, match="copy_weight"):
+        from compiled_spec.train.trainer import TrainConfig
+        TrainConfig(target="t", prompts="p", out="o", copy_weight=0.5, ttt_impl="padded")

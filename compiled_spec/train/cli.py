@@ -30,6 +30,9 @@ def add_train_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentPars
                    "attention (GPU) and a fused loss; padded: the [B, S] reference")
     t.add_argument("--ce-chunk", type=int, default=8192,
                    help="rows per chunk of the fused soft cross-entropy")
+    t.add_argument("--copy-weight", type=float, default=1.0,
+                   help="loss weight (0..1) of positions a context lookup predicts (the "
+                   "target's loops), relative to the rest")
     t.add_argument("--batch-tokens", type=int, default=None,
                    help="tokens per batch (overrides --batch-size for training): the packed "
                         "budget, or with --ttt-impl padded the padded B*S of length-grouped "
@@ -110,6 +113,7 @@ def cmd_train(a: argparse.Namespace) -> int:
         init_from=a.init_from, sharegpt=a.sharegpt,
         sharegpt_conversations=a.sharegpt_conversations, max_turns=a.max_turns,
         batch_tokens=a.batch_tokens, ttt_impl=a.ttt_impl, ce_chunk=a.ce_chunk,
+        copy_weight=a.copy_weight,
         freeze_lm_head=not a.train_lm_head,
         time_limit_s=a.time_limit, lr_by_time=a.lr_by_time, export_dir=a.export_dir,
         export_max_shard_mb=a.export_max_shard_mb, gen_compile=a.gen_compile,
@@ -129,6 +133,9 @@ def cmd_train(a: argparse.Namespace) -> int:
             print(f"held out: loss {val[-1]['val_loss']:.4f}, per-step accuracy {acc}")
             for kind, accs in val[-1].get("val_acc_by_kind", {}).items():
                 print(f"  {kind}: " + " ".join(f"{x:.3f}" for x in accs))
+            if val[-1].get("val_acc_novel"):
+                print("  not predicted by a context lookup: " +
+                      " ".join(f"{x:.3f}" for x in val[-1]["val_acc_novel"]))
         print(f"training throughput {last.get('tokens_per_s', 0):,} tokens/s")
     print(f"EAGLE-3 head saved to {out}")
     return 0

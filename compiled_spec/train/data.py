@@ -42,6 +42,22 @@ class TrainSequence:
     def response_ids(self) -> list[int]:
         return [t for a, b in self.loss_spans() for t in self.input_ids[a:b]]
 
+    def copyable(self) -> list[bool]:
+        """Per token p: the bigram before it already occurred earlier in the sequence, followed
+        by this same token (a lookup in the context predicts it). Long greedy replies of a small
+        target loop: on the held-out chat data 77% of reply tokens are copyable, on MT-bench
+        answers about half, so accuracy on the others is reported apart. Cached."""
+        cached = self.__dict__.get("_copyable")
+        if cached is None:
+            ids, seen = self.input_ids, {}
+            cached = [False, False][:len(ids)]
+            for p in range(2, len(ids)):
+                key = (ids[p - 2], ids[p - 1])
+                cached.append(seen.get(key) == ids[p])
+                seen[key] = ids[p]
+            self.__dict__["_copyable"] = cached
+        return cached
+
 
 def prompt_kind(source: str) -> str:
     """The kind of a prompt source, for held-out figures: code data sets, multi-turn chat

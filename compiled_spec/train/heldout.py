@@ -1,7 +1,7 @@
 """Held-out prompts: which ones are held out, and the draft's TTT loss and accuracy on them."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,6 +28,9 @@ class HeldOut:
     loss: float  # decay-weighted TTT loss, as trained
     accuracy: list[float]  # per TTT step, over every held-out sequence
     accuracy_by_kind: dict[str, list[float]]  # the same per prompt kind (prose, code, ...)
+    # Over positions a context lookup does not predict (TrainSequence.copyable; packed step
+    # only, else empty): the target's loops inflate the plain figure, MT-bench has fewer.
+    accuracy_novel: list[float] = field(default_factory=list)
 
 
 @torch.no_grad()
@@ -42,6 +45,7 @@ def evaluate(draft: EagleDraft, step: "TTTStep", seqs: list[TrainSequence]) -> H
     for s in seqs:
         by_kind.setdefault(s.kind or "unknown", []).append(s)
     loss_sums = [0.0] * n_steps
+    novel = [[0.0] * n_steps, [0] * n_steps]  # hits, counts
     sums: dict[str, tuple[list[float], list[int]]] = {}
     for kind, group in sorted(by_kind.items()):
         hits, counts = [0.0] * n_steps, [0] * n_steps
@@ -52,6 +56,9 @@ def evaluate(draft: EagleDraft, step: "TTTStep", seqs: list[TrainSequence]) -> H
                 loss_sums[i] += l * n  # step means -> sums, so batches weigh by positions
                 hits[i] += a * n
                 counts[i] += n
+            for i, (a, n) in enumerate(zip(res.step_accuracy_novel, res.step_counts_novel)):
+                novel[0][i] += a * n
+                novel[1][i] += n
         sums[kind] = (hits, counts)
     draft.train(was_training)
     counts = [sum(c[i] for _, c in sums.values()) for i in range(n_steps)]
@@ -59,4 +66,5 @@ def evaluate(draft: EagleDraft, step: "TTTStep", seqs: list[TrainSequence]) -> H
     loss = sum(decay ** i * ls / max(c, 1)
                for i, (ls, c) in enumerate(zip(loss_sums, counts)))
     return HeldOut(loss, [h / max(c, 1) for h, c in zip(hits, counts)],
-                   {k: [h / max(c, 1) for h, c in zip(*v)] for k, v in sums.items()})
+                   {k: [h / max(c, 1) for h, c in zip(*v)] for k, v in sums.items()},
+                   [h / max(c, 1) for h, c in zip(*novel)] if any(novel[1]) else [])

@@ -26,6 +26,7 @@ class PackedBatch:
     doc: torch.Tensor  # [T] int64 sequence index of each token; the tail is one more "sequence"
     positions: torch.Tensor  # [T] int64 position within its sequence (0 on the tail)
     loss_mask: torch.Tensor  # [T] bool: the target's own tokens (never the tail)
+    copyable: torch.Tensor  # [T] bool: TrainSequence.copyable (a context lookup predicts it)
     lengths: list[int]  # per sequence, on the host
     num_tokens: int  # sum(lengths)
 
@@ -40,14 +41,16 @@ def collate_packed(seqs: list[TrainSequence], budget: int, device: torch.device 
     doc = torch.full((budget,), len(seqs), dtype=torch.int64)
     pos = torch.zeros(budget, dtype=torch.int64)
     mask = torch.zeros(budget, dtype=torch.bool)
+    copy = torch.zeros(budget, dtype=torch.bool)
     at = 0
     for i, s in enumerate(seqs):
         n = lens[i]
         ids[at:at + n] = torch.tensor(s.input_ids, dtype=torch.int64)
         doc[at:at + n] = i
         pos[at:at + n] = torch.arange(n)
+        copy[at:at + n] = torch.tensor(s.copyable(), dtype=torch.bool)
         for a, b in s.loss_spans():
             mask[at + a:at + b] = True
         at += n
-    return PackedBatch(ids.to(device), doc.to(device), pos.to(device), mask.to(device), lens,
-                       used)
+    return PackedBatch(ids.to(device), doc.to(device), pos.to(device), mask.to(device),
+                       copy.to(device), lens, used)

@@ -63,6 +63,9 @@ class TrainConfig:
     # flex attention and the fused loss; "padded": the [B, S] reference implementation.
     ttt_impl: str = "packed"
     ce_chunk: int = 8192  # rows per chunk of the fused soft cross-entropy
+    # Loss weight of positions a context lookup predicts (TrainSequence.copyable: the target's
+    # loops, most of long chat replies) relative to the others' 1; packed only.
+    copy_weight: float = 1.0
     freeze_lm_head: bool = True  # readout = the target's lm_head rows (not saved with the head)
     time_limit_s: float | None = None  # stop training here (saved, exported) and resume later
     export_dir: str | None = None  # at the end: the head (best/ if any) in bf16 shards here
@@ -149,6 +152,10 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.ce_chunk={self.ce_chunk!r}: must be a positive integer")
         if self.lr_by_time and self.time_limit_s is None:
             raise ValueError("TrainConfig.lr_by_time needs time_limit_s")
+        if not 0 <= self.copy_weight <= 1 or (self.copy_weight != 1 and
+                                              self.ttt_impl != "packed"):
+            raise ValueError(f"TrainConfig.copy_weight={self.copy_weight!r}: in [0, 1], and "
+                             "other than 1 only with ttt_impl='packed'")
         if self.schedule not in ("cosine", "linear", "constant"):
             raise ValueError(f"TrainConfig.schedule={self.schedule!r}: cosine|linear|constant")
         if self.aux_layer_ids is not None:
@@ -297,6 +304,8 @@ def train(cfg: TrainConfig) -> Path:
                     ev = evaluate(draft, ttt, val)
                     row["val_loss"], row["val_acc"] = ev.loss, ev.accuracy
                     row["val_acc_by_kind"] = ev.accuracy_by_kind
+                    if ev.accuracy_novel:
+                        row["val_acc_novel"] = ev.accuracy_novel
                     _keep_best(draft, t2d, out, done, ev.loss)
                 log.write(json.dumps(row) + "\n")
                 log.flush()

@@ -19,7 +19,7 @@ then each step t >= 2 of the same chain wrote one entry at i+t-1):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -95,6 +95,10 @@ class TTTOutput:
     step_losses: list[float]
     step_accuracy: list[float]  # draft argmax == target argmax (both over the draft vocab)
     step_counts: list[int]  # trained positions per step
+    # The same over positions a context lookup does not predict (TrainSequence.copyable):
+    # packed path only, empty otherwise.
+    step_accuracy_novel: list[float] = field(default_factory=list)
+    step_counts_novel: list[int] = field(default_factory=list)
 
 
 def label_mask(loss_mask: torch.Tensor) -> torch.Tensor:  # [B, S] -> [B, S]

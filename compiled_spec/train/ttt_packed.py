@@ -180,23 +180,33 @@ def packed_ttt_loss(draft: EagleDraft, batch: PackedBatch,
                     target_final: torch.Tensor,  # [T, target_h] the target's normed hidden
                     target_head: torch.Tensor,  # [V_draft, target_h] its readout rows
                     num_steps: int, decay: float = 0.8, flex: bool = False,
-                    chunk: int = 8192, compiled_ce: bool = False) -> TTTOutput:
+                    chunk: int = 8192, compiled_ce: bool = False,
+                    copy_weight: float = 1.0) -> TTTOutput:
+    """``copy_weight``: loss weight of rows whose label a context lookup predicts
+    (``batch.copyable``; the target's loops), relative to the others' 1."""
     n_aux = len(draft.aux_layer_ids) or 1
     hidden = draft.combine_aux(list(aux.chunk(n_aux, dim=-1)))  # [T, h]
     outs = packed_ttt_forward(draft, batch, hidden, num_steps, flex)
     rows = packed_trainable_rows(batch)  # [N]
     root = batch.positions[rows]  # [N] step s needs a chain root j - s + 1 >= 0
     label_h = target_final[rows + 1]  # [N, h]: the target's distribution for t_{j+2}
+    copy = batch.copyable[rows + 2]  # [N] the label t_{j+2} is copyable
+    row_w = torch.where(copy, copy_weight, 1.0)  # [N]
     total = aux.new_zeros((), dtype=torch.float32)
     stats = []
     for step, (_, for_logits) in enumerate(outs, 1):
         m = root >= step - 1  # [N]
-        n = m.sum().clamp(min=1)
-        weight = m.float() / n
+        w = m.float() * row_w
+        weight = w / w.sum().clamp(min=1e-9)
         loss, ce, hits = soft_cross_entropy(for_logits[rows], draft.lm_head.weight, label_h,
                                             target_head, weight, chunk, compiled_ce)
         total = total + decay ** (step - 1) * loss
-        stats.append(torch.stack([loss.detach(), (hits & m).sum().float(), m.sum().float()]))
+        # the step's plain mean CE (the loss is the weighted one) and its hit counts
+        mean_ce = torch.where(m, ce, 0.0).sum() / m.sum().clamp(min=1)
+        novel = m & ~copy
+        stats.append(torch.stack([mean_ce, (hits & m).sum().float(), m.sum().float(),
+                                  (hits & novel).sum().float(), novel.sum().float()]))
     host = torch.stack(stats).tolist()
     return TTTOutput(total, [r[0] for r in host], [r[1] / max(r[2], 1) for r in host],
-                     [int(r[2]) for r in host])
+                     [int(r[2]) for r in host], [r[3] / max(r[4], 1) for r in host],
+                     [int(r[4]) for r in host])
