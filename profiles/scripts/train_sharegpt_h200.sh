@@ -40,6 +40,7 @@ setup0)
   python3 -m pip install -q --no-index --no-deps --target ~/site .device/whl/*.whl
   nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv | tee "$OUT/gpu.txt"
   python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/gpu.txt"
+  [ "${SPEED:-1}" = 1 ] || exit 0  # SPEED=0: setup only
   timeout ${LIMIT:-330} python3 profiles/scripts/train_speed_h200.py --tokenizer ~/tok \
     --sections check train --impl packed --batch-tokens 32768 65536 --train-steps 8 --limit 150 \
     --profile "$OUT/prof_train.txt" --out "$OUT/speed_train.json" > "$OUT/speed_train.log" 2>&1
@@ -71,9 +72,10 @@ data)
   done
   wait
   cat $HEAD/shard*/data.jsonl > $HEAD/data.jsonl && cp $HEAD/shard0/val.jsonl $HEAD/val.jsonl
-  for i in $(seq 0 $((N - 1))); do
-    grep -vE "it/s\]|s/it\]|seq/s\]|Warning|warn\(" "$OUT/data$i.log" | tail -4
-  done
+  for i in $(seq 0 $((N - 1))); do  # one log file back (at most 8 files come back)
+    echo "== shard $i"; grep -vE "it/s\]|s/it\]|seq/s\]|Warning|warn\(" "$OUT/data$i.log"
+  done > "$OUT/data.log" && rm -f "$OUT"/data[0-9]*.log
+  grep -E "==|data written|real" "$OUT/data.log"
   wc -l $HEAD/*.jsonl
   gzip -c $HEAD/val.jsonl > "$OUT/val.jsonl.gz"
   gzip -c $HEAD/data.jsonl | split -b 15M - "$OUT/data.jsonl.gz.part"
