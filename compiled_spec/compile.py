@@ -68,7 +68,7 @@ class CompiledModels:
         return out
 
 
-def _compile(fn: Any, backend: Any, cfg: CompileConfig) -> Any:
+def compile_callable(fn: Any, backend: Any, cfg: CompileConfig) -> Any:
     compiled = torch.compile(fn, backend=backend, dynamic=cfg.dynamic, fullgraph=True)
 
     def call(*args: Any, **kwargs: Any) -> Any:
@@ -89,18 +89,18 @@ def compile_models(runner: ModelRunner, cfg: CompileConfig) -> CompiledModels:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     eager: dict[str, Any] = {"target": runner.target_fn}
     backends = {"target": make_backend(hoist_fc=False, per_layer_metadata=False, inductor=cfg.inductor)}
-    compiled: dict[str, Any] = {"target": _compile(runner.model, backends["target"], cfg)}
+    compiled: dict[str, Any] = {"target": compile_callable(runner.model, backends["target"], cfg)}
     prop = runner.proposer
     if prop is not None:
         eager.update(first_pass=prop.first_pass_fn, step=prop.step_fn)
         backends["draft_first_pass"] = make_backend(hoist_fc=True, inductor=cfg.inductor)
         backends["draft_step"] = make_backend(hoist_fc=False, inductor=cfg.inductor)
-        compiled["first_pass"] = _compile(prop.draft.forward_from_aux, backends["draft_first_pass"], cfg)
-        compiled["step"] = _compile(prop.draft, backends["draft_step"], cfg)
+        compiled["first_pass"] = compile_callable(prop.draft.forward_from_aux, backends["draft_first_pass"], cfg)
+        compiled["step"] = compile_callable(prop.draft, backends["draft_step"], cfg)
         if hasattr(prop, "step_and_pick"):  # chain drafting: step + pick as one graph
             eager["step_pick"] = prop.step_pick_fn
             backends["draft_step_pick"] = make_backend(hoist_fc=False, inductor=cfg.inductor)
-            compiled["step_pick"] = _compile(prop.step_and_pick, backends["draft_step_pick"],
+            compiled["step_pick"] = compile_callable(prop.step_and_pick, backends["draft_step_pick"],
                                              cfg)
     return CompiledModels(eager=eager, compiled=compiled, backends=backends)
 

@@ -181,3 +181,17 @@ def test_copy_weight_reweights_the_loss_and_novel_accuracy_is_reported(target_an
     with pytest.raises(ValueError, match="copy_weight"):
         from compiled_spec.train.trainer import TrainConfig
         TrainConfig(target="t", prompts="p", out="o", copy_weight=0.5, ttt_impl="padded")
+
+
+def test_compiled_feature_forward_equals_eager(target_and_head):
+    """--compile-features: the target's forward through torch.compile (our backend, Inductor's
+    C++ code here) gives the eager features, across batches of different token counts (dynamic
+    shapes, no recompile per batch)."""
+    target, path = target_and_head
+    draft = load_draft(path, target, torch.float32, "cpu")
+    eager = TargetFeaturizer(target, draft.aux_layer_ids, torch.arange(48))
+    comp = TargetFeaturizer(target, draft.aux_layer_ids, torch.arange(48), compiled=True)
+    for lengths in ([13, 7, 20], [31, 2, 9, 40]):
+        batch = collate_packed(_seqs(lengths, 48), 128, "cpu")
+        for a, b in zip(eager.packed(batch), comp.packed(batch)):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -33,6 +33,8 @@ def add_train_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentPars
     t.add_argument("--copy-weight", type=float, default=1.0,
                    help="loss weight (0..1) of positions a context lookup predicts (the "
                    "target's loops), relative to the rest")
+    t.add_argument("--compile-features", action="store_true",
+                   help="run the target's feature forward through torch.compile (our backend)")
     t.add_argument("--batch-tokens", type=int, default=None,
                    help="tokens per batch (overrides --batch-size for training): the packed "
                         "budget, or with --ttt-impl padded the padded B*S of length-grouped "
@@ -113,7 +115,7 @@ def cmd_train(a: argparse.Namespace) -> int:
         init_from=a.init_from, sharegpt=a.sharegpt,
         sharegpt_conversations=a.sharegpt_conversations, max_turns=a.max_turns,
         batch_tokens=a.batch_tokens, ttt_impl=a.ttt_impl, ce_chunk=a.ce_chunk,
-        copy_weight=a.copy_weight,
+        copy_weight=a.copy_weight, compile_features=a.compile_features,
         freeze_lm_head=not a.train_lm_head,
         time_limit_s=a.time_limit, lr_by_time=a.lr_by_time, export_dir=a.export_dir,
         export_max_shard_mb=a.export_max_shard_mb, gen_compile=a.gen_compile,

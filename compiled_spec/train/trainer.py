@@ -66,6 +66,7 @@ class TrainConfig:
     # Loss weight of positions a context lookup predicts (TrainSequence.copyable: the target's
     # loops, most of long chat replies) relative to the others' 1; packed only.
     copy_weight: float = 1.0
+    compile_features: bool = False  # the target's feature forward through torch.compile
     freeze_lm_head: bool = True  # readout = the target's lm_head rows (not saved with the head)
     time_limit_s: float | None = None  # stop training here (saved, exported) and resume later
     export_dir: str | None = None  # at the end: the head (best/ if any) in bf16 shards here
@@ -263,7 +264,8 @@ def train(cfg: TrainConfig) -> Path:
         start = int(state["step"])
     truncate_log(out / LOG_FILE, start)
 
-    feats = TargetFeaturizer(target, draft.aux_layer_ids, draft_ids)
+    feats = TargetFeaturizer(target, draft.aux_layer_ids, draft_ids,
+                             compiled=cfg.compile_features)
     ttt = TTTStep(feats, cfg)
     batches = Batches(seqs, cfg.batch_size, cfg.batch_tokens, cfg.seed,
                       ttt.budget if ttt.packed else None)

@@ -43,6 +43,7 @@ setup0)
   [ "${SPEED:-1}" = 1 ] || exit 0  # SPEED=0: setup only
   timeout ${LIMIT:-330} python3 profiles/scripts/train_speed_h200.py --tokenizer ~/tok \
     --sections check train --impl packed --batch-tokens 32768 65536 --train-steps 8 --limit 150 \
+    --compile-features \
     --profile "$OUT/prof_train.txt" --out "$OUT/speed_train.json" > "$OUT/speed_train.log" 2>&1
   timeout 90 python3 profiles/scripts/train_speed_h200.py --tokenizer ~/tok --sections train \
     --impl padded --batch-tokens 32768 --train-steps 6 --limit 80 \

@@ -98,7 +98,8 @@ def _setup(model: str, vocab: int, device: str, **cfg_kw):
     draft_ids = torch.randperm(49152, generator=torch.Generator().manual_seed(0))[:vocab]
     draft = build_head(target, cfg, draft_ids.sort().values)
     draft.lm_head.weight.requires_grad_(False)
-    feats = TargetFeaturizer(target, draft.aux_layer_ids, draft_ids.sort().values)
+    feats = TargetFeaturizer(target, draft.aux_layer_ids, draft_ids.sort().values,
+                             compiled=cfg.compile_features)
     return target, draft, TTTStep(feats, cfg), cfg
 
 
@@ -112,14 +113,15 @@ def _seqs(lengths: list[int]):
 
 def train_section(model: str, batch_tokens: int, vocab: int, ttt_steps: int, steps: int,
                   impl: str, device: str, lengths: list[int],
-                  profile_to: str | None = None) -> dict:
+                  profile_to: str | None = None, compile_features: bool = False) -> dict:
     """Training tokens/s of the trainer's own step (``TTTStep``) with the target's features
     computed in it, split into the phases of a step."""
     from compiled_spec.train.data import Batches
 
     dev = torch.device(device)
     target, draft, ttt, cfg = _setup(model, vocab, device, ttt_steps=ttt_steps,
-                                     batch_tokens=batch_tokens, ttt_impl=impl)
+                                     batch_tokens=batch_tokens, ttt_impl=impl,
+                                     compile_features=compile_features)
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95))
     seqs = _seqs(lengths)
@@ -160,6 +162,7 @@ def train_section(model: str, batch_tokens: int, vocab: int, ttt_steps: int, ste
         done = k - 1
     dt = time.perf_counter() - t_start
     row = {"section": "train", "impl": impl, "budget": ttt.budget if ttt.packed else None,
+           "compile_features": compile_features,
            "batch_tokens": batch_tokens, "draft_vocab": vocab, "ttt_steps": ttt_steps,
            "steps": done, "tokens_per_s": round(tokens / dt), "warmup_s": round(warm_s, 1),
            "ms_per_step": {k: round(1000 * v / max(done, 1), 1) for k, v in phases.items()},
@@ -215,6 +218,8 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--limit", type=int, default=90, help="seconds per section")
     ap.add_argument("--impl", nargs="+", default=["packed"], choices=["packed", "padded"])
+    ap.add_argument("--compile-features", action="store_true",
+                    help="also time the first --batch-tokens with the compiled feature forward")
     ap.add_argument("--profile", default=None, metavar="FILE",
                     help="kernel table of one training step (first --batch-tokens value)")
     a = ap.parse_args()
@@ -238,6 +243,10 @@ def main() -> int:
                 jobs.append(lambda bt=bt, i=i, impl=impl: train_section(
                     model, bt, a.vocab, 5, a.train_steps, impl, a.device, lengths,
                     f"{a.profile}.{impl}" if a.profile and i == 0 else None))
+            if a.compile_features:
+                jobs.append(lambda impl=impl: train_section(
+                    model, a.batch_tokens[0], a.vocab, 5, a.train_steps, impl, a.device,
+                    lengths, compile_features=True))
     rows = []
     for job in jobs:
         try:
