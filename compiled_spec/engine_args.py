@@ -49,14 +49,14 @@ def add_prompt_args(p: argparse.ArgumentParser, num_prompts: int, max_tokens: in
 def engine_kwargs(a: argparse.Namespace) -> dict:
     """``LLM(**engine_kwargs(a))`` builds the engine that ``add_engine_args`` describes."""
     kw = dict(model=a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
-                page_size=a.page_size, max_num_seqs=a.max_num_seqs, draft=a.draft, method=a.method,
-                num_speculative_tokens=a.num_speculative_tokens, draft_sampling=a.draft_sampling,
-                compile=a.compile, speculative_topk=a.speculative_topk,
-                speculative_num_draft_tokens=a.speculative_num_draft_tokens,
-                enable_prefix_caching=a.enable_prefix_caching,
-                tensor_parallel_size=a.tensor_parallel_size,
-                draft_tensor_parallel=a.draft_tensor_parallel)
-    if getattr(a, "compile_cache_dir", None) is not None:
+              page_size=a.page_size, max_num_seqs=a.max_num_seqs, draft=a.draft, method=a.method,
+              num_speculative_tokens=a.num_speculative_tokens, draft_sampling=a.draft_sampling,
+              compile=a.compile, speculative_topk=a.speculative_topk,
+              speculative_num_draft_tokens=a.speculative_num_draft_tokens,
+              enable_prefix_caching=a.enable_prefix_caching,
+              tensor_parallel_size=a.tensor_parallel_size,
+              draft_tensor_parallel=a.draft_tensor_parallel)
+    if a.compile_cache_dir is not None:
         from compiled_spec.compile import CompileConfig
 
         kw["compile_config"] = CompileConfig(cache_dir=a.compile_cache_dir)

@@ -79,16 +79,17 @@ def load_corpus(cfg: "TrainConfig", out: Path
                 else time.monotonic() + cfg.gen_time_limit_s)
     gen = dict(max_new_tokens=cfg.max_new_tokens, max_seq_len=cfg.max_seq_len,
                batch_size=cfg.gen_batch_size, seed=cfg.seed, ignore_eos=cfg.ignore_eos,
-               partial=out / PARTIAL_FILE, deadline=deadline, shard=cfg.gen_shard)
+               partial=out / PARTIAL_FILE, deadline=deadline)
     # A held-out file from an earlier run (the split is seeded, so the same prompts) is reused:
     # held-out figures stay comparable across runs and sessions.
     if val_file.is_file() and val_rows:
         val = load_sequences(val_file)
         print(f"reusing the held-out sequences in {val_file}")
     else:
-        val = generate_sequences(llm, val_rows, temperatures=cfg.temperatures[:1],
-                                 **{**gen, "shard": None}) if val_rows else []
-    seqs = generate_sequences(llm, train_rows, temperatures=cfg.temperatures, **gen)
+        val = generate_sequences(llm, val_rows, temperatures=cfg.temperatures[:1], **gen) \
+            if val_rows else []
+    seqs = generate_sequences(llm, train_rows, temperatures=cfg.temperatures,
+                              shard=cfg.gen_shard, **gen)
     save_sequences(val_file, val)
     save_sequences(data_file, seqs)
     (out / PARTIAL_FILE).unlink(missing_ok=True)

@@ -1,8 +1,9 @@
 """Packed training batches: sequences back to back in one row of a fixed token budget.
 
 One fixed shape per batch means the compiled attention and loss kernels compile once, and no
-token is padding except the batch's tail. Each token carries its sequence index (``doc``) and
-its position within the sequence, which is all the TTT attention mask and the loss need. Which
+token is padding except the batch's tail. Each token carries its position within its sequence;
+positions restart at 0 where a sequence starts, which is all the TTT attention mask and the loss
+need to tell sequences apart. Which
 sequences share a batch is ``data.pack_batches``.
 """
 from __future__ import annotations
@@ -23,7 +24,6 @@ def packed_budget(batch_tokens: int) -> int:
 @dataclass
 class PackedBatch:
     input_ids: torch.Tensor  # [T] int64, sequences back to back, zeros after them
-    doc: torch.Tensor  # [T] int64 sequence index of each token; the tail is one more "sequence"
     positions: torch.Tensor  # [T] int64 position within its sequence (0 on the tail)
     loss_mask: torch.Tensor  # [T] bool: the target's own tokens (never the tail)
     copyable: torch.Tensor  # [T] bool: TrainSequence.copyable (a context lookup predicts it)
@@ -38,19 +38,16 @@ def collate_packed(seqs: list[TrainSequence], budget: int, device: torch.device 
     if used > budget:
         raise ValueError(f"{used} tokens do not fit a packed batch of {budget}")
     ids = torch.zeros(budget, dtype=torch.int64)
-    doc = torch.full((budget,), len(seqs), dtype=torch.int64)
     pos = torch.zeros(budget, dtype=torch.int64)
     mask = torch.zeros(budget, dtype=torch.bool)
     copy = torch.zeros(budget, dtype=torch.bool)
     at = 0
-    for i, s in enumerate(seqs):
-        n = lens[i]
+    for s, n in zip(seqs, lens):
         ids[at:at + n] = torch.tensor(s.input_ids, dtype=torch.int64)
-        doc[at:at + n] = i
         pos[at:at + n] = torch.arange(n)
         copy[at:at + n] = torch.tensor(s.copyable(), dtype=torch.bool)
         for a, b in s.loss_spans():
             mask[at + a:at + b] = True
         at += n
-    return PackedBatch(ids.to(device), doc.to(device), pos.to(device), mask.to(device),
+    return PackedBatch(ids.to(device), pos.to(device), mask.to(device),
                        copy.to(device), lens, used)

@@ -171,7 +171,8 @@ def packed_ttt_forward(draft: EagleDraft, batch: PackedBatch,
 def packed_trainable_rows(batch: PackedBatch) -> torch.Tensor:  # [N] int64
     """Rows j whose label t_{j+2} is one of the target's tokens in j's own sequence."""
     nxt = F.pad(batch.loss_mask[2:], (0, 2), value=False)
-    same = F.pad(batch.doc[2:], (0, 2), value=-1) == batch.doc
+    # j + 2 is in j's sequence iff its position is two further (positions restart at 0)
+    same = F.pad(batch.positions[2:], (0, 2), value=-1) == batch.positions + 2
     return (nxt & same).nonzero().squeeze(1)  # one host sync per batch
 
 
@@ -196,15 +197,16 @@ def packed_ttt_loss(draft: EagleDraft, batch: PackedBatch,
     stats = []
     for step, (_, for_logits) in enumerate(outs, 1):
         m = root >= step - 1  # [N]
+        n = m.sum()
         w = m.float() * row_w
         weight = w / w.sum().clamp(min=1e-9)
         loss, ce, hits = soft_cross_entropy(for_logits[rows], draft.lm_head.weight, label_h,
                                             target_head, weight, chunk, compiled_ce)
         total = total + decay ** (step - 1) * loss
         # the step's plain mean CE (the loss is the weighted one) and its hit counts
-        mean_ce = torch.where(m, ce, 0.0).sum() / m.sum().clamp(min=1)
+        mean_ce = torch.where(m, ce, 0.0).sum() / n.clamp(min=1)
         novel = m & ~copy
-        stats.append(torch.stack([mean_ce, (hits & m).sum().float(), m.sum().float(),
+        stats.append(torch.stack([mean_ce, (hits & m).sum().float(), n.float(),
                                   (hits & novel).sum().float(), novel.sum().float()]))
     host = torch.stack(stats).tolist()
     return TTTOutput(total, [r[0] for r in host], [r[1] / max(r[2], 1) for r in host],

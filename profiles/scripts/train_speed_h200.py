@@ -95,10 +95,11 @@ def _setup(model: str, vocab: int, device: str, **cfg_kw):
     target, _ = load_model(model, dtype, dev)
     cfg = TrainConfig(target=model, prompts="x", out="/tmp/x", draft_vocab_size=vocab,
                       max_seq_len=2048, **cfg_kw)
-    draft_ids = torch.randperm(49152, generator=torch.Generator().manual_seed(0))[:vocab]
-    draft = build_head(target, cfg, draft_ids.sort().values)
+    g = torch.Generator().manual_seed(0)
+    draft_ids = torch.randperm(49152, generator=g)[:vocab].sort().values
+    draft = build_head(target, cfg, draft_ids)
     draft.lm_head.weight.requires_grad_(False)
-    feats = TargetFeaturizer(target, draft.aux_layer_ids, draft_ids.sort().values,
+    feats = TargetFeaturizer(target, draft.aux_layer_ids, draft_ids,
                              compiled=cfg.compile_features)
     return target, draft, TTTStep(feats, cfg), cfg
 
