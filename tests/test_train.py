@@ -19,7 +19,9 @@ from compiled_spec.engine.batch import Span, build_metadata
 from compiled_spec.kv_cache import BlockAllocator, allocate_kv_pair
 from compiled_spec.models import load_model
 from compiled_spec.train.checkpoint import export_head
-from compiled_spec.train.data import load_sequences
+from compiled_spec.train.data import load_prompts, load_sequences
+from compiled_spec.train.heldout import split_prompts
+from compiled_spec.train.multiturn import chat_jobs
 from compiled_spec.train.trainer import TrainConfig, read_log, train
 from compiled_spec.train.ttt import label_mask, ttt_attention_mask, ttt_forward
 from compiled_spec.train.vocab import draft_ids_from_d2t, select_draft_vocab, vocab_maps
@@ -259,6 +261,12 @@ def test_sharded_generation_equals_one_run(bigram_setup, smollm2_gguf_path):
         rows(whole, "data.jsonl")
     assert rows(parts[0], "val.jsonl") == rows(whole, "val.jsonl") != []
     assert rows(parts[1], "val.jsonl") == []
+    # gen_skip leaves out the head of the seeded job order: the rest of the same run's data.
+    train_rows = split_prompts(load_prompts(prompts, 7), 2, 0)[0]
+    order = [j.id for j in chat_jobs(train_rows, (0.0, 1.0), 0)]
+    skipped = train(_cfg(root, target, prompts, smollm2_gguf_path, "skip", gen_skip=5, **kw))
+    assert {i for i, _ in rows(skipped, "data.jsonl")} == \
+        {i for i, _ in rows(whole, "data.jsonl")} - set(order[:5]) != set()
     with pytest.raises(ValueError, match="gen_shard"):
         _cfg(root, target, prompts, smollm2_gguf_path, "bad", gen_shard=(2, 2), **kw)
 

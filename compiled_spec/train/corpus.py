@@ -89,7 +89,7 @@ def load_corpus(cfg: "TrainConfig", out: Path
         val = generate_sequences(llm, val_rows, temperatures=cfg.temperatures[:1], **gen) \
             if val_rows else []
     seqs = generate_sequences(llm, train_rows, temperatures=cfg.temperatures,
-                              shard=cfg.gen_shard, **gen)
+                              shard=cfg.gen_shard, skip=cfg.gen_skip, **gen)
     save_sequences(val_file, val)
     save_sequences(data_file, seqs)
     (out / PARTIAL_FILE).unlink(missing_ok=True)

@@ -170,13 +170,14 @@ def generate_sequences(llm: "LLM", rows: list[PromptRow | Conversation], max_new
                        max_seq_len: int, temperatures: tuple[float, ...] = (0.0,),
                        batch_size: int = 32, seed: int = 0, ignore_eos: bool = False,
                        partial: Path | None = None, deadline: float | None = None,
-                       shard: tuple[int, int] | None = None) -> list[TrainSequence]:
+                       shard: tuple[int, int] | None = None, skip: int = 0
+                       ) -> list[TrainSequence]:
     """Let the target answer every prompt (every turn of every conversation) once per
     temperature with our engine; see ``generate_chats``. Prompts that leave no room for two
     reply tokens within ``max_seq_len`` give no sequence. ``shard=(i, n)``: only jobs i, i+n,
     ... of the seeded job order (seeds are per job, so the shards together give one run's
-    sequences)."""
-    jobs = chat_jobs(rows, temperatures, seed)
+    sequences). ``skip``: leave out the first jobs of that order (before sharding)."""
+    jobs = chat_jobs(rows, temperatures, seed)[skip:]
     if shard is not None:
         jobs = jobs[shard[0]::shard[1]]
     return generate_chats(llm, jobs, max_new_tokens, max_seq_len, batch_size, ignore_eos,

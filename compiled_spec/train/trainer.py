@@ -77,6 +77,9 @@ class TrainConfig:
     # bounds one process at large batch): this process answers jobs i, i+n, ... of (i, n); only
     # shard 0 answers the held-out prompts. Shards' data.jsonl concatenated == one run's.
     gen_shard: tuple[int, int] | None = None
+    # Leave out the first gen_skip jobs of the seeded job order: a head continued with
+    # --init-from (in a later session, whose .device/ data are gone) learns from jobs it never saw.
+    gen_skip: int = 0
     gen_kv_gib: float | None = None  # the generating engine's KV pool (default: half the free)
     max_seq_len: int = 2048
     max_new_tokens: int = 512
@@ -102,7 +105,7 @@ class TrainConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"TrainConfig.{name}={v!r}: must be a positive integer")
-        for name in ("warmup_steps", "save_every"):
+        for name in ("warmup_steps", "save_every", "gen_skip"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"TrainConfig.{name}={v!r}: must be an integer >= 0")

