@@ -60,10 +60,10 @@ speed)
 data)
   [ -f "$M" ] || cat ~/m/part0 ~/m/part1 .device/q2/part2 > "$M"
   sha256sum "$M"
-  # GEN_PROCS engines share the GPU, each answering every GEN_PROCS-th job (one engine at batch
-  # 1,024 is bound by its per-step host work). Data of earlier sessions (carry .device/gen):
-  # their jobs are skipped, new ones answered; the held-out file is reused by shard 0.
-  N=${GEN_PROCS:-4}
+  # GEN_PROCS engines would share the GPU, each answering every GEN_PROCS-th job; 4 were slower
+  # than 1 (time-sliced GPU, results/2026-12-01_h200_continued-head/), so 1 by default. Data of
+  # earlier calls (carry .device/gen): their jobs are skipped; shard 0 reuses the held-out file.
+  N=${GEN_PROCS:-1}
   for i in $(seq 0 $((N - 1))); do
     S=$HEAD/shard$i; mkdir -p $S
     [ -f .device/gen/data.jsonl.gz ] && gunzip -c .device/gen/data.jsonl.gz > $S/data.partial.jsonl
@@ -73,7 +73,9 @@ data)
         --gen-time-limit ${GEN_LIMIT:-420} "${@:2}" ) > "$OUT/data$i.log" 2>&1 &
   done
   wait
-  cat $HEAD/shard*/data.jsonl > $HEAD/data.jsonl && cp $HEAD/shard0/val.jsonl $HEAD/val.jsonl
+  # A shard stopped by `timeout` wrote no data.jsonl: its finished chunks are in data.partial.jsonl.
+  python3 profiles/scripts/split_partials.py $HEAD $D/train_prompts.jsonl $D/sharegpt_users.json.gz \
+    $(ls $HEAD/shard*/{val,data,data.partial}.jsonl 2>/dev/null)
   for i in $(seq 0 $((N - 1))); do  # one log file back (at most 8 files come back)
     echo "== shard $i"; grep -vE "it/s\]|s/it\]|seq/s\]|Warning|warn\(" "$OUT/data$i.log"
   done > "$OUT/data.log" && rm -f "$OUT"/data[0-9]*.log
