@@ -85,31 +85,123 @@ def test_select_nodes_is_ancestor_closed_and_parent_first():
     assert anc[0, 2].nonzero().flatten().tolist() == [0, 2]
 
 
+def _walk_accept(tokens, parents, top, max_depth, cap=None):
+    """Reference: the walk from the root, one level at a time (the definition)."""
+    path, n_acc, bonus = [], [], []
+    for b in range(tokens.shape[0]):
+        cur, p = 0, []
+        while len(p) < max_depth and (cap is None or len(p) < int(cap[b])):
+            kids = [j for j in range(1, tokens.shape[1]) if int(parents[b, j]) == cur
+                    and int(tokens[b, j]) == int(top[b, cur])]
+            if not kids:
+                break
+            cur = kids[0]
+            p.append(cur)
+        path.append(p + [-1] * (max_depth - len(p)))
+        n_acc.append(len(p))
+        bonus.append(int(top[b, cur]))
+    return path, n_acc, bonus
+
+
 def test_greedy_accept_follows_target_argmax():
     #        root(0)
-    #       /      \\
+    #       /      \
     #   a=5 (1)   b=7 (2)
     #     |          |
     #   c=9 (3)   d=4 (4)
     tokens = torch.tensor([[0, 5, 7, 9, 4], [0, 5, 7, 9, 4]])
     parents = torch.tensor([[-1, 0, 0, 1, 2], [-1, 0, 0, 1, 2]])
+    depth = torch.tensor([[0, 1, 1, 2, 2]] * 2)
     top = torch.tensor([[7, 1, 4, 2, 8],  # root->7 (node 2), node 2 ->4 (node 4), node 4 -> 8
                         [3, 1, 1, 1, 1]])  # nothing matches at the root
-    path, n, bonus = greedy_accept(tokens, parents, top, max_depth=3)
+    path, n, bonus = greedy_accept(tokens, parents, top, depth, ancestor_mask(parents), 3)
     assert path.tolist() == [[2, 4, -1], [-1, -1, -1]]
     assert n.tolist() == [2, 0] and bonus.tolist() == [8, 3]
+    # The request's budget caps the path (one draft left: node 2, bonus = argmax there).
+    path, n, bonus = greedy_accept(tokens, parents, top, depth, ancestor_mask(parents), 3,
+                                   torch.tensor([1, 5]))
+    assert path.tolist() == [[2, -1, -1], [-1, -1, -1]] and n.tolist() == [1, 0]
+    assert bonus.tolist() == [4, 3]
 
 
-def test_compact_kv_moves_the_path():
-    page = 4
-    k = torch.arange(16 * page, dtype=torch.float32).view(16, page, 1, 1).clone()
-    v = -k.clone()
+@pytest.mark.parametrize("seed", range(6))
+def test_greedy_accept_equals_the_walk_on_random_trees(seed):
+    """The one-shot acceptance == walking the tree level by level, on random trees with
+    distinct sibling tokens, targets that often follow a branch, and random budgets."""
+    g = torch.Generator().manual_seed(seed)
+    b, n, vocab, steps = 16, 12, 6, 4
+    parents = torch.full((b, n), -1)
+    depth = torch.zeros(b, n, dtype=torch.int64)
+    tokens = torch.zeros(b, n, dtype=torch.int64)
+    for r in range(b):
+        used: dict[int, set[int]] = {}
+        for j in range(1, n):
+            while True:  # a parent above the depth limit, children with distinct tokens
+                p = int(torch.randint(0, j, (1,), generator=g))
+                if int(depth[r, p]) < steps and len(used.get(p, ())) < vocab:
+                    break
+            t = int(torch.randint(0, vocab, (1,), generator=g))
+            while t in used.setdefault(p, set()):
+                t = (t + 1) % vocab
+            used[p].add(t)
+            parents[r, j], depth[r, j], tokens[r, j] = p, depth[r, p] + 1, t
+    top = torch.randint(0, vocab, (b, n), generator=g)
+    for r in range(b):  # mostly the target's argmax is one of the node's children
+        for j in range(n):
+            kids = (parents[r] == j).nonzero().flatten()
+            if len(kids) and float(torch.rand(1, generator=g)) < 0.8:
+                top[r, j] = tokens[r, kids[int(torch.randint(0, len(kids), (1,), generator=g))]]
+    cap = torch.randint(0, steps + 1, (b,), generator=g)
+    for c in (None, cap):
+        path, n_acc, bonus = greedy_accept(tokens, parents, top, depth, ancestor_mask(parents),
+                                           steps, c)
+        ref = _walk_accept(tokens, parents, top, steps, c)
+        assert (path.tolist(), n_acc.tolist(), bonus.tolist()) == ref
+        if c is None:
+            assert max(ref[1]) >= 3  # the trees were deep enough to test paths
+
+
+def test_compact_kv_moves_the_path_in_every_layer():
+    page, layers = 4, 3
+    pool = torch.arange(layers * 2 * 16 * page, dtype=torch.float32).view(layers, 2, 16, page,
+                                                                           1, 1).clone()
     table = torch.tensor([[5, 2, 9]], dtype=torch.int32)
     base = torch.tensor([3])  # root at position 3; nodes at 4.. ; path nodes 2 then 4
     slot = lambda p: int(table[0, p // page]) * page + p % page  # noqa: E731
-    before = k.view(-1).clone()
-    compact_kv([(k, v)], table, base, torch.tensor([[2, 4, -1]]))
-    after = k.view(-1)
-    assert after[slot(4)] == before[slot(5)] and after[slot(5)] == before[slot(7)]
-    assert after[slot(6)] == before[slot(6)]  # past the path: untouched
-    assert torch.equal(v.view(-1), -after)
+    before = pool.view(layers * 2, -1).clone()
+    compact_kv(pool, table, base, torch.tensor([[2, 4, -1]]))
+    after = pool.view(layers * 2, -1)
+    for c in range(layers * 2):  # every layer's keys and values
+        assert after[c, slot(4)] == before[c, slot(5)] and after[c, slot(5)] == before[c, slot(7)]
+        assert after[c, slot(6)] == before[c, slot(6)]  # past the path: untouched
+        untouched = [i for i in range(16 * page) if i not in (slot(4), slot(5))]
+        assert torch.equal(after[c, untouched], before[c, untouched])
+
+
+def test_tree_acceptance_and_compaction_kernels_do_not_grow_with_depth_or_layers():
+    """Host work per tree step: acceptance and KV compaction issue a fixed number of ops
+    (each a kernel launch on a GPU), whatever the tree depth and the number of layers."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    def ops(layers: int, steps: int) -> int:
+        n = steps + 1  # a chain-shaped tree
+        parents = torch.arange(-1, n - 1)[None, :]
+        depth = torch.arange(n)[None, :]
+        tokens, top = torch.arange(n)[None, :], torch.arange(1, n + 1)[None, :]
+        pool, mask = torch.zeros(layers, 2, 8, 4, 1, 2), ancestor_mask(parents)
+        Count.n = 0
+        with Count():
+            path, _, _ = greedy_accept(tokens, parents, top, depth, mask, steps)
+            compact_kv(pool, torch.tensor([[0, 1, 2, 3]], dtype=torch.int32), torch.tensor([0]),
+                       path)
+        assert path.tolist() == [list(range(1, n))]  # the whole chain accepted
+        return Count.n
+
+    assert ops(2, 3) == ops(30, 3) == ops(30, 7)

@@ -33,9 +33,10 @@ from compiled_spec.spec.tree_proposer import DraftTree, TreeProposer
 
 
 class TreeModelRunner(ModelRunner):
-    def __init__(self, *args, tree: TreeConfig, **kwargs) -> None:
+    def __init__(self, *args, tree: TreeConfig, kv_pool: torch.Tensor, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.tree = tree
+        self.kv_pool = kv_pool  # [L, 2, blocks, page, H, D]: the target layers' bound caches
         self.proposer = TreeProposer(self.proposer, tree)
         self.k = tree.num_steps
         self.lookahead = tree.lookahead
@@ -94,13 +95,14 @@ class TreeModelRunner(ModelRunner):
             dst = (to_device(node_dst, dev)[:, None] + torch.arange(n_nodes, device=dev)).reshape(-1)
             input_ids = to_device(host_ids, dev)  # [T]
             tok = tree.tokens[rows_t].clone()  # [B_t, N]
+            t_depth, t_mask = tree.depth[rows_t], tree.mask[rows_t]  # [B_t, N], [B_t, N, N]
             tok[:, 0] = input_ids[dst.view(-1, n_nodes)[:, 0]]  # the roots
             input_ids[dst] = tok.reshape(-1)
             depth = torch.zeros(len(host_ids), dtype=torch.int64, device=dev)
-            depth[dst] = tree.depth[rows_t].reshape(-1)
+            depth[dst] = t_depth.reshape(-1)
             mask = torch.zeros(len(host_ids), n_nodes, dtype=torch.bool, device=dev)
             mask[:, 0] = True  # every node (and every one-node tree) sees its root
-            mask[dst] = tree.mask[rows_t].reshape(-1, n_nodes)
+            mask[dst] = t_mask.reshape(-1, n_nodes)
             base_t, meta = metadata_to_device(dev, base, slots, [s + n_nodes for s in starts],
                                               qsl, tables, n_nodes, max(starts) + n_nodes)
             positions = base_t + depth  # rope position L-1 + depth
@@ -122,13 +124,11 @@ class TreeModelRunner(ModelRunner):
             cap = to_device([r.max_total_tokens - r.num_tokens - 1
                              for r, t in zip(reqs, in_tree) if t], dev)
             path, n_acc, bonus = greedy_accept(tok, tree.parents[rows_t],
-                                               drawn[dst].view(-1, n_nodes), self.tree.num_steps,
-                                               cap)
+                                               drawn[dst].view(-1, n_nodes), t_depth, t_mask,
+                                               self.tree.num_steps, cap)
             t_idx = [i for i, t in enumerate(in_tree) if t]
-            compact_kv([(layer.self_attn.k_cache, layer.self_attn.v_cache)
-                        for layer in self.model.model.layers],
-                       table_t[to_device(t_idx, dev)], to_device([starts[i] for i in t_idx], dev),
-                       path)
+            compact_kv(self.kv_pool, table_t[to_device(t_idx, dev)],
+                       to_device([starts[i] for i in t_idx], dev), path)
             path_tok = torch.gather(tok, 1, path.clamp(min=0))
             path_tok = torch.where(path >= 0, path_tok, torch.full_like(path_tok, -1))
             plain_rows = to_device([qsl[i] for i, t in enumerate(in_tree) if not t], dev)

@@ -89,45 +89,48 @@ def ancestor_mask(parents: torch.Tensor,  # [B, N] parent tree index (< own inde
 def greedy_accept(tokens: torch.Tensor,  # [B, N] node tokens (root's unused)
                   parents: torch.Tensor,  # [B, N] root -1
                   target_top: torch.Tensor,  # [B, N] target argmax at each node
+                  depth: torch.Tensor,  # [B, N] int64, root 0
+                  mask: torch.Tensor,  # [B, N, N] bool ancestor-or-self
                   max_depth: int,
                   max_accept: torch.Tensor | None = None,  # [B] cap (the request's budget)
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Follow, from the root, the child whose token is the target's argmax at the current node.
     Returns (path [B, max_depth] tree indices, -1 past the end; accepted count [B]; the bonus
-    token [B]: the target's argmax at the last accepted node)."""
+    token [B]: the target's argmax at the last accepted node).
+
+    One shot instead of a walk per depth (a constant ~20 kernels, not ~20 per level): a node is
+    accepted when it and every ancestor below the root match the target's argmax at their
+    parent. Siblings hold distinct tokens (top-k children), so the accepted nodes form one path
+    with one node per depth."""
     b, n = tokens.shape
-    dev = tokens.device
-    cur = torch.zeros(b, dtype=torch.int64, device=dev)
-    going = torch.ones(b, dtype=torch.bool, device=dev)
-    path = torch.full((b, max_depth), -1, dtype=torch.int64, device=dev)
-    n_acc = torch.zeros(b, dtype=torch.int64, device=dev)
-    idx = torch.arange(n, device=dev)[None, :]
-    for d in range(max_depth):
-        want = torch.gather(target_top, 1, cur[:, None])  # [B, 1]
-        match = (parents == cur[:, None]) & (tokens == want) & (idx > 0)  # siblings are distinct
-        has = match.any(dim=1) & going
-        if max_accept is not None:
-            has = has & (max_accept > d)
-        nxt = match.to(torch.int64).argmax(dim=1)
-        cur = torch.where(has, nxt, cur)
-        path[:, d] = torch.where(has, nxt, path[:, d])
-        n_acc += has.to(torch.int64)
-        going = has
-    bonus = torch.gather(target_top, 1, cur[:, None])[:, 0]
+    idx = torch.arange(n, device=tokens.device)[None, :]  # [1, N]
+    ok = (tokens == torch.gather(target_top, 1, parents.clamp(min=0))) | (idx == 0)  # [B, N]
+    if max_accept is not None:
+        ok = ok & (depth <= max_accept[:, None])
+    accepted = ~(mask & ~ok[:, None, :]).any(dim=2)  # [B, N] root included
+    drafts = accepted & (idx > 0)
+    n_acc = drafts.sum(dim=1)
+    # Column depth-1 of the path holds the accepted node of that depth.
+    cols = torch.where(drafts, depth, torch.zeros_like(depth))  # column 0 = discard
+    path = torch.full((b, max_depth + 1), -1, dtype=torch.int64, device=tokens.device)
+    path = path.scatter_reduce(1, cols, torch.where(drafts, idx, -1), "amax")[:, 1:]
+    last = torch.where(accepted, depth, -1).argmax(dim=1, keepdim=True)  # [B, 1] deepest
+    bonus = torch.gather(target_top, 1, last)[:, 0]
     return path, n_acc, bonus
 
 
-def compact_kv(caches: list[tuple[torch.Tensor, torch.Tensor]],
+def compact_kv(pool: torch.Tensor,  # [L, 2, num_blocks, page, H, D]: every layer's (k, v)
                block_tables: torch.Tensor,  # [B, W] int32
                base: torch.Tensor,  # [B] int64 root position L-1
                path: torch.Tensor,  # [B, D] accepted tree indices, -1 past the end
                ) -> None:
-    """Move each accepted node's KV from position base + node to base + depth. All sources are
-    read before any write, so overlapping moves are safe; rows past the path copy a slot onto
+    """Move each accepted node's KV from position base + node to base + depth, for every layer
+    at once (two kernels on the whole pool, not two per layer and tensor). All sources are read
+    before any write, so overlapping moves are safe; rows past the path copy a slot onto
     itself."""
     if path.numel() == 0:
         return
-    page = caches[0][0].shape[1]
+    num_layers, two, num_blocks, page = pool.shape[:4]
     b, d = path.shape
     depth = torch.arange(1, d + 1, device=path.device).expand(b, d)
     dst_pos = base[:, None] + depth
@@ -138,7 +141,5 @@ def compact_kv(caches: list[tuple[torch.Tensor, torch.Tensor]],
         return (blk * page + pos % page).reshape(-1)
 
     src, dst = slot(src_pos), slot(dst_pos)
-    for k_cache, v_cache in caches:
-        for cache in (k_cache, v_cache):
-            flat = cache.view(-1, *cache.shape[2:])
-            flat.index_copy_(0, dst, flat.index_select(0, src))
+    flat = pool.view(num_layers * two, num_blocks * page, -1)  # [2L, slots, H*D]
+    flat.index_copy_(1, dst, flat.index_select(1, src))

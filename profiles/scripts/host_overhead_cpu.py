@@ -93,7 +93,7 @@ def measure(name: str, llm: LLM, k: int, batch: int, tokens: int, ops: bool,
     policy = CapturePolicy(max_batch_size=batch, num_speculative_tokens=k,
                            max_model_len=cfg.max_model_len, batch_sizes=(batch,),
                            seq_len_buckets=(cfg.max_model_len,))
-    capture_graphs(llm.engine.runner, models, policy, cfg.cache.page_size, emulate=True)
+    graphs = capture_graphs(llm.engine.runner, models, policy, cfg.cache.page_size, emulate=True)
     sp = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     prompts = [[3, 7, 1, 9, 2, 4][: 3 + i % 3] + [i % 29 + 1] for i in range(batch)]
     llm.generate(prompts, sp, use_tqdm=False)  # warm: Dynamo guards, allocator, graphs
@@ -126,6 +126,9 @@ def measure(name: str, llm: LLM, k: int, batch: int, tokens: int, ops: bool,
            "host_ms_per_step_median": statistics.median(host_ms),
            "host_ms_per_step_p90": sorted(host_ms)[int(0.9 * (len(host_ms) - 1))],
            "replay_ms_per_step_median": statistics.median(replay_ms)}
+    st = graphs.stats()
+    row["replays_per_step"] = round(st["replayed"] / max(1, steps), 2)
+    row["without_graph"] = st["without_graph"]
     if ops:
         row["aten_ops_per_step"] = round(sum(counter.ops.values()) / steps, 1)
         row["top_ops"] = {o: round(n / steps, 2) for o, n in counter.ops.most_common(40)}
@@ -140,6 +143,7 @@ def main() -> None:
     ap.add_argument("--ops", action="store_true", help="count aten ops (slows the host timing)")
     ap.add_argument("--cprofile", action="store_true", help="print the top host functions")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--trees", action="store_true", help="also two draft-tree variants")
     a = ap.parse_args()
     if a.tokenizer is None:
         from compiled_spec.models.gguf_loader import find_default_gguf
@@ -149,8 +153,14 @@ def main() -> None:
     target, head, tok = fixtures(Path(a.fixtures), a.tokenizer)
     rows = []
     for batch in a.batch:
-        for name, draft, k in (("vanilla", None, 0), ("eagle3_k5", head, 5)):
-            spec = {"draft": draft, "num_speculative_tokens": k} if draft else {}
+        variants = [("vanilla", None, 0, {}), ("eagle3_k5", head, 5, {})]
+        if a.trees:  # issue 15: a tree step's host work against the chain's
+            variants += [("tree_topk4_16", head, 5, {"speculative_topk": 4,
+                                                      "speculative_num_draft_tokens": 16}),
+                         ("tree_topk8_32", head, 5, {"speculative_topk": 8,
+                                                      "speculative_num_draft_tokens": 32})]
+        for name, draft, k, extra in variants:
+            spec = {"draft": draft, "num_speculative_tokens": k, **extra} if draft else {}
             llm = LLM(model=target, tokenizer=tok, max_model_len=256, max_num_seqs=batch,
                       num_kv_blocks=20 * batch + 8, dtype="float32", **spec)
             prof = cProfile.Profile() if a.cprofile else None
