@@ -57,3 +57,26 @@ def test_bench_cpu_smoke(tiny_hf_dir, mt_bench_path, tmp_path):
     assert len(merged["rows"]) == len(data["rows"]) + 1
     assert merged["rows"][-1]["identical"] == 1.0 and merged["projection"] == data["projection"]
     assert "merged with" in (out2 / "BENCHMARKS.md").read_text()
+
+
+def test_bench_runs_draft_trees_beside_chains(tiny_hf_dir, mt_bench_path, tmp_path):
+    """--trees adds a tree row per EAGLE variant: tau and the tree verify's time are
+    reported, and fp32 greedy output equals vanilla's."""
+    out = tmp_path / "out"
+    assert main(["bench", "--model", tiny_hf_dir, "--random-draft", "--device", "cpu",
+                 "--prompts", mt_bench_path, "--num-prompts", "2", "--max-tokens", "8",
+                 "--max-model-len", "1024", "--batch-sizes", "1", "2", "--variants",
+                 "ours_vanilla_eager", "ours_eagle_eager", "--trees", "2:4",
+                 "--out-dir", str(out)]) == 0
+    rows = {(r["engine"], r["batch"]): r for r in
+            json.loads((out / "benchmarks.json").read_text())["rows"]}
+    tree = "ours EAGLE tree topk 2, 4 tokens, depth 3 eager"
+    assert set(rows) == {(e, b) for e in ("ours vanilla eager", "ours EAGLE k=3 eager", tree)
+                         for b in (1, 2)}
+    for b in (1, 2):
+        r = rows[(tree, b)]
+        assert r["tau"] is not None and r["tau"] >= 1.0
+        assert r["verify_ms"] is not None and r["propose_ms"] is not None
+    assert rows[(tree, 1)]["identical"] == 1.0
+    with pytest.raises(SystemExit):
+        main(["bench", "--trees", "8x32"])

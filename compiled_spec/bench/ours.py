@@ -23,6 +23,7 @@ class Variant:
     name: str
     draft: str | None
     compile: bool
+    tree: tuple[int, int] | None = None  # EAGLE-2 draft tree: (topk, verified tokens incl. root)
 
 
 def _kv_blocks(prompts: list[list[int]], batch: int, max_tokens: int, k: int, page: int) -> int:
@@ -44,8 +45,11 @@ def build_engine(v: Variant, kw: dict[str, Any], prompts: list[list[int]],
         kw["compile_config"] = CompileConfig(capture_batch_sizes=tuple(sorted(batch_sizes)))
     if v.draft is None:
         kw.pop("num_speculative_tokens", None)
-    # Size the KV pool from the prompts, so the reported peak memory is this run's need.
-    k = kw.get("num_speculative_tokens", 0) if v.draft else 0
+    if v.tree is not None:
+        kw.update(speculative_topk=v.tree[0], speculative_num_draft_tokens=v.tree[1])
+    # Size the KV pool from the prompts, so the reported peak memory is this run's need (a
+    # tree writes every node's KV at its own slot past the last token).
+    k = (v.tree[1] if v.tree else kw.get("num_speculative_tokens", 0)) if v.draft else 0
     kw["num_kv_blocks"] = _kv_blocks(prompts, top, max_tokens, k, kw.get("page_size", 16))
     t0 = time.perf_counter()
     llm = LLM(**kw)
@@ -61,10 +65,11 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
     runner = llm.engine.runner
     k = runner.k
     timer = PhaseTimer(dev)
-    # Decode / verify steps only (prefill is not a per-token cost); propose as a whole.
+    # Decode / verify steps only (prefill is not a per-token cost); propose as a whole. A tree
+    # verify has num_draft_tokens query rows per request (and its tree mask).
     target = runner.target_fn
-    runner.target_fn = timer.wrap("verify", target,
-                                  when=lambda ids, pos, meta, *a: meta.max_query_len <= k + 1)
+    runner.target_fn = timer.wrap("verify", target, when=lambda ids, pos, meta, *a: (
+        meta.max_query_len <= k + 1 or meta.tree_mask is not None))
     if hasattr(target, "run_host"):  # CUDA graphs: the engine stages host batches itself
         runner.target_fn.run_host = timer.wrap(  # type: ignore[attr-defined]
             "verify", target.run_host, when=lambda hb, *a: hb.max_query_len <= k + 1)

@@ -32,7 +32,10 @@ TINY = dict(LLAMA8B, vocab_size=49152, hidden_size=64, intermediate_size=128,
             max_position_embeddings=4096, rope_scaling=None, bos_token_id=1, eos_token_id=2)
 
 
-def _variants(names: list[str], draft: str | None, k: int) -> list[Variant]:
+def _variants(names: list[str], draft: str | None, k: int,
+              trees: list[tuple[int, int]] = ()) -> list[Variant]:
+    """Our engines to run; each EAGLE variant also runs once per draft tree of ``trees``
+    ((topk, tokens): EAGLE-2 trees of depth k), in the same compile mode."""
     out = []
     for n in names:
         if n not in OURS:
@@ -40,10 +43,22 @@ def _variants(names: list[str], draft: str | None, k: int) -> list[Variant]:
         spec = "eagle" in n
         if spec and draft is None:
             raise ValueError(f"variant {n} needs a draft head (--draft, or --random-draft)")
-        label = (f"ours EAGLE k={k}" if spec else "ours vanilla") + (
-            " compiled + graphs" if n.endswith("compiled") else " eager")
+        mode = " compiled + graphs" if n.endswith("compiled") else " eager"
+        label = (f"ours EAGLE k={k}" if spec else "ours vanilla") + mode
         out.append(Variant(label, draft if spec else None, n.endswith("compiled")))
+        for topk, tokens in trees if spec else ():
+            out.append(Variant(f"ours EAGLE tree topk {topk}, {tokens} tokens, depth {k}" + mode,
+                               draft, n.endswith("compiled"), (topk, tokens)))
     return out
+
+
+def _tree_spec(text: str) -> tuple[int, int]:
+    try:
+        topk, tokens = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--trees {text!r}: expected TOPK:TOKENS, e.g. 8:32"
+                                         ) from None
+    return topk, tokens
 
 
 def _random_shape(cfg: dict[str, Any], tmp: Path) -> tuple[str, str]:
@@ -104,7 +119,8 @@ def run_bench(a: argparse.Namespace) -> int:
     merged = [json.loads(Path(p).read_text()) for p in a.merge or []]
     # Chat-encoded once; every engine (ours and transformers) gets the same ids.
     prompts = encode_chat(load_tokenizer(a.tokenizer or model), texts)
-    rows, outs = bench_ours(_variants(names, draft, k), kw, prompts, batch_sizes, a.max_tokens)
+    rows, outs = bench_ours(_variants(names, draft, k, a.trees), kw, prompts, batch_sizes,
+                            a.max_tokens)
     # The reference for "same output": our vanilla eager batch-1 outputs, from this run or a
     # merged one (a device call is capped at 10 minutes, so a full run spans several calls).
     ref = outs.get("ours vanilla eager") or next(
@@ -179,6 +195,9 @@ def _version(pkg: str) -> str | None:
 def add_bench_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--variants", nargs="*", default=None, metavar="NAME",
                    help=f"subset of {', '.join(ALL_VARIANTS)} (default: all)")
+    b.add_argument("--trees", type=_tree_spec, nargs="+", default=[], metavar="TOPK:TOKENS",
+                   help="also run each EAGLE variant with these draft trees (depth = "
+                   "--num-speculative-tokens; TOKENS verified per request, root included)")
     b.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64],
                    help="batch sizes for our engines (transformers runs batch 1)")
     b.add_argument("--tokenizer", default=None)
