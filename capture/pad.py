@@ -97,7 +97,8 @@ def pad_dim(src: torch.Tensor, size: int, value: int | float, dim: int = 0,
         shape[dim] = size
         out = src.new_empty(shape)
     out.narrow(dim, 0, n).copy_(src, non_blocking=True)
-    out.narrow(dim, n, size - n).fill_(value)
+    if size > n:  # an empty fill_ still costs a dispatch on the step's host-bound path
+        out.narrow(dim, n, size - n).fill_(value)
     return out
 
 
@@ -112,8 +113,10 @@ def pad_block_tables(block_tables: torch.Tensor,  # [B, W] int32
         raise ValueError(f"block tables {tuple(block_tables.shape)} do not fit in "
                          f"{tuple(out.shape)}")
     out[:b, :w].copy_(block_tables, non_blocking=True)
-    out[:b, w:].fill_(0)
-    out[b:].fill_(0)
+    if w < out.shape[1]:  # (empty fills skipped: a dispatch each on the host-bound path)
+        out[:b, w:].fill_(0)
+    if b < out.shape[0]:
+        out[b:].fill_(0)
     return out
 
 

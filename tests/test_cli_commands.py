@@ -31,6 +31,25 @@ def test_acceptance_writes_one_row_per_k(tiny_pair, mt_bench_path, tmp_path):
     assert [r["k"] for r in rows] == [1, 2] and all(r["tau"] >= 1.0 for r in rows)
 
 
+def test_acceptance_per_category_adds_up_to_the_total(tiny_pair, mt_bench_path, tmp_path):
+    target, head = tiny_pair
+    rows = [json.loads(line) for line in open(mt_bench_path)]
+    picked = [r for r in rows if r["category"] == "writing"][:2] + \
+        [r for r in rows if r["category"] == "math"][:1]
+    prompts = tmp_path / "q.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in picked))
+    out = tmp_path / "acc.json"
+    assert main(["acceptance", "--model", target, "--draft", head, "--device", "cpu",
+                 "--prompts", str(prompts), "--num-prompts", "3", "--max-tokens", "6",
+                 "--max-model-len", "1024", "--k-list", "2", "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["results"][0]
+    cats = row["tau_by_category"]
+    assert {c: v["prompts"] for c, v in cats.items()} == {"math": 1, "writing": 2}
+    assert sum(v["drafting_steps"] for v in cats.values()) == row["drafting_steps"] > 0
+    accepted = sum((v["tau"] - 1) * v["drafting_steps"] for v in cats.values())
+    assert abs(1 + accepted / row["drafting_steps"] - row["tau"]) < 1e-9
+
+
 def test_acceptance_needs_a_draft(tiny_pair, mt_bench_path):
     assert main(["acceptance", "--model", tiny_pair[0], "--device", "cpu",
                  "--prompts", mt_bench_path, "--num-prompts", "1"]) == 2

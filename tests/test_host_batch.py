@@ -57,3 +57,19 @@ def test_request_tokens_equals_slicing_the_whole_sequence():
     for start in range(8):
         for end in range(start, 9):
             assert req.tokens(start, end) == req.token_ids[start:end], (start, end)
+
+
+def test_requests_compare_by_identity_in_the_scheduler_queues():
+    """Two requests with equal fields are different requests: removing one from a queue must
+    not remove the other (value equality also made every ``remove`` compare token lists)."""
+    from compiled_spec.engine.scheduler import Scheduler
+    from compiled_spec.config import SchedulerConfig
+
+    sp = SamplingParams(max_tokens=4)
+    a, b = (Request(7, [1, 2, 3], sp, 0, 7) for _ in range(2))
+    assert a != b and a == a
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64),
+                      BlockAllocator(8, 4))
+    sched.running.extend([a, b])
+    sched.finish(b, "stop")
+    assert sched.running == [a] and sched.running[0] is a

@@ -16,6 +16,13 @@ def load_mt_bench(path: str, n: int) -> list[str]:
     return [r["turns"][0] if "turns" in r else r["prompt"] for r in rows[:n]]
 
 
+def load_categories(path: str, n: int) -> list[str]:
+    """The ``category`` of each of the first ``n`` rows ("" where a row has none): MT-bench's
+    writing, roleplay, reasoning, math, coding, extraction, stem and humanities."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [str(r.get("category", "")) for r in rows[:n]]
+
+
 def mt_bench_prompts(llm, texts: list[str]) -> list[list[int]]:  # noqa: ANN001 - an LLM
     """Each question as a one-turn chat with the model's template, as token ids."""
     return [llm.encode_chat([{"role": "user", "content": t}]) for t in texts]

@@ -91,18 +91,32 @@ class TreeModelRunner(ModelRunner):
                 tables.append(alloc.tables[r.req_id])
                 starts.append(root)
             tree = self._tree
-            rows_t = to_device(tree_rows, dev)
-            dst = (to_device(node_dst, dev)[:, None] + torch.arange(n_nodes, device=dev)).reshape(-1)
-            input_ids = to_device(host_ids, dev)  # [T]
-            tok = tree.tokens[rows_t].clone()  # [B_t, N]
-            t_depth, t_mask = tree.depth[rows_t], tree.mask[rows_t]  # [B_t, N], [B_t, N, N]
-            tok[:, 0] = input_ids[dst.view(-1, n_nodes)[:, 0]]  # the roots
-            input_ids[dst] = tok.reshape(-1)
-            depth = torch.zeros(len(host_ids), dtype=torch.int64, device=dev)
-            depth[dst] = t_depth.reshape(-1)
-            mask = torch.zeros(len(host_ids), n_nodes, dtype=torch.bool, device=dev)
-            mask[:, 0] = True  # every node (and every one-node tree) sees its root
-            mask[dst] = t_mask.reshape(-1, n_nodes)
+            all_tree = all(in_tree)
+            # The trees' rows in this step's order; as proposed (no gathers) when unchanged.
+            if tree_rows == list(range(tree.tokens.shape[0])):
+                t_tok, t_par, t_depth, t_mask = tree.tokens, tree.parents, tree.depth, tree.mask
+            else:
+                rows_t = to_device(tree_rows, dev)
+                t_tok, t_par = tree.tokens[rows_t], tree.parents[rows_t]
+                t_depth, t_mask = tree.depth[rows_t], tree.mask[rows_t]  # [B_t, N], [B_t, N, N]
+            if all_tree:  # every request verifies a tree: its rows are the batch as they are
+                dst = None
+                tok = t_tok.clone()  # [B, N]
+                tok[:, 0] = to_device(host_ids[::n_nodes], dev)  # the roots
+                input_ids = tok.view(-1)  # [T]
+                depth, mask = t_depth.reshape(-1), t_mask.reshape(-1, n_nodes)
+            else:  # trees and one-node (plain) requests mixed: trees scattered into place
+                dst = (to_device(node_dst, dev)[:, None]
+                       + torch.arange(n_nodes, device=dev)).reshape(-1)
+                input_ids = to_device(host_ids, dev)  # [T]
+                tok = t_tok.clone()  # [B_t, N]
+                tok[:, 0] = input_ids[dst.view(-1, n_nodes)[:, 0]]  # the roots
+                input_ids[dst] = tok.reshape(-1)
+                depth = torch.zeros(len(host_ids), dtype=torch.int64, device=dev)
+                depth[dst] = t_depth.reshape(-1)
+                mask = torch.zeros(len(host_ids), n_nodes, dtype=torch.bool, device=dev)
+                mask[:, 0] = True  # every node (and every one-node tree) sees its root
+                mask[dst] = t_mask.reshape(-1, n_nodes)
             base_t, meta = metadata_to_device(dev, base, slots, [s + n_nodes for s in starts],
                                               qsl, tables, n_nodes, max(starts) + n_nodes)
             positions = base_t + depth  # rope position L-1 + depth
@@ -123,18 +137,20 @@ class TreeModelRunner(ModelRunner):
             # Accept no more drafts than the request's budget leaves room for (plus the bonus).
             cap = to_device([r.max_total_tokens - r.num_tokens - 1
                              for r, t in zip(reqs, in_tree) if t], dev)
-            path, n_acc, bonus = greedy_accept(tok, tree.parents[rows_t],
-                                               drawn[dst].view(-1, n_nodes), t_depth, t_mask,
+            at_nodes = (drawn if dst is None else drawn[dst]).view(-1, n_nodes)  # [B_t, N]
+            path, n_acc, bonus = greedy_accept(tok, t_par, at_nodes, t_depth, t_mask,
                                                self.tree.num_steps, cap)
             t_idx = [i for i, t in enumerate(in_tree) if t]
-            compact_kv(self.kv_pool, table_t[to_device(t_idx, dev)],
+            compact_kv(self.kv_pool, table_t if all_tree else table_t[to_device(t_idx, dev)],
                        to_device([starts[i] for i in t_idx], dev), path)
             path_tok = torch.gather(tok, 1, path.clamp(min=0))
             path_tok = torch.where(path >= 0, path_tok, torch.full_like(path_tok, -1))
-            plain_rows = to_device([qsl[i] for i, t in enumerate(in_tree) if not t], dev)
             # The step's one device-to-host copy: tree rows, then one token per plain request.
-            host = torch.cat([torch.cat([n_acc[:, None], path, path_tok, bonus[:, None]],
-                                        1).reshape(-1), drawn[plain_rows]]).tolist()
+            packed_t = torch.cat([n_acc[:, None], path, path_tok, bonus[:, None]], 1).reshape(-1)
+            if not all_tree:
+                plain_rows = to_device([qsl[i] for i, t in enumerate(in_tree) if not t], dev)
+                packed_t = torch.cat([packed_t, drawn[plain_rows]])
+            host = packed_t.tolist()
         width_row = 2 + 2 * self.tree.num_steps
         packed = [host[i * width_row:(i + 1) * width_row] for i in range(len(t_idx))]
         plain_tokens = [[x] for x in host[len(t_idx) * width_row:]]

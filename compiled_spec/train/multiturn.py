@@ -128,6 +128,8 @@ def generate_chats(llm: "LLM", jobs: list[ChatJob], max_new_tokens: int, max_seq
             print(f"generation time limit: {len(out)} of {len(jobs)} sequences written")
             break
         chunk = todo[start:start + chunk_size]
+        st, t_chunk = llm.stats, time.perf_counter()
+        steps0, tok0 = st.num_steps, st.num_prefill_tokens + st.num_decode_tokens
         for turn in range(max(len(j.user_turns) for j in chunk)):
             if turn > 0 and late():
                 break
@@ -139,6 +141,12 @@ def generate_chats(llm: "LLM", jobs: list[ChatJob], max_new_tokens: int, max_seq
                 f.write("".join(_row(s) for s in new))
         out.extend(new)
         bar.update(len(chunk))
+        # Engine steps and their mean cost: where generation time goes at large batch.
+        secs, steps = time.perf_counter() - t_chunk, st.num_steps - steps0
+        toks = st.num_prefill_tokens + st.num_decode_tokens - tok0
+        tqdm.write(f"chunk of {len(chunk)} jobs: {secs:.1f} s, {steps} engine steps "
+                   f"({1e3 * secs / max(steps, 1):.1f} ms each), {toks} tokens "
+                   f"({toks / max(secs, 1e-9):,.0f} tokens/s)")  # clears the bar's line first
     bar.close()
     if not out:
         raise ValueError("the target produced no usable training sequences")

@@ -77,7 +77,9 @@ data)
   python3 profiles/scripts/split_partials.py $HEAD $D/train_prompts.jsonl $D/sharegpt_users.json.gz \
     $(ls $HEAD/shard*/{val,data,data.partial}.jsonl 2>/dev/null)
   for i in $(seq 0 $((N - 1))); do  # one log file back (at most 8 files come back)
-    echo "== shard $i"; grep -vE "it/s\]|s/it\]|seq/s\]|Warning|warn\(" "$OUT/data$i.log"
+    # tqdm redraws with \r: split those first, so the progress fragments go and the lines
+    # printed beside them (e.g. each chunk's engine-step summary) stay.
+    echo "== shard $i"; tr '\r' '\n' < "$OUT/data$i.log" | grep -vE "it/s\]|s/it\]|seq/s\]|Warning|warn\(|^\s*$"
   done > "$OUT/data.log" && rm -f "$OUT"/data[0-9]*.log
   grep -E "==|data written|real" "$OUT/data.log"
   wc -l $HEAD/*.jsonl

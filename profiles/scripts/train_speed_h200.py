@@ -129,6 +129,10 @@ def train_section(model: str, batch_tokens: int, vocab: int, ttt_steps: int, ste
     batches = Batches(seqs, 8, batch_tokens, 0, ttt.budget if ttt.packed else None)
     phases = {"step": 0.0, "backward+opt": 0.0}
     tokens, t_start, done, warm_s = 0, None, 0, 0.0
+    # Graphs Dynamo compiles while the steps are timed: > 0 means recompiles per batch (the
+    # compiled feature forward ran at 7.9 s per step on the H200, 2026-12-01).
+    from torch._dynamo.utils import counters
+    graphs_at_start, step_ms = 0, []
     t_first = time.perf_counter()
     for k in range(steps + 2):
         if k == 2:  # two warm-up steps (allocator, autotuning, compile)
@@ -136,6 +140,7 @@ def train_section(model: str, batch_tokens: int, vocab: int, ttt_steps: int, ste
             warm_s = time.perf_counter() - t_first
             t_start, tokens = time.perf_counter(), 0
             phases = dict.fromkeys(phases, 0.0)
+            graphs_at_start = counters["stats"]["unique_graphs"]
         prof = None
         if profile_to and k == 3:  # one steady-state step: its kernels, by total GPU time
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
@@ -160,10 +165,12 @@ def train_section(model: str, batch_tokens: int, vocab: int, ttt_steps: int, ste
                 Path(profile_to).write_text(f"profiler failed: {type(e).__name__}: {e}\n")
         phases["step"] += t1 - t0
         phases["backward+opt"] += t2 - t1
+        step_ms.append(round(1000 * (t2 - t0), 1))
         done = k - 1
     dt = time.perf_counter() - t_start
     row = {"section": "train", "impl": impl, "budget": ttt.budget if ttt.packed else None,
-           "compile_features": compile_features,
+           "compile_features": compile_features, "step_ms": step_ms,
+           "graphs_compiled_while_timed": counters["stats"]["unique_graphs"] - graphs_at_start,
            "batch_tokens": batch_tokens, "draft_vocab": vocab, "ttt_steps": ttt_steps,
            "steps": done, "tokens_per_s": round(tokens / dt), "warmup_s": round(warm_s, 1),
            "ms_per_step": {k: round(1000 * v / max(done, 1), 1) for k, v in phases.items()},
