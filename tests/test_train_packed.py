@@ -2,6 +2,8 @@
 reference (``ttt.py``, which ``test_train.py`` ties to paged inference)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -195,3 +197,31 @@ def test_compiled_feature_forward_equals_eager(target_and_head):
         batch = collate_packed(_seqs(lengths, 48), 128, "cpu")
         for a, b in zip(eager.packed(batch), comp.packed(batch)):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_a_deeper_head_grows_from_a_shallower_one_drafting_the_same(tmp_path):
+    """--num-layers 2 --init-from a 1-layer head: the added layer starts as an identity block
+    (zero output projections), so the grown head's outputs equal the saved head's; without
+    growing, the missing layer is an error."""
+    from compiled_spec.train.checkpoint import load_head_into
+    from compiled_spec.train.trainer import TrainConfig, build_head
+
+    write_bigram_target(tmp_path / "t", vocab=48, hidden=32, layers=4, seed=3)
+    target, tcfg = load_model(str(tmp_path / "t"), torch.float32, "cpu")
+    path = write_eagle3_head(str(tmp_path / "h1"), tcfg, num_layers=1, draft_vocab_size=48,
+                             aux_layer_ids=(0, 2, 4), seed=2)
+    one = load_draft(path, target, torch.float32, "cpu")
+    cfg = TrainConfig(target="t", prompts="p", out="o", num_layers=2, aux_layer_ids=(0, 2, 4))
+    grown = build_head(target, cfg, torch.arange(48))
+    with pytest.raises(ValueError, match="lacks"):
+        load_head_into(grown, Path(path))
+    load_head_into(grown, Path(path), grow=True)
+    assert grown.layers[1].self_attn.o_proj.weight.abs().sum() == 0
+    assert grown.layers[1].self_attn.q_proj.weight.abs().sum() > 0  # trainable, not zeroed
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 48, (2, 7), generator=g)
+    hidden = torch.randn(2, 7, 32, generator=g)
+    pos = torch.arange(7).expand(2, 7)
+    with torch.no_grad():
+        for a, b in zip(one.forward_dense(ids, hidden, pos), grown.forward_dense(ids, hidden, pos)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -96,9 +96,14 @@ def head_files(head_dir: Path) -> list[Path]:
     return _safetensors_files(Path(head_dir))
 
 
-def load_head_into(draft: EagleDraft, out_dir: Path) -> torch.Tensor:
+def load_head_into(draft: EagleDraft, out_dir: Path, grow: bool = False) -> torch.Tensor:
     """Copy a saved head's weights (one file or shards, any float dtype) into the trainable
-    ``draft`` (resume, or a warm start); returns its t2d."""
+    ``draft`` (resume, or a warm start); returns its t2d.
+
+    ``grow``: ``draft`` may have more layers than the saved head (a deeper head warm-started
+    from a shallower one). The extra layers start as identity blocks: their attention output
+    and MLP down projections are zero, so each adds nothing to the residual stream and the
+    grown head drafts exactly as the saved one until training moves them."""
     own = draft.state_dict()
     seen: set[str] = set()
     t2d = None
@@ -108,8 +113,18 @@ def load_head_into(draft: EagleDraft, out_dir: Path) -> torch.Tensor:
             with safe_open(str(path), framework="pt") as f:
                 t2d = f.get_tensor("t2d") if "t2d" in f.keys() else None
     missing = set(own) - seen
-    if json.loads((Path(out_dir) / "config.json").read_text()).get(LM_HEAD_FROM_TARGET):
+    saved_cfg = json.loads((Path(out_dir) / "config.json").read_text())
+    if saved_cfg.get(LM_HEAD_FROM_TARGET):
         missing.discard("lm_head.weight")  # the target's rows, already in place (build_head)
+    if grow:
+        n_saved = int(saved_cfg.get("num_hidden_layers", 1))
+        new = {k for k in missing if k.startswith("layers.") and int(k.split(".")[1]) >= n_saved}
+        with torch.no_grad():
+            for k in new:
+                if k.endswith(("self_attn.o_proj.weight", "self_attn.o_proj.bias",
+                               "mlp.down_proj.weight")):
+                    own[k].zero_()
+        missing -= new
     if missing or t2d is None:
         raise ValueError(f"{out_dir}: saved head lacks {sorted(missing) or ['t2d']}")
     return t2d

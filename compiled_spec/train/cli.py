@@ -20,7 +20,9 @@ def add_train_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentPars
     t.add_argument("--out", required=True, help="output directory (head, logs, resume state)")
     t.add_argument("--tokenizer", default=None, help="tokenizer path (default: the target's)")
     t.add_argument("--draft-vocab-size", type=int, default=32000)
-    t.add_argument("--num-layers", type=int, default=1)
+    t.add_argument("--num-layers", type=int, default=1,
+                   help="draft layers; with --init-from a shallower head, the extra layers "
+                   "start as identity blocks (the grown head drafts as the saved one)")
     t.add_argument("--ttt-steps", type=int, default=3)
     t.add_argument("--steps", type=int, default=1000)
     t.add_argument("--epochs", type=float, default=None, help="overrides --steps")

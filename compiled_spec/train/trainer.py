@@ -259,7 +259,7 @@ def train(cfg: TrainConfig) -> Path:
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     start = 0
     if init is not None:
-        ckpt.load_head_into(draft, init)
+        ckpt.load_head_into(draft, init, grow=True)  # deeper than init: identity layers added
     if resuming:
         ckpt.load_head_into(draft, out)
         state = ckpt.load_state(out, device)
