@@ -1,6 +1,7 @@
 """Engine steps with draft trees: the target verifies each request's tree in one forward with
-tree attention, greedy acceptance walks the tree on device, and the accepted path's KV is moved
-into place before the next step.
+tree attention, acceptance walks the tree on the host (from the step's one device-to-host copy of
+the trees and the tokens drawn at their nodes), and the accepted path's KV is moved into place,
+every layer at once, before the next step.
 
 Acceptance, greedy or sampled, is the coupling rule of ``spec.rejection`` applied along the tree:
 at every node the token vanilla decoding would draw at the next position is drawn (argmax, or an
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import torch
 
 from compiled_spec.engine.batch import Span, metadata_to_device, to_device
@@ -28,7 +30,7 @@ from compiled_spec.engine.model_runner import (ModelRunner, StepOutput, _Pending
 from compiled_spec.engine.request import Request
 from compiled_spec.profile import phase
 from compiled_spec.sampler import STREAM_TOKEN, apply_filters, position_keys, sample_from_probs
-from compiled_spec.spec.tree import TreeConfig, compact_kv, greedy_accept
+from compiled_spec.spec.tree import TreeConfig, accept_paths, compact_kv
 from compiled_spec.spec.tree_proposer import DraftTree, TreeProposer
 
 
@@ -122,7 +124,6 @@ class TreeModelRunner(ModelRunner):
             positions = base_t + depth  # rope position L-1 + depth
             # Every sequence's context is its prefix plus its N tree slots.
             meta = replace(meta, tree_start=meta.seq_lens - n_nodes, tree_mask=mask)
-            table_t = meta.block_tables
         with phase("verify"):
             hidden, aux = self.target_fn(input_ids, positions, meta, self.aux_layer_ids)
             logits = self.model.compute_logits(hidden)  # [T, V]
@@ -134,41 +135,45 @@ class TreeModelRunner(ModelRunner):
             else:  # the token vanilla sampling would draw after each node (position + 1)
                 drawn = sample_from_probs(apply_filters(logits, st),
                                           position_keys(st.seeds, positions + 1, STREAM_TOKEN))
-            # Accept no more drafts than the request's budget leaves room for (plus the bonus).
-            cap = to_device([r.max_total_tokens - r.num_tokens - 1
-                             for r, t in zip(reqs, in_tree) if t], dev)
             at_nodes = (drawn if dst is None else drawn[dst]).view(-1, n_nodes)  # [B_t, N]
-            path, n_acc, bonus = greedy_accept(tok, t_par, at_nodes, t_depth, t_mask,
-                                               self.tree.num_steps, cap)
-            t_idx = [i for i, t in enumerate(in_tree) if t]
-            compact_kv(self.kv_pool, table_t if all_tree else table_t[to_device(t_idx, dev)],
-                       to_device([starts[i] for i in t_idx], dev), path)
-            path_tok = torch.gather(tok, 1, path.clamp(min=0))
-            path_tok = torch.where(path >= 0, path_tok, torch.full_like(path_tok, -1))
-            # The step's one device-to-host copy: tree rows, then one token per plain request.
-            packed_t = torch.cat([n_acc[:, None], path, path_tok, bonus[:, None]], 1).reshape(-1)
+            # The step's one device-to-host copy: every tree's tokens, parents, depths and the
+            # token drawn at each node, then one token per plain request.
+            parts = [torch.stack([tok, t_par, t_depth, at_nodes]).reshape(-1)]
             if not all_tree:
-                plain_rows = to_device([qsl[i] for i, t in enumerate(in_tree) if not t], dev)
-                packed_t = torch.cat([packed_t, drawn[plain_rows]])
-            host = packed_t.tolist()
-        width_row = 2 + 2 * self.tree.num_steps
-        packed = [host[i * width_row:(i + 1) * width_row] for i in range(len(t_idx))]
-        plain_tokens = [[x] for x in host[len(t_idx) * width_row:]]
+                parts.append(drawn[to_device([qsl[i] for i, t in enumerate(in_tree) if not t],
+                                             dev)])
+            host = torch.cat(parts).cpu().numpy()
+            t_idx = [i for i, t in enumerate(in_tree) if t]
+            n_t, d = len(t_idx), self.tree.num_steps
+            h_tok, h_par, h_depth, h_drawn = host[:4 * n_t * n_nodes].reshape(4, n_t, n_nodes)
+            # Accept no more drafts than the request's budget leaves room for (plus the bonus).
+            cap = np.array([reqs[i].max_total_tokens - reqs[i].num_tokens - 1 for i in t_idx])
+            path, n_acc, bonus = accept_paths(h_tok, h_par, h_drawn, h_depth, d, cap)
+            # Each accepted node's KV moves from its tree slot (position root + node) to the
+            # position of its depth; a node already there stays.
+            src, dst_slots = [], []
+            for row, i in enumerate(t_idx):
+                rid, root = reqs[i].req_id, starts[i]
+                for j in range(int(n_acc[row])):
+                    node = int(path[row, j])
+                    if node != j + 1:
+                        src.append(alloc.slot(rid, root + node))
+                        dst_slots.append(alloc.slot(rid, root + j + 1))
+            compact_kv(self.kv_pool, src, dst_slots)
+        plain = iter(host[4 * n_t * n_nodes:].tolist())
         new_tokens, num_draft, spans, rows_by_req = [], [], [], {}
-        it_tree, it_plain = iter(packed), iter(plain_tokens)
-        d = self.tree.num_steps
+        row = 0
         for i, (r, t) in enumerate(zip(reqs, in_tree)):
-            if t:
-                row = next(it_tree)
-                a = row[0]
-                new_tokens.append(row[1 + d:1 + d + a] + [row[-1]])
-                num_draft.append(d)
-                rows_by_req[r.req_id] = [qsl[i]] + [qsl[i] + j for j in row[1:1 + a]]
-                spans.append(Span(r.req_id, starts[i], 1))
-            else:
-                new_tokens.append(next(it_plain))
+            spans.append(Span(r.req_id, starts[i], 1))
+            if not t:
+                new_tokens.append([next(plain)])
                 num_draft.append(0)
-                spans.append(Span(r.req_id, starts[i], 1))
+                continue
+            nodes = path[row, :n_acc[row]].tolist()
+            new_tokens.append(h_tok[row, nodes].tolist() + [int(bonus[row])])
+            num_draft.append(d)
+            rows_by_req[r.req_id] = [qsl[i]] + [qsl[i] + j for j in nodes]
+            row += 1
         # The first pass covers the root and the accepted nodes (positions are now sequential).
         self._pending = _Pending(hidden=aux if self.aux_layer_ids else hidden, spans=spans,
                                  row_start=qsl[:-1], num_draft=[0] * len(reqs),

@@ -1,5 +1,6 @@
-"""Draft trees (EAGLE-2 style): configuration, node selection, ancestor masks, greedy acceptance
-and KV compaction. All on device with fixed shapes: no host sync.
+"""Draft trees (EAGLE-2 style): configuration, node selection, ancestor masks (on device, fixed
+shapes, no host sync), acceptance (on the host, from the step's one device-to-host copy) and KV
+compaction.
 
 Layout of one request's verification tree (N = num_draft_tokens nodes): node 0 is the root (the
 last committed token, position L-1), nodes 1..N-1 are drafted tokens sorted by depth, so every
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -86,60 +88,52 @@ def ancestor_mask(parents: torch.Tensor,  # [B, N] parent tree index (< own inde
     return anc
 
 
-def greedy_accept(tokens: torch.Tensor,  # [B, N] node tokens (root's unused)
-                  parents: torch.Tensor,  # [B, N] root -1
-                  target_top: torch.Tensor,  # [B, N] target argmax at each node
-                  depth: torch.Tensor,  # [B, N] int64, root 0
-                  mask: torch.Tensor,  # [B, N, N] bool ancestor-or-self
-                  max_depth: int,
-                  max_accept: torch.Tensor | None = None,  # [B] cap (the request's budget)
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Follow, from the root, the child whose token is the target's argmax at the current node.
-    Returns (path [B, max_depth] tree indices, -1 past the end; accepted count [B]; the bonus
-    token [B]: the target's argmax at the last accepted node).
+def accept_paths(tokens: np.ndarray,  # [B, N] node tokens (root's unused)
+                 parents: np.ndarray,  # [B, N] root -1
+                 drawn: np.ndarray,  # [B, N] the token vanilla decoding draws after each node
+                 depth: np.ndarray,  # [B, N] root 0
+                 max_depth: int,
+                 max_accept: np.ndarray | None = None,  # [B] cap (the request's budget)
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Follow, from the root, the child holding the token drawn at the current node. Returns
+    (path [B, max_depth] tree indices, -1 past the end; accepted count [B]; the bonus token
+    [B]: the one drawn at the last accepted node).
 
-    One shot instead of a walk per depth (a constant ~20 kernels, not ~20 per level): a node is
-    accepted when it and every ancestor below the root match the target's argmax at their
-    parent. Siblings hold distinct tokens (top-k children), so the accepted nodes form one path
-    with one node per depth."""
+    On the host, from the step's one device-to-host copy: a handful of numpy operations on
+    [B, N] ints, where the same walk on the device cost ~20 kernel launches per tree level. A
+    node is accepted when its token is the one drawn at its parent and its parent is accepted
+    (parents precede children, so one pass in index order settles every node). Siblings hold
+    distinct tokens (top-k children), so the accepted nodes form one path, one per depth."""
     b, n = tokens.shape
-    idx = torch.arange(n, device=tokens.device)[None, :]  # [1, N]
-    ok = (tokens == torch.gather(target_top, 1, parents.clamp(min=0))) | (idx == 0)  # [B, N]
+    rows = np.arange(b)[:, None]
+    ok = tokens == drawn[rows, np.maximum(parents, 0)]  # [B, N]
     if max_accept is not None:
-        ok = ok & (depth <= max_accept[:, None])
-    accepted = ~(mask & ~ok[:, None, :]).any(dim=2)  # [B, N] root included
-    drafts = accepted & (idx > 0)
-    n_acc = drafts.sum(dim=1)
-    # Column depth-1 of the path holds the accepted node of that depth.
-    cols = torch.where(drafts, depth, torch.zeros_like(depth))  # column 0 = discard
-    path = torch.full((b, max_depth + 1), -1, dtype=torch.int64, device=tokens.device)
-    path = path.scatter_reduce(1, cols, torch.where(drafts, idx, -1), "amax")[:, 1:]
-    last = torch.where(accepted, depth, -1).argmax(dim=1, keepdim=True)  # [B, 1] deepest
-    bonus = torch.gather(target_top, 1, last)[:, 0]
-    return path, n_acc, bonus
+        ok &= depth <= max_accept[:, None]
+    accepted = np.zeros((b, n), dtype=bool)
+    accepted[:, 0] = True
+    for j in range(1, n):
+        accepted[:, j] = ok[:, j] & accepted[rows[:, 0], np.maximum(parents[:, j], 0)]
+    accepted[:, 0] = False
+    n_acc = accepted.sum(axis=1)
+    path = np.full((b, max_depth + 1), -1, dtype=np.int64)
+    path[:, 0] = 0  # column d holds the accepted node of depth d; column 0 the root
+    r, c = np.nonzero(accepted)
+    path[r, depth[r, c]] = c
+    last = path[np.arange(b), n_acc]  # the deepest accepted node (the root if none)
+    bonus = drawn[np.arange(b), last]
+    return path[:, 1:], n_acc, bonus
 
 
 def compact_kv(pool: torch.Tensor,  # [L, 2, num_blocks, page, H, D]: every layer's (k, v)
-               block_tables: torch.Tensor,  # [B, W] int32
-               base: torch.Tensor,  # [B] int64 root position L-1
-               path: torch.Tensor,  # [B, D] accepted tree indices, -1 past the end
+               src: list[int], dst: list[int],  # KV slots: accepted node -> its final position
                ) -> None:
-    """Move each accepted node's KV from position base + node to base + depth, for every layer
-    at once (two kernels on the whole pool, not two per layer and tensor). All sources are read
-    before any write, so overlapping moves are safe; rows past the path copy a slot onto
-    itself."""
-    if path.numel() == 0:
+    """Move each accepted node's KV to the position of its depth, for every layer at once:
+    one upload of the slot pairs (computed on the host from the block tables) and two kernels
+    on the whole pool, not two per layer and tensor. All sources are read before any write,
+    so overlapping moves are safe."""
+    if not src:
         return
     num_layers, two, num_blocks, page = pool.shape[:4]
-    b, d = path.shape
-    depth = torch.arange(1, d + 1, device=path.device).expand(b, d)
-    dst_pos = base[:, None] + depth
-    src_pos = torch.where(path >= 0, base[:, None] + path, dst_pos)
-
-    def slot(pos: torch.Tensor) -> torch.Tensor:
-        blk = torch.gather(block_tables.to(torch.int64), 1, pos // page)
-        return (blk * page + pos % page).reshape(-1)
-
-    src, dst = slot(src_pos), slot(dst_pos)
+    idx = torch.tensor([src, dst], dtype=torch.int64).to(pool.device, non_blocking=True)
     flat = pool.view(num_layers * two, num_blocks * page, -1)  # [2L, slots, H*D]
-    flat.index_copy_(1, dst, flat.index_select(1, src))
+    flat.index_copy_(1, idx[1], flat.index_select(1, idx[0]))

@@ -74,7 +74,7 @@ data)
   done
   wait
   # A shard stopped by `timeout` wrote no data.jsonl: its finished chunks are in data.partial.jsonl.
-  python3 profiles/scripts/split_partials.py $HEAD $D/train_prompts.jsonl $D/sharegpt_users.json.gz \
+  python3 profiles/scripts/split_partials.py $HEAD $HEAD/shard0/train_config.json \
     $(ls $HEAD/shard*/{val,data,data.partial}.jsonl 2>/dev/null)
   for i in $(seq 0 $((N - 1))); do  # one log file back (at most 8 files come back)
     # tqdm redraws with \r: split those first, so the progress fragments go and the lines
