@@ -32,8 +32,11 @@ TRAIN=(python3 -m compiled_spec.cli train --target "$M" --prompts $D/train_promp
   --gen-batch-size ${GEN_BATCH:-1024} --ttt-steps 5 --dtype bfloat16 --log-every 20
   --batch-tokens ${BATCH_TOKENS:-32768} --lr ${LR:-8e-4} --warmup-steps 60
   --ttt-impl ${IMPL:-packed} --steps ${STEPS:-1000} --eval-every ${EVAL_EVERY:-250} --save-every 250)
-ACC=(python3 -m compiled_spec.cli acceptance --model "$M" --device cuda --dtype bfloat16
-  --max-model-len 2048 --prompts $D/question.jsonl --num-prompts 80 --max-tokens 256)
+# DEVICE / DTYPE / ACC_PROMPTS: a dry run of the phases on the CPU (tiny settings) before
+# spending device time on them.
+ACC=(python3 -m compiled_spec.cli acceptance --model "$M" --device ${DEVICE:-cuda}
+  --dtype ${DTYPE:-bfloat16} --max-model-len 2048 --prompts $D/question.jsonl
+  --num-prompts ${ACC_PROMPTS:-80} --max-tokens ${ACC_TOKENS:-256})
 case "$PHASE" in
 setup0)
   mkdir -p ~/m ~/site $D
