@@ -271,7 +271,8 @@ class GraphRegistry:
         """``runner_cls``: the GraphRunner class to build (tests: ``EmulatedGraphRunner``)."""
         self.device = torch.device(device)
         self.strict = strict  # engine option: a failed capture raises instead of warning
-        self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        # Off CUDA a token stands for the pool: emulated graphs of one registry share it.
+        self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else object()
         self.runner_cls = runner_cls or GraphRunner
         self.runners: dict[str, GraphRunner] = {}
 

@@ -383,3 +383,25 @@ def test_run_host_replays_like_run_and_counts_misses(world, kind, n):
     if kind == "decode":
         long_q = HostBatch(**{**hb.__dict__, "max_query_len": 2})
         assert runner.run_host(long_q) is None and runner.fallback_reasons["query_len"] == 1
+
+
+def test_emulated_replay_poisons_the_other_graphs_outputs_of_its_pool():
+    """A real graph's outputs are valid until the next replay of any graph of its pool; the
+    CPU emulation makes reading them later fail loudly (NaN / huge negative ints), so engine
+    code that keeps graph outputs across replays without copying is caught by CPU tests."""
+    from capture.emulate import emulate_graph
+
+    x = torch.arange(4.0)
+    pool, other_pool = object(), object()
+    ga, out_a = emulate_graph(lambda: (x * 2, x.long()), pool)
+    gb, out_b = emulate_graph(lambda: x + 1, pool)
+    gc, out_c = emulate_graph(lambda: x - 1, other_pool)
+    ga.replay()
+    assert torch.equal(out_a[0], x * 2) and torch.equal(out_a[1], x.long())
+    gb.replay()  # same pool: a's outputs are stale now
+    assert torch.isnan(out_a[0]).all() and (out_a[1] < -(1 << 29)).all()
+    assert torch.equal(out_b, x + 1)
+    gc.replay()  # another pool: b's outputs stay valid
+    assert torch.equal(out_b, x + 1) and torch.equal(out_c, x - 1)
+    ga.replay()
+    assert torch.equal(out_a[0], x * 2)

@@ -101,22 +101,21 @@ class EngineGraphs:
         max_seqs = policy.batch_sizes[-1]
         max_blocks = math.ceil(policy.max_model_len / page_size)
         aux_ids = runner.aux_layer_ids
-        # Outputs are cloned: the next replay of any graph in the pool may reuse their memory,
-        # and the engine keeps target states until propose.
-        reg = functools.partial(self.registry.register, clone_outputs=True,
-                                seq_len_buckets=policy.seq_len_buckets)
+        # Outputs are returned as graph memory, valid until the next replay of any graph in the
+        # pool. Every reader consumes (or copies) them before that: logits right away, the
+        # target's states in the next propose's eager gather and fc (before its replay), the
+        # first pass's last rows before the expansion, and the tree runner copies the trees it
+        # reads after its verify before replaying it. No copy out of graph memory: one launch
+        # per output saved per step. The CPU emulation poisons stale outputs (capture.emulate),
+        # so the tests hold every reader to this.
+        reg = functools.partial(self.registry.register, seq_len_buckets=policy.seq_len_buckets)
 
         top_tokens = max_seqs * (k + 1)
         tbufs = StaticBuffers(top_tokens, max_seqs, max_blocks, device)
         target_graph_fn = lambda b: target_fn(b.input_ids, b.positions, b.meta, aux_ids)  # noqa: E731
-        # Chain and vanilla engines read the target's outputs before any other replay of the
-        # pool (logits right away; the aux states in the next propose's eager fc, which runs
-        # before its replay), so they need no copy out of graph memory: one launch per output
-        # saved per step. Tree engines replay several graphs in between and keep the copies.
-        treg = functools.partial(reg, clone_outputs=tree is not None)
-        decode = treg("target_decode", target_graph_fn, decode_sizes(policy), tbufs)
-        verify = treg("target_verify", target_graph_fn, verify_sizes(policy), tbufs,
-                      query_len=k + 1) if k > 0 else None
+        decode = reg("target_decode", target_graph_fn, decode_sizes(policy), tbufs)
+        verify = reg("target_verify", target_graph_fn, verify_sizes(policy), tbufs,
+                     query_len=k + 1) if k > 0 else None
         tree_verify = None if tree is None else register_tree_verify(
             reg, target_fn, tree, policy.batch_sizes, max_blocks, device, aux_ids)
         self.target = GraphedTarget(target_fn, decode, verify, k + 1, tree_verify)

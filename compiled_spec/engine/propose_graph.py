@@ -179,7 +179,8 @@ class ProposeGraphs:
         self._upload()
         views = self._views(b)
         run = lambda: self._body(views)  # noqa: E731
-        self._graphs[b] = emulate_graph(run) if self.emulate else capture_graph(run, self.pool)
+        self._graphs[b] = (emulate_graph(run, self.pool) if self.emulate
+                           else capture_graph(run, self.pool))
 
     def _upload(self) -> None:
         self.d64.copy_(self.t64, non_blocking=True)

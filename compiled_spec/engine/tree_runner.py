@@ -119,6 +119,9 @@ class TreeModelRunner(ModelRunner):
                 mask = torch.zeros(len(host_ids), n_nodes, dtype=torch.bool, device=dev)
                 mask[:, 0] = True  # every node (and every one-node tree) sees its root
                 mask[dst] = t_mask.reshape(-1, n_nodes)
+            # What acceptance reads after the verify, copied before it: the trees are graph
+            # outputs of the proposer, valid only until the verify's replay (capture.emulate).
+            tree_info = torch.stack([tok, t_par, t_depth])  # [3, B_t, N]
             base_t, meta = metadata_to_device(dev, base, slots, [s + n_nodes for s in starts],
                                               qsl, tables, n_nodes, max(starts) + n_nodes)
             positions = base_t + depth  # rope position L-1 + depth
@@ -138,7 +141,7 @@ class TreeModelRunner(ModelRunner):
             at_nodes = (drawn if dst is None else drawn[dst]).view(-1, n_nodes)  # [B_t, N]
             # The step's one device-to-host copy: every tree's tokens, parents, depths and the
             # token drawn at each node, then one token per plain request.
-            parts = [torch.stack([tok, t_par, t_depth, at_nodes]).reshape(-1)]
+            parts = [tree_info.reshape(-1), at_nodes.reshape(-1)]
             if not all_tree:
                 parts.append(drawn[to_device([qsl[i] for i, t in enumerate(in_tree) if not t],
                                              dev)])
