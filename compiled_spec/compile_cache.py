@@ -7,14 +7,38 @@ see ``passes/post_grad.py``). By default that cache lives under the system temp 
 machines clear; like vLLM we point it at a directory of our own that survives reboots. A second
 start-up of the same configuration then skips Inductor's code generation and C++/Triton builds;
 Dynamo's tracing and our passes still run.
+
+Inductor's key does not cover everything our code decides at run time: an artifact compiled
+when the KV caches were views of one tensor (aliased inputs) was served to caches that were
+separate tensors, and the process crashed (2026-12-01). So our directory holds one subdirectory
+per version of the code that is traced (``code_hash``): new code never meets old artifacts.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 ENV = "TORCHINDUCTOR_CACHE_DIR"  # read by Inductor whenever it resolves its cache directory
+# The code that shapes compiled graphs: the package and the passes, kernels and capture code.
+_ROOT = Path(__file__).resolve().parents[1]
+_TRACED = ("compiled_spec", "passes", "kernels", "capture")
+
+
+@lru_cache(maxsize=None)
+def code_hash(root: Path = _ROOT) -> str:
+    """16 hex digits over the Python sources under ``root``'s traced packages (names and
+    contents), and torch's version."""
+    import torch
+
+    h = hashlib.sha256(torch.__version__.encode())
+    for pkg in _TRACED:
+        for f in sorted((root / pkg).rglob("*.py")):
+            h.update(str(f.relative_to(root)).encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def default_cache_dir() -> Path:
@@ -28,14 +52,16 @@ def default_cache_dir() -> Path:
 
 def activate(cache_dir: str | None) -> str | None:
     """Point Inductor at ``cache_dir`` (``""``: leave Inductor's own default) for the rest of the
-    process and return the directory in use. A ``TORCHINDUCTOR_CACHE_DIR`` the user exported
-    wins over our default, never over an explicit ``cache_dir``. Process-wide on purpose:
-    graphs compiled later (a new shape mid-serving) must land in the same cache."""
+    process and return the directory in use: ``cache_dir`` (default ``default_cache_dir()``)
+    / ``code-<code_hash()>``. A ``TORCHINDUCTOR_CACHE_DIR`` the user exported wins over our
+    default, never over an explicit ``cache_dir``. Process-wide on purpose: graphs compiled
+    later (a new shape mid-serving) must land in the same cache."""
     if cache_dir == "":
         return os.environ.get(ENV)
     if cache_dir is None and os.environ.get(ENV):
         return os.environ[ENV]
-    path = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    base = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    path = base / f"code-{code_hash()}"
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -26,17 +26,6 @@ def allocate_kv_pair(num_blocks: int, page_size: int, num_kv_heads: int, head_di
             torch.zeros(shape, dtype=dtype, device=device))
 
 
-def allocate_kv_pool(num_layers: int, num_blocks: int, page_size: int, num_kv_heads: int,
-                     head_dim: int, dtype: torch.dtype, device: torch.device
-                     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Layers of one shape in one tensor ``[L, 2, num_blocks, page_size, H, D]``, and each
-    layer's (k, v) as contiguous views of it: an operation on every layer's KV (draft-tree
-    compaction) is then one kernel, not one per layer."""
-    pool = torch.zeros((num_layers, 2, num_blocks, page_size, num_kv_heads, head_dim),
-                       dtype=dtype, device=device)
-    return pool, [(pool[i, 0], pool[i, 1]) for i in range(num_layers)]
-
-
 class BlockAllocator:
     """Free list of physical KV blocks and the block table of each request.
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from compiled_spec.compile import CompileConfig
-from compiled_spec.compile_cache import ENV, activate, default_cache_dir
+from compiled_spec.compile_cache import ENV, activate, code_hash, default_cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,18 +20,32 @@ def test_cache_dir_choice(monkeypatch, tmp_path):
     monkeypatch.delenv(ENV, raising=False)
     monkeypatch.setenv("COMPILED_SPEC_CACHE_DIR", str(tmp_path / "ours"))
     assert default_cache_dir() == tmp_path / "ours"
-    assert activate(None) == str(tmp_path / "ours") == os.environ[ENV]
-    assert (tmp_path / "ours").is_dir()
+    code = f"code-{code_hash()}"  # one subdirectory per version of the traced code
+    assert activate(None) == str(tmp_path / "ours" / code) == os.environ[ENV]
+    assert (tmp_path / "ours" / code).is_dir()
     monkeypatch.setenv(ENV, str(tmp_path / "user"))  # the user's export wins over our default
     assert activate(None) == str(tmp_path / "user")
-    assert activate(str(tmp_path / "explicit")) == str(tmp_path / "explicit")  # not over this
-    assert os.environ[ENV] == str(tmp_path / "explicit")
-    assert activate("") == str(tmp_path / "explicit")  # "": leave whatever is set alone
+    explicit = str(tmp_path / "explicit" / code)
+    assert activate(str(tmp_path / "explicit")) == explicit  # not over this
+    assert os.environ[ENV] == explicit
+    assert activate("") == explicit  # "": leave whatever is set alone
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="file/sub"):
         activate(str(tmp_path / "file" / "sub"))
     with pytest.raises(ValueError, match="cache_dir=3"):
         CompileConfig(cache_dir=3)  # type: ignore[arg-type]
+
+
+def test_code_hash_changes_with_any_traced_source(tmp_path):
+    """Artifacts of older code are never served to newer code: its directory differs."""
+    for pkg in ("compiled_spec", "passes", "kernels", "capture"):
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "a.py").write_text("x = 1\n")
+    before = code_hash(tmp_path)
+    assert code_hash.__wrapped__(tmp_path) == before  # stable
+    (tmp_path / "kernels" / "a.py").write_text("x = 2\n")
+    assert code_hash.__wrapped__(tmp_path) != before
+    assert len(before) == 16 and code_hash() != before
 
 
 _RUN = """
@@ -61,7 +75,8 @@ def test_second_process_is_served_from_the_cache(tmp_path, smollm2_gguf_path):
         assert p.returncode == 0, p.stderr[-3000:]
         runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
     first, second = runs
-    assert first["cache"]["dir"] == second["cache"]["dir"] == str(tmp_path / "cache")
+    assert first["cache"]["dir"] == second["cache"]["dir"] == \
+        str(tmp_path / "cache" / f"code-{code_hash()}")
     assert first["cache"]["fxgraph_miss"] >= 1 and first["cache"]["fxgraph_hit"] == 0
     assert second["cache"]["fxgraph_hit"] >= first["cache"]["fxgraph_miss"]
     assert second["cache"]["fxgraph_miss"] == 0

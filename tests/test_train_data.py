@@ -237,19 +237,13 @@ def test_generation_hands_its_kv_pool_back_before_training(tmp_path, smollm2_ggu
     from tests.spec_models import write_bigram_target, write_id_prompts
 
     pools: list[weakref.ref] = []  # every KV tensor the generating engine allocates
-    real_pair, real_pool = engine_mod.allocate_kv_pair, engine_mod.allocate_kv_pool
+    real = engine_mod.allocate_kv_pair
 
-    def tracked_pair(*args, **kw):
-        pair = real_pair(*args, **kw)
+    def tracked(*args, **kw):
+        pair = real(*args, **kw)
         pools.extend(weakref.ref(t) for t in pair)
         return pair
-
-    def tracked_pool(*args, **kw):  # the target's layers: one tensor, per-layer views
-        pool, views = real_pool(*args, **kw)
-        pools.append(weakref.ref(pool))
-        return pool, views
-    monkeypatch.setattr(engine_mod, "allocate_kv_pair", tracked_pair)
-    monkeypatch.setattr(engine_mod, "allocate_kv_pool", tracked_pool)
+    monkeypatch.setattr(engine_mod, "allocate_kv_pair", tracked)
     target = write_bigram_target(tmp_path / "t", vocab=32, layers=2)
     prompts = write_id_prompts(tmp_path / "p.jsonl", 6, vocab=32)
     (tmp_path / "out").mkdir()

@@ -110,3 +110,16 @@ def test_topk_1_tree_is_the_chain(trained_eagle3_pair, smollm2_gguf_path, vanill
         assert [a for _, a in per["tree"][:len(full)]] == full
         compared += len(full)
     assert compared > 20
+
+
+def test_every_kv_cache_has_its_own_storage(trained_eagle3_pair, smollm2_gguf_path):
+    """The engine's KV caches (target and draft layers) never share storage: torch.compile
+    treats inputs that alias each other specially and, with the layers as views of one pool
+    tensor, copied the whole pool at every layer's KV write (14.8 s instead of 0.35 s for 8
+    tree tokens on the CPU, 2026-12-01)."""
+    target, head = trained_eagle3_pair
+    llm = LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=128, max_num_seqs=2,
+              draft=head, num_speculative_tokens=3, speculative_topk=2)
+    caches = [t for pair in llm.engine.kv_caches for t in pair]
+    assert len({t.untyped_storage().data_ptr() for t in caches}) == len(caches)
+    assert all(t._base is None for t in caches)

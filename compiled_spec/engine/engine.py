@@ -15,8 +15,7 @@ from compiled_spec.engine.request import CompletionOutput, Request, RequestOutpu
 from compiled_spec.engine.scheduler import Scheduler
 from compiled_spec.engine.stopping import output_text, stop_reason
 from compiled_spec.memory import available_bytes, check_kv_pool_fits
-from compiled_spec.kv_cache import (BlockAllocator, allocate_kv_pair, allocate_kv_pool,
-                                    bytes_per_block)
+from compiled_spec.kv_cache import BlockAllocator, allocate_kv_pair, bytes_per_block
 from compiled_spec.models.decoder import CausalLM
 from compiled_spec.models.fuse import fuse_projections
 from compiled_spec.prefix_cache import block_keys, matchable_blocks
@@ -88,14 +87,10 @@ class LLMEngine:
                  f"kv_cache_memory_gib={cfg.cache.memory_gib}")
         check_kv_pool_fits(num_blocks, per_block, cfg.device, asked)
         self.allocator = BlockAllocator(num_blocks, page, prefix_caching=cfg.cache.prefix_caching)
-        # The target's layers share one pool tensor (draft trees compact every layer in one
-        # kernel); the draft's layers keep their own pairs.
-        nl = mcfg.num_hidden_layers
-        self.kv_pool, target_kv = allocate_kv_pool(nl, num_blocks, page, *kv_shapes[0],
-                                                   cfg.dtype, cfg.device)
-        assert all(shape == kv_shapes[0] for shape in kv_shapes[:nl])
-        self.kv_caches = target_kv + [allocate_kv_pair(num_blocks, page, h, d, cfg.dtype,
-                                                       cfg.device) for h, d in kv_shapes[nl:]]
+        # One tensor per layer, not views of one pool: torch.compile treats inputs that share
+        # storage as aliases and copied the whole pool per layer and step (2026-12-01).
+        self.kv_caches = [allocate_kv_pair(num_blocks, page, h, d, cfg.dtype, cfg.device)
+                          for h, d in kv_shapes]
         model.bind_kv_cache(self.kv_caches[:mcfg.num_hidden_layers])
         proposer, aux_ids = None, ()
         k = cfg.spec.num_speculative_tokens if cfg.spec is not None else 0
@@ -124,8 +119,7 @@ class LLMEngine:
             from compiled_spec.engine.tree_runner import TreeModelRunner
 
             self.runner: ModelRunner = TreeModelRunner(
-                model, self.allocator, cfg.device, cfg.max_model_len, proposer, aux_ids, tree=tree,
-                kv_pool=self.kv_pool)
+                model, self.allocator, cfg.device, cfg.max_model_len, proposer, aux_ids, tree=tree)
         else:
             self.runner = ModelRunner(model, self.allocator, cfg.device, cfg.max_model_len,
                                       proposer, aux_ids)

@@ -1,7 +1,7 @@
 """Engine steps with draft trees: the target verifies each request's tree in one forward with
 tree attention, acceptance walks the tree on the host (from the step's one device-to-host copy of
-the trees and the tokens drawn at their nodes), and the accepted path's KV is moved into place,
-every layer at once, before the next step.
+the trees and the tokens drawn at their nodes), and the accepted path's KV is moved into place before the
+next step.
 
 Acceptance, greedy or sampled, is the coupling rule of ``spec.rejection`` applied along the tree:
 at every node the token vanilla decoding would draw at the next position is drawn (argmax, or an
@@ -35,10 +35,9 @@ from compiled_spec.spec.tree_proposer import DraftTree, TreeProposer
 
 
 class TreeModelRunner(ModelRunner):
-    def __init__(self, *args, tree: TreeConfig, kv_pool: torch.Tensor, **kwargs) -> None:
+    def __init__(self, *args, tree: TreeConfig, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.tree = tree
-        self.kv_pool = kv_pool  # [L, 2, blocks, page, H, D]: the target layers' bound caches
         self.proposer = TreeProposer(self.proposer, tree)
         self.k = tree.num_steps
         self.lookahead = tree.lookahead
@@ -162,7 +161,8 @@ class TreeModelRunner(ModelRunner):
                     if node != j + 1:
                         src.append(alloc.slot(rid, root + node))
                         dst_slots.append(alloc.slot(rid, root + j + 1))
-            compact_kv(self.kv_pool, src, dst_slots)
+            compact_kv([(layer.self_attn.k_cache, layer.self_attn.v_cache)
+                        for layer in self.model.model.layers], src, dst_slots)
         plain = iter(host[4 * n_t * n_nodes:].tolist())
         new_tokens, num_draft, spans, rows_by_req = [], [], [], {}
         row = 0
