@@ -46,8 +46,9 @@ def run_acceptance(a: argparse.Namespace) -> int:
         print(f"k={k}: tau {row['tau']:.3f}  per-position acceptance [{per_pos}]  "
               f"({row['output_tokens']} tokens, batch {len(texts)}, {secs:.1f} s)", flush=True)
         if any(categories):
-            print("  tau by category: " + ", ".join(f"{c} {t['tau']:.2f} ({t['prompts']})" for c, t in
-                                                row["tau_by_category"].items()), flush=True)
+            cats = row["tau_by_category"].items()
+            print("  tau by category: " + ", ".join(f"{c} {t['tau']:.2f} ({t['prompts']})"
+                                                    for c, t in cats), flush=True)
         del llm
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -163,8 +163,8 @@ def test_accept_paths_equals_the_walk_on_random_trees(seed):
 
 def test_compact_kv_moves_the_slots_in_every_layer():
     page, layers = 4, 3
-    caches = [tuple(torch.arange(16 * page, dtype=torch.float32).view(16, page, 1, 1) * (2 * i + j + 1)
-                    for j in range(2)) for i in range(layers)]
+    base = torch.arange(16 * page, dtype=torch.float32).view(16, page, 1, 1)
+    caches = [tuple(base * (2 * i + j + 1) for j in range(2)) for i in range(layers)]
     before = [c.view(-1).clone() for pair in caches for c in pair]
     src, dst = [21, 23, 9], [20, 21, 8]  # 23 -> 21 while 21 -> 20: sources read first
     compact_kv(caches, src, dst)

@@ -1,7 +1,7 @@
 """Engine steps with draft trees: the target verifies each request's tree in one forward with
-tree attention, acceptance walks the tree on the host (from the step's one device-to-host copy of
-the trees and the tokens drawn at their nodes), and the accepted path's KV is moved into place before the
-next step.
+tree attention, acceptance walks the tree on the host (from the step's one device-to-host copy
+of the trees and the tokens drawn at their nodes), and the accepted path's KV is moved into
+place before the next step.
 
 Acceptance, greedy or sampled, is the coupling rule of ``spec.rejection`` applied along the tree:
 at every node the token vanilla decoding would draw at the next position is drawn (argmax, or an
