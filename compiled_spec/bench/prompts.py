@@ -7,20 +7,22 @@ from pathlib import Path
 from compiled_spec.data import mt_bench_path
 
 
-def load_mt_bench(path: str, n: int) -> list[str]:
+def _rows(path: str, n: int) -> list[dict]:
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"prompt file {path!r} not found (MT-bench ships with the package: "
                                 f"{mt_bench_path()})")
-    rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
-    return [r["turns"][0] if "turns" in r else r["prompt"] for r in rows[:n]]
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()][:n]
+
+
+def load_mt_bench(path: str, n: int) -> list[str]:
+    return [r["turns"][0] if "turns" in r else r["prompt"] for r in _rows(path, n)]
 
 
 def load_categories(path: str, n: int) -> list[str]:
     """The ``category`` of each of the first ``n`` rows ("" where a row has none): MT-bench's
     writing, roleplay, reasoning, math, coding, extraction, stem and humanities."""
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    return [str(r.get("category", "")) for r in rows[:n]]
+    return [str(r.get("category", "")) for r in _rows(path, n)]
 
 
 def mt_bench_prompts(llm, texts: list[str]) -> list[list[int]]:  # noqa: ANN001 - an LLM
