@@ -101,3 +101,17 @@ def test_draft_missing_from_capture_is_detected(trained_eagle3_pair, smollm2_ggu
     with pytest.warns(RuntimeWarning, match="draft_propose"):
         with pytest.raises(CaptureError, match="draft_propose"):
             _graphs(llm)
+
+
+def test_self_distillation_chunk_counts_graph_replays(trained_eagle3_pair, smollm2_gguf_path):
+    """The data phase's per-chunk line says how its engine steps ran: replays, prefill steps
+    (never captured) and other misses; an eager engine has none of them to report."""
+    from compiled_spec.train.multiturn import _graph_calls
+
+    target, _ = trained_eagle3_pair
+    llm = _llm(target, smollm2_gguf_path, None)
+    assert _graph_calls(llm) == (0, 0, 0)
+    _graphs(llm, batch_sizes=(1, 2), buckets=(128,))  # batches of 3 and 4 find no graph
+    llm.generate(PROMPTS, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
+    replays, prefill, misses = _graph_calls(llm)
+    assert replays > 0 and prefill > 0 and misses > 0, (replays, prefill, misses)

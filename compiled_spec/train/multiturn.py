@@ -101,6 +101,15 @@ def _run_round(llm: "LLM", jobs: list[ChatJob], turn: int, max_new_tokens: int,
                                                                   skip_special_tokens=True)}]
 
 
+def _graph_calls(llm: "LLM") -> tuple[int, int, int]:
+    """(CUDA-graph replays, steps with a prefill (never captured), other calls that ran without
+    a graph) of the engine so far; zeros when it runs eagerly (no graphs to count)."""
+    g = llm.compile_stats.get("cuda_graphs", {})
+    eager = sum(n for reasons in g.get("without_graph", {}).values() for n in reasons.values())
+    prefill = g.get("components", {}).get("target_decode", {}).get("prefill_calls", 0)
+    return g.get("replayed", 0), prefill, eager
+
+
 def generate_chats(llm: "LLM", jobs: list[ChatJob], max_new_tokens: int, max_seq_len: int,
                    batch_size: int, ignore_eos: bool = False, partial: Path | None = None,
                    deadline: float | None = None) -> list[TrainSequence]:
@@ -130,6 +139,7 @@ def generate_chats(llm: "LLM", jobs: list[ChatJob], max_new_tokens: int, max_seq
         chunk = todo[start:start + chunk_size]
         st, t_chunk = llm.stats, time.perf_counter()
         steps0, tok0 = st.num_steps, st.num_prefill_tokens + st.num_decode_tokens
+        graphs0 = _graph_calls(llm)
         for turn in range(max(len(j.user_turns) for j in chunk)):
             if turn > 0 and late():
                 break
@@ -144,9 +154,12 @@ def generate_chats(llm: "LLM", jobs: list[ChatJob], max_new_tokens: int, max_seq
         # Engine steps and their mean cost: where generation time goes at large batch.
         secs, steps = time.perf_counter() - t_chunk, st.num_steps - steps0
         toks = st.num_prefill_tokens + st.num_decode_tokens - tok0
+        replays, prefill, eager = (b - a for a, b in zip(graphs0, _graph_calls(llm)))
         tqdm.write(f"chunk of {len(chunk)} jobs: {secs:.1f} s, {steps} engine steps "
                    f"({1e3 * secs / max(steps, 1):.1f} ms each), {toks} tokens "
-                   f"({toks / max(secs, 1e-9):,.0f} tokens/s)")  # clears the bar's line first
+                   f"({toks / max(secs, 1e-9):,.0f} tokens/s)"  # clears the bar's line first
+                   + (f"; graph replays {replays}, prefill steps {prefill} (no graph), "
+                      f"other calls without a graph {eager}" if replays or eager else ""))
     bar.close()
     if not out:
         raise ValueError("the target produced no usable training sequences")

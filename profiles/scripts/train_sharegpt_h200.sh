@@ -72,9 +72,20 @@ data)
     S=$HEAD/shard$i; mkdir -p $S
     [ -f .device/gen/data.jsonl.gz ] && gunzip -c .device/gen/data.jsonl.gz > $S/data.partial.jsonl
     [ $i = 0 ] && [ -f .device/gen/val.jsonl.gz ] && gunzip -c .device/gen/val.jsonl.gz > $S/val.jsonl
-    ( time timeout ${LIMIT:-540} "${TRAIN[@]}" --out $S --data-only --gen-shard $i/$N \
-        --gen-batch-size $((${GEN_BATCH:-1024} / N)) --gen-kv-gib ${GEN_KV:-24} ${GEN_COMPILE:-} \
-        --gen-time-limit ${GEN_LIMIT:-420} "${@:2}" ) > "$OUT/data$i.log" 2>&1 &
+    gen() {  # $1: time limit of the process, $2: generation limit, $3...: extra flags
+      ( time timeout $1 "${TRAIN[@]}" --out $S --data-only --gen-shard $i/$N \
+          --gen-batch-size $((${GEN_BATCH:-1024} / N)) --gen-kv-gib ${GEN_KV:-24} \
+          --gen-time-limit $2 "${@:3}" "${ARGS[@]}" )
+    }
+    ARGS=("${@:2}")
+    ( T0=$SECONDS; gen ${LIMIT:-540} ${GEN_LIMIT:-420} ${GEN_COMPILE:-}; RC=$?
+      # GEN_COMPILE=--gen-compile (CUDA graphs at large batch) is new on the GPU: when it dies
+      # early, the rest of the call generates eagerly (said in the log, the data kept).
+      LEFT=$(( ${LIMIT:-540} - (SECONDS - T0) ))
+      if [ -n "${GEN_COMPILE:-}" ] && [ $RC != 0 ] && [ $RC != 124 ] && [ $LEFT -gt 120 ]; then
+        echo "== compiled generation failed (rc $RC): eager for the remaining ${LEFT} s"
+        gen $LEFT $(( LEFT - 90 ))
+      fi ) > "$OUT/data$i.log" 2>&1 &
   done
   wait
   # A shard stopped by `timeout` wrote no data.jsonl: its finished chunks are in data.partial.jsonl.
@@ -85,7 +96,7 @@ data)
     # printed beside them (e.g. each chunk's engine-step summary) stay.
     echo "== shard $i"; tr '\r' '\n' < "$OUT/data$i.log" | grep -vE "it/s\]|s/it\]|seq/s\]|Warning|warn\(|^\s*$"
   done > "$OUT/data.log" && rm -f "$OUT"/data[0-9]*.log
-  grep -E "==|data written|real" "$OUT/data.log"
+  grep -E "==|data written|real|chunk of" "$OUT/data.log"
   wc -l $HEAD/*.jsonl
   gzip -c $HEAD/val.jsonl > "$OUT/val.jsonl.gz"
   gzip -c $HEAD/data.jsonl | split -b 15M - "$OUT/data.jsonl.gz.part"
@@ -104,11 +115,15 @@ train)
     timeout 60 python3 profiles/scripts/eval_head_val.py --model "$M" --head "$H" --val $HEAD/val.jsonl \
       --ttt-steps 5 >> "$OUT/eval.log" 2>&1
   done
-  grep -E "==|k=|tau|val_acc" "$OUT/eval.log" ;;
+  grep -E "==|k=|tau|val_acc" "$OUT/eval.log"
+  # The head with the higher MT-bench tau at k=5 drafts in the later phases (~/best_head).
+  awk '/^== MT-bench/ {h = $3} /^k=5:/ && $3 > best {best = $3; b = h} END {print b}' \
+    "$OUT/eval.log" > ~/best_head
+  echo "best head: $(cat ~/best_head)" ;;
 bench)
   timeout ${LIMIT:-400} python3 -m compiled_spec.cli bench --model "$M" --device ${DEVICE:-cuda} \
     --dtype ${DTYPE:-bfloat16} --prompts $D/question.jsonl --num-prompts 5 --max-tokens 256 \
-    --batch-sizes ${BATCHES:-1} --draft "${DRAFT:-$HOME/export}" -k ${K:-5} \
+    --batch-sizes ${BATCHES:-1} --draft "${DRAFT:-$(cat ~/best_head)}" -k ${K:-5} \
     --variants ours_vanilla_compiled ours_eagle_compiled --out-dir ~/bench > "$OUT/bench.log" 2>&1
   cp ~/bench/BENCHMARKS.md ~/bench/benchmarks.json "$OUT/"
   grep -vE "Warning|warn\(|^\s*$|tokeniz|Loading weights" "$OUT/bench.log" | tail -30 ;;
@@ -117,14 +132,15 @@ trees)
   # tree), then the phases of a tree step from a profiler trace (trace gzipped back).
   timeout ${LIMIT:-420} python3 -m compiled_spec.cli bench --model "$M" --device ${DEVICE:-cuda} \
     --dtype ${DTYPE:-bfloat16} --prompts $D/question.jsonl --num-prompts 5 --max-tokens 256 \
-    --batch-sizes ${BATCHES:-1} --draft "${DRAFT:-smollm2-eagle3}" -k ${K:-5} \
-    --variants ours_eagle_compiled --trees ${TREES:-4:16 8:32} --out-dir ~/bench_trees \
+    --batch-sizes ${BATCHES:-1} --draft "${DRAFT:-$(cat ~/best_head 2>/dev/null || echo smollm2-eagle3)}" \
+    -k ${K:-5} --variants ${VARIANTS:-ours_eagle_compiled} --trees ${TREES:-4:16 8:32} --out-dir ~/bench_trees \
     --num-prompts ${NUM_PROMPTS:-5} --max-tokens ${MAX_TOKENS:-256} \
     > "$OUT/trees.log" 2>&1
   cp ~/bench_trees/BENCHMARKS.md "$OUT/trees.md"; cp ~/bench_trees/benchmarks.json "$OUT/trees.json"
   timeout ${PROFILE_LIMIT:-150} python3 -m compiled_spec.cli profile --model "$M" --device ${DEVICE:-cuda} \
-    --dtype ${DTYPE:-bfloat16} --compile --draft "${DRAFT:-smollm2-eagle3}" -k ${K:-5} \
-    --speculative-topk 4 --speculative-num-draft-tokens 16 --prompts $D/question.jsonl \
+    --dtype ${DTYPE:-bfloat16} --compile -k ${K:-5} \
+    --draft "${DRAFT:-$(cat ~/best_head 2>/dev/null || echo smollm2-eagle3)}" \
+    --speculative-topk ${PROFILE_TOPK:-4} --speculative-num-draft-tokens ${PROFILE_TOKENS:-16} --prompts $D/question.jsonl \
     --num-prompts 1 --max-tokens 32 --out-dir ~/traces > "$OUT/tree_profile.log" 2>&1
   gzip -c "$(ls -t ~/traces/*/*.pt.trace.json | head -1)" > "$OUT/tree_step.pt.trace.json.gz"
   grep -vE "Warning|warn\(|^\s*$|tokeniz|Loading weights" "$OUT/trees.log" | tail -12
