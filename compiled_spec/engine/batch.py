@@ -61,6 +61,13 @@ def span_rows(allocator: BlockAllocator, spans: list[Span]
     page, tables = allocator.page_size, allocator.tables
     # Hot: every token of every running request, every step; the slot arithmetic is inlined.
     for s in spans:
+        if s.length == 1 and s.write_limit is None:  # a decode row: no ranges, no slices
+            p = s.start
+            positions.append(p)
+            slots.append(tables[s.req_id][p // page] * page + p % page)
+            seq_lens.append(p + 1)
+            qsl.append(qsl[-1] + 1)
+            continue
         end = s.start + s.length
         live_end = end if s.write_limit is None else min(end, s.write_limit)
         table = tables[s.req_id] if live_end > s.start else ()

@@ -87,11 +87,19 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         aborted: list[Request] = []
         # 1. Grow the running requests, preempting from the newest when the pool is dry.
+        tables, page, lookahead = self.allocator.tables, self.allocator.page_size, self.lookahead
         i = 0
         while i < len(self.running):
             req = self.running[i]
-            if self.allocator.can_grow(req.req_id, self._need(req)):
-                self.allocator.grow(req.req_id, self._need(req))
+            # _need inlined: this loop visits every running request every step.
+            n_tok = len(req.prompt_token_ids) + len(req.output_token_ids)
+            need = min(n_tok + lookahead, max(req.max_total_tokens, n_tok))
+            table = tables.get(req.req_id)
+            if table is not None and len(table) * page >= need:
+                i += 1  # covered already (most decode steps): can_grow holds, grow is a no-op
+                continue
+            if self.allocator.can_grow(req.req_id, need):
+                self.allocator.grow(req.req_id, need)
                 i += 1
                 continue
             victim = self.running[-1]
@@ -145,7 +153,8 @@ class Scheduler:
         reqs = decoding + admitted
         return ScheduledBatch(
             requests=reqs,
-            num_new_tokens=[r.num_tokens - r.num_computed for r in reqs],
+            num_new_tokens=[len(r.prompt_token_ids) + len(r.output_token_ids) - r.num_computed
+                            for r in reqs],  # num_tokens inlined (every request, every step)
             aborted=aborted,
         )
 

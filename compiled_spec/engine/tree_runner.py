@@ -30,7 +30,7 @@ from compiled_spec.engine.model_runner import (ModelRunner, StepOutput, _Pending
 from compiled_spec.engine.request import Request
 from compiled_spec.profile import phase
 from compiled_spec.sampler import STREAM_TOKEN, apply_filters, position_keys, sample_from_probs
-from compiled_spec.spec.tree import TreeConfig, accept_paths, compact_kv
+from compiled_spec.spec.tree import KVCompactor, TreeConfig, accept_paths
 from compiled_spec.spec.tree_proposer import DraftTree, TreeProposer
 
 
@@ -43,6 +43,7 @@ class TreeModelRunner(ModelRunner):
         self.lookahead = tree.lookahead
         self._tree: DraftTree | None = None
         self._tree_row: dict[int, int] = {}
+        self._compact = KVCompactor()  # one launch for every layer on a GPU
 
     def reset(self) -> None:
         super().reset()
@@ -161,8 +162,8 @@ class TreeModelRunner(ModelRunner):
                     if node != j + 1:
                         src.append(alloc.slot(rid, root + node))
                         dst_slots.append(alloc.slot(rid, root + j + 1))
-            compact_kv([(layer.self_attn.k_cache, layer.self_attn.v_cache)
-                        for layer in self.model.model.layers], src, dst_slots)
+            self._compact([(layer.self_attn.k_cache, layer.self_attn.v_cache)
+                           for layer in self.model.model.layers], src, dst_slots)
         plain = iter(host[4 * n_t * n_nodes:].tolist())
         new_tokens, num_draft, spans, rows_by_req = [], [], [], {}
         row = 0

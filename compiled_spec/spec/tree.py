@@ -143,3 +143,31 @@ def compact_kv(caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer [bl
         for cache in (k_cache, v_cache):
             flat = cache.view(-1, *cache.shape[2:])  # [slots, H, D]
             flat.index_copy_(0, idx[1], flat.index_select(0, idx[0]))
+
+
+class KVCompactor:
+    """``compact_kv`` in one launch for every layer on a GPU: a Triton kernel over a table of
+    the caches' addresses (``kernels.move_kv_triton``), built once per set of caches. Elsewhere
+    (or with ``use_kernel=False``) the per-layer gathers and scatters of ``compact_kv``."""
+
+    def __init__(self, use_kernel: bool | None = None) -> None:
+        self.use_kernel = use_kernel  # None: on CUDA tensors
+        self._ptrs: tuple[int, ...] = ()
+        self._table: torch.Tensor | None = None  # [2 * layers] int64 cache addresses
+
+    def __call__(self, caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (K, V)
+                 src: list[int], dst: list[int]) -> None:
+        if not src:
+            return
+        k0 = caches[0][0]
+        if not (k0.is_cuda if self.use_kernel is None else self.use_kernel):
+            compact_kv(caches, src, dst)
+            return
+        from kernels.move_kv_triton import cache_table, move_slots_triton
+
+        flat = [c for kv in caches for c in kv]
+        ptrs = tuple(c.data_ptr() for c in flat)
+        if ptrs != self._ptrs:  # first use, or the engine's pool was rebound
+            self._table, self._ptrs = cache_table(flat), ptrs
+        idx = torch.tensor([src, dst], dtype=torch.int64).to(k0.device, non_blocking=True)
+        move_slots_triton(self._table, k0, idx)

@@ -9,7 +9,7 @@ each is a kernel launch or a copy, each costing host time), and the step's wall 
 time spent inside replays is its host time.
 
 python profiles/scripts/host_overhead_cpu.py [--fixtures .device/tc] [--tokenizer GGUF] [--tokens 96]
-                                     [--ops] [--cprofile]
+                                     [--ops [--by-frame]] [--cprofile]
 
 Fixtures: the tiny bigram target + EAGLE-3 head of tests/conftest.py (built on first use, as in
 profiles/scripts/tree_graphs_check.py). Model size does not matter here: replays are excluded.
@@ -59,14 +59,36 @@ EmulatedGraph.replay = _timed_replay  # type: ignore[method-assign]
 class OpCounter(TorchDispatchMode):
     """Counts aten ops issued outside replays (a replay on a GPU is one launch)."""
 
-    def __init__(self) -> None:
+    def __init__(self, by_frame: bool = False) -> None:
         super().__init__()
         self.ops: Counter[str] = Counter()
+        self.by_frame = by_frame
+        self.frames: Counter[str] = Counter()  # launching ops per innermost project function
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not _IN_REPLAY[0]:
-            self.ops[str(func.overloadpacket.__name__)] += 1
+            name = str(func.overloadpacket.__name__)
+            self.ops[name] += 1
+            if self.by_frame and name not in _NO_LAUNCH:
+                self.frames[f"{_project_frame()} {name}"] += 1
         return func(*args, **(kwargs or {}))
+
+
+# Ops that only make views or host tensors: no kernel launch on a GPU.
+_NO_LAUNCH = {"slice", "narrow", "select", "view", "reshape", "detach", "detach_", "lift_fresh",
+              "expand", "unsqueeze", "squeeze", "as_strided", "t", "permute", "alias",
+              "resolve_conj", "resolve_neg", "_unsafe_view", "split", "unbind"}
+
+
+def _project_frame() -> str:
+    """file:function of the innermost frame in this repository's packages."""
+    f = sys._getframe(2)
+    while f is not None:
+        path = f.f_code.co_filename
+        if any(f"/{d}/" in path for d in ("compiled_spec", "capture", "kernels", "passes")):
+            return f"{Path(path).parent.name}/{Path(path).name}:{f.f_code.co_name}"
+        f = f.f_back
+    return "?"
 
 
 def fixtures(fx: Path, tokenizer: str) -> tuple[str, str, str]:
@@ -86,7 +108,7 @@ def fixtures(fx: Path, tokenizer: str) -> tuple[str, str, str]:
 
 
 def measure(name: str, llm: LLM, k: int, batch: int, tokens: int, ops: bool,
-            prof: cProfile.Profile | None) -> dict:
+            prof: cProfile.Profile | None, by_frame: bool = False) -> dict:
     cfg = llm.config
     models = compile_models(llm.engine.runner, CompileConfig(inductor=False))
     llm._compiled = models
@@ -102,7 +124,7 @@ def measure(name: str, llm: LLM, k: int, batch: int, tokens: int, ops: bool,
     for p in prompts:
         eng.add_request(p, sp)
     eng.step()  # prefill (not a decode step)
-    host_ms, replay_ms, counter = [], [], OpCounter()
+    host_ms, replay_ms, counter = [], [], OpCounter(by_frame)
     tokens_before = eng.stats.num_decode_tokens
     steps = 0
     while eng.has_unfinished():
@@ -132,6 +154,10 @@ def measure(name: str, llm: LLM, k: int, batch: int, tokens: int, ops: bool,
     if ops:
         row["aten_ops_per_step"] = round(sum(counter.ops.values()) / steps, 1)
         row["top_ops"] = {o: round(n / steps, 2) for o, n in counter.ops.most_common(40)}
+    if by_frame:
+        row["launches_per_step"] = round(sum(counter.frames.values()) / steps, 1)
+        row["launches_by_frame"] = {o: round(n / steps, 2)
+                                    for o, n in counter.frames.most_common(40)}
     return row
 
 
@@ -142,6 +168,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--ops", action="store_true", help="count aten ops (slows the host timing)")
     ap.add_argument("--cprofile", action="store_true", help="print the top host functions")
+    ap.add_argument("--by-frame", action="store_true",
+                    help="with --ops: launching ops (no views) per project function")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--trees", action="store_true", help="also two draft-tree variants")
     a = ap.parse_args()
@@ -164,7 +192,7 @@ def main() -> None:
             llm = LLM(model=target, tokenizer=tok, max_model_len=256, max_num_seqs=batch,
                       num_kv_blocks=20 * batch + 8, dtype="float32", **spec)
             prof = cProfile.Profile() if a.cprofile else None
-            row = measure(name, llm, k, batch, a.tokens, a.ops, prof)
+            row = measure(name, llm, k, batch, a.tokens, a.ops, prof, a.by_frame)
             rows.append(row)
             print(json.dumps(row), flush=True)
             if prof is not None:

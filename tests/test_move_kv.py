@@ -1,0 +1,88 @@
+"""The one-launch KV slot mover of draft trees (``kernels.move_kv_triton``) against the per-layer
+gathers and scatters it replaces (``spec.tree.compact_kv``), under the Triton CPU interpreter in
+a subprocess (the interpreter must be chosen before triton is imported)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from compiled_spec.spec.tree import KVCompactor, compact_kv
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _caches(layers: int, dtype: torch.dtype, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [tuple(torch.randn(6, 4, 3, 8, generator=g).to(dtype) for _ in range(2))
+            for _ in range(layers)]
+
+
+# Moves as a tree step makes them: accepted nodes 2 and 3 of one request land on slots 1 and 2
+# (slot 2 is read by the first move and written by the second), another request's node 5 lands
+# on slot 9 (10 + 1 - 2 = its first position after the root). Then a batch of many moves.
+MOVES = {"overlapping": ([2, 3, 13], [1, 2, 9]),
+         "many": (list(range(12, 24)), list(range(0, 12)))}
+
+
+def _worker() -> None:
+    from kernels.move_kv_triton import cache_table, move_slots_triton
+
+    out = {}
+    for name, (src, dst) in MOVES.items():
+        for dtype in (torch.float32, torch.bfloat16):
+            ref, got = _caches(3, dtype, 0), _caches(3, dtype, 0)
+            compact_kv(ref, src, dst)
+            flat = [c for kv in got for c in kv]
+            move_slots_triton(cache_table(flat), flat[0], torch.tensor([src, dst]))
+            out[f"{name}_{dtype}"] = all(torch.equal(a, b) for a, b in zip(
+                [c for kv in ref for c in kv], flat))
+    # The compactor's kernel path, its address table reused across calls.
+    comp, ref, got = KVCompactor(use_kernel=True), _caches(2, torch.float32, 1), \
+        _caches(2, torch.float32, 1)
+    for src, dst in MOVES.values():
+        compact_kv(ref, src, dst)
+        comp(got, src, dst)
+    out["compactor"] = all(torch.equal(a, b) for x, y in zip(ref, got) for a, b in zip(x, y))
+    print("RESULTS " + json.dumps(out))
+
+
+def test_move_kv_kernel_equals_per_layer_moves() -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.run([sys.executable, __file__, "--worker"], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    res = json.loads(next(ln for ln in proc.stdout.splitlines()
+                          if ln.startswith("RESULTS "))[len("RESULTS "):])
+    assert res == {k: True for k in res} and len(res) == 5, res
+
+
+def test_overlapping_moves_read_sources_first() -> None:
+    """The reference itself: slot 2 is moved to 1 before slot 3 overwrites it."""
+    caches = _caches(1, torch.float32, 2)
+    before = caches[0][0].view(-1, 3, 8).clone()
+    compact_kv(caches, *MOVES["overlapping"])
+    after = caches[0][0].view(-1, 3, 8)
+    assert torch.equal(after[1], before[2]) and torch.equal(after[2], before[3])
+    assert torch.equal(after[9], before[13])
+
+
+def test_compactor_off_gpu_uses_the_reference_and_checks_caches() -> None:
+    comp, ref, got = KVCompactor(), _caches(2, torch.float32, 3), _caches(2, torch.float32, 3)
+    compact_kv(ref, [5], [1])
+    comp(got, [5], [1])
+    assert comp._table is None  # no kernel on the CPU
+    assert all(torch.equal(a, b) for x, y in zip(ref, got) for a, b in zip(x, y))
+    from kernels.move_kv_triton import cache_table
+
+    with pytest.raises(ValueError, match="KV caches differ"):
+        cache_table([torch.zeros(2, 3), torch.zeros(2, 4)])
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    _worker()
