@@ -103,6 +103,11 @@ def main(argv: list[str] | None = None) -> int:
     _add_engine_args(pr)
     _add_prompt_args(pr, num_prompts=2, max_tokens=32)
     pr.add_argument("--out-dir", default="profiles/traces")
+    pr.add_argument("--batch", type=int, default=1,
+                    help="requests per generate call (a large batch profiles the engine as it "
+                    "runs self-distillation)")
+    pr.add_argument("--kernel-table", type=int, default=0, metavar="N",
+                    help="also print the N ops with the most device (else host) time")
     pr.set_defaults(func=cmd_profile)
 
     pa = sub.add_parser("parity", help="eager vs compiled: tau, per-position acceptance, first divergence")

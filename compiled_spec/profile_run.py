@@ -30,10 +30,18 @@ def run_profile(a: argparse.Namespace) -> int:
     acts = [torch.profiler.ProfilerActivity.CPU]
     if llm.config.device.type == "cuda":
         acts.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=acts,
-                                on_trace_ready=torch.profiler.tensorboard_trace_handler(str(out_dir))):
-        for ids in prompts:  # batch 1, one request at a time
-            llm.generate(ids, sp)
+    batch = getattr(a, "batch", 1)
+    if not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"--batch {batch!r}: must be a positive integer")
+    with torch.profiler.profile(activities=acts, on_trace_ready=torch.profiler.
+                                tensorboard_trace_handler(str(out_dir))) as prof:
+        for i in range(0, len(prompts), batch):  # --batch requests per call (default one)
+            llm.generate(prompts[i:i + batch] if batch > 1 else prompts[i], sp)
+    if getattr(a, "kernel_table", 0):
+        by = "self_cuda_time_total" if torch.profiler.ProfilerActivity.CUDA in acts \
+            else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=by, row_limit=a.kernel_table,
+                                        max_name_column_width=60))
     trace = max(glob.glob(str(out_dir / "*.pt.trace.json")), key=os.path.getmtime)
     lat = phase_latencies(trace)
     print(f"trace: {trace}\nview:  tensorboard --logdir {a.out_dir}   (pip install torch-tb-profiler)")

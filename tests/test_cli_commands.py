@@ -63,3 +63,17 @@ def test_profile_writes_a_trace_with_phases(tiny_pair, mt_bench_path, tmp_path, 
     assert list((tmp_path / "traces").rglob("*.pt.trace.json"))
     printed = capsys.readouterr().out
     assert "propose" in printed and "verify" in printed
+
+
+def test_profile_batches_requests_and_prints_a_kernel_table(tiny_pair, mt_bench_path, tmp_path,
+                                                            capsys):
+    """--batch 3 sends the prompts as one call (the large-batch profile of self-distillation);
+    --kernel-table prints the ops with the most time."""
+    target, head = tiny_pair
+    assert main(["profile", "--model", target, "--device", "cpu", "--prompts", mt_bench_path,
+                 "--num-prompts", "3", "--max-tokens", "4", "--max-model-len", "1024",
+                 "--batch", "3", "--kernel-table", "5", "--out-dir", str(tmp_path / "t")]) == 0
+    printed = capsys.readouterr().out
+    assert "Self CPU" in printed and "aten::" in printed
+    assert main(["profile", "--model", target, "--device", "cpu", "--prompts", mt_bench_path,
+                 "--num-prompts", "1", "--batch", "0", "--out-dir", str(tmp_path / "u")]) == 2

