@@ -24,15 +24,18 @@ def run_profile(a: argparse.Namespace) -> int:
     texts = load_mt_bench(a.prompts, a.num_prompts)
     prompts = mt_bench_prompts(llm, texts)
     sp = SamplingParams(max_tokens=a.max_tokens, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts[0], SamplingParams(max_tokens=8, temperature=0.0))  # warm-up
+    batch = getattr(a, "batch", 1)
+    if not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"--batch {batch!r}: must be a positive integer")
+    # Warm-up at the profiled batch size: a first call of a new shape may compile (Dynamo) and
+    # the trace would show compilation instead of steps.
+    warm = SamplingParams(max_tokens=8, temperature=0.0)
+    llm.generate(prompts[:batch] if batch > 1 else prompts[0], warm)
     out_dir = Path(a.out_dir) / time.strftime("%Y%m%d-%H%M%S")
     out_dir.mkdir(parents=True, exist_ok=True)
     acts = [torch.profiler.ProfilerActivity.CPU]
     if llm.config.device.type == "cuda":
         acts.append(torch.profiler.ProfilerActivity.CUDA)
-    batch = getattr(a, "batch", 1)
-    if not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"--batch {batch!r}: must be a positive integer")
     with torch.profiler.profile(activities=acts, on_trace_ready=torch.profiler.
                                 tensorboard_trace_handler(str(out_dir))) as prof:
         for i in range(0, len(prompts), batch):  # --batch requests per call (default one)
