@@ -155,7 +155,7 @@ class GraphRunner:
             seqs = sorted(s // self.query_len for s, b in self._graphs if b == bucket)
             if seqs:
                 self._tables[bucket] = padding_table(seqs)
-        if self._graphs and self.buffers.num_steps == 1 and not self.buffers.extras:
+        if self._graphs:
             self._stage = HostStage(self.buffers)  # pinned buffers now, not in the first step
 
     def _capture_one(self, size: int, bucket: int) -> None:
@@ -208,9 +208,11 @@ class GraphRunner:
         self.buffers.fill(live, size, size // self.query_len, self.query_len, bucket)
         return self._replay(key, live.num_tokens, live.num_seqs)
 
-    def run_host(self, hb: HostBatch, drafts_flat: torch.Tensor | None = None) -> Any:
-        """``run`` for a host-built batch, staged in two copies (``capture.host_stage``); None
-        (counted) when no graph fits: the caller then builds device tensors and runs ``fn``."""
+    def run_host(self, hb: HostBatch, drafts_flat: torch.Tensor | None = None,
+                 extras: dict[str, torch.Tensor] | None = None) -> Any:
+        """``run`` for a host-built batch, staged in two copies (``capture.host_stage``), the
+        extras (device tensors) copied in; None (counted) when no graph fits: the caller then
+        builds device tensors and runs ``fn``."""
         key = self._lookup_ints(hb.num_seqs, hb.max_query_len, hb.width, hb.max_seq_len)
         if isinstance(key, str):
             self._miss(key)
@@ -218,7 +220,8 @@ class GraphRunner:
         if self._stage is None:
             self._stage = HostStage(self.buffers)
         size, bucket = key
-        self._stage.fill(hb, size, size // self.query_len, self.query_len, bucket, drafts_flat)
+        self._stage.fill(hb, size, size // self.query_len, self.query_len, bucket, drafts_flat,
+                         extras)
         return self._replay(key, hb.num_tokens, hb.num_seqs)
 
     def _replay(self, key: tuple[int, int], t: int, b: int) -> Any:

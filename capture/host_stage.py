@@ -39,13 +39,14 @@ def put(arr: np.ndarray, live: list, size: int, pad: int) -> None:
 
 @dataclass
 class HostBatch:
-    """A flat single-step batch as host lists (``Span`` layout, inert padding already applied
-    to rows past a request's write limit)."""
+    """A flat batch as host lists (``Span`` layout, inert padding already applied to rows past
+    a request's write limit). An S-step loop (a draft-tree expansion) gives positions, slots
+    and seq_lens one list per step, as ``LiveBatch`` does with a leading step dimension."""
 
     input_ids: list[int]  # [T]; rows in draft_dst are placeholders
-    positions: list[int]  # [T]
-    slots: list[int]  # [T], -1 = write nothing
-    seq_lens: list[int]  # [B]
+    positions: list[int] | list[list[int]]  # [T] or [S][T]
+    slots: list[int] | list[list[int]]  # [T] or [S][T], -1 = write nothing
+    seq_lens: list[int] | list[list[int]]  # [B] or [S][B]
     query_start_loc: list[int]  # [B + 1]
     tables: list[list[int]]  # [B][blocks]
     max_query_len: int
@@ -58,8 +59,13 @@ class HostBatch:
         return len(self.input_ids)
 
     @property
+    def num_steps(self) -> int:
+        return len(self.positions) if self.positions and isinstance(self.positions[0], list) \
+            else 1
+
+    @property
     def num_seqs(self) -> int:
-        return len(self.seq_lens)
+        return len(self.query_start_loc) - 1
 
     @property
     def width(self) -> int:
@@ -67,46 +73,58 @@ class HostBatch:
 
 
 class HostStage:
-    """Numpy mirrors of one single-step ``StaticBuffers`` and the two uploads into it."""
+    """Numpy mirrors of one ``StaticBuffers`` (single-step or an S-step loop) and the two
+    uploads into it; extras (device tensors: hidden states, tree masks) are copied in, one
+    copy each."""
 
     def __init__(self, bufs: StaticBuffers) -> None:
-        if bufs.num_steps != 1 or bufs.extras:
-            raise ValueError("HostStage: single-step buffers without extras only")
         self.bufs = bufs
         self.t64, self.h64 = staging(bufs.flat64.numel(), torch.int64, bufs.device)
         self.t32, self.h32 = staging(bufs.flat32.numel(), torch.int32, bufs.device)
-        self.h64[4 * bufs.max_tokens:] = -1  # slots of rows never written: inert
-        t, b = bufs.max_tokens, bufs.max_seqs
+        t, b, s = bufs.max_tokens, bufs.max_seqs, bufs.num_steps
+        self.h64[(3 + s) * t:] = -1  # slots of rows never written: inert
         self._ids, self._dst, self._src = (self.h64[i * t:(i + 1) * t] for i in range(3))
-        self._pos, self._slots = self.h64[3 * t:4 * t], self.h64[4 * t:5 * t]
-        self._lens, self._qsl = self.h32[:b], self.h32[b:2 * b + 1]
-        self._tables = self.h32[2 * b + 1:].reshape(b, bufs.max_blocks)
+        self._pos = self.h64[3 * t:(3 + s) * t].reshape(s, t)  # [S, max_tokens]
+        self._slots = self.h64[(3 + s) * t:(3 + 2 * s) * t].reshape(s, t)  # [S, max_tokens]
+        self._lens = self.h32[:s * b].reshape(s, b)  # [S, max_seqs]
+        self._qsl = self.h32[s * b:s * b + b + 1]
+        self._tables = self.h32[s * b + b + 1:].reshape(b, bufs.max_blocks)
 
     def fill(self, hb: HostBatch, padded_tokens: int, padded_seqs: int, max_query_len: int,
-             max_seq_len: int, drafts_flat: torch.Tensor | None) -> LiveBatch:
+             max_seq_len: int, drafts_flat: torch.Tensor | None,
+             extras: dict[str, torch.Tensor] | None = None) -> LiveBatch:
         """Stage ``hb`` padded to (padded_tokens, padded_seqs); returns the static views with
-        the graph's host ints. ``drafts_flat``: the device drafts that draft_src indexes."""
+        the graph's host ints. ``drafts_flat``: the device drafts that draft_src indexes;
+        ``extras``: the buffers' extras as device tensors ([T, ...] or [B, ...])."""
         bufs, t, b = self.bufs, hb.num_tokens, hb.num_seqs
+        s = bufs.num_steps
         if not (t <= padded_tokens <= bufs.max_tokens and b <= padded_seqs <= bufs.max_seqs):
             raise ValueError(f"host batch (tokens={t}, seqs={b}) -> padded ({padded_tokens}, "
                              f"{padded_seqs}) does not fit buffers ({bufs.max_tokens}, "
                              f"{bufs.max_seqs})")
         if hb.width > bufs.max_blocks:
             raise ValueError(f"block tables of {hb.width} blocks exceed {bufs.max_blocks}")
+        if hb.num_steps != s:
+            raise ValueError(f"host batch has {hb.num_steps} steps, buffers {s}")
+        if set(extras or {}) != set(bufs.extras):
+            raise ValueError(f"extras {sorted(extras or {})} != buffers' {sorted(bufs.extras)}")
         put(self._ids, hb.input_ids, padded_tokens, 0)
-        put(self._pos, hb.positions, padded_tokens, 0)
-        put(self._slots, hb.slots, padded_tokens, -1)
+        steps = zip(*((hb.positions, hb.slots, hb.seq_lens) if s > 1
+                      else ([hb.positions], [hb.slots], [hb.seq_lens])))
+        for j, (pos, slots, lens) in enumerate(steps):
+            put(self._pos[j], pos, padded_tokens, 0)
+            put(self._slots[j], slots, padded_tokens, -1)
+            put(self._lens[j], lens, padded_seqs, 0)
         n_d = len(hb.draft_dst)
         self._dst[:n_d] = hb.draft_dst
         self._src[:n_d] = hb.draft_src
-        put(self._lens, hb.seq_lens, padded_seqs, 0)
         put(self._qsl, hb.query_start_loc, padded_seqs + 1, t)
         tab = self._tables[:padded_seqs]
         tab[:] = 0
         for i, row in enumerate(hb.tables):
             tab[i, :len(row)] = row
-        end64 = 4 * bufs.max_tokens + padded_tokens
-        end32 = 2 * bufs.max_seqs + 1 + padded_seqs * bufs.max_blocks
+        end64 = (3 + 2 * s - 1) * bufs.max_tokens + padded_tokens
+        end32 = (s + 1) * bufs.max_seqs + 1 + padded_seqs * bufs.max_blocks
         bufs.flat64[:end64].copy_(self.t64[:end64], non_blocking=True)
         bufs.flat32[:end32].copy_(self.t32[:end32], non_blocking=True)
         if n_d:
@@ -114,4 +132,10 @@ class HostStage:
                 raise ValueError("host batch has draft rows but no drafts were given")
             bufs.input_ids.index_copy_(0, bufs.draft_dst[:n_d],
                                        drafts_flat.index_select(0, bufs.draft_src[:n_d]))
-        return bufs._views(padded_tokens, padded_seqs, max_query_len, max_seq_len)
+        view = bufs._views(padded_tokens, padded_seqs, max_query_len, max_seq_len)
+        for name, v in (extras or {}).items():  # padding rows zeroed, as StaticBuffers.fill
+            dst = view.extras[name]
+            dst[:v.shape[0]].copy_(v, non_blocking=True)
+            if dst.shape[0] > v.shape[0]:
+                dst[v.shape[0]:].zero_()
+        return view

@@ -349,6 +349,49 @@ def test_host_stage_equals_the_device_fill_path():
         stage.fill(small, 4, 2, 4, 64, None)
 
 
+def test_host_stage_of_a_loop_with_extras_equals_the_device_fill_path():
+    """An S-step loop batch (a draft-tree expansion: per-step positions, slots, seq_lens) with a
+    per-token and a per-sequence extra stages as StaticBuffers.fill pads it; a smaller batch
+    after a larger one leaves nothing of it behind (padding rows inert, extras zeroed)."""
+    from capture.host_stage import HostBatch, HostStage
+    from compiled_spec.engine.batch import metadata_to_device
+
+    def spec(n_seq: int, base: int) -> tuple[HostBatch, LiveBatch]:
+        k, steps = 2, 3  # K nodes per request, 3 expansion steps
+        pos = [[base + r * 10 + j for r in range(n_seq) for _ in range(k)] for j in range(steps)]
+        slots = [[p * 2 + i % 2 for i, p in enumerate(row)] for row in pos]
+        lens = [[base + r * 10 + j + 4 for r in range(n_seq)] for j in range(steps)]
+        qsl = [i * k for i in range(n_seq + 1)]
+        tables = [[r, r + 1][: 1 + r % 2] for r in range(n_seq)]
+        hb = HostBatch(input_ids=[0] * (n_seq * k), positions=pos, slots=slots, seq_lens=lens,
+                       query_start_loc=qsl, tables=tables, max_query_len=k,
+                       max_seq_len=max(map(max, lens)))
+        p_t, meta = metadata_to_device(CPU, pos, slots, lens, qsl, tables, k, hb.max_seq_len)
+        extras = {"mask": torch.arange(n_seq * k * 3).view(-1, 3) % 2 == 0,
+                  "feed": torch.randn(n_seq, 5)}
+        return hb, LiveBatch(torch.zeros(n_seq * k, dtype=torch.int64), p_t, meta, extras)
+
+    kw = dict(num_steps=3, token_extras={"mask": ((3,), torch.bool)},
+              seq_extras={"feed": ((5,), torch.float32)})
+    bufs, ref_bufs = StaticBuffers(16, 8, 4, CPU, **kw), StaticBuffers(16, 8, 4, CPU, **kw)
+    stage = HostStage(bufs)
+    for n_seq, base, tokens, seqs in ((4, 7, 16, 8), (2, 30, 8, 4)):
+        hb, live = spec(n_seq, base)
+        got = stage.fill(hb, tokens, seqs, 2, 64, None, live.extras)
+        want = ref_bufs.fill(live, tokens, seqs, 2, 64)
+        assert torch.equal(got.positions, want.positions) and got.positions.shape == (3, tokens)
+        for f in ("slot_mapping", "seq_lens", "query_start_loc", "block_tables"):
+            assert torch.equal(getattr(got.meta, f), getattr(want.meta, f)), f
+        for name in ("mask", "feed"):
+            assert torch.equal(got.extras[name], want.extras[name]), name
+    with pytest.raises(ValueError, match="extras"):
+        stage.fill(hb, 8, 4, 2, 64, None, {"mask": live.extras["mask"]})
+    with pytest.raises(ValueError, match="steps"):
+        one = HostBatch(**{**hb.__dict__, "positions": hb.positions[0], "slots": hb.slots[0],
+                           "seq_lens": hb.seq_lens[0]})
+        stage.fill(one, 8, 4, 2, 64, None, live.extras)
+
+
 @pytest.mark.parametrize("kind,n", [("decode", 3), ("decode", 6), ("verify", 3), ("mixed", 5)])
 def test_run_host_replays_like_run_and_counts_misses(world, kind, n):
     """The engine's path (host lists staged in two copies) replays the same graph as ``run`` and

@@ -71,6 +71,20 @@ class GraphedTarget:
         self.prefill_calls += 1
         return None
 
+    def run_tree_host(self, hb: HostBatch, drafts_flat: torch.Tensor,
+                      extras: dict[str, torch.Tensor]) -> Any:
+        """A tree verification from host lists (positions = the roots', ``extras`` = depth and
+        tree_mask, see ``engine.tree_graphs``), staged into the tree-verify graph's buffers; a
+        batch no graph fits (counted) runs the graph's body compiled from device tensors."""
+        if self.tree is None:
+            raise RuntimeError("tree attention reached an engine without a tree-verify graph")
+        out = self.tree.run_host(hb, drafts_flat, extras)
+        if out is not None:
+            return out
+        input_ids, positions, meta = host_batch_to_device(hb, self.decode.buffers.device,
+                                                          drafts_flat)
+        return self.tree.fn(LiveBatch(input_ids, positions, meta, extras=extras))
+
     def run_host(self, hb: HostBatch, drafts_flat: torch.Tensor | None,
                  aux_layer_ids: tuple[int, ...] = ()) -> Any:
         """The engine's causal steps from a host-built batch: decode / verify replay with the

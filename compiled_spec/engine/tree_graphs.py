@@ -4,12 +4,16 @@ exactly as for the chain components).
 
 * ``target_tree_verify``: every request verifies ``num_draft_tokens`` (N) nodes, so one graph
   per batch size holds T = n * N tokens; a plain request inside a tree step (a one-node tree)
-  has fewer query tokens and pads into it. ``tree_start`` [B] and ``tree_mask`` [T, N] travel
-  as extras: padded token rows see no tree slot and belong to no sequence, padded sequences
-  have q_len 0, seq_len 0 and slot -1 (``capture.pad``), so padding is inert.
+  has fewer query tokens and pads into it. Positions hold each node's root position and the
+  extra ``depth`` [T] is added in the graph; ``tree_mask`` [T, N] is an extra, and every
+  sequence's tree slots start N before its end (``tree_start`` = seq_lens - N, computed in the
+  graph). Padded token rows see no tree slot and belong to no sequence, padded sequences have
+  q_len 0, seq_len 0 and slot -1 (``capture.pad``), so padding is inert. The tree runner stages
+  its host lists straight into the buffers (``GraphRunner.run_host``).
 * ``tree_draft_first_pass``: the draft over each request's root and accepted nodes (<= depth + 1
-  tokens, causal); EAGLE-3's fc runs eagerly before it (``TreeProposer.propose``). A first pass
-  after a prefill is longer and runs compiled without a graph, counted as ``query_len``.
+  tokens, causal); EAGLE-3's fc runs eagerly before it (``TreeProposer.propose``). The graph
+  returns each request's last row only (what ``expand`` reads). A first pass after a prefill is
+  longer and runs compiled without a graph, counted as ``query_len``.
 * ``tree_draft_expand``: ``TreeProposer.expand``, i.e. layer 1's top-k, every expansion (K
   nodes per request, tree attention, metadata of all steps built on the host beforehand) and
   node selection, as one graph per batch size; outputs are per request.
@@ -31,16 +35,25 @@ if TYPE_CHECKING:
 Register = Callable[..., GraphRunner]  # GraphRegistry.register with the engine's defaults
 
 
-def tree_live(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-              ) -> LiveBatch:
-    """A tree forward's inputs with the tree fields as extras, which is how static buffers pad
-    them (zeros: no tree slot visible, tree_start 0)."""
+def tree_live(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+              depth: torch.Tensor | None = None) -> LiveBatch:
+    """A tree forward's inputs as the verify graph takes them: ``positions`` + ``depth`` (zeros
+    when not given: positions already final) and the mask as extras (zeros pad them: no tree
+    slot visible). ``meta.tree_start`` must be seq_lens - N, which the graph recomputes."""
+    depth = torch.zeros_like(input_ids) if depth is None else depth
     return LiveBatch(input_ids, positions, replace(meta, tree_start=None, tree_mask=None),
-                     extras={"tree_start": meta.tree_start, "tree_mask": meta.tree_mask})
+                     extras={"depth": depth, "tree_mask": meta.tree_mask})
 
 
-def _tree_meta(b: LiveBatch) -> AttentionMetadata:
-    return replace(b.meta, tree_start=b.extras["tree_start"], tree_mask=b.extras["tree_mask"])
+def tree_verify_fn(target_fn: Callable[..., Any], num_nodes: int, aux_ids: tuple[int, ...]
+                   ) -> Callable[[LiveBatch], Any]:
+    """The verify graph's body: rope positions root + depth, tree slots the last N of each
+    sequence (padded sequences, seq_len 0, clamp to 0: they have no query rows)."""
+    def fn(b: LiveBatch) -> Any:
+        meta = replace(b.meta, tree_start=(b.meta.seq_lens - num_nodes).clamp(min=0),
+                       tree_mask=b.extras["tree_mask"])
+        return target_fn(b.input_ids, b.positions + b.extras["depth"], meta, aux_ids)
+    return fn
 
 
 def register_tree_verify(reg: Register, target_fn: Callable[..., Any], tree: "TreeConfig",
@@ -48,10 +61,10 @@ def register_tree_verify(reg: Register, target_fn: Callable[..., Any], tree: "Tr
                          aux_ids: tuple[int, ...]) -> GraphRunner:
     n, bm = tree.num_draft_tokens, batch_sizes[-1]
     bufs = StaticBuffers(bm * n, bm, max_blocks, device,
-                         token_extras={"tree_mask": ((n,), torch.bool)},
-                         seq_extras={"tree_start": ((), torch.int32)})
-    fn = lambda b: target_fn(b.input_ids, b.positions, _tree_meta(b), aux_ids)  # noqa: E731
-    return reg("target_tree_verify", fn, [s * n for s in batch_sizes], bufs, query_len=n)
+                         token_extras={"tree_mask": ((n,), torch.bool),
+                                       "depth": ((), torch.int64)})
+    return reg("target_tree_verify", tree_verify_fn(target_fn, n, aux_ids),
+               [s * n for s in batch_sizes], bufs, query_len=n)
 
 
 class TreeProposeGraphs:
@@ -64,15 +77,20 @@ class TreeProposeGraphs:
         q = cfg.num_steps + 1  # root + the deepest accepted path
         names = prop.layer_names
 
-        def first_pass(b: LiveBatch) -> tuple[torch.Tensor, torch.Tensor]:  # [T, h] each
+        def first_pass(b: LiveBatch) -> tuple[torch.Tensor, torch.Tensor]:  # [B, h] each
             # prop.step_fn is read per call: compiled or eager, as compile.use_compiled set it.
-            return prop.step_fn(b.input_ids, b.extras["hidden"], b.positions,
-                                {name: b.meta for name in names})
+            feed, for_logits = prop.step_fn(b.input_ids, b.extras["hidden"], b.positions,
+                                             {name: b.meta for name in names})  # [T, h] each
+            # Each request's last row, what expand reads; a padded sequence's start and end are
+            # the live token count, so its "last row" is a live one (and is sliced off).
+            last = (b.meta.query_start_loc[1:] - 1).long()  # [B]
+            return feed[last], for_logits[last]
 
         fbufs = StaticBuffers(bm * q, bm, max_blocks, dev,
                               token_extras={"hidden": ((h,), dtype)})
         self.first_pass = reg("tree_draft_first_pass", first_pass,
-                              [s * q for s in batch_sizes], fbufs, query_len=q)
+                              [s * q for s in batch_sizes], fbufs, query_len=q,
+                              output_rows="seqs")
         K = cfg.topk
         ebufs = StaticBuffers(bm * K, bm, max_blocks, dev, num_steps=prop.expand_steps,
                               seq_extras={"feed": ((h,), dtype), "for_logits": ((h,), dtype)})

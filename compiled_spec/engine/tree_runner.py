@@ -23,6 +23,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from capture.host_stage import HostBatch
 from compiled_spec.engine.batch import Span, metadata_to_device, to_device
 from compiled_spec.engine.logprobs import gather_logprobs
 from compiled_spec.engine.model_runner import (ModelRunner, StepOutput, _Pending,
@@ -101,7 +102,18 @@ class TreeModelRunner(ModelRunner):
                 rows_t = to_device(tree_rows, dev)
                 t_tok, t_par = tree.tokens[rows_t], tree.parents[rows_t]
                 t_depth, t_mask = tree.depth[rows_t], tree.mask[rows_t]  # [B_t, N], [B_t, N, N]
-            if all_tree:  # every request verifies a tree: its rows are the batch as they are
+            # CUDA graphs (or their CPU emulation): the host lists go straight into the verify
+            # graph's buffers, the drafted nodes' ids gathered there from the trees.
+            use_host = all_tree and hasattr(self.target_fn, "run_tree_host")
+            if use_host:
+                dst, tok, mask = None, t_tok, t_mask  # the roots come from the host lists
+                hb = HostBatch(
+                    input_ids=host_ids, positions=base, slots=slots,
+                    seq_lens=[r + n_nodes for r in starts], query_start_loc=qsl, tables=tables,
+                    max_query_len=n_nodes, max_seq_len=max(starts) + n_nodes,
+                    draft_dst=[q0 + j for q0 in qsl[:-1] for j in range(1, n_nodes)],
+                    draft_src=[r * n_nodes + j for r in tree_rows for j in range(1, n_nodes)])
+            elif all_tree:  # every request verifies a tree: its rows are the batch as they are
                 dst = None
                 tok = t_tok.clone()  # [B, N]
                 tok[:, 0] = to_device(host_ids[::n_nodes], dev)  # the roots
@@ -122,13 +134,20 @@ class TreeModelRunner(ModelRunner):
             # What acceptance reads after the verify, copied before it: the trees are graph
             # outputs of the proposer, valid only until the verify's replay (capture.emulate).
             tree_info = torch.stack([tok, t_par, t_depth])  # [3, B_t, N]
-            base_t, meta = metadata_to_device(dev, base, slots, [s + n_nodes for s in starts],
-                                              qsl, tables, n_nodes, max(starts) + n_nodes)
-            positions = base_t + depth  # rope position L-1 + depth
-            # Every sequence's context is its prefix plus its N tree slots.
-            meta = replace(meta, tree_start=meta.seq_lens - n_nodes, tree_mask=mask)
+            if not use_host:
+                base_t, meta = metadata_to_device(dev, base, slots,
+                                                  [s + n_nodes for s in starts], qsl, tables,
+                                                  n_nodes, max(starts) + n_nodes)
+                positions = base_t + depth  # rope position L-1 + depth
+                # Every sequence's context is its prefix plus its N tree slots.
+                meta = replace(meta, tree_start=meta.seq_lens - n_nodes, tree_mask=mask)
         with phase("verify"):
-            hidden, aux = self.target_fn(input_ids, positions, meta, self.aux_layer_ids)
+            if use_host:
+                hidden, aux = self.target_fn.run_tree_host(
+                    hb, tree.tokens.reshape(-1),
+                    {"depth": t_depth.reshape(-1), "tree_mask": mask.reshape(-1, n_nodes)})
+            else:
+                hidden, aux = self.target_fn(input_ids, positions, meta, self.aux_layer_ids)
             logits = self.model.compute_logits(hidden)  # [T, V]
         with phase("rejection_sample"):
             reps = [qsl[i + 1] - qsl[i] for i in range(len(reqs))]
@@ -136,6 +155,8 @@ class TreeModelRunner(ModelRunner):
             if st.all_greedy:
                 drawn = logits.argmax(dim=-1)  # [T]
             else:  # the token vanilla sampling would draw after each node (position + 1)
+                if use_host:
+                    positions = to_device(base, dev) + t_depth.reshape(-1)  # [T]
                 drawn = sample_from_probs(apply_filters(logits, st),
                                           position_keys(st.seeds, positions + 1, STREAM_TOKEN))
             at_nodes = (drawn if dst is None else drawn[dst]).view(-1, n_nodes)  # [B_t, N]

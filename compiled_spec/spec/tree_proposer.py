@@ -21,7 +21,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from capture.pad import LiveBatch
-from compiled_spec.engine.batch import build_metadata, metadata_to_device, to_device
+from capture.host_stage import HostBatch
+from compiled_spec.engine.batch import (build_host_batch, build_metadata, host_batch_to_device,
+                                          metadata_to_device, to_device)
 from compiled_spec.spec.proposer import EagleProposer, ProposeBatch
 from compiled_spec.spec.tree import TreeConfig, ancestor_mask, select_nodes
 
@@ -73,17 +75,26 @@ class TreeProposer:
         rows = to_device(batch.hidden_rows, dev)
         aux = [h[rows] for h in target_hidden] if isinstance(target_hidden, list) \
             else [target_hidden[rows]]
-        ids = to_device(batch.token_ids, dev)  # [T]
-        positions, meta = build_metadata(self.allocator, batch.first_pass, dev)
-        if self.graph is not None:  # EAGLE-3's fc eagerly, the rest as a graph (counted misses)
-            first = LiveBatch(ids, positions, meta,
-                              extras={"hidden": self.draft.combine_aux(aux)})  # [T, h]
-            feed, for_logits = self.graph.first_pass.run(first)
-        else:
+        g = self.graph
+        if g is None:
+            ids = to_device(batch.token_ids, dev)  # [T]
+            positions, meta = build_metadata(self.allocator, batch.first_pass, dev)
             feed, for_logits = self.first_pass_fn(aux, ids, positions, self.base._metas(meta))
-        last = (meta.query_start_loc[1:] - 1).long()  # [B] each request's last first-pass row
-        live = self.expand_batch(batch, feed[last], for_logits[last])
-        out = self.graph.expand.run(live) if self.graph is not None else self.expand(live)
+            last = (meta.query_start_loc[1:] - 1).long()  # [B] each request's last row
+            return DraftTree(*self.expand(self.expand_batch(batch, feed[last],
+                                                            for_logits[last]))), None
+        # Graphs: EAGLE-3's fc eagerly, then both calls staged from host lists (a batch no
+        # graph fits, e.g. a first pass after a prefill, runs the graph's body, counted).
+        hidden = self.draft.combine_aux(aux)  # [T, h]
+        hb = build_host_batch(self.allocator, batch.first_pass, list(batch.token_ids))
+        last = g.first_pass.run_host(hb, None, {"hidden": hidden})  # ([B, h], [B, h])
+        if last is None:
+            ids, positions, meta = host_batch_to_device(hb, dev)
+            last = g.first_pass.fn(LiveBatch(ids, positions, meta, extras={"hidden": hidden}))
+        extras = {"feed": last[0], "for_logits": last[1]}
+        out = g.expand.run_host(self._expand_rows(batch), None, extras)
+        if out is None:
+            out = g.expand.fn(self.expand_batch(batch, *last))
         return DraftTree(*out), None
 
     def expand(self, live: LiveBatch) -> tuple[torch.Tensor, ...]:
@@ -147,12 +158,10 @@ class TreeProposer:
         none, so the graphs' static buffers keep one layout)."""
         return max(self.cfg.num_steps - 1, 1)
 
-    def expand_batch(self, batch: ProposeBatch, feed: torch.Tensor,  # [B, h]
-                     for_logits: torch.Tensor,  # [B, h]
-                     ) -> LiveBatch:
-        """``expand``'s input: every expansion's (positions, metadata) at once, [S, B*K] (1-D
-        when S = 1). Expansion s has K nodes of depth s per request, input at position L-2+s,
-        KV at tree slots (s-1)K .. sK-1 (positions L-1+f)."""
+    def _expand_rows(self, batch: ProposeBatch) -> HostBatch:
+        """``expand``'s inputs as host lists: every expansion's positions, slots and sequence
+        lengths ([S][B*K], flat when S = 1). Expansion s has K nodes of depth s per request,
+        input at position L-2+s, KV at tree slots (s-1)K .. sK-1 (positions L-1+f)."""
         K, F, S = self.cfg.topk, self.cfg.num_forwarded, self.expand_steps
         alloc = self.allocator
         positions = [[] for _ in range(S)]
@@ -170,10 +179,21 @@ class TreeProposer:
                 slots[j].extend(alloc.slot(s.req_id, root + j * K + i)
                                 if root + j * K + i < covered else -1 for i in range(K))
         b = len(starts)
-        lens = [[r + F for r in starts]] * S
+        lens = [[r + F for r in starts] for _ in range(S)]
         one = S == 1
-        pos, meta = metadata_to_device(
-            self.device, positions[0] if one else positions, slots[0] if one else slots,
-            lens[0] if one else lens, [i * K for i in range(b + 1)], tables, K, max(starts) + F)
-        ids = torch.zeros(b * K, dtype=torch.int64, device=self.device)  # unused: sizes the batch
+        return HostBatch(input_ids=[0] * (b * K),  # unused: sizes the batch
+                         positions=positions[0] if one else positions,
+                         slots=slots[0] if one else slots, seq_lens=lens[0] if one else lens,
+                         query_start_loc=[i * K for i in range(b + 1)], tables=tables,
+                         max_query_len=K, max_seq_len=max(starts) + F)
+
+    def expand_batch(self, batch: ProposeBatch, feed: torch.Tensor,  # [B, h]
+                     for_logits: torch.Tensor,  # [B, h]
+                     ) -> LiveBatch:
+        """``expand``'s input as device tensors (``_expand_rows``), [S, B*K] when S > 1."""
+        hb = self._expand_rows(batch)
+        pos, meta = metadata_to_device(self.device, hb.positions, hb.slots, hb.seq_lens,
+                                       hb.query_start_loc, hb.tables, hb.max_query_len,
+                                       hb.max_seq_len)
+        ids = torch.zeros(hb.num_tokens, dtype=torch.int64, device=self.device)
         return LiveBatch(ids, pos, meta, extras={"feed": feed, "for_logits": for_logits})
