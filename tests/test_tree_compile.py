@@ -136,3 +136,19 @@ def test_compiled_tree_seeded_sampling_equals_eager(trained_eagle3_pair, smollm2
     assert llm.stats.spec.num_drafting_steps > 0
     assert llm.stats.spec.as_dict() == eager_llm.stats.spec.as_dict()
     assert _tree_graphs_compiled(llm, "draft_step") >= 1
+
+
+def test_bench_times_the_staged_tree_verify(trained_eagle3_pair, smollm2_gguf_path):
+    """With graphs the tree runner stages its verify from host lists (``run_tree_host``); the
+    bench's timer wraps that path too, so a tree row reports its verify time and the engine
+    still replays its tree-verify graph under the bench."""
+    from compiled_spec.bench.ours import Variant, time_engine
+
+    llm = _llm(trained_eagle3_pair, smollm2_gguf_path, attention=True)
+    graphs = _graphs(llm)
+    before = graphs.stats()["components"]["target_tree_verify"]["graph_replays"]
+    verify = graphs.registry.runners["target_tree_verify"]
+    verify.run = None  # the device-tensor path must not be taken: only run_host replays
+    rows, _ = time_engine(llm, Variant("tree", "head", True, (2, 6)), PROMPTS[:2], [1], 12, 0.0)
+    assert rows[0].verify_ms is not None and rows[0].verify_ms > 0
+    assert graphs.stats()["components"]["target_tree_verify"]["graph_replays"] > before

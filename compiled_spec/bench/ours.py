@@ -73,6 +73,9 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
     if hasattr(target, "run_host"):  # CUDA graphs: the engine stages host batches itself
         runner.target_fn.run_host = timer.wrap(  # type: ignore[attr-defined]
             "verify", target.run_host, when=lambda hb, *a: hb.max_query_len <= k + 1)
+    if hasattr(target, "run_tree_host"):  # draft trees with CUDA graphs: staged likewise
+        runner.target_fn.run_tree_host = timer.wrap(  # type: ignore[attr-defined]
+            "verify", target.run_tree_host)
     if runner.proposer is not None:
         runner.proposer.propose = timer.wrap("propose", runner.proposer.propose)
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
