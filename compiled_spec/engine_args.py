@@ -27,6 +27,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile-cache-dir", default=None, metavar="DIR",
                    help="persistent Inductor cache (default ~/.cache/compiled_spec/inductor, or "
                    "an exported TORCHINDUCTOR_CACHE_DIR; '' = Inductor's own default)")
+    p.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
+                   help="batch sizes to capture CUDA graphs for (default: 1, 2, 4, then every "
+                   "multiple of 8 up to --max-num-seqs; fewer sizes start up faster)")
     p.add_argument("--speculative-topk", type=int, default=1, help="> 1: EAGLE-2 draft trees")
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None,
                    help="tree verification budget, root included")
@@ -56,8 +59,10 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
               enable_prefix_caching=a.enable_prefix_caching,
               tensor_parallel_size=a.tensor_parallel_size,
               draft_tensor_parallel=a.draft_tensor_parallel)
-    if a.compile_cache_dir is not None:
+    sizes = getattr(a, "cuda_graph_sizes", None)
+    if a.compile_cache_dir is not None or sizes:
         from compiled_spec.compile import CompileConfig
 
-        kw["compile_config"] = CompileConfig(cache_dir=a.compile_cache_dir)
+        kw["compile_config"] = CompileConfig(cache_dir=a.compile_cache_dir,
+                                             capture_batch_sizes=tuple(sizes or ()))
     return kw

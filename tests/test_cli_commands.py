@@ -77,3 +77,18 @@ def test_profile_batches_requests_and_prints_a_kernel_table(tiny_pair, mt_bench_
     assert "Self CPU" in printed and "aten::" in printed
     assert main(["profile", "--model", target, "--device", "cpu", "--prompts", mt_bench_path,
                  "--num-prompts", "1", "--batch", "0", "--out-dir", str(tmp_path / "u")]) == 2
+
+
+def test_cuda_graph_sizes_reach_the_compile_config():
+    """--cuda-graph-sizes picks the captured batch sizes (a large-batch profile need not
+    capture 67 of them); without it and a cache dir the engine keeps its defaults."""
+    import argparse
+
+    from compiled_spec.engine_args import add_engine_args, engine_kwargs
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    kw = engine_kwargs(p.parse_args(["--max-num-seqs", "512", "--cuda-graph-sizes", "1", "512"]))
+    assert kw["compile_config"].capture_batch_sizes == (1, 512)
+    assert kw["compile_config"].cache_dir is None
+    assert "compile_config" not in engine_kwargs(p.parse_args([]))

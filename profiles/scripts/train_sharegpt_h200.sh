@@ -143,7 +143,8 @@ trees)
     --dtype ${DTYPE:-bfloat16} --compile -k ${K:-5} \
     --draft "${DRAFT:-$(cat ~/best_head 2>/dev/null || echo smollm2-eagle3)}" \
     --speculative-topk ${PROFILE_TOPK:-4} --speculative-num-draft-tokens ${PROFILE_TOKENS:-16} --prompts $D/question.jsonl \
-    --num-prompts 1 --max-tokens 32 --max-num-seqs 1 --kernel-table 40 --out-dir ~/traces \
+    --num-prompts 1 --max-tokens 32 --max-num-seqs 1 --cuda-graph-sizes 1 --kernel-table 40 \
+    --out-dir ~/traces \
     > "$OUT/tree_profile.log" 2>&1
   gzip -c "$(ls -t ~/traces/*/*.pt.trace.json | head -1)" > "$OUT/tree_step.pt.trace.json.gz"
   grep -vE "Warning|warn\(|^\s*$|tokeniz|Loading weights" "$OUT/trees.log" | tail -12
@@ -154,6 +155,7 @@ genprof)
   # with the ops' device-time table in the log (the trace itself comes back gzipped).
   timeout ${LIMIT:-300} python3 -m compiled_spec.cli profile --model "$M" --device ${DEVICE:-cuda} \
     --dtype ${DTYPE:-bfloat16} --compile --max-model-len 2048 --max-num-seqs ${GEN_BATCH:-512} \
+    --cuda-graph-sizes 1 8 64 256 ${GEN_BATCH:-512} \
     --prompts $D/train_prompts.jsonl --num-prompts ${GEN_BATCH:-512} --batch ${GEN_BATCH:-512} \
     --max-tokens ${MAX_TOKENS:-64} --kernel-table 40 --out-dir ~/gtraces > "$OUT/gen_profile.log" 2>&1
   gzip -c "$(ls -t ~/gtraces/*/*.pt.trace.json | head -1)" > "$OUT/gen_step.pt.trace.json.gz"
