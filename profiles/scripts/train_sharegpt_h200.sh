@@ -155,7 +155,7 @@ genprof)
   # with the ops' device-time table in the log (the trace itself comes back gzipped).
   timeout ${LIMIT:-300} python3 -m compiled_spec.cli profile --model "$M" --device ${DEVICE:-cuda} \
     --dtype ${DTYPE:-bfloat16} --compile --max-model-len 2048 --max-num-seqs ${GEN_BATCH:-512} \
-    --cuda-graph-sizes 1 8 64 256 ${GEN_BATCH:-512} \
+    --cuda-graph-sizes $(for n in 1 8 64 256; do [ $n -lt ${GEN_BATCH:-512} ] && echo $n; done) ${GEN_BATCH:-512} \
     --prompts $D/train_prompts.jsonl --num-prompts ${GEN_BATCH:-512} --batch ${GEN_BATCH:-512} \
     --max-tokens ${MAX_TOKENS:-64} --kernel-table 40 --out-dir ~/gtraces > "$OUT/gen_profile.log" 2>&1
   gzip -c "$(ls -t ~/gtraces/*/*.pt.trace.json | head -1)" > "$OUT/gen_step.pt.trace.json.gz"
