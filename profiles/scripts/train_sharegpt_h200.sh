@@ -2,8 +2,9 @@
 # Issue 14 on the H200: ShareGPT + training prompts, multi-turn self-distillation, a 32k-vocab
 # EAGLE-3 head with a frozen readout, compared with the shipped head. One phase per device call,
 # back to back on the warm machine (the GGUF travels in three parts, see .device/ below):
-#   bash profiles/scripts/train_sharegpt_h200.sh setup0   # carry .device/q0 .device/whl .device/tok:
-#                         packed-vs-padded check, train tokens/s, kernel table (random weights)
+#   bash profiles/scripts/train_sharegpt_h200.sh setup0   # carry .device/q0 .device/whl .device/tok
+#                         [.device/gen]: packed-vs-padded check, train tokens/s, kernel table
+#                         (random weights; SPEED=0: setup only)
 #   bash profiles/scripts/train_sharegpt_h200.sh speed    # carry .device/q1 .device/data (gen tokens/s
 #                                                 # with SECTIONS=gen)
 #   bash profiles/scripts/train_sharegpt_h200.sh data     # carry .device/q2 [.device/gen]: self-distil
@@ -14,7 +15,10 @@
 #   bash profiles/scripts/train_sharegpt_h200.sh train    # train on that data (TRAIN_LIMIT s), export,
 #                                                 # MT-bench, held out per kind vs the shipped head
 # Arguments after the phase go to `compiled-spec train` (e.g. --init-from DIR; in `data`,
-# --gen-skip N leaves out the jobs an earlier session's head was trained on).
+# --gen-skip N leaves out the first N jobs of the seeded order: with .device/gen, N is where its
+# data begin, so they are kept and generation goes on after them). .device/gen as the fourth
+# session left it: jobs 16,384-32,767 (16,188 sequences) and the 589 held-out ones, so
+# `data --gen-skip 16384`.
 #   bash profiles/scripts/train_sharegpt_h200.sh bench    # compiled EAGLE-3 (new head) vs vanilla, batch 1
 #   bash profiles/scripts/train_sharegpt_h200.sh trees    # chain vs trees (bench --trees), a tree-step trace
 #   bash profiles/scripts/train_sharegpt_h200.sh genprof  # a trace + kernel table of generation at
@@ -44,6 +48,8 @@ case "$PHASE" in
 setup0)
   mkdir -p ~/m ~/site $D
   cp .device/q0/part0 ~/m/ && cp -r .device/tok ~/tok
+  # Data of earlier sessions (.device/gen, see `data`) may ride along with this small call.
+  [ -d .device/gen ] && rm -rf ~/gen && cp -r .device/gen ~/gen
   python3 -m pip install -q --no-index --no-deps --target ~/site .device/whl/*.whl
   nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv | tee "$OUT/gpu.txt"
   python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/gpu.txt"
@@ -70,10 +76,11 @@ data)
   # than 1 (time-sliced GPU, results/2026-12-01_h200_continued-head/), so 1 by default. Data of
   # earlier calls (carry .device/gen): their jobs are skipped; shard 0 reuses the held-out file.
   N=${GEN_PROCS:-1}
+  G=.device/gen; [ -f $G/data.jsonl.gz ] || G=~/gen  # carried in this call or in setup0
   for i in $(seq 0 $((N - 1))); do
     S=$HEAD/shard$i; mkdir -p $S
-    [ -f .device/gen/data.jsonl.gz ] && gunzip -c .device/gen/data.jsonl.gz > $S/data.partial.jsonl
-    [ $i = 0 ] && [ -f .device/gen/val.jsonl.gz ] && gunzip -c .device/gen/val.jsonl.gz > $S/val.jsonl
+    [ -f $G/data.jsonl.gz ] && gunzip -c $G/data.jsonl.gz > $S/data.partial.jsonl
+    [ $i = 0 ] && [ -f $G/val.jsonl.gz ] && gunzip -c $G/val.jsonl.gz > $S/val.jsonl
     gen() {  # $1: time limit of the process, $2: generation limit, $3...: extra flags
       ( time timeout $1 "${TRAIN[@]}" --out $S --data-only --gen-shard $i/$N \
           --gen-batch-size $((${GEN_BATCH:-1024} / N)) --gen-kv-gib ${GEN_KV:-24} \
