@@ -142,7 +142,9 @@ class LLMEngine:
         if n == 0:
             raise ValueError("prompt is empty: give at least one token")
         vocab = self.model.config.vocab_size
-        ids = [as_int(t) for t in prompt_token_ids]
+        # Plain ints (nearly always) skip as_int's ABC check: a prompt's every token, twice per
+        # request (generate checks, add_request checks again).
+        ids = [t if type(t) is int else as_int(t) for t in prompt_token_ids]
         bad = [t for t, i in zip(prompt_token_ids, ids) if i is None or not 0 <= i < vocab]
         if bad:
             what = "is not an integer" if as_int(bad[0]) is None else "is outside the vocabulary"
@@ -228,43 +230,53 @@ class LLMEngine:
         """The step proper; appends to ``finished`` as requests finish (kept if it raises)."""
         out = self.runner.execute(reqs, num_new)
         now = time.perf_counter()
-        self.stats.num_steps += 1
+        stats, sched = self.stats, self.scheduler
+        stats.num_steps += 1
         going_on: list[Request] = []
         accepted: dict[int, int] = {}
-        verified = [(k, len(t) - 1) for k, t in zip(out.num_draft, out.new_tokens)]
+        spec_k: list[int] = []  # drafts verified / accepted by each request that verified any
+        spec_acc: list[int] = []
         lps = out.logprobs or [None] * len(reqs)
-        for req, n, toks, (k_d, acc), lp in zip(reqs, num_new, out.new_tokens, verified, lps):
-            req.suspect = False  # it ran a step (alone, if it was a suspect)
-            if n > 1 or req.num_computed == 0:
-                self.stats.num_prefill_tokens += n
-            req.num_computed += n + acc  # accepted drafts' KV was written during verification
-            if req.spec_stats is not None and k_d > 0:
-                req.spec_stats.update([k_d], [acc])
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-                # Counted once the request runs (an admission attempt may give blocks back).
-                self.stats.num_cached_tokens += req.num_cached_tokens
-            reason = None
-            for j, tok in enumerate(toks):
-                req.output_token_ids.append(tok)
-                if lp is not None:
-                    req.output_logprobs.append(lp[j])
-                if n == 1:
-                    self.stats.num_decode_tokens += 1
-                reason = stop_reason(req, tok, self.eos_token_ids, self.cfg.max_model_len,
-                                     self.detokenize)
+        eos, max_len, detok = self.eos_token_ids, self.cfg.max_model_len, self.detokenize
+        n_finished = len(finished)
+        try:  # every request of a large batch passes here each step: locals, no temporaries
+            for req, n, toks, k_d, lp in zip(reqs, num_new, out.new_tokens, out.num_draft, lps):
+                acc = len(toks) - 1
+                req.suspect = False  # it ran a step (alone, if it was a suspect)
+                if n > 1 or req.num_computed == 0:
+                    stats.num_prefill_tokens += n
+                req.num_computed += n + acc  # accepted drafts' KV was written in verification
+                if k_d > 0:
+                    spec_k.append(k_d)
+                    spec_acc.append(acc)
+                    if req.spec_stats is not None:
+                        req.spec_stats.update([k_d], [acc])
+                if req.metrics.first_token_time is None:
+                    req.metrics.first_token_time = now
+                    # Counted once the request runs (an admission attempt may give blocks back).
+                    stats.num_cached_tokens += req.num_cached_tokens
+                reason = None
+                for j, tok in enumerate(toks):
+                    req.output_token_ids.append(tok)
+                    if lp is not None:
+                        req.output_logprobs.append(lp[j])
+                    if n == 1:
+                        stats.num_decode_tokens += 1
+                    reason = stop_reason(req, tok, eos, max_len, detok)
+                    if reason is not None:
+                        break
                 if reason is not None:
-                    break
-            if reason is not None:
-                self.scheduler.finish(req, reason)
-                req.metrics.finish_time = now
-                finished.append(req)
-            else:
-                going_on.append(req)
-                accepted[req.req_id] = acc
-        spec_rows = [v for v in verified if v[0] > 0]
-        if spec_rows:
-            self.stats.spec.update([k for k, _ in spec_rows], [a for _, a in spec_rows])
+                    sched.end(req, reason)
+                    req.metrics.finish_time = now
+                    finished.append(req)
+                else:
+                    going_on.append(req)
+                    accepted[req.req_id] = acc
+        finally:
+            if len(finished) > n_finished:
+                sched.drop_finished()
+        if spec_k:
+            stats.spec.update(spec_k, spec_acc)
         self.runner.propose(going_on, accepted)
         if self.cfg.cache.prefix_caching:
             for req in going_on:

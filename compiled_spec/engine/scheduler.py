@@ -159,8 +159,17 @@ class Scheduler:
         )
 
     def finish(self, req: Request, reason: str) -> None:
+        self.end(req, reason)
+        if req in self.running:
+            self.running.remove(req)
+
+    def end(self, req: Request, reason: str) -> None:
+        """``finish`` but left in ``running`` until ``drop_finished``: a step that ends many of
+        a large batch's requests removes them in one pass (list.remove each is O(batch))."""
         req.status = Status.FINISHED
         req.finish_reason = reason
         self.allocator.free(req.req_id)
-        if req in self.running:
-            self.running.remove(req)
+
+    def drop_finished(self) -> None:
+        """Take the requests ``end`` finished out of ``running`` (order kept)."""
+        self.running[:] = [r for r in self.running if r.status is not Status.FINISHED]

@@ -14,7 +14,8 @@ temperature 0.8 with seeds, ignore_eos; LLM(max_num_seqs=B, max_num_batched_toke
 kv_cache_memory_gib=1.0). ``--emulate-graphs``: compiled (our passes, no Inductor) and routed
 through emulated CUDA graphs (``capture.emulate``), so decode steps take the graph-staging path
 (``run_host``) as on the GPU. The "tokens" column is a digest of every output token: it must not
-change when the host code is optimised.
+change when the host code is optimised. "prefill": steps with prompt tokens (on the GPU those run
+without a graph).
 
 .venv/bin/python profiles/scripts/host_large_batch_cpu.py [--batch 256 1024] [--emulate-graphs]
                                                           [--cprofile] [--seed 0]
@@ -126,6 +127,13 @@ def measure(target: str, tok: str, batch: int, graphs: bool, seed: int,
             step_s[0] += time.perf_counter() - t0
 
     eng.step = timed_step  # type: ignore[method-assign]
+    execute, mixed = runner.execute, [0]
+
+    def counted_execute(reqs, num_new):  # steps with prompt tokens: no graph on the GPU
+        mixed[0] += max(num_new) > 1
+        return execute(reqs, num_new)
+
+    runner.execute = counted_execute  # type: ignore[method-assign]
     prompts, params = workload(2 * batch, 512, seed)
     steps0, _MODEL_S[0] = eng.stats.num_steps, 0.0
     if prof is not None:
@@ -140,7 +148,8 @@ def measure(target: str, tok: str, batch: int, graphs: bool, seed: int,
     return {"B": batch, "mode": "graphs" if graphs else "eager", "steps": steps,
             "ms_per_step": 1e3 * wall / steps, "host_ms_per_step": 1e3 * (wall - _MODEL_S[0]) / steps,
             "step_host_ms": 1e3 * (step_s[0] - _MODEL_S[0]) / steps,
-            "preemptions": eng.stats.num_preemptions, "tokens": digest[:12]}
+            "prefill_steps": mixed[0], "preemptions": eng.stats.num_preemptions,
+            "tokens": digest[:12]}
 
 
 def main() -> None:
@@ -167,10 +176,10 @@ def main() -> None:
         if prof is not None:
             pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     print(f"\n{'B':>5} {'mode':>6} {'ms/step':>8} {'host ms':>8} {'step host':>9} {'steps':>6} "
-          f"tokens")
+          f"{'prefill':>7} tokens")
     for r in rows:
         print(f"{r['B']:>5} {r['mode']:>6} {r['ms_per_step']:>8.2f} {r['host_ms_per_step']:>8.2f} "
-              f"{r['step_host_ms']:>9.2f} {r['steps']:>6} {r['tokens']}")
+              f"{r['step_host_ms']:>9.2f} {r['steps']:>6} {r['prefill_steps']:>7} {r['tokens']}")
 
 
 if __name__ == "__main__":
