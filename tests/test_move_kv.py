@@ -86,3 +86,16 @@ def test_compactor_off_gpu_uses_the_reference_and_checks_caches() -> None:
 
 if __name__ == "__main__" and "--worker" in sys.argv:
     _worker()
+
+
+def test_a_wrong_kernel_is_caught_before_the_first_move(monkeypatch):
+    """The compactor checks the kernel against the per-layer moves before its first real use:
+    a kernel that moved nothing would corrupt the target's KV silently otherwise."""
+    import kernels.move_kv_triton as mk
+
+    monkeypatch.setattr(mk, "move_slots_triton", lambda table, like, idx: None)
+    caches = _caches(2, torch.float32, 4)
+    before = [c.clone() for kv in caches for c in kv]
+    with pytest.raises(RuntimeError, match="KV move kernel disagrees"):
+        KVCompactor(use_kernel=True)(caches, [5], [1])
+    assert all(torch.equal(a, b) for a, b in zip(before, [c for kv in caches for c in kv]))

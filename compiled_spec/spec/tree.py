@@ -168,6 +168,27 @@ class KVCompactor:
         flat = [c for kv in caches for c in kv]
         ptrs = tuple(c.data_ptr() for c in flat)
         if ptrs != self._ptrs:  # first use, or the engine's pool was rebound
+            if self._table is None:
+                _check_kernel(k0)
             self._table, self._ptrs = cache_table(flat), ptrs
         idx = torch.tensor([src, dst], dtype=torch.int64).to(k0.device, non_blocking=True)
         move_slots_triton(self._table, k0, idx)
+
+
+def _check_kernel(like: torch.Tensor) -> None:
+    """Before the first real move: the kernel against ``compact_kv`` on two small caches of the
+    real ones' dtype and device, with moves that overlap (a slot read by one move is written by
+    the next). A wrong move would corrupt the target's KV and so the output, silently: this
+    turns it into an error at the engine's first tree step."""
+    from kernels.move_kv_triton import cache_table, move_slots_triton
+
+    g = torch.Generator().manual_seed(0)
+    shape = (8, *like.shape[1:])  # [blocks, page, H, D]: keys and values of one layer
+    k, v = (torch.randn(shape, generator=g).to(like.device, like.dtype) for _ in range(2))
+    got = [k.clone(), v.clone()]
+    src, dst = [2, 3, 5], [1, 2, 4]  # slot 2 is read by the first move, written by the second
+    compact_kv([(k, v)], src, dst)
+    move_slots_triton(cache_table(got), got[0], torch.tensor([src, dst], device=like.device))
+    if not (torch.equal(k, got[0]) and torch.equal(v, got[1])):
+        raise RuntimeError(f"the KV move kernel disagrees with the per-layer moves on "
+                           f"{like.dtype} {like.device}: draft trees cannot run exactly here")
