@@ -28,12 +28,9 @@ def build_sampling_tensors(reqs: list[Request], device: torch.device,
                            repeat: int | list[int] = 1) -> SamplingTensors:
     """Per-row parameters; ``repeat`` copies each request's row for its verification slots (one
     count for all, or one per request)."""
-    if repeat == 1:  # one row per request (vanilla sampling): no repeat expansion
-        ps, seeds = [r.params for r in reqs], [r.seed for r in reqs]
-    else:
-        reps = [repeat] * len(reqs) if isinstance(repeat, int) else repeat
-        ps = [r.params for r, n in zip(reqs, reps) for _ in range(n)]
-        seeds = [r.seed for r, n in zip(reqs, reps) for _ in range(n)]
+    reps = [repeat] * len(reqs) if isinstance(repeat, int) else repeat
+    ps = [r.params for r, n in zip(reqs, reps) for _ in range(n)]
+    seeds = [r.seed for r, n in zip(reqs, reps) for _ in range(n)]
 
     def t(vals: list, dtype: np.dtype) -> torch.Tensor:
         # Through numpy: ~3x faster than torch.tensor(list) at a thousand rows per step; and
@@ -47,8 +44,7 @@ def build_sampling_tensors(reqs: list[Request], device: torch.device,
         min_p=t([p.min_p for p in ps], np.float32),
         seeds=t(seeds, np.int64),
         all_greedy=all(p.greedy for p in ps),
-        # Prefiltered: the property chain costs ~0.1 us a row, and most rows filter nothing.
-        any_sorting=any(p.needs_sorting for p in ps if p.top_k > 0 or p.top_p < 1.0),
+        any_sorting=any(p.needs_sorting for p in ps),
         any_min_p=any(p.min_p > 0 and not p.greedy for p in ps),
     )
 
@@ -129,7 +125,7 @@ class ModelRunner:
     def _prepare(self, reqs: list[Request], num_new: list[int]
                  ) -> tuple[HostBatch, list[Span], list[int]]:
         """The step's flat batch on the host; draft rows point into the device-resident drafts."""
-        if not self._draft_row and type(self).num_drafts_for is ModelRunner.num_drafts_for:
+        if not self._draft_row:  # nothing proposed: no request verifies drafts this step
             return self._prepare_plain(reqs, num_new)
         spans, num_draft, host_ids = [], [], []
         draft_dst, draft_src = [], []
@@ -154,14 +150,8 @@ class ModelRunner:
         verifies drafts, so the per-request draft bookkeeping is skipped (hot at batch 1000)."""
         spans, host_ids = [], []
         for r, n in zip(reqs, num_new):
-            start = r.num_computed
-            if n == 1:  # a decode row: r.tokens(start, start + 1) without the slice
-                p = len(r.prompt_token_ids)
-                host_ids.append(r.output_token_ids[start - p] if start >= p
-                                else r.prompt_token_ids[start])
-            else:
-                host_ids.extend(r.tokens(start, start + n))
-            spans.append(Span(r.req_id, start, n))
+            host_ids.extend(r.tokens(r.num_computed, r.num_computed + n))
+            spans.append(Span(r.req_id, r.num_computed, n))
         return build_host_batch(self.allocator, spans, host_ids), spans, [0] * len(reqs)
 
     def _logits(self, hidden: torch.Tensor, spans: list[Span], num_draft: list[int]
@@ -205,8 +195,7 @@ class ModelRunner:
         st = build_sampling_tensors(reqs, self.device, repeat=kmax + 1)
         probs = apply_filters(logits.view(B * (kmax + 1), V), st).view(B, kmax + 1, V)
         seeds = st.seeds.view(B, kmax + 1)[:, 0]
-        positions0 = to_device([len(r.prompt_token_ids) + len(r.output_token_ids) for r in reqs],
-                               self.device)  # num_tokens inlined: every request, every step
+        positions0 = to_device([r.num_tokens for r in reqs], self.device)
         out, n_acc = rejection_sample(probs, drafts, k_t, seeds, positions0,
                                       self._gather_draft_probs(reqs, kmax))
         if kmax == 0:  # nothing to accept (n_acc is 0): the sampled token is the whole row

@@ -87,13 +87,11 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         aborted: list[Request] = []
         # 1. Grow the running requests, preempting from the newest when the pool is dry.
-        tables, page, lookahead = self.allocator.tables, self.allocator.page_size, self.lookahead
+        tables, page = self.allocator.tables, self.allocator.page_size
         i = 0
         while i < len(self.running):
             req = self.running[i]
-            # _need inlined: this loop visits every running request every step.
-            n_tok = len(req.prompt_token_ids) + len(req.output_token_ids)
-            need = min(n_tok + lookahead, max(req.max_total_tokens, n_tok))
+            need = self._need(req)
             table = tables.get(req.req_id)
             if table is not None and len(table) * page >= need:
                 i += 1  # covered already (most decode steps): can_grow holds, grow is a no-op
@@ -153,8 +151,7 @@ class Scheduler:
         reqs = decoding + admitted
         return ScheduledBatch(
             requests=reqs,
-            num_new_tokens=[len(r.prompt_token_ids) + len(r.output_token_ids) - r.num_computed
-                            for r in reqs],  # num_tokens inlined (every request, every step)
+            num_new_tokens=[r.num_tokens - r.num_computed for r in reqs],
             aborted=aborted,
         )
 

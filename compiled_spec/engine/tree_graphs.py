@@ -35,14 +35,13 @@ if TYPE_CHECKING:
 Register = Callable[..., GraphRunner]  # GraphRegistry.register with the engine's defaults
 
 
-def tree_live(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-              depth: torch.Tensor | None = None) -> LiveBatch:
-    """A tree forward's inputs as the verify graph takes them: ``positions`` + ``depth`` (zeros
-    when not given: positions already final) and the mask as extras (zeros pad them: no tree
-    slot visible). ``meta.tree_start`` must be seq_lens - N, which the graph recomputes."""
-    depth = torch.zeros_like(input_ids) if depth is None else depth
+def tree_live(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+              ) -> LiveBatch:
+    """A tree forward with final positions as the verify graph takes it: depth 0 (the graph
+    adds it to the positions) and the mask as extras (zeros pad them: no tree slot visible).
+    ``meta.tree_start`` must be seq_lens - N, which the graph recomputes."""
     return LiveBatch(input_ids, positions, replace(meta, tree_start=None, tree_mask=None),
-                     extras={"depth": depth, "tree_mask": meta.tree_mask})
+                     extras={"depth": torch.zeros_like(input_ids), "tree_mask": meta.tree_mask})
 
 
 def tree_verify_fn(target_fn: Callable[..., Any], num_nodes: int, aux_ids: tuple[int, ...]

@@ -86,7 +86,7 @@ class TreeProposer:
         # Graphs: EAGLE-3's fc eagerly, then both calls staged from host lists (a batch no
         # graph fits, e.g. a first pass after a prefill, runs the graph's body, counted).
         hidden = self.draft.combine_aux(aux)  # [T, h]
-        hb = build_host_batch(self.allocator, batch.first_pass, list(batch.token_ids))
+        hb = build_host_batch(self.allocator, batch.first_pass, batch.token_ids)
         last = g.first_pass.run_host(hb, None, {"hidden": hidden})  # ([B, h], [B, h])
         if last is None:
             ids, positions, meta = host_batch_to_device(hb, dev)
