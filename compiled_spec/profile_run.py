@@ -31,6 +31,12 @@ def run_profile(a: argparse.Namespace) -> int:
     # the trace would show compilation instead of steps.
     warm = SamplingParams(max_tokens=8, temperature=0.0)
     llm.generate(prompts[:batch] if batch > 1 else prompts[0], warm)
+    if batch > 1:  # the step cost without the profiler's own overhead, for comparison
+        steps0, t0 = llm.stats.num_steps, time.perf_counter()
+        llm.generate(prompts[:batch], sp)
+        secs, steps = time.perf_counter() - t0, llm.stats.num_steps - steps0
+        print(f"untraced: batch {batch}, {steps} engine steps in {secs:.2f} s "
+              f"({1e3 * secs / max(steps, 1):.2f} ms each)")
     out_dir = Path(a.out_dir) / time.strftime("%Y%m%d-%H%M%S")
     out_dir.mkdir(parents=True, exist_ok=True)
     acts = [torch.profiler.ProfilerActivity.CPU]

@@ -75,6 +75,8 @@ def test_profile_batches_requests_and_prints_a_kernel_table(tiny_pair, mt_bench_
                  "--batch", "3", "--kernel-table", "5", "--out-dir", str(tmp_path / "t")]) == 0
     printed = capsys.readouterr().out
     assert "Self CPU" in printed and "aten::" in printed
+    # An untraced pass first: 3 requests x 4 tokens are 4 engine steps (one prefill, 3 decodes).
+    assert "untraced: batch 3, 4 engine steps" in printed
     assert main(["profile", "--model", target, "--device", "cpu", "--prompts", mt_bench_path,
                  "--num-prompts", "1", "--batch", "0", "--out-dir", str(tmp_path / "u")]) == 2
 
