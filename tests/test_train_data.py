@@ -60,7 +60,7 @@ def chat_target(tmp_path_factory, smollm2_tokenizer):
                             max_positions=512)
 
 
-def test_multiturn_spans_hold_exactly_the_targets_replies(chat_target, tmp_path):
+def test_multiturn_spans_hold_exactly_the_targets_replies(chat_target, tmp_path, capsys):
     llm = LLM(model=chat_target, max_model_len=512, max_num_seqs=4)
     convs = [Conversation("a", ["Name a colour.", "And another one?", "Why?"]),
              Conversation("b", ["Hello"], source="codealpaca")]
@@ -97,8 +97,14 @@ def test_multiturn_spans_hold_exactly_the_targets_replies(chat_target, tmp_path)
         time.sleep(max(0.0, t0 + 0.5 - time.monotonic()))
         return out
     llm.generate = slow_generate
+    capsys.readouterr()
     cut = generate_chats(llm, jobs, 12, 512, 4, ignore_eos=True, deadline=t0 + 0.2)
     llm.generate = orig
+    # The chunk's time split: 2 prompts admitted together (one step with a prefill), 11 more
+    # decode steps, and the sleep above counted outside the engine's steps.
+    line = next(x for x in capsys.readouterr().out.splitlines() if "steps with a prefill" in x)
+    assert "steps with a prefill: 1," in line and "decode-only steps: 11," in line
+    assert float(line.split("outside engine steps: ")[1].split(" s")[0]) >= 0.25
     assert len(cut) == 2 and all(len(s.spans) == 1 for s in cut)
     assert {s.id: s.input_ids for s in cut}["a"] == a.input_ids[:a.spans[0][1]]
     mask = collate([a], "cpu").loss_mask[0]

@@ -37,6 +37,11 @@ class EngineStats:
     num_requests_without_speculation: int = 0  # ran plain decoding in a speculative engine
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     num_step_faults: int = 0  # steps that raised (their requests retried alone or aborted)
+    # Wall time inside step(), and the part of it spent in steps that carried a prompt chunk
+    # (those run without a CUDA graph): where large-batch generation time goes.
+    step_s: float = 0.0
+    num_prefill_steps: int = 0
+    prefill_step_s: float = 0.0
     spec: SpecStats = field(default_factory=SpecStats)
 
 
@@ -188,16 +193,24 @@ class LLMEngine:
         finish_reason="abort" and the error, else every request of the step is retried alone
         (recomputed, as after preemption, so outputs do not change) to find the one at fault.
         """
+        t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         finished = list(batch.aborted)
-        self.stats.num_aborted += len(batch.aborted)
-        self.stats.num_preemptions = self.scheduler.num_preemptions
+        stats = self.stats
+        stats.num_aborted += len(batch.aborted)
+        stats.num_preemptions = self.scheduler.num_preemptions
         if batch.empty:
             return finished
         try:
             self._run(batch.requests, batch.num_new_tokens, finished)
         except Exception as e:  # noqa: BLE001 - any fault of one step is contained here
             finished += self._fault([r for r in batch.requests if not r.finished], e)
+        # The step ends with a device-to-host copy of its tokens, so wall time is its cost.
+        dt = time.perf_counter() - t0
+        stats.step_s += dt
+        if max(batch.num_new_tokens) > 1:
+            stats.num_prefill_steps += 1
+            stats.prefill_step_s += dt
         return finished
 
     def _fault(self, reqs: list[Request], e: Exception) -> list[Request]:

@@ -110,6 +110,16 @@ def _graph_calls(llm: "LLM") -> tuple[int, int, int]:
     return g.get("replayed", 0), prefill, eager
 
 
+def _step_split(secs: float, steps: int, step_s: float, pre_steps: int, pre_s: float) -> str:
+    """Where a chunk's time went: steps with a prompt chunk, decode-only steps, and outside the
+    engine's steps (chat templates, tokenizing, request checks, outputs)."""
+    dec_steps, dec_s = steps - pre_steps, step_s - pre_s
+    return (f"\n  steps with a prefill: {pre_steps}, {1e3 * pre_s / max(pre_steps, 1):.1f} ms each "
+            f"({pre_s:.1f} s); decode-only steps: {dec_steps}, "
+            f"{1e3 * dec_s / max(dec_steps, 1):.1f} ms each ({dec_s:.1f} s); "
+            f"outside engine steps: {secs - step_s:.1f} s")
+
+
 def generate_chats(llm: "LLM", jobs: list[ChatJob], max_new_tokens: int, max_seq_len: int,
                    batch_size: int, ignore_eos: bool = False, partial: Path | None = None,
                    deadline: float | None = None) -> list[TrainSequence]:
@@ -139,6 +149,7 @@ def generate_chats(llm: "LLM", jobs: list[ChatJob], max_new_tokens: int, max_seq
         chunk = todo[start:start + chunk_size]
         st, t_chunk = llm.stats, time.perf_counter()
         steps0, tok0 = st.num_steps, st.num_prefill_tokens + st.num_decode_tokens
+        step_s0, pre0, pre_s0 = st.step_s, st.num_prefill_steps, st.prefill_step_s
         graphs0 = _graph_calls(llm)
         for turn in range(max(len(j.user_turns) for j in chunk)):
             if turn > 0 and late():
@@ -159,7 +170,9 @@ def generate_chats(llm: "LLM", jobs: list[ChatJob], max_new_tokens: int, max_seq
                    f"({1e3 * secs / max(steps, 1):.1f} ms each), {toks} tokens "
                    f"({toks / max(secs, 1e-9):,.0f} tokens/s)"  # clears the bar's line first
                    + (f"; graph replays {replays}, prefill steps {prefill} (no graph), "
-                      f"other calls without a graph {eager}" if replays or eager else ""))
+                      f"other calls without a graph {eager}" if replays or eager else "")
+                   + _step_split(secs, steps, st.step_s - step_s0, st.num_prefill_steps - pre0,
+                                 st.prefill_step_s - pre_s0))
     bar.close()
     if not out:
         raise ValueError("the target produced no usable training sequences")

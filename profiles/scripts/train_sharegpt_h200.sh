@@ -105,7 +105,7 @@ data)
     # printed beside them (e.g. each chunk's engine-step summary) stay.
     echo "== shard $i"; tr '\r' '\n' < "$OUT/data$i.log" | grep -vE "it/s\]|s/it\]|seq/s\]|Warning|warn\(|^\s*$"
   done > "$OUT/data.log" && rm -f "$OUT"/data[0-9]*.log
-  grep -E "==|data written|real|chunk of" "$OUT/data.log"
+  grep -E "==|data written|real|chunk of|steps with a prefill" "$OUT/data.log"
   wc -l $HEAD/*.jsonl
   gzip -c $HEAD/val.jsonl > "$OUT/val.jsonl.gz"
   gzip -c $HEAD/data.jsonl | split -b 15M - "$OUT/data.jsonl.gz.part"
