@@ -5,8 +5,10 @@
 Alpaca and CodeAlpaca prompts; bf16, one layer, 32768-token draft vocabulary whose readout is
 the target's own lm_head rows (``lm_head_from_target``: rebuilt at load from ``d2t``, not stored).
 How it was trained and what it accepts: profiles/results/2026-12-01_h200_packed-ttt/ (first
-training), profiles/results/2026-12-01_h200_continued-head/ (continued on fresh data: the
-current weights) and profiles/results/HISTORY.md.
+training), profiles/results/2026-12-01_h200_continued-head/ and
+profiles/results/2026-12-01_h200_session4/ (continued on fresh data),
+profiles/results/2026-12-01_h200_session5/ (the current weights) and
+profiles/results/HISTORY.md.
 """
 from __future__ import annotations
 
