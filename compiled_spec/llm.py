@@ -50,7 +50,8 @@ class LLM:
     at temperature > 0 (and keeps their probabilities for the acceptance test) instead of argmax.
     ``tensor_parallel_size=N`` shards the target over N ranks; the draft stays replicated unless
     ``draft_tensor_parallel`` (heads and MLP split like the target's, draft lm_head vocabulary
-    parallel).
+    parallel). ``min_admit=N`` starts waiting requests only N at a time while others run (fewer,
+    larger prefill steps: offline throughput; see ``SchedulerConfig``).
     """
 
     def __init__(
@@ -62,6 +63,7 @@ class LLM:
         page_size: int = 16,
         max_num_seqs: int = 8,
         max_num_batched_tokens: int = 4096,
+        min_admit: int = 1,
         num_kv_blocks: int | None = None,
         kv_cache_memory_gib: float | None = None,
         enable_prefix_caching: bool = False,
@@ -125,7 +127,9 @@ class LLM:
                               memory_gib=kv_cache_memory_gib,
                               prefix_caching=enable_prefix_caching,
                               prefix_caching_mode=prefix_caching_mode),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                      max_num_batched_tokens=max_num_batched_tokens,
+                                      min_admit=min_admit),
             seed=seed,
             spec=None if draft is None else SpecConfig(
                 draft=draft, method=method, num_speculative_tokens=num_speculative_tokens,

@@ -151,3 +151,50 @@ def test_max_num_seqs_bounds_every_batch(tiny_llm_dir):
     llm.engine.runner.execute = spy
     llm.generate(PROMPTS + PROMPTS[:1], SamplingParams(max_tokens=4, ignore_eos=True))
     assert max(sizes) == 2 and sizes[0] == 2
+
+
+def test_min_admit_starts_waiting_requests_in_bulk(tiny_llm_dir):
+    """min_admit=3: while requests run, waiting ones start only 3 at a time (or all that wait),
+    so there are fewer steps with a prompt; outputs do not change."""
+    prompts = [PROMPTS[i % 4] + [i] for i in range(10)]
+    params = [SamplingParams(max_tokens=3 + (5 * i) % 7, temperature=0.0, ignore_eos=True)
+              for i in range(10)]
+    ref = _llm(tiny_llm_dir, max_num_seqs=4)
+    want = _ids(ref.generate(prompts, params))
+    llm = _llm(tiny_llm_dir, max_num_seqs=4, min_admit=3)
+    steps = []  # (running before the step, admitted in it, waiting before admission)
+    orig = llm.engine.runner.execute
+
+    def spy(reqs, num_new):
+        admitted = sum(n > 1 for n in num_new)
+        steps.append((len(reqs) - admitted, admitted, len(llm.engine.scheduler.waiting) + admitted))
+        return orig(reqs, num_new)
+
+    llm.engine.runner.execute = spy
+    assert _ids(llm.generate(prompts, params)) == want
+    bulk = [(r, a, w) for r, a, w in steps if r > 0 and a > 0]
+    assert bulk and all(a >= min(3, w) for _, a, w in bulk)
+    assert llm.stats.num_prefill_steps < ref.stats.num_prefill_steps
+    # Slots were left empty while fewer than 3 could start (the price of bulk admission).
+    assert any(r < 4 and a == 0 and w > 0 for r, a, w in steps)
+    with pytest.raises(ValueError, match="min_admit=0"):
+        _llm(tiny_llm_dir, min_admit=0)
+
+
+def test_min_admit_round_goes_on_when_the_token_budget_cuts_it(tiny_llm_dir):
+    """A bulk admission cut short by max_num_batched_tokens goes on over the next steps (else
+    the slots it did not fill would wait for min_admit of them to free up)."""
+    prompts = [PROMPTS[2] + [i] for i in range(8)]  # 41 tokens: one fits a step's budget
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    want = _ids(_llm(tiny_llm_dir, max_num_seqs=4).generate(prompts, sp))
+    llm = _llm(tiny_llm_dir, max_num_seqs=4, min_admit=4, max_num_batched_tokens=45)
+    sizes = []
+    orig = llm.engine.runner.execute
+
+    def spy(reqs, num_new):
+        sizes.append((len(reqs), sum(n > 1 for n in num_new)))
+        return orig(reqs, num_new)
+
+    llm.engine.runner.execute = spy
+    assert _ids(llm.generate(prompts, sp)) == want
+    assert sizes[:4] == [(1, 1), (2, 1), (3, 1), (4, 1)]

@@ -38,6 +38,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._admitted_last = False  # an admission round goes on until slots or queue run out
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -112,10 +113,15 @@ class Scheduler:
                 continue
             self._preempt(victim)  # if the victim is req itself, index i now points past the end
 
-        # 2. Admit waiting requests.
+        # 2. Admit waiting requests: in bulk with min_admit (a round, once started, goes on over
+        # the next steps while the token budget cuts it).
         budget = self.cfg.max_num_batched_tokens
         admitted: list[Request] = []
-        while self.waiting and len(self.running) + len(admitted) < self.cfg.max_num_seqs:
+        gate = (self.running and not self._admitted_last and self.cfg.min_admit > 1 and
+                self.cfg.max_num_seqs - len(self.running) < min(self.cfg.min_admit,
+                                                                len(self.waiting)))
+        while (not gate and self.waiting
+               and len(self.running) + len(admitted) < self.cfg.max_num_seqs):
             req = self.waiting[0]
             if req.suspect and (self.running or admitted):
                 break  # a suspect runs its next step alone (see retry_alone)
@@ -146,6 +152,7 @@ class Scheduler:
             budget -= n
             if req.suspect:
                 break
+        self._admitted_last = bool(admitted)
         decoding = list(self.running)
         self.running.extend(admitted)
         reqs = decoding + admitted
