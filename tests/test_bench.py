@@ -67,7 +67,7 @@ def test_bench_runs_draft_trees_beside_chains(tiny_hf_dir, mt_bench_path, tmp_pa
                  "--prompts", mt_bench_path, "--num-prompts", "2", "--max-tokens", "8",
                  "--max-model-len", "1024", "--batch-sizes", "1", "2", "--variants",
                  "ours_vanilla_eager", "ours_eagle_eager", "--trees", "2:4",
-                 "--out-dir", str(out)]) == 0
+                 "--out-dir", str(out), "--trace-dir", str(tmp_path / "traces")]) == 0
     rows = {(r["engine"], r["batch"]): r for r in
             json.loads((out / "benchmarks.json").read_text())["rows"]}
     tree = "ours EAGLE tree topk 2, 4 tokens, depth 3 eager"
@@ -78,5 +78,12 @@ def test_bench_runs_draft_trees_beside_chains(tiny_hf_dir, mt_bench_path, tmp_pa
         assert r["tau"] is not None and r["tau"] >= 1.0
         assert r["verify_ms"] is not None and r["propose_ms"] is not None
     assert rows[(tree, 1)]["identical"] == 1.0
+    # --trace-dir: one trace per variant, taken on the warm engine, with the tree's phases in it
+    traces = {p.parent.name: p for p in (tmp_path / "traces").glob("*/*.pt.trace.json")}
+    assert set(traces) == {"ours_vanilla_eager", "ours_EAGLE_k_3_eager",
+                           "ours_EAGLE_tree_topk_2__4_tokens__depth_3_eager"}
+    from compiled_spec.profile import phase_latencies
+    lat = phase_latencies(str(traces["ours_EAGLE_tree_topk_2__4_tokens__depth_3_eager"]))
+    assert lat["propose"]["count"] > 0 and lat["verify"]["count"] > 0
     with pytest.raises(SystemExit):
         main(["bench", "--trees", "8x32"])

@@ -11,6 +11,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -126,14 +127,46 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
     return rows, batch1_out
 
 
+def trace_engine(llm: Any, v: Variant, prompt: list[int], out_dir: Path,
+                 max_tokens: int = 32, table_rows: int = 30) -> Path:
+    """A torch.profiler trace of one batch-1 request on the variant's warm engine (compiled
+    and captured already: a separate ``compiled-spec profile`` would compile and capture again,
+    minutes for a tree engine), with the ops' device-time table and the phases' latencies
+    printed. Returns the trace file."""
+    from compiled_spec import SamplingParams
+    from compiled_spec.profile import phase_latencies
+
+    d = out_dir / "".join(c if c.isalnum() else "_" for c in v.name).strip("_")
+    d.mkdir(parents=True, exist_ok=True)
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if llm.config.device.type == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    with torch.profiler.profile(activities=acts, on_trace_ready=torch.profiler.
+                                tensorboard_trace_handler(str(d))) as prof:
+        llm.generate(prompt, sp)
+    by = "self_cuda_time_total" if len(acts) > 1 else "self_cpu_time_total"
+    print(f"trace of {v.name} (1 request x {max_tokens} tokens):")
+    print(prof.key_averages().table(sort_by=by, row_limit=table_rows, max_name_column_width=60))
+    trace = max(d.glob("*.pt.trace.json"), key=lambda f: f.stat().st_mtime)
+    for name, st in phase_latencies(str(trace)).items():
+        print(f"  {name:18s} {st['count']:5d} steps, mean {st['mean']:.3f} ms, "
+              f"p50 {st['p50']:.3f} ms ({st['source']})")
+    print(f"  trace: {trace}", flush=True)
+    return trace
+
+
 def bench_ours(variants: list[Variant], kw: dict[str, Any], prompts: list[list[int]],
-               batch_sizes: list[int], max_tokens: int
+               batch_sizes: list[int], max_tokens: int, trace_dir: Path | None = None
                ) -> tuple[list[Row], dict[str, list[list[int]]]]:
+    """``trace_dir``: after timing, a profiler trace of each variant's warm engine there."""
     rows: list[Row] = []
     outputs: dict[str, list[list[int]]] = {}
     for v in variants:
         llm, startup = build_engine(v, kw, prompts, batch_sizes, max_tokens)
         r, out = time_engine(llm, v, prompts, batch_sizes, max_tokens, startup)
+        if trace_dir is not None:
+            trace_engine(llm, v, prompts[0], trace_dir)
         rows += r
         outputs[v.name] = out
         print(f"{v.name}: " + ", ".join(f"batch {x.batch} {x.tokens_per_s:.1f} tok/s" for x in r),

@@ -120,7 +120,7 @@ def run_bench(a: argparse.Namespace) -> int:
     # Chat-encoded once; every engine (ours and transformers) gets the same ids.
     prompts = encode_chat(load_tokenizer(a.tokenizer or model), texts)
     rows, outs = bench_ours(_variants(names, draft, k, a.trees), kw, prompts, batch_sizes,
-                            a.max_tokens)
+                            a.max_tokens, Path(a.trace_dir) if a.trace_dir else None)
     # The reference for "same output": our vanilla eager batch-1 outputs, from this run or a
     # merged one (a device call is capped at 10 minutes, so a full run spans several calls).
     ref = outs.get("ours vanilla eager") or next(
@@ -209,5 +209,8 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--shape-prompts", type=int, default=4)
     b.add_argument("--shape-max-tokens", type=int, default=64)
     b.add_argument("--out-dir", default="profiles", help="BENCHMARKS.md, benchmarks.json/.png")
+    b.add_argument("--trace-dir", default=None, metavar="DIR",
+                   help="after timing, a profiler trace (TensorBoard) of one batch-1 request "
+                   "per variant of ours, on its warm engine, with a kernel table printed")
     b.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                    help="benchmarks.json files of earlier runs to include in this report")

