@@ -91,6 +91,9 @@ class SpecConfig:
     speculative_topk: int = 1
     speculative_num_steps: int | None = None
     speculative_num_draft_tokens: int | None = None
+    # "always" drafts every step; "adaptive" pauses drafting when measured step costs and
+    # acceptance say plain decoding is faster at this batch size (compiled_spec/spec/policy.py).
+    speculation_policy: str = "always"
 
     @property
     def tree(self) -> "TreeConfig | None":
@@ -115,6 +118,12 @@ class SpecConfig:
         if isinstance(t, bool) or not isinstance(t, int) or t < 1:
             raise ValueError(f"speculative_topk={t!r}: must be an integer >= 1")
         self.tree  # validates the tree parameters (TreeConfig raises naming the bad one)
+        if self.speculation_policy not in ("always", "adaptive"):
+            raise ValueError(f"speculation_policy={self.speculation_policy!r}: expected "
+                             "'always' or 'adaptive'")
+        if self.speculation_policy == "adaptive" and self.tree is not None:
+            raise ValueError("speculation_policy='adaptive' is not supported with draft trees "
+                             f"(speculative_topk={t}): use 'always' or a chain (topk 1)")
 
 
 @dataclass

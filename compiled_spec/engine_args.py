@@ -38,6 +38,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-topk", type=int, default=1, help="> 1: EAGLE-2 draft trees")
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None,
                    help="tree verification budget, root included")
+    p.add_argument("--speculation-policy", default="always", choices=["always", "adaptive"],
+                   help="adaptive: pause drafting where measured step costs and acceptance say "
+                   "plain decoding is faster (chains only)")
     p.add_argument("--enable-prefix-caching", action="store_true")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--draft-tensor-parallel", action="store_true",
@@ -63,6 +66,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
               num_speculative_tokens=a.num_speculative_tokens, draft_sampling=a.draft_sampling,
               compile=a.compile, speculative_topk=a.speculative_topk,
               speculative_num_draft_tokens=a.speculative_num_draft_tokens,
+              speculation_policy=getattr(a, "speculation_policy", "always"),
               enable_prefix_caching=a.enable_prefix_caching,
               tensor_parallel_size=a.tensor_parallel_size,
               draft_tensor_parallel=a.draft_tensor_parallel)

@@ -52,6 +52,8 @@ class LLM:
     ``draft_tensor_parallel`` (heads and MLP split like the target's, draft lm_head vocabulary
     parallel). ``min_admit=N`` starts waiting requests only N at a time while others run (fewer,
     larger prefill steps: offline throughput; see ``SchedulerConfig``).
+    ``speculation_policy="adaptive"`` pauses drafting at batch sizes where measured step costs
+    and acceptance say plain decoding is faster (``llm.stats.policy.summary()`` reports it).
     """
 
     def __init__(
@@ -77,6 +79,7 @@ class LLM:
         speculative_topk: int = 1,
         speculative_num_steps: int | None = None,
         speculative_num_draft_tokens: int | None = None,
+        speculation_policy: str = "always",
         compile: bool = False,
         compile_config: CompileConfig | None = None,
         tensor_parallel_size: int = 1,
@@ -135,7 +138,8 @@ class LLM:
                 draft=draft, method=method, num_speculative_tokens=num_speculative_tokens,
                 draft_sampling=draft_sampling, speculative_topk=speculative_topk,
                 speculative_num_steps=speculative_num_steps,
-                speculative_num_draft_tokens=speculative_num_draft_tokens),
+                speculative_num_draft_tokens=speculative_num_draft_tokens,
+                speculation_policy=speculation_policy),
         )
         draft_model = None
         if draft is not None:

@@ -66,13 +66,20 @@ def test_bench_runs_draft_trees_beside_chains(tiny_hf_dir, mt_bench_path, tmp_pa
     assert main(["bench", "--model", tiny_hf_dir, "--random-draft", "--device", "cpu",
                  "--prompts", mt_bench_path, "--num-prompts", "2", "--max-tokens", "8",
                  "--max-model-len", "1024", "--batch-sizes", "1", "2", "--variants",
-                 "ours_vanilla_eager", "ours_eagle_eager", "--trees", "2:4",
+                 "ours_vanilla_eager", "ours_eagle_eager", "--trees", "2:4", "--adaptive",
                  "--out-dir", str(out), "--trace-dir", str(tmp_path / "traces")]) == 0
     rows = {(r["engine"], r["batch"]): r for r in
             json.loads((out / "benchmarks.json").read_text())["rows"]}
     tree = "ours EAGLE tree topk 2, 4 tokens, depth 3 eager"
-    assert set(rows) == {(e, b) for e in ("ours vanilla eager", "ours EAGLE k=3 eager", tree)
-                         for b in (1, 2)}
+    adaptive = "ours EAGLE k=3 adaptive eager"
+    assert set(rows) == {(e, b) for e in ("ours vanilla eager", "ours EAGLE k=3 eager", tree,
+                                          adaptive) for b in (1, 2)}
+    # --adaptive: the chain again under speculation_policy="adaptive", lossless, its choices
+    # at each batch size in the row
+    assert rows[(adaptive, 1)]["identical"] == 1.0
+    for b in (1, 2):
+        pol = rows[(adaptive, b)]["extra"]["policy"]
+        assert pol["drafted_steps"] > 0, (b, pol)
     for b in (1, 2):
         r = rows[(tree, b)]
         assert r["tau"] is not None and r["tau"] >= 1.0
@@ -81,7 +88,8 @@ def test_bench_runs_draft_trees_beside_chains(tiny_hf_dir, mt_bench_path, tmp_pa
     # --trace-dir: one trace per variant, taken on the warm engine, with the tree's phases in it
     traces = {p.parent.name: p for p in (tmp_path / "traces").glob("*/*.pt.trace.json")}
     assert set(traces) == {"ours_vanilla_eager", "ours_EAGLE_k_3_eager",
-                           "ours_EAGLE_tree_topk_2__4_tokens__depth_3_eager"}
+                           "ours_EAGLE_tree_topk_2__4_tokens__depth_3_eager",
+                           "ours_EAGLE_k_3_adaptive_eager"}
     from compiled_spec.profile import phase_latencies
     lat = phase_latencies(str(traces["ours_EAGLE_tree_topk_2__4_tokens__depth_3_eager"]))
     assert lat["propose"]["count"] > 0 and lat["verify"]["count"] > 0

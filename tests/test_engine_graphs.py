@@ -115,3 +115,23 @@ def test_self_distillation_chunk_counts_graph_replays(trained_eagle3_pair, smoll
     llm.generate(PROMPTS, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
     replays, prefill, misses = _graph_calls(llm)
     assert replays > 0 and prefill > 0 and misses > 0, (replays, prefill, misses)
+
+
+def test_adaptive_policy_with_graphs_equals_eager_and_counts_its_pauses(trained_eagle3_pair,
+                                                                       smollm2_gguf_path):
+    """speculation_policy="adaptive" on the graphed engine: paused steps replay the target's
+    decode graph, run the draft's first pass without a graph (counted as such), and the output
+    is the eager always-drafting engine's."""
+    from compiled_spec.spec.policy import SpecPolicy
+
+    target, head = trained_eagle3_pair
+    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    eager = _run(_llm(target, smollm2_gguf_path, head), sp)
+    llm = _llm(target, smollm2_gguf_path, head, speculation_policy="adaptive")
+    graphs = _graphs(llm)
+    llm.engine.stats.policy = SpecPolicy(warmup=2, probe_every=4, probe_len=1)
+    assert _run(llm, sp) == eager
+    st = graphs.stats()
+    assert st["without_graph"]["draft_propose"]["paused (first pass only)"] > 0
+    assert st["components"]["target_decode"]["graph_replays"] > 0  # the paused steps' decode
+    assert st["components"]["draft_propose"]["graph_replays"] > 0

@@ -25,6 +25,7 @@ class Variant:
     draft: str | None
     compile: bool
     tree: tuple[int, int] | None = None  # EAGLE-2 draft tree: (topk, verified tokens incl. root)
+    policy: str = "always"  # speculation_policy
 
 
 def _kv_blocks(prompts: list[list[int]], batch: int, max_tokens: int, k: int, page: int) -> int:
@@ -48,6 +49,8 @@ def build_engine(v: Variant, kw: dict[str, Any], prompts: list[list[int]],
         kw.pop("num_speculative_tokens", None)
     if v.tree is not None:
         kw.update(speculative_topk=v.tree[0], speculative_num_draft_tokens=v.tree[1])
+    if v.policy != "always":
+        kw["speculation_policy"] = v.policy
     # Size the KV pool from the prompts, so the reported peak memory is this run's need (a
     # tree writes every node's KV at its own slot past the last token).
     k = (v.tree[1] if v.tree else kw.get("num_speculative_tokens", 0)) if v.draft else 0
@@ -112,6 +115,10 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
                   tau=(1 + (spec.num_accepted_tokens - a0) / steps) if steps else None,
                   propose_ms=timer.mean_ms("propose"), verify_ms=timer.mean_ms("verify"),
                   peak_mem_gib=peak_gib(dev))
+        if llm.stats.policy is not None:  # what the adaptive policy chose at this batch
+            from compiled_spec.spec.policy import bucket_of
+
+            row.extra["policy"] = llm.stats.policy.summary().get(bucket_of(b))
         if b == 1:
             fl = floor_ms(llm.engine.model, dev)
             row.floor_ratio = row.ms_per_token / fl if fl else None

@@ -21,6 +21,7 @@ from compiled_spec.models.fuse import fuse_projections
 from compiled_spec.prefix_cache import block_keys, matchable_blocks
 from compiled_spec.sampling_params import SamplingParams, as_int
 from compiled_spec.spec.metrics import SpecStats
+from compiled_spec.spec.policy import PLAIN, SPEC, SpecPolicy
 from compiled_spec.spec.proposer import EagleProposer
 from kernels.warmup import warm_model_attention
 
@@ -42,6 +43,8 @@ class EngineStats:
     step_s: float = 0.0
     num_prefill_steps: int = 0
     prefill_step_s: float = 0.0
+    # speculation_policy="adaptive": its choices and estimates per batch bucket (.summary())
+    policy: SpecPolicy | None = None
     spec: SpecStats = field(default_factory=SpecStats)
 
 
@@ -133,6 +136,10 @@ class LLMEngine:
         self._rng = random.Random(cfg.seed)
         self._next_id = 0
         self.stats = EngineStats()
+        if cfg.spec is not None and cfg.spec.speculation_policy == "adaptive":
+            self.stats.policy = SpecPolicy()
+        self._mode_prev = SPEC  # the last proposal's mode: what this step verifies
+        self._obs: tuple[int, str, float] | None = None  # this step, if steady: (B, mode, tau)
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
         """Raise ValueError naming what is wrong with a request; touches no state. Returns the
@@ -208,6 +215,9 @@ class LLMEngine:
         # The step ends with a device-to-host copy of its tokens, so wall time is its cost.
         dt = time.perf_counter() - t0
         stats.step_s += dt
+        if self._obs is not None and stats.policy is not None:
+            stats.policy.observe(self._obs[0], self._obs[1], dt, self._obs[2])
+            self._obs = None
         if max(batch.num_new_tokens) > 1:
             stats.num_prefill_steps += 1
             stats.prefill_step_s += dt
@@ -215,6 +225,7 @@ class LLMEngine:
 
     def _fault(self, reqs: list[Request], e: Exception) -> list[Request]:
         self.runner.reset()
+        self._obs, self._mode_prev = None, PLAIN  # the next step verifies nothing
         self.stats.num_step_faults += 1
         log.warning("engine step over requests %s raised %s: %s", [r.req_id for r in reqs],
                     type(e).__name__, e)
@@ -236,6 +247,7 @@ class LLMEngine:
             self.scheduler.remove(req, why)
         if reqs:
             self.runner.reset()  # a step may have stopped half-way
+            self._obs, self._mode_prev = None, PLAIN
             self.stats.num_aborted += len(reqs)
         return reqs
 
@@ -290,7 +302,16 @@ class LLMEngine:
                 sched.drop_finished()
         if spec_k:
             stats.spec.update(spec_k, spec_acc)
-        self.runner.propose(going_on, accepted)
+        mode = SPEC
+        if stats.policy is not None and going_on:
+            mode = stats.policy.mode(len(going_on))
+            # A steady step ran one mode throughout (verified what the last proposal drafted,
+            # and drafts again or not alike) and carried no prompt: its cost is that mode's.
+            if mode == self._mode_prev and max(num_new) == 1:
+                emitted = sum(len(t) for t in out.new_tokens)
+                self._obs = (len(reqs), mode, emitted / len(reqs))
+            self._mode_prev = mode
+        self.runner.propose(going_on, accepted, mode == SPEC)
         if self.cfg.cache.prefix_caching:
             for req in going_on:
                 self._register_blocks(req)

@@ -235,11 +235,13 @@ class ModelRunner:
         return self._draft_probs[idx, :kmax]
 
     @torch.inference_mode()
-    def propose(self, reqs: list[Request], accepted: dict[int, int]) -> None:
+    def propose(self, reqs: list[Request], accepted: dict[int, int], draft: bool = True) -> None:
         """Draft for the requests that go on, from this step's target hidden states.
 
         ``accepted`` maps req_id -> drafts accepted this step (0 for prefill rows). A request
         left out (finished, or with no room to verify anything next step) gets no drafts.
+        ``draft=False`` (speculation paused): only the draft's first pass runs, keeping its KV
+        complete; the next step verifies nothing.
         """
         self._draft_row = {}
         pend = self._pending
@@ -271,6 +273,13 @@ class ModelRunner:
             chosen.append(r)
             r.draft_computed = span.start + m  # the first pass writes draft KV up to here
         if not chosen:
+            return
+        if not draft:
+            assert self.proposer is not None
+            with phase("propose"):
+                self.proposer.sync(ProposeBatch(
+                    first_pass=first_pass, token_ids=token_ids, hidden_rows=hidden_rows,
+                    step_limits=limits, temperature=[], seeds=[]), pend.hidden)
             return
         with phase("propose"):
             self._propose(chosen, first_pass, token_ids, hidden_rows, limits, pend)

@@ -191,6 +191,10 @@ class ProposeGraphs:
         self.eager_fallbacks += 1
         self.fallback_reasons[why] = self.fallback_reasons.get(why, 0) + 1
 
+    def note_uncaptured(self, why: str) -> None:
+        """Count a draft call that ran outside the graph on purpose (stats say so)."""
+        self._miss(why)
+
     def run(self, batch: "ProposeBatch", target_hidden: torch.Tensor | list[torch.Tensor]
             ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """Replay for ``batch`` and return (drafts [n, k], q or None); None (counted) when no

@@ -210,9 +210,9 @@ class TreeModelRunner(ModelRunner):
             lp = gather_logprobs(rows, new_tokens, [r.params.logprobs for r in reqs])
         return StepOutput(new_tokens=new_tokens, num_draft=num_draft, logprobs=lp)
 
-    def propose(self, reqs: list[Request], accepted: dict[int, int]) -> None:
+    def propose(self, reqs: list[Request], accepted: dict[int, int], draft: bool = True) -> None:
         self._tree_row = {}
-        super().propose([r for r in reqs if self._takes_tree(r)], accepted)
+        super().propose([r for r in reqs if self._takes_tree(r)], accepted, draft)
 
     def _propose(self, chosen, first_pass, token_ids, hidden_rows, limits, pend) -> None:
         from compiled_spec.spec.proposer import ProposeBatch

@@ -113,6 +113,19 @@ class EagleProposer:
                                             else None)
 
     @torch.inference_mode()
+    def sync(self, batch: ProposeBatch, target_hidden: torch.Tensor | list[torch.Tensor]) -> None:
+        """The first pass alone, no drafting: the draft's KV at the accepted positions is
+        written as a proposal would write it, so drafting can resume later with its context
+        complete (a paused step of the adaptive policy; no logits, no loop, no graph)."""
+        if self.graph is not None:
+            self.graph.note_uncaptured("paused (first pass only)")
+        rows = to_device(batch.hidden_rows, self.device)
+        aux = [h[rows] for h in target_hidden] if isinstance(target_hidden, list) else [target_hidden[rows]]
+        ids = to_device(batch.token_ids, self.device)  # [T]
+        positions, meta = build_metadata(self.allocator, batch.first_pass, self.device)
+        self.first_pass_fn(aux, ids, positions, self._metas(meta))
+
+    @torch.inference_mode()
     def propose(self, batch: ProposeBatch, target_hidden: torch.Tensor | list[torch.Tensor]
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns draft tokens [B, k] (target vocab) and, when drafts are sampled, their

@@ -1,0 +1,138 @@
+"""speculation_policy="adaptive": the per-step choice between drafting and plain decoding
+(pure policy), its output against vanilla, and the draft KV it keeps complete while paused."""
+import pytest
+import torch
+
+from compiled_spec import LLM, SamplingParams
+from compiled_spec.spec.policy import PLAIN, SPEC, SpecPolicy, bucket_of
+from tests.spec_models import write_bigram_target, write_mirror_eagle1
+
+
+def _drive(policy: SpecPolicy, batch: int, steps: int, cost: dict[str, float], tau: float
+           ) -> list[str]:
+    """Run ``steps`` decisions at ``batch`` with fixed per-mode costs; every step is steady."""
+    modes = []
+    for _ in range(steps):
+        m = policy.mode(batch)
+        policy.observe(batch, m, cost[m], tau if m == SPEC else 1.0)
+        modes.append(m)
+    return modes
+
+
+def test_policy_explores_both_modes_then_keeps_the_faster():
+    p = SpecPolicy(warmup=4, probe_every=1000)
+    modes = _drive(p, 1, 40, {SPEC: 1.5e-3, PLAIN: 1.0e-3}, tau=2.5)  # 1.67 vs 1.0 tokens/ms
+    assert modes[:8] == [SPEC] * 4 + [PLAIN] * 4 and set(modes[8:]) == {SPEC}
+    p = SpecPolicy(warmup=4, probe_every=1000)
+    modes = _drive(p, 64, 40, {SPEC: 3.0e-3, PLAIN: 1.0e-3}, tau=2.5)  # 0.83 vs 1.0
+    assert modes[:8] == [SPEC] * 4 + [PLAIN] * 4 and set(modes[8:]) == {PLAIN}
+    s = p.summary()[64]
+    assert s["prefers"] == PLAIN and s["paused_steps"] == 36 and s["drafted_steps"] == 4
+    assert s["spec_step_ms"] == pytest.approx(3.0) and s["tau"] == pytest.approx(2.5)
+
+
+def test_policy_probes_the_other_mode_and_follows_a_change():
+    p = SpecPolicy(warmup=2, probe_every=16, probe_len=2, alpha=0.5)
+    modes = _drive(p, 8, 63, {SPEC: 1.5e-3, PLAIN: 1.0e-3}, tau=2.5)
+    # after warm-up, 3 plain steps (the probe and its switch) from every 16th decision
+    assert [i for i, m in enumerate(modes) if m == PLAIN and i >= 4] == [
+        15, 16, 17, 31, 32, 33, 47, 48, 49]
+    # acceptance collapses: the next probes' estimates turn the choice to plain decoding
+    modes = _drive(p, 8, 64, {SPEC: 1.5e-3, PLAIN: 1.0e-3}, tau=1.0)
+    assert modes[-16:].count(PLAIN) >= 13
+
+
+def test_policy_buckets_are_separate_and_arguments_checked():
+    p = SpecPolicy(warmup=2, probe_every=1000)
+    _drive(p, 1, 10, {SPEC: 1.2e-3, PLAIN: 1.0e-3}, tau=2.0)
+    _drive(p, 100, 10, {SPEC: 4.0e-3, PLAIN: 1.0e-3}, tau=2.0)
+    assert [bucket_of(n) for n in (1, 2, 3, 64, 65)] == [1, 2, 4, 64, 128]
+    assert p.summary()[1]["prefers"] == SPEC and p.summary()[128]["prefers"] == PLAIN
+    for bad in (dict(warmup=0), dict(probe_every=True), dict(probe_len=-1), dict(alpha=0.0)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SpecPolicy(**bad)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("policy")
+    target = write_bigram_target(root / "target", layers=2)
+    return target, write_mirror_eagle1(root / "noisy", target, noise=0.3)
+
+
+PROMPTS = [[3, 17, 5, 9, 22, 1, 8], [7], list(range(1, 30)), [11, 12]]
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+
+def test_adaptive_engine_is_lossless_and_reports_its_choices(pair, smollm2_gguf_path):
+    target, head = pair
+    vanilla = [o.token_ids for o in LLM(model=target, tokenizer=smollm2_gguf_path,
+                                        max_model_len=128).generate(PROMPTS, GREEDY)]
+    llm = LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=128, draft=head,
+              num_speculative_tokens=3, speculation_policy="adaptive")
+    llm.engine.stats.policy = SpecPolicy(warmup=3, probe_every=8, probe_len=2)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == vanilla
+    s = llm.stats.policy.summary()[4]
+    assert s["drafted_steps"] > 0 and s["paused_steps"] > 0
+    assert s["spec_step_ms"] > 0 and s["plain_step_ms"] > 0 and s["tau"] >= 1.0
+    assert s["prefers"] in (SPEC, PLAIN)
+    with pytest.raises(ValueError, match="speculation_policy='sometimes'"):
+        LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=128, draft=head,
+            speculation_policy="sometimes")
+    with pytest.raises(ValueError, match="not supported with draft trees"):
+        LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=128, draft=head,
+            speculative_topk=2, speculation_policy="adaptive")
+
+
+class _Alternate:
+    """A stand-in policy: 3 drafting steps, then 3 paused ones, and so on."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def mode(self, batch_size: int) -> str:
+        self.n += 1
+        return SPEC if (self.n - 1) % 6 < 3 else PLAIN
+
+    def observe(self, *args) -> None:
+        pass
+
+
+def _draft_kv_after(pair, tok, prompt, policy=None, no_sync=False):
+    """The draft's K cache over the request's positions once it has finished (fp32, CPU)."""
+    target, head = pair
+    llm = LLM(model=target, tokenizer=tok, max_model_len=128, draft=head, num_speculative_tokens=3,
+              speculation_policy="always" if policy is None else "adaptive")
+    eng = llm.engine
+    if policy is not None:
+        eng.stats.policy = policy
+    if no_sync:
+        eng.runner.proposer.sync = lambda *a, **k: None
+    tables = {}
+    free = eng.allocator.free
+
+    def keep_table(req_id):
+        tables[req_id] = list(eng.allocator.tables.get(req_id, ()))
+        return free(req_id)
+
+    eng.allocator.free = keep_table
+    out = llm.generate([prompt], GREEDY)[0]
+    n = len(prompt) + len(out.token_ids) - 8  # positions every first pass has covered by now
+    (table,) = tables.values()
+    page = eng.allocator.page_size
+    k_cache = eng.kv_caches[eng.model.config.num_hidden_layers][0]  # the draft layer's K
+    rows = [k_cache[table[p // page], p % page] for p in range(n)]
+    return out.token_ids, torch.stack(rows)
+
+
+def test_paused_steps_keep_the_draft_kv_complete(pair, smollm2_gguf_path):
+    """While paused, the draft's first pass still writes its KV at the accepted positions: the
+    draft cache after a run alternating modes equals an always-drafting run's (and the check
+    fails when the paused steps skip that pass)."""
+    prompt = PROMPTS[0]
+    ids, ref = _draft_kv_after(pair, smollm2_gguf_path, prompt)
+    ids2, got = _draft_kv_after(pair, smollm2_gguf_path, prompt, policy=_Alternate())
+    assert ids2 == ids
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    _, holes = _draft_kv_after(pair, smollm2_gguf_path, prompt, policy=_Alternate(), no_sync=True)
+    assert not torch.allclose(holes, ref, rtol=1e-5, atol=1e-5)
