@@ -120,8 +120,8 @@ def test_self_distillation_chunk_counts_graph_replays(trained_eagle3_pair, smoll
 def test_adaptive_policy_with_graphs_equals_eager_and_counts_its_pauses(trained_eagle3_pair,
                                                                        smollm2_gguf_path):
     """speculation_policy="adaptive" on the graphed engine: paused steps replay the target's
-    decode graph, run the draft's first pass without a graph (counted as such), and the output
-    is the eager always-drafting engine's."""
+    decode graph and a graph of the draft's first pass alone, and the output is the eager
+    always-drafting engine's."""
     from compiled_spec.spec.policy import SpecPolicy
 
     target, head = trained_eagle3_pair
@@ -132,6 +132,12 @@ def test_adaptive_policy_with_graphs_equals_eager_and_counts_its_pauses(trained_
     llm.engine.stats.policy = SpecPolicy(warmup=2, probe_every=4, probe_len=1)
     assert _run(llm, sp) == eager
     st = graphs.stats()
-    assert st["without_graph"]["draft_propose"]["paused (first pass only)"] > 0
-    assert st["components"]["target_decode"]["graph_replays"] > 0  # the paused steps' decode
-    assert st["components"]["draft_propose"]["graph_replays"] > 0
+    # paused steps replay the target's decode graph and the draft's first-pass-only graph
+    assert st["components"]["target_decode"]["graph_replays"] > 0
+    assert sorted(graphs.propose._sync_graphs) == [1, 2, 4]
+    assert llm.stats.policy.summary()[4]["paused_steps"] > 0
+    assert "paused (first pass only)" not in st["without_graph"].get("draft_propose", {})
+    # ... and one that no graph fits runs uncaptured, and is counted so
+    graphs.propose._sync_graphs.clear()
+    assert _run(llm, sp) == eager
+    assert graphs.stats()["without_graph"]["draft_propose"]["paused (first pass only)"] > 0

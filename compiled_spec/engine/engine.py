@@ -106,6 +106,7 @@ class LLMEngine:
             draft.bind_kv_cache(self.kv_caches[mcfg.num_hidden_layers:])
             proposer = EagleProposer(draft, self.allocator, cfg.device, k,
                                      cfg.spec.draft_sampling == "sample", mcfg.vocab_size)
+            proposer.capture_sync = cfg.spec.speculation_policy == "adaptive"
             if draft.config.method == "eagle3":
                 aux_ids = tuple(draft.config.aux_layer_ids)
         # Uncaptured calls (prefills above all) meet attention launch configurations that no

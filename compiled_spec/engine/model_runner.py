@@ -279,7 +279,8 @@ class ModelRunner:
             with phase("propose"):
                 self.proposer.sync(ProposeBatch(
                     first_pass=first_pass, token_ids=token_ids, hidden_rows=hidden_rows,
-                    step_limits=limits, temperature=[], seeds=[]), pend.hidden)
+                    step_limits=limits, temperature=[r.params.temperature for r in chosen],
+                    seeds=[r.seed for r in chosen]), pend.hidden)
             return
         with phase("propose"):
             self._propose(chosen, first_pass, token_ids, hidden_rows, limits, pend)

@@ -82,6 +82,9 @@ class ProposeGraphs:
         self.hidden = torch.zeros(tm, proposer.draft.config.hidden_size, dtype=hidden_dtype,
                                   device=self.device)
         self._graphs: dict[int, tuple[Any, Any]] = {}
+        # The first pass alone per size (speculation paused, see EagleProposer.sync), captured
+        # only when the engine may pause (proposer.capture_sync).
+        self._sync_graphs: dict[int, Any] = {}
         self.capture_failures: list[dict[str, Any]] = []
         self.graph_replays = self.padded_rows = self.eager_fallbacks = 0
         self.fallback_reasons: dict[str, int] = {}
@@ -125,6 +128,12 @@ class ProposeGraphs:
                 query_start_loc=g32("loop_qsl", b + 1), max_query_len=1,
                 max_seq_len=self.bucket),
         }
+
+    def _body_sync(self, v: dict[str, Any]) -> None:
+        """The paused step's computation: the first pass only (its KV writes are the point)."""
+        p = self.prop
+        hidden = v["hidden"].index_select(0, v["rows"])  # [T, h] accepted target rows
+        p.step_fn(v["ids"], hidden, v["positions"], {n: v["meta"] for n in p.layer_names})
 
     def _body(self, v: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The captured computation: first pass, first draft, k-1 loop steps."""
@@ -181,6 +190,10 @@ class ProposeGraphs:
         run = lambda: self._body(views)  # noqa: E731
         self._graphs[b] = (emulate_graph(run, self.pool) if self.emulate
                            else capture_graph(run, self.pool))
+        if self.prop.capture_sync:
+            sync = lambda: self._body_sync(views)  # noqa: E731
+            self._sync_graphs[b] = (emulate_graph(sync, self.pool) if self.emulate
+                                    else capture_graph(sync, self.pool))[0]
 
     def _upload(self) -> None:
         self.d64.copy_(self.t64, non_blocking=True)
@@ -227,6 +240,28 @@ class ProposeGraphs:
         self.graph_replays += 1
         self.padded_rows += b - n
         return drafts[:n].clone(), (probs[:n].clone() if probs is not None else None)
+
+    def run_sync(self, batch: "ProposeBatch", target_hidden: torch.Tensor | list[torch.Tensor]
+                 ) -> bool:
+        """Replay the first pass alone for ``batch`` (speculation paused); False (counted)
+        when no captured graph fits, so the caller runs it uncaptured."""
+        n = len(batch.first_pass)
+        b = next((s for s in self.sizes if s >= n and s in self._sync_graphs), None)
+        if not self.enabled or b is None or any(s.length > self.q for s in batch.first_pass):
+            self._miss("paused (first pass only)")
+            return False
+        aux = target_hidden if isinstance(target_hidden, list) else [target_hidden]
+        why = ("target_rows" if aux[0].shape[0] > self.hidden.shape[0] else
+               self._fill(batch, b))
+        if why is not None:
+            self._miss(why)
+            return False
+        hidden = self.prop.draft.combine_aux(aux)  # EAGLE-3's fc, eager, as in run()
+        self.hidden[:hidden.shape[0]].copy_(hidden)
+        self._sync_graphs[b].replay()
+        self.graph_replays += 1
+        self.padded_rows += b - n
+        return True
 
     def _fill(self, batch: "ProposeBatch", b: int) -> str | None:
         """Write the padded inputs on the host and upload them; a reason string when they do

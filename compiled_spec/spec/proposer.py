@@ -54,6 +54,8 @@ class EagleProposer:
         # When set (compiled mode on CUDA), the whole propose replays as one CUDA graph per
         # batch size; calls it cannot take run the path below (and are counted there).
         self.graph: "ProposeGraphs | None" = None
+        # Capture the first pass alone too (engines that may pause drafting: adaptive policy).
+        self.capture_sync = False
         self.allocator = allocator
         self.device = device
         self.k = num_speculative_tokens
@@ -117,8 +119,8 @@ class EagleProposer:
         """The first pass alone, no drafting: the draft's KV at the accepted positions is
         written as a proposal would write it, so drafting can resume later with its context
         complete (a paused step of the adaptive policy; no logits, no loop, no graph)."""
-        if self.graph is not None:
-            self.graph.note_uncaptured("paused (first pass only)")
+        if self.graph is not None and self.graph.run_sync(batch, target_hidden):
+            return
         rows = to_device(batch.hidden_rows, self.device)
         aux = [h[rows] for h in target_hidden] if isinstance(target_hidden, list) else [target_hidden[rows]]
         ids = to_device(batch.token_ids, self.device)  # [T]
