@@ -150,11 +150,11 @@ class TreeModelRunner(ModelRunner):
                 hidden, aux = self.target_fn(input_ids, positions, meta, self.aux_layer_ids)
             logits = self.model.compute_logits(hidden)  # [T, V]
         with phase("rejection_sample"):
-            reps = [qsl[i + 1] - qsl[i] for i in range(len(reqs))]
-            st = build_sampling_tensors(reqs, dev, reps)
-            if st.all_greedy:
+            if all(r.params.greedy for r in reqs):  # host-known: no sampling tensors to upload
                 drawn = logits.argmax(dim=-1)  # [T]
             else:  # the token vanilla sampling would draw after each node (position + 1)
+                reps = [qsl[i + 1] - qsl[i] for i in range(len(reqs))]
+                st = build_sampling_tensors(reqs, dev, reps)
                 if use_host:
                     positions = to_device(base, dev) + t_depth.reshape(-1)  # [T]
                 drawn = sample_from_probs(apply_filters(logits, st),

@@ -73,10 +73,10 @@ class TreeProposer:
                 ) -> tuple[DraftTree, None]:
         dev = self.device
         rows = to_device(batch.hidden_rows, dev)
-        aux = [h[rows] for h in target_hidden] if isinstance(target_hidden, list) \
-            else [target_hidden[rows]]
         g = self.graph
         if g is None:
+            aux = [h[rows] for h in target_hidden] if isinstance(target_hidden, list) \
+                else [target_hidden[rows]]
             ids = to_device(batch.token_ids, dev)  # [T]
             positions, meta = build_metadata(self.allocator, batch.first_pass, dev)
             feed, for_logits = self.first_pass_fn(aux, ids, positions, self.base._metas(meta))
@@ -84,8 +84,11 @@ class TreeProposer:
             return DraftTree(*self.expand(self.expand_batch(batch, feed[last],
                                                             for_logits[last]))), None
         # Graphs: EAGLE-3's fc eagerly, then both calls staged from host lists (a batch no
-        # graph fits, e.g. a first pass after a prefill, runs the graph's body, counted).
-        hidden = self.draft.combine_aux(aux)  # [T, h]
+        # graph fits, e.g. a first pass after a prefill, runs the graph's body, counted). The
+        # fc runs over all of the step's target rows (N per request at batch 1: cheap) and one
+        # gather keeps the accepted ones, instead of a gather per aux layer.
+        aux = target_hidden if isinstance(target_hidden, list) else [target_hidden]
+        hidden = self.draft.combine_aux(aux)[rows]  # [T, h]
         hb = build_host_batch(self.allocator, batch.first_pass, batch.token_ids)
         last = g.first_pass.run_host(hb, None, {"hidden": hidden})  # ([B, h], [B, h])
         if last is None:
