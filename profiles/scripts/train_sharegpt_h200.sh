@@ -20,6 +20,8 @@
 # session left it: jobs 16,384-32,767 (16,188 sequences) and the 589 held-out ones, so
 # `data --gen-skip 16384`.
 #   bash profiles/scripts/train_sharegpt_h200.sh bench    # compiled EAGLE-3 (new head) vs vanilla, batch 1
+#                         (BATCHES="1 4 16 64"; extra arguments go to the bench, e.g. --adaptive:
+#                         issue 16's never-slower policy beside the always-drafting chain)
 #   bash profiles/scripts/train_sharegpt_h200.sh trees    # chain vs trees (bench --trees), their traces
 #   bash profiles/scripts/train_sharegpt_h200.sh genprof  # a trace + kernel table of generation at
 #                                                 # batch GEN_BATCH (compiled + graphs)
@@ -132,8 +134,9 @@ train)
 bench)
   timeout ${LIMIT:-400} python3 -m compiled_spec.cli bench --model "$M" --device ${DEVICE:-cuda} \
     --dtype ${DTYPE:-bfloat16} --prompts $D/question.jsonl --num-prompts 5 --max-tokens 256 \
-    --batch-sizes ${BATCHES:-1} --draft "${DRAFT:-$(cat ~/best_head)}" -k ${K:-5} \
-    --variants ours_vanilla_compiled ours_eagle_compiled --out-dir ~/bench > "$OUT/bench.log" 2>&1
+    --batch-sizes ${BATCHES:-1} --draft "${DRAFT:-$(cat ~/best_head 2>/dev/null || echo smollm2-eagle3)}" -k ${K:-5} \
+    --variants ours_vanilla_compiled ours_eagle_compiled --out-dir ~/bench "${@:2}" \
+    > "$OUT/bench.log" 2>&1
   cp ~/bench/BENCHMARKS.md ~/bench/benchmarks.json "$OUT/"
   grep -vE "Warning|warn\(|^\s*$|tokeniz|Loading weights" "$OUT/bench.log" | tail -30 ;;
 trees)
