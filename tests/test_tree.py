@@ -85,6 +85,31 @@ def test_select_nodes_is_ancestor_closed_and_parent_first():
     assert anc[0, 2].nonzero().flatten().tolist() == [0, 2]
 
 
+def test_ancestor_mask_equals_walking_each_node_to_the_root():
+    """Random trees (parents precede children): the level-by-level mask, with the tree's depth
+    as the bound or none, is exactly each node's walk to the root; a bound below the depth
+    misses the deepest ancestors."""
+    g = torch.Generator().manual_seed(0)
+    for b, n in ((1, 2), (3, 16), (4, 32)):
+        parents = torch.full((b, n), -1, dtype=torch.int64)
+        depth = torch.zeros(b, n, dtype=torch.int64)
+        for i in range(1, n):
+            parents[:, i] = torch.randint(0, i, (b,), generator=g)
+            depth[:, i] = depth.gather(1, parents[:, i:i + 1])[:, 0] + 1
+        want = torch.zeros(b, n, n, dtype=torch.bool)
+        for r in range(b):
+            for i in range(n):
+                j = i
+                while j >= 0:
+                    want[r, i, j] = True
+                    j = int(parents[r, j])
+        deepest = int(depth.max())
+        assert torch.equal(ancestor_mask(parents), want)
+        assert torch.equal(ancestor_mask(parents, deepest), want)
+        if deepest > 1:
+            assert not torch.equal(ancestor_mask(parents, deepest - 1), want)
+
+
 def _walk_accept(tokens, parents, top, max_depth, cap=None):
     """Reference: the walk from the root, one level at a time (the definition)."""
     path, n_acc, bonus = [], [], []

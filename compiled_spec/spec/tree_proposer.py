@@ -153,7 +153,7 @@ class TreeProposer:
                             torch.gather(torch.cat(cand_tok, 1), 1, top)], 1)  # [B, N]
         parents = torch.cat([torch.full((b, 1), -1, dtype=torch.int64, device=dev), par], 1)
         depth = torch.cat([torch.zeros(b, 1, dtype=torch.int64, device=dev), dep], 1)
-        return tokens, parents, depth, ancestor_mask(parents)
+        return tokens, parents, depth, ancestor_mask(parents, cfg.num_steps)
 
     @property
     def expand_steps(self) -> int:
