@@ -26,6 +26,26 @@ def test_stop_validation():
             SamplingParams(stop=bad)
 
 
+def test_detokenize_false_gives_the_same_ids_and_no_text(tmp_path, smollm2_gguf_path):
+    """Token ids only: the same ids, empty text, and the tokenizer is never called (what
+    self-distillation saves); stop strings, matched on text, refuse it."""
+    with pytest.raises(ValueError, match="SamplingParams.detokenize=False: stop strings"):
+        SamplingParams(stop="ab", detokenize=False)
+    llm = LLM(model=write_bigram_target(tmp_path / "target", layers=2),
+              tokenizer=smollm2_gguf_path, max_model_len=64)
+    sp = dict(max_tokens=12, temperature=0.9, seed=4, ignore_eos=True)
+    full = llm.generate([PROMPT, [7, 8]], SamplingParams(**sp))
+    assert all(o.text for o in full)
+
+    def refuse(ids, skip):  # noqa: ARG001
+        raise AssertionError("detokenized with detokenize=False")
+    llm.engine.detokenize = refuse
+    ids_only = llm.generate([PROMPT, [7, 8]], SamplingParams(detokenize=False, **sp))
+    assert [o.token_ids for o in ids_only] == [o.token_ids for o in full]
+    assert [o.text for o in ids_only] == ["", ""]
+    assert [o.finish_reason for o in ids_only] == [o.finish_reason for o in full]
+
+
 @pytest.mark.parametrize("kind", ["vanilla", "eagle1-mirror", "eagle3"])
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_stop_string_is_exact(models, smollm2_gguf_path, kind, temperature):

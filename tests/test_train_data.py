@@ -117,6 +117,82 @@ def test_multiturn_spans_hold_exactly_the_targets_replies(chat_target, tmp_path,
         [(s.id, s.input_ids, s.spans) for s in seqs]
 
 
+def test_batched_chat_prompts_equal_one_conversation_at_a_time(smollm2_tokenizer):
+    from compiled_spec.tokenizer import chat_ids, chat_ids_batch
+
+    convs = [[{"role": "user", "content": "Hi"}],
+             [{"role": "system", "content": "Be brief."}, {"role": "user", "content": ""}],
+             [{"role": "user", "content": "Why <|im_end|> that?\n\n  \u00e9 \U0001F600 " * 40},
+              {"role": "assistant", "content": "hel" + "lo\n"},
+              {"role": "user", "content": "```python\ndef f(x):\n    return x\n```"}]]
+    assert chat_ids_batch(smollm2_tokenizer, convs) == [chat_ids(smollm2_tokenizer, c)
+                                                       for c in convs]
+    assert chat_ids_batch(smollm2_tokenizer, convs[:1]) == [chat_ids(smollm2_tokenizer, convs[0])]
+    assert chat_ids_batch(smollm2_tokenizer, []) == []
+    with pytest.raises(ValueError, match="message 0"):
+        chat_ids_batch(smollm2_tokenizer, [convs[0], [{"role": "user"}]])
+
+
+def test_common_prefix_matches_a_token_by_token_scan():
+    import random
+    from compiled_spec.train.multiturn import _common_prefix
+
+    def scan(a, b):
+        i = 0
+        while i < min(len(a), len(b)) and a[i] == b[i]:
+            i += 1
+        return i
+    rng = random.Random(0)
+    for n in (0, 1, 63, 64, 65, 128, 300):
+        a = [rng.randrange(5) for _ in range(n)]
+        cases = [(a, list(a)), (a, a + [1, 2]), (a + [3], a), ([], a)]
+        for at in {0, n // 2, max(n - 1, 0), 63, 64, 127} & set(range(n)):
+            b = list(a)
+            b[at] += 1
+            cases += [(a, b), (b + [0] * 70, a)]
+        for x, y in cases:
+            assert _common_prefix(x, y) == scan(x, y), (n, x, y)
+
+
+def test_round_prompts_are_each_conversations_chat_template(smollm2_tokenizer):
+    """A round's prompts, tokenized in one batch, are ``chat_ids`` of each conversation so far,
+    the last reply decoded into it; spans are clipped where re-tokenizing changed a reply."""
+    from types import SimpleNamespace
+
+    from compiled_spec.tokenizer import chat_ids
+    from compiled_spec.train.multiturn import ChatJob, _next_prompts
+
+    tok = smollm2_tokenizer
+    llm = SimpleNamespace(tokenizer=tok)  # all the prompts need of the LLM
+    turns = ["Name a colour.", "Why <|im_end|> that one?\n\n  \u00e9 \U0001F600"]
+    fresh = ChatJob("fresh", list(turns), 0.0, 1, "chat")
+    ids_only = ChatJob("ids", [""], 0.0, 2, "prose", first_ids=[5, 6, 7])
+    assert _next_prompts(llm, [fresh, ids_only], 0) == [
+        chat_ids(tok, [{"role": "user", "content": turns[0]}]), [5, 6, 7]]
+    # Turn 0 answered by replies: one split where the tokenizer would not split ("hel" + "lo"),
+    # so re-tokenizing changes it from there on; one ending in the EOS token that decoding drops.
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    jobs = []
+    for i, reply in enumerate([enc("Blue, hel") + enc("lo there"),
+                               enc("Blue.") + [tok.convert_tokens_to_ids("<|im_end|>")]]):
+        job = ChatJob(f"j{i}", list(turns), 0.0, i, "chat")
+        first = _next_prompts(llm, [job], 0)[0]
+        job.ids, job.num_prompt = first + reply, len(first)
+        job.spans = [(len(first), len(job.ids))]
+        jobs.append((job, first, reply))
+    prompts = _next_prompts(llm, [j for j, _, _ in jobs], 1)
+    for (job, first, reply), prompt in zip(jobs, prompts):
+        messages = [{"role": "user", "content": turns[0]},
+                    {"role": "assistant", "content": tok.decode(reply, skip_special_tokens=True)},
+                    {"role": "user", "content": turns[1]}]
+        assert prompt == chat_ids(tok, messages) and job.messages == messages
+        keep = next(i for i, (a, b) in enumerate(zip(prompt + [-1], job.ids + [-2])) if a != b)
+        assert job.spans == [(len(first), min(len(first) + len(reply), keep))]
+        assert keep > len(first)  # (a span starting at or past the change would be dropped)
+    assert jobs[0][0].spans[0][1] < len(jobs[0][0].ids)  # the split reply was clipped
+    assert jobs[1][0].spans[0][1] == len(jobs[1][0].ids)  # the EOS-ended one was not
+
+
 def test_length_batches_cover_each_sequence_once_within_the_budget():
     g = torch.Generator().manual_seed(3)
     lengths = torch.randint(5, 400, (1000,), generator=g).tolist()

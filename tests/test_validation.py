@@ -25,6 +25,8 @@ from compiled_spec import SamplingParams
     (dict(stop_token_ids=5), "stop_token_ids"),
     (dict(stop_token_ids="ab"), "stop_token_ids"),
     (dict(ignore_eos=1), "ignore_eos"),
+    (dict(detokenize=0), "detokenize"),
+    (dict(stop=["x"], detokenize=False), "detokenize"),  # stop strings are matched on text
 ])
 def test_bad_sampling_params(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -79,6 +81,12 @@ def test_prompt_forms(llm):
         llm.generate([[5, True]], sp)
     with pytest.raises(ValueError, match="token id 64 is outside the vocabulary"):
         llm.generate([[5, 64]], sp)
+    with pytest.raises(ValueError, match="token id -1 is outside the vocabulary"):
+        llm.generate([[5, -1, 7]], sp)
+    with pytest.raises(ValueError, match="token id 6.0 is not an integer"):
+        llm.generate([[5, 6.0]], sp)
+    ids = [5, 6, 7]  # the engine keeps its own copy of a checked prompt
+    assert llm.engine.check_request(ids, sp) == ids and llm.engine.check_request(ids, sp) is not ids
     with pytest.raises(ValueError, match="prompt 1: a prompt must be a string or a list"):
         llm.generate([[5], 3.5], sp)
     with pytest.raises(ValueError, match="sampling params must be SamplingParams"):

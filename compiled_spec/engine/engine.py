@@ -155,10 +155,17 @@ class LLMEngine:
         if n == 0:
             raise ValueError("prompt is empty: give at least one token")
         vocab = self.model.config.vocab_size
-        # Plain ints (nearly always) skip as_int's ABC check: a prompt's every token, twice per
-        # request (generate checks, add_request checks again).
-        ids = [t if type(t) is int else as_int(t) for t in prompt_token_ids]
-        bad = [t for t, i in zip(prompt_token_ids, ids) if i is None or not 0 <= i < vocab]
+        # A prompt's every token, twice per request (generate checks, add_request checks
+        # again): plain ints (nearly always) are checked by C loops (types, then min and max),
+        # ~20% cheaper than one Python pass; anything else takes that pass, per token.
+        bad: list = []
+        if set(map(type, prompt_token_ids)) == {int}:
+            ids = list(prompt_token_ids)
+            if not (0 <= min(ids) and max(ids) < vocab):
+                bad = [t for t in ids if not 0 <= t < vocab]
+        else:
+            ids = [t if type(t) is int else as_int(t) for t in prompt_token_ids]
+            bad = [t for t, i in zip(prompt_token_ids, ids) if i is None or not 0 <= i < vocab]
         if bad:
             what = "is not an integer" if as_int(bad[0]) is None else "is outside the vocabulary"
             raise ValueError(f"prompt token id {bad[0]!r} {what} [0, {vocab})")
@@ -346,7 +353,7 @@ class LLMEngine:
         req.num_registered, req.last_block_hash = full, keys[-1][0]
 
     def to_output(self, req: Request) -> RequestOutput:
-        text = output_text(req, self.detokenize)
+        text = output_text(req, self.detokenize) if req.params.detokenize else ""
         comp = CompletionOutput(text=text, token_ids=list(req.output_token_ids),
                                 finish_reason=req.finish_reason, error=req.error,
                                 logprobs=None if req.params.logprobs is None

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm.auto import tqdm
 
+from compiled_spec.tokenizer import chat_ids_batch
 from compiled_spec.train.data import PromptRow, TrainSequence, _row, load_sequences, prompt_kind
 from compiled_spec.train.sharegpt import Conversation
 
@@ -37,6 +38,8 @@ class ChatJob:
     seed: int
     kind: str
     first_ids: list[int] | None = None  # verbatim first prompt (``prompt_ids`` rows, one turn)
+    # The last prompt's messages: its assistant turns are the earlier replies' text; the last
+    # reply is added (decoded) when the next turn's prompt is built.
     messages: list[dict] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)  # the conversation so far, token ids
     spans: list[tuple[int, int]] = field(default_factory=list)
@@ -51,23 +54,45 @@ class ChatJob:
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix, compared by slices (C loops, not a Python loop per
+    token): whole lists first (re-tokenizing a conversation mostly gives its ids back), then
+    blocks of 64, then the tokens of the first block that differs."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
+    if a[:n] == b[:n]:
+        return n
+    i = 0  # a mismatch lies before n, so neither loop runs past it
+    while a[i:i + 64] == b[i:i + 64]:
+        i += 64
+    while a[i] == b[i]:
         i += 1
     return i
 
 
-def _next_prompt(llm: "LLM", job: ChatJob, turn: int) -> list[int]:
-    """Token ids of the prompt for ``turn`` (0-based), and the earlier spans clipped to the
-    prefix this prompt shares with the conversation's tokens so far."""
-    if job.first_ids is not None:
-        return list(job.first_ids)
-    prompt = llm.encode_chat(job.messages + [{"role": "user", "content": job.user_turns[turn]}])
-    if job.ids:
-        keep = _common_prefix(prompt, job.ids)
-        job.spans = [(a, min(b, keep)) for a, b in job.spans if a < keep]
-    return prompt
+def _next_prompts(llm: "LLM", jobs: list[ChatJob], turn: int) -> list[list[int]]:
+    """Token ids of every job's prompt for ``turn`` (0-based); each job's earlier spans are
+    clipped to the prefix its prompt shares with the conversation's tokens so far.
+
+    The chat templates are tokenized in one batch (the Rust tokenizer's threads; one call per
+    conversation was most of the host time outside the engine). The last reply is decoded here,
+    only for conversations that go on: the engine returns token ids alone."""
+    chats = [j for j in jobs if j.first_ids is None]
+    for job in chats:
+        if job.ids:  # the answer to the last user turn, as text, as a chat client sends it
+            job.messages.append({"role": "assistant", "content": llm.tokenizer.decode(
+                job.ids[job.num_prompt:], skip_special_tokens=True)})
+        job.messages.append({"role": "user", "content": job.user_turns[turn]})
+    encoded = iter(chat_ids_batch(llm.tokenizer, [j.messages for j in chats]))
+    prompts = []
+    for job in jobs:
+        if job.first_ids is not None:
+            prompts.append(list(job.first_ids))
+            continue
+        prompt = next(encoded)
+        if job.ids:
+            keep = _common_prefix(prompt, job.ids)
+            job.spans = [(a, min(b, keep)) for a, b in job.spans if a < keep]
+        prompts.append(prompt)
+    return prompts
 
 
 def _run_round(llm: "LLM", jobs: list[ChatJob], turn: int, max_new_tokens: int,
@@ -76,16 +101,18 @@ def _run_round(llm: "LLM", jobs: list[ChatJob], turn: int, max_new_tokens: int,
     from compiled_spec.sampling_params import SamplingParams
 
     live, prompts, params = [], [], []
-    for job in jobs:
-        prompt = _next_prompt(llm, job, turn)
+    for job, prompt in zip(jobs, _next_prompts(llm, jobs, turn)):
         room = min(max_new_tokens, max_seq_len - len(prompt))
         if room < 2:  # no room left for a reply worth training on
             job.done = True
             continue
         live.append(job)
         prompts.append(prompt)
+        # detokenize=False: the outputs' text is never read (the next round decodes the replies
+        # it needs itself, skipping each conversation's last).
         params.append(SamplingParams(max_tokens=room, temperature=job.temperature,
-                                     seed=job.seed + 7919 * turn, ignore_eos=ignore_eos))
+                                     seed=job.seed + 7919 * turn, ignore_eos=ignore_eos,
+                                     detokenize=False))
     if not live:
         return
     for job, prompt, res in zip(live, prompts, llm.generate(prompts, params)):
@@ -95,10 +122,6 @@ def _run_round(llm: "LLM", jobs: list[ChatJob], turn: int, max_new_tokens: int,
             continue
         job.spans.append((len(prompt), len(prompt) + len(reply)))
         job.ids, job.num_prompt = prompt + reply, len(prompt)
-        job.messages = job.messages + [
-            {"role": "user", "content": job.user_turns[turn]},
-            {"role": "assistant", "content": llm.tokenizer.decode(reply,
-                                                                  skip_special_tokens=True)}]
 
 
 def _graph_calls(llm: "LLM") -> tuple[int, int, int]:
