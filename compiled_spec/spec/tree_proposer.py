@@ -107,28 +107,27 @@ class TreeProposer:
         cfg, draft, dev = self.cfg, self.draft, self.device
         K, F = cfg.topk, cfg.num_forwarded
         feed0 = live.extras["feed"]  # [B, h]
-        b = feed0.shape[0]
+        b, h = feed0.shape
         lp = torch.log_softmax(draft.compute_logits(live.extras["for_logits"]).float(), dim=-1)
         score, tok = lp.topk(K, dim=-1)  # [B, K] layer 1
-        cand_tok, cand_score = [draft.draft_to_target(tok)], [score]
-        cand_depth = [torch.ones(b, K, dtype=torch.int64, device=dev)]
+        tok = draft.draft_to_target(tok)
+        # Every candidate (all layers) for the final selection; each expansion reads only the
+        # layer before it: its frontier is always the K best of that layer, so nothing is
+        # concatenated or gathered across layers inside the loop.
+        cand_tok, cand_score = [tok], [score]
         cand_parent = [torch.full((b, K), -1, dtype=torch.int64, device=dev)]
-        cand_hidden = [feed0[:, None].expand(b, K, -1)]  # input hidden of each candidate
-        cand_fmask = [torch.zeros(b, K, max(F, 1), dtype=torch.bool, device=dev)]
-        frontier = torch.arange(K, device=dev).expand(b, K)  # candidate ids of the layer
+        frontier = torch.arange(K, device=dev).expand(b, K)  # candidate ids being expanded
+        x_tok, x_score = tok, score  # [B, K] the frontier's tokens and cumulative scores
+        x_hid = feed0[:, None].expand(b, K, h)  # [B, K, h] their input hidden states
+        x_fm = torch.zeros(b, K, max(F, 1), dtype=torch.bool, device=dev)  # their tree masks
+        ar_k, ar_f = torch.arange(K, device=dev), torch.arange(F, device=dev)
         n_cand = K
         for step in range(2, cfg.num_steps + 1):
-            tok_all, hid_all = torch.cat(cand_tok, 1), torch.cat(cand_hidden, 1)
-            fmask_all, score_all = torch.cat(cand_fmask, 1), torch.cat(cand_score, 1)
             f0 = (step - 2) * K  # expansion index of this layer's first node
-            x_tok = torch.gather(tok_all, 1, frontier)  # [B, K]
-            x_hid = torch.gather(hid_all, 1, frontier[:, :, None].expand(-1, -1, hid_all.shape[-1]))
-            fm = torch.gather(fmask_all, 1, frontier[:, :, None].expand(-1, -1, F))
             # Each node also sees its own slot. A mask OR, not ``fm[:, i, f0 + i] = True``: that
             # index_put copies the Python scalar from host memory, which CUDA graph capture
             # refuses (found on the H200: tree_draft_expand failed to capture).
-            ar = torch.arange(K, device=dev)
-            fm = fm | (torch.arange(F, device=dev)[None, :] == (f0 + ar)[:, None])[None]
+            fm = x_fm | (ar_f[None, :] == (f0 + ar_k)[:, None])[None]  # [B, K, F]
             pos, meta = live.step(step - 2)  # [B*K]
             # Tree slots start right after the prefix: seq_lens = root + F.
             tmeta = replace(meta, tree_start=meta.seq_lens - F, tree_mask=fm.reshape(b * K, F))
@@ -136,18 +135,27 @@ class TreeProposer:
                                         {n: tmeta for n in self.layer_names})
             lp = torch.log_softmax(draft.compute_logits(fl).float(), dim=-1)  # [B*K, Vd]
             c_score, c_tok = lp.topk(K, dim=-1)
-            par_score = torch.gather(score_all, 1, frontier)  # [B, K]
-            c_score = (par_score[:, :, None] + c_score.view(b, K, K)).reshape(b, K * K)
-            cand_tok.append(draft.draft_to_target(c_tok).view(b, K * K))
+            c_score = (x_score[:, :, None] + c_score.view(b, K, K)).reshape(b, K * K)
+            c_tok = draft.draft_to_target(c_tok).view(b, K * K)
+            cand_tok.append(c_tok)
             cand_score.append(c_score)
-            cand_depth.append(torch.full((b, K * K), step, dtype=torch.int64, device=dev))
             cand_parent.append(frontier[:, :, None].expand(b, K, K).reshape(b, K * K))
-            cand_hidden.append(new_feed.view(b, K, 1, -1).expand(b, K, K, -1).reshape(b, K * K, -1))
-            cand_fmask.append(fm[:, :, None].expand(b, K, K, F).reshape(b, K * K, F))
-            frontier = n_cand + c_score.topk(K, dim=-1).indices  # next layer's expanded nodes
+            if step == cfg.num_steps:
+                break
+            # The next frontier: this layer's K best; child i*K + j hangs off frontier node i,
+            # whose output is its input hidden state and whose mask it extends.
+            sel = c_score.topk(K, dim=-1).indices  # [B, K] within this layer
+            frontier = n_cand + sel
             n_cand += K * K
+            up = (sel // K)[:, :, None]  # [B, K, 1] each one's parent in this frontier
+            x_tok, x_score = torch.gather(c_tok, 1, sel), torch.gather(c_score, 1, sel)
+            x_hid = torch.gather(new_feed.view(b, K, h), 1, up.expand(-1, -1, h))
+            x_fm = torch.gather(fm, 1, up.expand(-1, -1, F))
+        # Candidate depths: K of depth 1, then K*K per later layer (no host copy, capture-safe).
+        c = torch.arange(n_cand + (K * K if cfg.num_steps > 1 else 0), device=dev)
+        cand_depth = torch.where(c < K, 1, 2 + torch.div(c - K, K * K, rounding_mode="floor"))
         n = cfg.num_draft_tokens - 1
-        top, par, dep = select_nodes(torch.cat(cand_score, 1), torch.cat(cand_depth, 1),
+        top, par, dep = select_nodes(torch.cat(cand_score, 1), cand_depth.expand(b, -1),
                                      torch.cat(cand_parent, 1), n)
         tokens = torch.cat([torch.zeros(b, 1, dtype=torch.int64, device=dev),
                             torch.gather(torch.cat(cand_tok, 1), 1, top)], 1)  # [B, N]
