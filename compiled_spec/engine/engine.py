@@ -4,18 +4,15 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass, field
-
-import torch
 
 from compiled_spec.config import EngineConfig
 from compiled_spec.draft.model import EagleDraft
+from compiled_spec.engine.kv_pool import build_kv_pool
 from compiled_spec.engine.model_runner import ModelRunner
 from compiled_spec.engine.request import CompletionOutput, Request, RequestOutput, Status
 from compiled_spec.engine.scheduler import Scheduler
+from compiled_spec.engine.stats import EngineStats
 from compiled_spec.engine.stopping import output_text, stop_reason
-from compiled_spec.memory import available_bytes, check_kv_pool_fits
-from compiled_spec.kv_cache import BlockAllocator, allocate_kv_pair, bytes_per_block
 from compiled_spec.models.decoder import CausalLM
 from compiled_spec.models.fuse import fuse_projections
 from compiled_spec.prefix_cache import block_keys, matchable_blocks
@@ -26,38 +23,6 @@ from compiled_spec.spec.proposer import EagleProposer
 from kernels.warmup import warm_model_attention
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineStats:
-    num_steps: int = 0
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0  # tokens emitted by decode/verify steps
-    num_preemptions: int = 0
-    num_aborted: int = 0
-    num_requests_without_speculation: int = 0  # ran plain decoding in a speculative engine
-    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-    num_step_faults: int = 0  # steps that raised (their requests retried alone or aborted)
-    # Wall time inside step(), and the part of it spent in steps that carried a prompt chunk
-    # (those run without a CUDA graph): where large-batch generation time goes.
-    step_s: float = 0.0
-    num_prefill_steps: int = 0
-    prefill_step_s: float = 0.0
-    # speculation_policy="adaptive": its choices and estimates per batch bucket (.summary())
-    policy: SpecPolicy | None = None
-    spec: SpecStats = field(default_factory=SpecStats)
-
-
-def _kv_budget_bytes(cfg: EngineConfig) -> int:
-    """The KV pool's size: the configured GiB, else half the free memory on a GPU (the weights
-    are already loaded, so what is free is what the pool may take) and on the CPU 1 GiB, or
-    half of what is available when that is less."""
-    if cfg.cache.memory_gib is not None:
-        return int(cfg.cache.memory_gib * (1 << 30))
-    avail = available_bytes(cfg.device)
-    if cfg.device.type == "cuda":
-        return (avail or 0) // 2
-    return 1 << 30 if avail is None else min(1 << 30, avail // 2)
 
 
 class LLMEngine:
@@ -72,33 +37,7 @@ class LLMEngine:
         self.model = model
         self.draft = draft
         mcfg = model.config
-        page = cfg.cache.page_size
-        # Draft layers keep their KV in the same paged pool: same blocks, same slots, own tensors.
-        # This rank's KV heads (all of them without tensor parallelism).
-        kv_shapes = [(layer.self_attn.num_kv_heads, mcfg.head_dim)
-                     for layer in model.model.layers]
-        if draft is not None:
-            kv_shapes += [(layer.self_attn.num_kv_heads, draft.config.head_dim)
-                          for layer in draft.layers]
-        num_blocks = cfg.cache.num_blocks
-        per_block = sum(bytes_per_block(page, h, d, cfg.dtype) for h, d in kv_shapes)
-        if num_blocks is None:
-            num_blocks = max(1, _kv_budget_bytes(cfg) // per_block)
-            tp = getattr(model, "tp", None)
-            if tp is not None:  # every rank must hold the same number of blocks (lockstep)
-                import torch.distributed as dist
-
-                n = torch.tensor([num_blocks], device=cfg.device)
-                dist.all_reduce(n, op=dist.ReduceOp.MIN, group=tp.group)
-                num_blocks = int(n.item())
-        asked = (f"num_kv_blocks={cfg.cache.num_blocks}" if cfg.cache.num_blocks is not None else
-                 f"kv_cache_memory_gib={cfg.cache.memory_gib}")
-        check_kv_pool_fits(num_blocks, per_block, cfg.device, asked)
-        self.allocator = BlockAllocator(num_blocks, page, prefix_caching=cfg.cache.prefix_caching)
-        # One tensor per layer, not views of one pool: torch.compile treats inputs that share
-        # storage as aliases and copied the whole pool per layer and step (2026-12-01).
-        self.kv_caches = [allocate_kv_pair(num_blocks, page, h, d, cfg.dtype, cfg.device)
-                          for h, d in kv_shapes]
+        self.allocator, self.kv_caches = build_kv_pool(cfg, model, draft)
         model.bind_kv_cache(self.kv_caches[:mcfg.num_hidden_layers])
         proposer, aux_ids = None, ()
         k = cfg.spec.num_speculative_tokens if cfg.spec is not None else 0

@@ -1,0 +1,27 @@
+"""What the engine counts while it runs (``llm.stats``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from compiled_spec.spec.metrics import SpecStats
+from compiled_spec.spec.policy import SpecPolicy
+
+
+@dataclass
+class EngineStats:
+    num_steps: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0  # tokens emitted by decode/verify steps
+    num_preemptions: int = 0
+    num_aborted: int = 0
+    num_requests_without_speculation: int = 0  # ran plain decoding in a speculative engine
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    num_step_faults: int = 0  # steps that raised (their requests retried alone or aborted)
+    # Wall time inside step(), and the part of it spent in steps that carried a prompt chunk
+    # (those run without a CUDA graph): where large-batch generation time goes.
+    step_s: float = 0.0
+    num_prefill_steps: int = 0
+    prefill_step_s: float = 0.0
+    # speculation_policy="adaptive": its choices and estimates per batch bucket (.summary())
+    policy: SpecPolicy | None = None
+    spec: SpecStats = field(default_factory=SpecStats)
