@@ -315,18 +315,18 @@ def test_generation_hands_its_kv_pool_back_before_training(tmp_path, smollm2_ggu
     import gc
     import weakref
 
-    import compiled_spec.engine.engine as engine_mod
+    import compiled_spec.engine.kv_pool as pool_mod
     from compiled_spec.train.corpus import load_corpus
     from tests.spec_models import write_bigram_target, write_id_prompts
 
     pools: list[weakref.ref] = []  # every KV tensor the generating engine allocates
-    real = engine_mod.allocate_kv_pair
+    real = pool_mod.allocate_kv_pair
 
     def tracked(*args, **kw):
         pair = real(*args, **kw)
         pools.extend(weakref.ref(t) for t in pair)
         return pair
-    monkeypatch.setattr(engine_mod, "allocate_kv_pair", tracked)
+    monkeypatch.setattr(pool_mod, "allocate_kv_pair", tracked)
     target = write_bigram_target(tmp_path / "t", vocab=32, layers=2)
     prompts = write_id_prompts(tmp_path / "p.jsonl", 6, vocab=32)
     (tmp_path / "out").mkdir()
