@@ -141,26 +141,16 @@ def trace_engine(llm: Any, v: Variant, prompt: list[int], out_dir: Path,
     minutes for a tree engine), with the ops' device-time table and the phases' latencies
     printed. Returns the trace file."""
     from compiled_spec import SamplingParams
-    from compiled_spec.profile import phase_latencies
+    from compiled_spec.profile_run import print_phases, trace_calls
 
-    d = out_dir / "".join(c if c.isalnum() else "_" for c in v.name).strip("_")
-    d.mkdir(parents=True, exist_ok=True)
-    acts = [torch.profiler.ProfilerActivity.CPU]
-    if llm.config.device.type == "cuda":
-        acts.append(torch.profiler.ProfilerActivity.CUDA)
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    with torch.profiler.profile(activities=acts, on_trace_ready=torch.profiler.
-                                tensorboard_trace_handler(str(d))) as prof:
-        llm.generate(prompt, sp)
-    by = "self_cuda_time_total" if len(acts) > 1 else "self_cpu_time_total"
     print(f"trace of {v.name} (1 request x {max_tokens} tokens):")
-    print(prof.key_averages().table(sort_by=by, row_limit=table_rows, max_name_column_width=60))
-    trace = max(d.glob("*.pt.trace.json"), key=lambda f: f.stat().st_mtime)
-    for name, st in phase_latencies(str(trace)).items():
-        print(f"  {name:18s} {st['count']:5d} steps, mean {st['mean']:.3f} ms, "
-              f"p50 {st['p50']:.3f} ms ({st['source']})")
-    print(f"  trace: {trace}", flush=True)
-    return trace
+    trace = trace_calls(llm, lambda: llm.generate(prompt, sp),
+                        out_dir / "".join(c if c.isalnum() else "_" for c in v.name).strip("_"),
+                        table_rows)
+    print_phases(trace)
+    print(f"trace: {trace}", flush=True)
+    return Path(trace)
 
 
 def bench_ours(variants: list[Variant], kw: dict[str, Any], prompts: list[list[int]],

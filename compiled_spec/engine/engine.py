@@ -170,9 +170,14 @@ class LLMEngine:
             stats.prefill_step_s += dt
         return finished
 
-    def _fault(self, reqs: list[Request], e: Exception) -> list[Request]:
+    def _forget_drafts(self) -> None:
+        """After a step stopped half-way: the runner drops its drafts, so the next step
+        verifies nothing (and is no steady step of the drafting mode)."""
         self.runner.reset()
-        self._obs, self._mode_prev = None, PLAIN  # the next step verifies nothing
+        self._obs, self._mode_prev = None, PLAIN
+
+    def _fault(self, reqs: list[Request], e: Exception) -> list[Request]:
+        self._forget_drafts()
         self.stats.num_step_faults += 1
         log.warning("engine step over requests %s raised %s: %s", [r.req_id for r in reqs],
                     type(e).__name__, e)
@@ -193,8 +198,7 @@ class LLMEngine:
         for req in reqs:
             self.scheduler.remove(req, why)
         if reqs:
-            self.runner.reset()  # a step may have stopped half-way
-            self._obs, self._mode_prev = None, PLAIN
+            self._forget_drafts()  # a step may have stopped half-way
             self.stats.num_aborted += len(reqs)
         return reqs
 

@@ -274,26 +274,21 @@ class ModelRunner:
             r.draft_computed = span.start + m  # the first pass writes draft KV up to here
         if not chosen:
             return
-        if not draft:
-            assert self.proposer is not None
-            with phase("propose"):
-                self.proposer.sync(ProposeBatch(
-                    first_pass=first_pass, token_ids=token_ids, hidden_rows=hidden_rows,
-                    step_limits=limits, temperature=[r.params.temperature for r in chosen],
-                    seeds=[r.seed for r in chosen]), pend.hidden)
-            return
+        batch = ProposeBatch(
+            first_pass=first_pass, token_ids=token_ids, hidden_rows=hidden_rows, step_limits=limits,
+            temperature=[r.params.temperature for r in chosen], seeds=[r.seed for r in chosen])
         with phase("propose"):
-            self._propose(chosen, first_pass, token_ids, hidden_rows, limits, pend)
+            if draft:
+                self._propose(chosen, batch, pend)
+            else:
+                self.proposer.sync(batch, pend.hidden)
 
     def _grow_cap(self, req: Request) -> int:
         """Positions a proposal may reserve blocks up to (chains never pass the budget)."""
         return req.max_total_tokens
 
-    def _propose(self, chosen: list[Request], first_pass: list[Span], token_ids: list[int],
-                 hidden_rows: list[int], limits: list[int], pend: _Pending) -> None:
-        batch = ProposeBatch(
-            first_pass=first_pass, token_ids=token_ids, hidden_rows=hidden_rows, step_limits=limits,
-            temperature=[r.params.temperature for r in chosen], seeds=[r.seed for r in chosen])
+    def _propose(self, chosen: list[Request], batch: ProposeBatch, pend: _Pending) -> None:
+        """Draft for ``chosen`` (row i of ``batch``) and keep the drafts for the next step."""
         self._drafts, self._draft_probs = self.proposer.propose(batch, pend.hidden)
         self._draft_row = {r.req_id: i for i, r in enumerate(chosen)}
 

@@ -204,63 +204,55 @@ class ProposeGraphs:
         self.eager_fallbacks += 1
         self.fallback_reasons[why] = self.fallback_reasons.get(why, 0) + 1
 
-    def note_uncaptured(self, why: str) -> None:
-        """Count a draft call that ran outside the graph on purpose (stats say so)."""
-        self._miss(why)
+    def _stage(self, batch: "ProposeBatch", target_hidden: torch.Tensor | list[torch.Tensor],
+               graphs: dict[int, Any]) -> int | str:
+        """Stage ``batch`` for a replay of one of ``graphs`` (by batch size): the captured size
+        it pads to, its inputs uploaded and the fc output in the static hidden buffer (the replay
+        that follows is counted here); or the reason no graph fits."""
+        if not self.enabled:
+            return "cpu"
+        n = len(batch.first_pass)
+        if any(s.length > self.q for s in batch.first_pass):
+            return "prefill"
+        b = next((s for s in self.sizes if s >= n and s in graphs), None)
+        if b is None:
+            return "size"
+        aux = target_hidden if isinstance(target_hidden, list) else [target_hidden]
+        if aux[0].shape[0] > self.hidden.shape[0]:  # a target step larger than any graph
+            return "target_rows"
+        why = self._fill(batch, b)
+        if why is not None:
+            return why
+        # EAGLE-3's fc, eager and outside the graph, over every target row of the step:
+        # [T_target, n*h_target] -> [T_target, h] (EAGLE-1: the final hidden, as it is).
+        hidden = self.prop.draft.combine_aux(aux)
+        self.hidden[:hidden.shape[0]].copy_(hidden)
+        self.graph_replays += 1
+        self.padded_rows += b - n
+        return b
 
     def run(self, batch: "ProposeBatch", target_hidden: torch.Tensor | list[torch.Tensor]
             ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """Replay for ``batch`` and return (drafts [n, k], q or None); None (counted) when no
         captured graph fits, so the caller runs the uncaptured path."""
-        if not self.enabled:
-            self._miss("cpu")
+        b = self._stage(batch, target_hidden, self._graphs)
+        if isinstance(b, str):
+            self._miss(b)
             return None
-        n = len(batch.first_pass)
-        if any(s.length > self.q for s in batch.first_pass):
-            self._miss("prefill")
-            return None
-        b = next((s for s in self.sizes if s >= n and s in self._graphs), None)
-        if b is None:
-            self._miss("size")
-            return None
-        aux = target_hidden if isinstance(target_hidden, list) else [target_hidden]
-        if aux[0].shape[0] > self.hidden.shape[0]:  # a target step larger than any graph
-            self._miss("target_rows")
-            return None
-        why = self._fill(batch, b)
-        if why is not None:
-            self._miss(why)
-            return None
-        # EAGLE-3's fc, eager and outside the graph, over every target row of the step:
-        # [T_target, n*h_target] -> [T_target, h] (EAGLE-1: the final hidden, as it is).
-        hidden = self.prop.draft.combine_aux(aux)
-        self.hidden[:hidden.shape[0]].copy_(hidden)
         graph, (drafts, probs) = self._graphs[b]
         graph.replay()
-        self.graph_replays += 1
-        self.padded_rows += b - n
+        n = len(batch.first_pass)
         return drafts[:n].clone(), (probs[:n].clone() if probs is not None else None)
 
     def run_sync(self, batch: "ProposeBatch", target_hidden: torch.Tensor | list[torch.Tensor]
                  ) -> bool:
         """Replay the first pass alone for ``batch`` (speculation paused); False (counted)
         when no captured graph fits, so the caller runs it uncaptured."""
-        n = len(batch.first_pass)
-        b = next((s for s in self.sizes if s >= n and s in self._sync_graphs), None)
-        if not self.enabled or b is None or any(s.length > self.q for s in batch.first_pass):
-            self._miss("paused (first pass only)")
+        b = self._stage(batch, target_hidden, self._sync_graphs)
+        if isinstance(b, str):  # no graph at all for this call: said as a paused first pass
+            self._miss("paused (first pass only)" if b in ("cpu", "prefill", "size") else b)
             return False
-        aux = target_hidden if isinstance(target_hidden, list) else [target_hidden]
-        why = ("target_rows" if aux[0].shape[0] > self.hidden.shape[0] else
-               self._fill(batch, b))
-        if why is not None:
-            self._miss(why)
-            return False
-        hidden = self.prop.draft.combine_aux(aux)  # EAGLE-3's fc, eager, as in run()
-        self.hidden[:hidden.shape[0]].copy_(hidden)
         self._sync_graphs[b].replay()
-        self.graph_replays += 1
-        self.padded_rows += b - n
         return True
 
     def _fill(self, batch: "ProposeBatch", b: int) -> str | None:

@@ -31,6 +31,7 @@ from compiled_spec.engine.model_runner import (ModelRunner, StepOutput, _Pending
 from compiled_spec.engine.request import Request
 from compiled_spec.profile import phase
 from compiled_spec.sampler import STREAM_TOKEN, apply_filters, position_keys, sample_from_probs
+from compiled_spec.spec.proposer import ProposeBatch
 from compiled_spec.spec.tree import KVCompactor, TreeConfig, accept_paths
 from compiled_spec.spec.tree_proposer import DraftTree, TreeProposer
 
@@ -214,12 +215,6 @@ class TreeModelRunner(ModelRunner):
         self._tree_row = {}
         super().propose([r for r in reqs if self._takes_tree(r)], accepted, draft)
 
-    def _propose(self, chosen, first_pass, token_ids, hidden_rows, limits, pend) -> None:
-        from compiled_spec.spec.proposer import ProposeBatch
-
-        batch = ProposeBatch(first_pass=first_pass, token_ids=token_ids, hidden_rows=hidden_rows,
-                             step_limits=limits, temperature=[r.params.temperature
-                                                              for r in chosen],
-                             seeds=[r.seed for r in chosen])
+    def _propose(self, chosen: list[Request], batch: ProposeBatch, pend: _Pending) -> None:
         self._tree, _ = self.proposer.propose(batch, pend.hidden)
         self._tree_row = {r.req_id: i for i, r in enumerate(chosen)}

@@ -121,11 +121,19 @@ class EagleProposer:
         complete (a paused step of the adaptive policy; no logits, no loop, no graph)."""
         if self.graph is not None and self.graph.run_sync(batch, target_hidden):
             return
+        self.first_pass(batch, target_hidden)
+
+    def first_pass(self, batch: ProposeBatch, target_hidden: torch.Tensor | list[torch.Tensor]
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The uncaptured first pass over ``batch``'s accepted positions, writing the draft's KV
+        there: (feed [T, h], for_logits [T, h], positions [T], metadata)."""
         rows = to_device(batch.hidden_rows, self.device)
+        # EAGLE-3: the aux states (fused by fc); EAGLE-1: the target's final hidden state.
         aux = [h[rows] for h in target_hidden] if isinstance(target_hidden, list) else [target_hidden[rows]]
         ids = to_device(batch.token_ids, self.device)  # [T]
         positions, meta = build_metadata(self.allocator, batch.first_pass, self.device)
-        self.first_pass_fn(aux, ids, positions, self._metas(meta))
+        feed, for_logits = self.first_pass_fn(aux, ids, positions, self._metas(meta))
+        return feed, for_logits, positions, meta
 
     @torch.inference_mode()
     def propose(self, batch: ProposeBatch, target_hidden: torch.Tensor | list[torch.Tensor]
@@ -138,12 +146,7 @@ class EagleProposer:
                 return out
         temperature = torch.tensor(batch.temperature, dtype=torch.float32, device=self.device)
         seeds = torch.tensor(batch.seeds, dtype=torch.int64, device=self.device)
-        rows = to_device(batch.hidden_rows, self.device)
-        # EAGLE-3: the aux states (fused by fc); EAGLE-1: the target's final hidden state.
-        aux = [h[rows] for h in target_hidden] if isinstance(target_hidden, list) else [target_hidden[rows]]
-        ids = to_device(batch.token_ids, self.device)  # [T]
-        positions, meta = build_metadata(self.allocator, batch.first_pass, self.device)
-        feed, for_logits = self.first_pass_fn(aux, ids, positions, self._metas(meta))
+        feed, for_logits, positions, meta = self.first_pass(batch, target_hidden)
         last = (meta.query_start_loc[1:] - 1).long()  # [B] each request's last first-pass row
         feed = feed[last]  # [B, h]
         # Position of the token being drafted: d_1 sits right after the last committed token.

@@ -22,7 +22,7 @@ import torch
 
 from capture.pad import LiveBatch
 from capture.host_stage import HostBatch
-from compiled_spec.engine.batch import (build_host_batch, build_metadata, host_batch_to_device,
+from compiled_spec.engine.batch import (build_host_batch, host_batch_to_device,
                                           metadata_to_device, to_device)
 from compiled_spec.spec.proposer import EagleProposer, ProposeBatch
 from compiled_spec.spec.tree import TreeConfig, ancestor_mask, select_nodes
@@ -72,14 +72,9 @@ class TreeProposer:
     def propose(self, batch: ProposeBatch, target_hidden: torch.Tensor | list[torch.Tensor]
                 ) -> tuple[DraftTree, None]:
         dev = self.device
-        rows = to_device(batch.hidden_rows, dev)
         g = self.graph
         if g is None:
-            aux = [h[rows] for h in target_hidden] if isinstance(target_hidden, list) \
-                else [target_hidden[rows]]
-            ids = to_device(batch.token_ids, dev)  # [T]
-            positions, meta = build_metadata(self.allocator, batch.first_pass, dev)
-            feed, for_logits = self.first_pass_fn(aux, ids, positions, self.base._metas(meta))
+            feed, for_logits, _, meta = self.base.first_pass(batch, target_hidden)
             last = (meta.query_start_loc[1:] - 1).long()  # [B] each request's last row
             return DraftTree(*self.expand(self.expand_batch(batch, feed[last],
                                                             for_logits[last]))), None
@@ -88,7 +83,7 @@ class TreeProposer:
         # fc runs over all of the step's target rows (N per request at batch 1: cheap) and one
         # gather keeps the accepted ones, instead of a gather per aux layer.
         aux = target_hidden if isinstance(target_hidden, list) else [target_hidden]
-        hidden = self.draft.combine_aux(aux)[rows]  # [T, h]
+        hidden = self.draft.combine_aux(aux)[to_device(batch.hidden_rows, dev)]  # [T, h]
         hb = build_host_batch(self.allocator, batch.first_pass, batch.token_ids)
         last = g.first_pass.run_host(hb, None, {"hidden": hidden})  # ([B, h], [B, h])
         if last is None:
