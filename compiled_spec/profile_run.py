@@ -5,46 +5,10 @@
 from __future__ import annotations
 
 import argparse
-import glob
-import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
 
-import torch
-
-from compiled_spec.profile import phase_latencies
-
-if TYPE_CHECKING:
-    from compiled_spec import LLM
-
-
-def trace_calls(llm: "LLM", run: Callable[[], None], out_dir: Path, table_rows: int = 0
-                ) -> str:
-    """Run ``run`` under torch.profiler (CPU, and CUDA on a GPU) with a TensorBoard trace in
-    ``out_dir``; with ``table_rows``, print the ops with the most device time (CPU time off a
-    GPU). Returns the trace file."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    acts = [torch.profiler.ProfilerActivity.CPU]
-    if llm.config.device.type == "cuda":
-        acts.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=acts, on_trace_ready=torch.profiler.
-                                tensorboard_trace_handler(str(out_dir))) as prof:
-        run()
-    if table_rows:
-        by = "self_cuda_time_total" if len(acts) > 1 else "self_cpu_time_total"
-        print(prof.key_averages().table(sort_by=by, row_limit=table_rows,
-                                        max_name_column_width=60))
-    return max(glob.glob(str(out_dir / "*.pt.trace.json")), key=os.path.getmtime)
-
-
-def print_phases(trace: str) -> dict[str, dict[str, float]]:
-    """The engine phases' latencies read back from ``trace``, printed as a table."""
-    lat = phase_latencies(trace)
-    print(f"{'phase':18s} {'count':>6s} {'mean ms':>9s} {'p50 ms':>9s} {'p90 ms':>9s}  source")
-    for phase, st in lat.items():
-        print(f"{phase:18s} {st['count']:6d} {st['mean']:9.3f} {st['p50']:9.3f} {st['p90']:9.3f}  {st['source']}")
-    return lat
+from compiled_spec.profile import print_phases, trace_calls
 
 
 def run_profile(a: argparse.Namespace) -> int:

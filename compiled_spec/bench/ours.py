@@ -141,7 +141,7 @@ def trace_engine(llm: Any, v: Variant, prompt: list[int], out_dir: Path,
     minutes for a tree engine), with the ops' device-time table and the phases' latencies
     printed. Returns the trace file."""
     from compiled_spec import SamplingParams
-    from compiled_spec.profile_run import print_phases, trace_calls
+    from compiled_spec.profile import print_phases, trace_calls
 
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     print(f"trace of {v.name} (1 request x {max_tokens} tokens):")
