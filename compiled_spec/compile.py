@@ -2,12 +2,14 @@
 Inductor), and switched in and out of the engine so eager and compiled runs can be compared on the
 same weights and KV pool.
 
-Three compiled callables, each with its own backend instance (so its pass statistics are its own):
+The compiled callables, each with its own backend instance (so its pass statistics are its own):
 - target forward: passes without fc hoisting or per-layer binding (one metadata for all layers);
 - draft first pass (aux states -> fc -> draft): the EAGLE-3 fc is hoisted back out to eager, since
   it runs over a variable number of target tokens while the rest has per-step shapes;
 - draft step (one token per request, its own hidden fed back): per-layer metadata bound; the
-  chain's steps 2..k compile it together with their pick (logits, argmax / sampling, id map).
+  chain's steps 2..k compile it together with their pick (logits, argmax / sampling, id map);
+- draft trees: layer 1's top-k, each expansion (draft step, top-k, scores, next frontier) and the
+  node selection, each a callable of its own, so their glue fuses.
 
 On CUDA (``CompileConfig.cudagraphs``) the compiled callables are then captured into padded CUDA
 graphs by dummy runs (``compiled_spec.engine.graphs``) and the engine replays them.
@@ -97,6 +99,13 @@ def compile_models(runner: ModelRunner, cfg: CompileConfig) -> CompiledModels:
         backends["draft_step"] = make_backend(hoist_fc=False, inductor=cfg.inductor)
         compiled["first_pass"] = compile_callable(prop.draft.forward_from_aux, backends["draft_first_pass"], cfg)
         compiled["step"] = compile_callable(prop.draft, backends["draft_step"], cfg)
+        if hasattr(prop, "expand_step"):  # draft trees: each expansion and its glue as one graph
+            for name, fn in (("tree_head", prop.tree_head), ("tree_step", prop.expand_step),
+                             ("tree_finish", prop.finish)):
+                backends[name] = make_backend(hoist_fc=False, inductor=cfg.inductor)
+                compiled[name] = compile_callable(fn, backends[name], cfg)
+            eager.update(tree_head=prop.head_fn, tree_step=prop.expand_step_fn,
+                         tree_finish=prop.finish_fn)
         if hasattr(prop, "step_and_pick"):  # chain drafting: step + pick as one graph
             eager["step_pick"] = prop.step_pick_fn
             backends["draft_step_pick"] = make_backend(hoist_fc=False, inductor=cfg.inductor)
@@ -128,6 +137,10 @@ def use_compiled(runner: ModelRunner, models: CompiledModels, on: bool) -> None:
         runner.proposer.step_fn = fns["step"]
         if "step_pick" in fns:
             runner.proposer.step_pick_fn = fns["step_pick"]
+        if "tree_step" in fns:
+            prop = runner.proposer
+            prop.head_fn, prop.expand_step_fn, prop.finish_fn = (
+                fns["tree_head"], fns["tree_step"], fns["tree_finish"])
     _route(runner, models, on)
     models.active = on
 

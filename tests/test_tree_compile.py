@@ -47,6 +47,26 @@ def _tree_graphs_compiled(llm: LLM, name: str) -> int:
                for g in llm._compiled.backends[name].compiled)
 
 
+def _calls(graph: torch.fx.Graph, name: str) -> int:
+    """Nodes of a Dynamo graph calling ``name`` (a tensor method, a torch function or an aten
+    op of that name)."""
+    return sum(n.op in ("call_method", "call_function")
+               and (n.target == name or getattr(n.target, "__name__", "") == name
+                    or is_op(n, getattr(torch.ops.aten, name))) for n in graph.nodes)
+
+
+def _assert_expansions_compiled_whole(llm: LLM) -> None:
+    """Layer 1's top-k, every expansion (the draft layer with tree attention, its two top-k
+    and the next frontier's gathers) and the node selection ran as compiled graphs: the glue
+    around the draft layer is inside a graph, not eager ATen ops between graphs."""
+    b = llm._compiled.backends
+    steps = [g.gm.graph for g in b["tree_step"].compiled]
+    assert any(any(is_op(n, TREE_OP) for n in g.nodes) and _calls(g, "topk") == 2
+               and _calls(g, "gather") == 4 for g in steps), [str(g) for g in steps]
+    assert any(_calls(g.gm.graph, "topk") == 1 for g in b["tree_head"].compiled)
+    assert any(_calls(g.gm.graph, "argsort") == 3 for g in b["tree_finish"].compiled)
+
+
 @pytest.fixture(scope="module")
 def vanilla(trained_eagle3_pair, smollm2_gguf_path):
     return _ids(_llm(trained_eagle3_pair, smollm2_gguf_path, draft=False))
@@ -117,9 +137,10 @@ def test_compiled_tree_equals_eager_and_vanilla(trained_eagle3_pair, smollm2_ggu
     assert rep.eager.token_ids == rep.compiled.token_ids == vanilla
     assert rep.compiled.tau == rep.eager.tau and rep.eager.tau >= 2.0
     assert rep.compiled.per_position == rep.eager.per_position
-    # The tree forwards really ran compiled: the target's verify and the draft's expansions.
+    # The tree forwards really ran compiled: the target's verify and the draft's expansions,
+    # each expansion one graph with its glue (tree attention and the top-k together).
     assert _tree_graphs_compiled(llm, "target") >= 1
-    assert _tree_graphs_compiled(llm, "draft_step") >= 1
+    _assert_expansions_compiled_whole(llm)
     assert llm.compile_stats["cuda_graphs"] == {"off": "device cpu has no CUDA graphs"}
 
 
@@ -135,7 +156,7 @@ def test_compiled_tree_seeded_sampling_equals_eager(trained_eagle3_pair, smollm2
     assert _ids(llm, params) == ref
     assert llm.stats.spec.num_drafting_steps > 0
     assert llm.stats.spec.as_dict() == eager_llm.stats.spec.as_dict()
-    assert _tree_graphs_compiled(llm, "draft_step") >= 1
+    _assert_expansions_compiled_whole(llm)
 
 
 def test_bench_times_the_staged_tree_verify(trained_eagle3_pair, smollm2_gguf_path):

