@@ -194,6 +194,134 @@ def test_round_prompts_are_each_conversations_chat_template(smollm2_tokenizer):
     assert jobs[1][0].spans[0][1] == len(jobs[1][0].ids)  # the EOS-ended one was not
 
 
+# --- generation rounds: new jobs over the same prompts, round 0's data untouched -----------------
+def _round_rows() -> list:
+    from compiled_spec.train.data import PromptRow
+
+    return [Conversation("c0", ["hi", "more?"]), PromptRow("p1", "Write a poem.", None, "alpaca"),
+            PromptRow("p2", None, [5, 6, 7], "code"), Conversation("c3", ["q"])]
+
+
+def test_chat_jobs_round_0_is_the_job_list_the_data_on_disk_came_from():
+    """Pinned: ids, seeds and order as chat_jobs gave them before rounds existed (computed with
+    that code); every sequence written so far is named and seeded by them."""
+    from compiled_spec.train.data import PromptRow
+    from compiled_spec.train.multiturn import chat_jobs
+
+    rows = _round_rows()
+    assert [(j.id, j.seed) for j in chat_jobs(rows, (0.0, 0.8), 0)] == [
+        ("c3#t1", 7), ("c0", 0), ("c0#t1", 1), ("p2#t1", 5), ("c3", 6), ("p2", 4),
+        ("p1#t1", 3), ("p1", 2)]
+    jobs = chat_jobs(rows, (0.0, 0.8), 3, round_=0)
+    assert [(j.id, j.seed) for j in jobs] == [
+        ("p1#t1", 3000012), ("p2", 3000013), ("p2#t1", 3000014), ("c3", 3000015),
+        ("c0#t1", 3000010), ("c3#t1", 3000016), ("p1", 3000011), ("c0", 3000009)]
+    assert [(j.temperature, j.kind, j.user_turns, j.first_ids) for j in jobs[:2]] == [
+        (0.8, "prose", ["Write a poem."], None), (0.0, "code", [""], [5, 6, 7])]
+    many = chat_jobs([PromptRow(f"r{i}", f"prompt {i}", None, "") for i in range(500)],
+                     (0.0, 0.8), 0)
+    assert [(j.id, j.seed) for j in many[:6] + many[-2:]] == [
+        ("r279#t1", 559), ("r48#t1", 97), ("r295#t1", 591), ("r173", 346), ("r15", 30),
+        ("r259#t1", 519), ("r312#t1", 625), ("r410", 820)]
+
+
+def test_later_rounds_have_their_own_ids_seeds_and_order():
+    from compiled_spec.train.data import PromptRow
+    from compiled_spec.train.multiturn import chat_jobs, source_row_id
+
+    rows = [PromptRow(f"r{i}", f"prompt {i}", None, "") for i in range(300)] + _round_rows()
+    rounds = [chat_jobs(rows, (0.0, 0.8), 5)] + [chat_jobs(rows, (0.5, 1.0), 5, round_=r)
+                                                 for r in (1, 2)]
+    r1 = rounds[1]
+    assert {j.id for j in r1} == {f"{r.id}#r1" for r in rows} | {f"{r.id}#r1#t1" for r in rows}
+    assert {j.id: j.temperature for j in r1}["p1#r1#t1"] == 1.0
+    assert sorted(source_row_id(j.id) for j in r1) == sorted([r.id for r in rows] * 2)
+    # Seeds (with the engine's per-turn offset, 3 turns) and ids: no two rounds share one.
+    seeds = [{j.seed + 7919 * t for j in jobs for t in range(3)} for jobs in rounds]
+    ids = [{j.id for j in jobs} for jobs in rounds]
+    for a in range(3):
+        assert len({j.seed for j in rounds[a]}) == len(rounds[a])
+        for b in range(a + 1, 3):
+            assert not seeds[a] & seeds[b] and not ids[a] & ids[b], (a, b)
+    # A job order of its own (not round 0's with new names), the same on every call.
+    order = [[source_row_id(j.id) + str(j.temperature > 0.6) for j in jobs] for jobs in rounds]
+    assert order[0] != order[1] != order[2] != order[0]
+    assert [(j.id, j.seed) for j in chat_jobs(rows, (0.5, 1.0), 5, 1)] == \
+        [(j.id, j.seed) for j in r1]
+    # A later round's greedy replies would repeat round 0's.
+    with pytest.raises(ValueError, match=r"temperature 0.*\(0\.0, 1\.0\)"):
+        chat_jobs(rows, (0.0, 1.0), 5, round_=1)
+    with pytest.raises(ValueError, match="round_=-1"):
+        chat_jobs(rows, (0.5,), 5, round_=-1)
+
+
+def test_gen_round_reaches_the_config_and_refuses_temperature_0(tmp_path, monkeypatch):
+    import compiled_spec.train.trainer as trainer
+    from compiled_spec.cli import main
+
+    seen: list[TrainConfig] = []
+    monkeypatch.setattr(trainer, "train", lambda cfg: seen.append(cfg) or tmp_path)
+    base = ["train", "--target", "t", "--prompts", "p.jsonl", "--out", str(tmp_path),
+            "--data-only", "--temperatures", "0", "0.8"]
+    # Arguments appended after the script's own: the last --temperatures wins.
+    assert main(base + ["--gen-round", "2", "--temperatures", "0.5", "1.0"]) == 0
+    assert seen[-1].gen_round == 2 and seen[-1].temperatures == (0.5, 1.0)
+    assert main(base) == 0 and seen[-1].gen_round == 0
+    assert main(base + ["--gen-round", "1"]) == 2 and len(seen) == 2  # temperature 0 refused
+    kw = dict(target="t", prompts="p.jsonl", out=str(tmp_path))
+    with pytest.raises(ValueError, match=r"temperatures=\(0\.0, 0\.8\) with gen_round=1"):
+        TrainConfig(**kw, temperatures=(0.0, 0.8), gen_round=1)
+    with pytest.raises(ValueError, match="gen_round=-1"):
+        TrainConfig(**kw, temperatures=(0.5,), gen_round=-1)
+    assert TrainConfig(**kw, temperatures=(0.5, 1.0), gen_round=1).gen_round == 1
+
+
+def test_a_later_round_returns_the_earlier_rounds_data_with_its_own(tmp_path, smollm2_gguf_path):
+    """The `data` phase of a later session: round 0's sequences in data.partial.jsonl are no
+    jobs of round 1; they come back unchanged beside round 1's, never as round 1's, and the
+    held-out sequences (sharing the partial file) stay out of the training data."""
+    from dataclasses import replace
+
+    from compiled_spec.train.corpus import load_corpus
+    from compiled_spec.train.data import save_sequences
+    from tests.spec_models import write_bigram_target, write_id_prompts
+
+    out = tmp_path / "out"
+    out.mkdir()
+    cfg = TrainConfig(target=write_bigram_target(tmp_path / "t", vocab=32, layers=2),
+                      prompts=write_id_prompts(tmp_path / "p.jsonl", 6, vocab=32),
+                      out=str(out), tokenizer=smollm2_gguf_path, max_seq_len=64,
+                      max_new_tokens=8, ignore_eos=True, draft_vocab_size=24, val_prompts=2,
+                      temperatures=(0.0, 1.0))
+
+    def rows(seqs):
+        return sorted((s.id, s.input_ids) for s in seqs)
+
+    _, round0, val0 = load_corpus(cfg, out)
+    assert len(round0) == 8 and len(val0) == 2
+    # As the script hands over earlier data: a partial file (here with the held-out sequences
+    # too, as a cut-short run leaves it), no data.jsonl, no val.jsonl (regenerated).
+    (out / "data.jsonl").unlink()
+    (out / "val.jsonl").unlink()
+    save_sequences(out / "data.partial.jsonl", val0 + round0)
+    one = replace(cfg, gen_round=1, temperatures=(0.5, 1.0))
+    _, seqs, val = load_corpus(one, out)
+    got = {s.id: s.input_ids for s in seqs}
+    assert rows(val) == rows(val0)
+    assert len(seqs) == len(got) == 16 and not set(got) & {v.id for v in val0}
+    assert rows(s for s in seqs if "#r1" not in s.id) == rows(round0)  # round 0 as it was
+    r1 = [s for s in seqs if "#r1" in s.id]
+    assert sorted(s.id for s in r1) == sorted(  # a#r1 for a, a#r1#t1 for a#t1
+        s.id.replace("#t1", "#r1#t1") if s.id.endswith("#t1") else s.id + "#r1" for s in round0)
+    assert any(got[s.id] != got[s.id.replace("#r1", "")] for s in r1)  # new replies
+    # Held-out prompts regenerated in a later round: round 0's greedy sequences again.
+    (out / "data.jsonl").unlink()
+    (out / "val.jsonl").unlink()
+    save_sequences(out / "data.partial.jsonl", round0)
+    _, again, val = load_corpus(one, out)
+    assert rows(val) == rows(val0) and rows(again) == rows(seqs)
+
+
 def test_length_batches_cover_each_sequence_once_within_the_budget():
     g = torch.Generator().manual_seed(3)
     lengths = torch.randint(5, 400, (1000,), generator=g).tolist()

@@ -53,6 +53,12 @@ def add_train_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentPars
     t.add_argument("--gen-skip", type=int, default=0, metavar="N",
                    help="leave out the first N jobs of the seeded job order (answered in an "
                    "earlier run whose head --init-from continues)")
+    t.add_argument("--gen-round", type=int, default=0, metavar="N",
+                   help="generation round: round N > 0 answers every prompt again with seeds "
+                   "and a job order of its own (ids get #r<N>), so new sampled replies extend "
+                   "data of earlier rounds (kept from data.partial.jsonl); greedy (temperature "
+                   "0) replies of a later round would repeat round 0's, so a round > 0 refuses "
+                   "temperature 0")
     t.add_argument("--gen-kv-gib", type=float, default=None,
                    help="KV pool of the generating engine in GiB (default: half the free memory)")
     t.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
@@ -125,7 +131,8 @@ def cmd_train(a: argparse.Namespace) -> int:
         time_limit_s=a.time_limit, lr_by_time=a.lr_by_time, export_dir=a.export_dir,
         export_max_shard_mb=a.export_max_shard_mb, gen_compile=a.gen_compile,
         gen_time_limit_s=a.gen_time_limit, gen_kv_gib=a.gen_kv_gib,
-        gen_skip=a.gen_skip, gen_shard=None if a.gen_shard is None else _shard(a.gen_shard))
+        gen_skip=a.gen_skip, gen_round=a.gen_round,
+        gen_shard=None if a.gen_shard is None else _shard(a.gen_shard))
     out = train(cfg)
     if cfg.data_only:
         return 0

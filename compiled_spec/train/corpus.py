@@ -91,10 +91,10 @@ def load_corpus(cfg: "TrainConfig", out: Path
         val = load_sequences(val_file)
         print(f"reusing the held-out sequences in {val_file}")
     else:
-        val = generate_sequences(llm, val_rows, temperatures=cfg.temperatures[:1], **gen) \
+        val = generate_sequences(llm, val_rows, temperatures=_heldout_temperatures(cfg), **gen) \
             if val_rows else []
     seqs = generate_sequences(llm, train_rows, temperatures=cfg.temperatures,
-                              shard=cfg.gen_shard, skip=cfg.gen_skip, **gen)
+                              shard=cfg.gen_shard, skip=cfg.gen_skip, round_=cfg.gen_round, **gen)
     save_sequences(val_file, val)
     save_sequences(data_file, seqs)
     (out / PARTIAL_FILE).unlink(missing_ok=True)
@@ -106,6 +106,13 @@ def load_corpus(cfg: "TrainConfig", out: Path
     del llm
     gc.collect()  # the engine's reference cycles, with the pool's and graphs' tensors
     return model, seqs, val
+
+
+def _heldout_temperatures(cfg: "TrainConfig") -> tuple[float, ...]:
+    """The held-out prompts' one temperature. They are always answered as round 0 (same ids and
+    seeds), greedy as round 0 answered them, also in a later round (whose temperatures are all
+    > 0), so held-out figures stay comparable across rounds and sessions."""
+    return cfg.temperatures[:1] if cfg.gen_round == 0 else (0.0,)
 
 
 def _gen_compile_config(cfg: "TrainConfig"):

@@ -12,10 +12,11 @@ the prefix the two tokenizations share, so every trained position holds the targ
 """
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -26,6 +27,15 @@ from compiled_spec.train.sharegpt import Conversation
 
 if TYPE_CHECKING:
     from compiled_spec.llm import LLM
+
+# Generation round r > 0 shifts every job seed of round 0 (``seed * 1_000_003 + index``, plus
+# ``7919 * turn`` per turn) by r * 2**40: a round's seeds stay far below that, so no two rounds
+# share a seed (and their high words differ, which the sampler's keys mix in); r * 2**40 stays
+# inside int64 seeds. The job order's seed (``seed + 17``) moves by r * 1_000_003 instead: torch's
+# CPU generator keeps only the low 32 bits of its seed, so a 2**40 shift would give round 0's order.
+ROUND_SEED_STRIDE = 1 << 40
+ROUND_ORDER_STRIDE = 1_000_003
+_ROUND_SUFFIX = re.compile(r"(#r\d+)?(#t\d+)?$")
 
 
 @dataclass
@@ -145,12 +155,15 @@ def _step_split(secs: float, steps: int, step_s: float, pre_steps: int, pre_s: f
 
 def generate_chats(llm: "LLM", jobs: list[ChatJob], max_new_tokens: int, max_seq_len: int,
                    batch_size: int, ignore_eos: bool = False, partial: Path | None = None,
-                   deadline: float | None = None) -> list[TrainSequence]:
+                   deadline: float | None = None,
+                   keep_other: Callable[[str], bool] | None = None) -> list[TrainSequence]:
     """Answer every job's user turns in order; one TrainSequence per job with a reply.
 
     Jobs go in chunks of several engine batches through all their rounds (later rounds shrink as
     short conversations end, so chunks are kept large). With ``partial``, each finished chunk is
-    appended there and jobs already in it are skipped, so a cut-short run resumes. Past
+    appended there and jobs already in it are skipped, so a cut-short run resumes. Sequences of
+    ``partial`` that are no job here but pass ``keep_other`` (e.g. an earlier generation round's)
+    come back unchanged after the jobs' sequences: they are data, not work. Past
     ``deadline`` (``time.monotonic()``) no new round starts: the chunk in flight ends with the
     turns it has answered (a conversation cut after any turn is a valid training sequence) and
     no new chunk starts, so a run overshoots its limit by one round at most.
@@ -158,6 +171,8 @@ def generate_chats(llm: "LLM", jobs: list[ChatJob], max_new_tokens: int, max_seq
     done: dict[str, TrainSequence] = {}
     if partial is not None and partial.is_file():
         done = {s.id: s for s in load_sequences(partial, strict=False)}
+    job_ids = {j.id for j in jobs}
+    kept = [s for i, s in done.items() if i not in job_ids and keep_other and keep_other(i)]
     out = [done[j.id] for j in jobs if j.id in done]
     todo = [j for j in jobs if j.id not in done]
     bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc="self-distill", unit="seq")
@@ -197,17 +212,39 @@ def generate_chats(llm: "LLM", jobs: list[ChatJob], max_new_tokens: int, max_seq
                    + _step_split(secs, steps, st.step_s - step_s0, st.num_prefill_steps - pre0,
                                  st.prefill_step_s - pre_s0))
     bar.close()
-    if not out:
+    if kept:
+        print(f"{len(kept)} sequences of {partial} are no job of this run (e.g. another "
+              f"round's): kept as they are")
+    if not out and not kept:
         raise ValueError("the target produced no usable training sequences")
-    return out
+    return out + kept
+
+
+def source_row_id(seq_id: str) -> str:
+    """The prompt or conversation id a job's id was made from (``id``, ``id#t1``, ``id#r2#t1``
+    all give ``id``)."""
+    return _ROUND_SUFFIX.sub("", seq_id, count=1)
 
 
 def chat_jobs(rows: list[PromptRow | Conversation], temperatures: tuple[float, ...],
-              seed: int) -> list[ChatJob]:
+              seed: int, round_: int = 0) -> list[ChatJob]:
     """One job per (prompt or conversation, temperature); the first temperature keeps the row's
     id, later ones are ``id#t<i>``. Seeds depend only on the job's index, so a rerun draws the
     same replies. Jobs come back in a seeded random order: a run cut short by its time limit
-    holds a sample of every source, not the first file's prompts."""
+    holds a sample of every source, not the first file's prompts.
+
+    ``round_`` r > 0 answers the same rows again as new jobs: ids ``id#r<r>`` (``id#r<r>#t<i>``),
+    seeds and order seed shifted by r strides (``ROUND_SEED_STRIDE``, ``ROUND_ORDER_STRIDE``), so
+    its replies extend the data of the earlier rounds. Round 0 is the original job list (data on
+    disk depend on its ids, seeds and order). A later round's greedy reply would repeat round
+    0's, so it refuses temperature 0."""
+    if isinstance(round_, bool) or not isinstance(round_, int) or round_ < 0:
+        raise ValueError(f"chat_jobs: round_={round_!r} must be an integer >= 0")
+    if round_ > 0 and 0.0 in temperatures:
+        raise ValueError(f"chat_jobs: round {round_} with temperature 0 would repeat round 0's "
+                         f"greedy replies (temperatures {tuple(temperatures)})")
+    offset = round_ * ROUND_SEED_STRIDE
+    order_seed = seed + 17 + round_ * ROUND_ORDER_STRIDE
     jobs: list[ChatJob] = []
     for row in rows:
         if isinstance(row, Conversation):
@@ -215,11 +252,12 @@ def chat_jobs(rows: list[PromptRow | Conversation], temperatures: tuple[float, .
         else:
             turns = [row.text] if row.text is not None else [""]
             first, kind = row.ids, prompt_kind(row.source)
+        base = row.id if round_ == 0 else f"{row.id}#r{round_}"
         for ti, temp in enumerate(temperatures):
-            sid = row.id if ti == 0 else f"{row.id}#t{ti}"
-            jobs.append(ChatJob(sid, list(turns), temp, seed * 1_000_003 + len(jobs), kind,
-                                first))
-    order = torch.randperm(len(jobs), generator=torch.Generator().manual_seed(seed + 17))
+            sid = base if ti == 0 else f"{base}#t{ti}"
+            jobs.append(ChatJob(sid, list(turns), temp, seed * 1_000_003 + offset + len(jobs),
+                                kind, first))
+    order = torch.randperm(len(jobs), generator=torch.Generator().manual_seed(order_seed))
     return [jobs[i] for i in order.tolist()]
 
 
@@ -227,15 +265,20 @@ def generate_sequences(llm: "LLM", rows: list[PromptRow | Conversation], max_new
                        max_seq_len: int, temperatures: tuple[float, ...] = (0.0,),
                        batch_size: int = 32, seed: int = 0, ignore_eos: bool = False,
                        partial: Path | None = None, deadline: float | None = None,
-                       shard: tuple[int, int] | None = None, skip: int = 0
-                       ) -> list[TrainSequence]:
+                       shard: tuple[int, int] | None = None, skip: int = 0,
+                       round_: int = 0) -> list[TrainSequence]:
     """Let the target answer every prompt (every turn of every conversation) once per
     temperature with our engine; see ``generate_chats``. Prompts that leave no room for two
     reply tokens within ``max_seq_len`` give no sequence. ``shard=(i, n)``: only jobs i, i+n,
     ... of the seeded job order (seeds are per job, so the shards together give one run's
-    sequences). ``skip``: leave out the first jobs of that order (before sharding)."""
-    jobs = chat_jobs(rows, temperatures, seed)[skip:]
+    sequences). ``skip``: leave out the first jobs of that order (before sharding).
+    ``round_``: the generation round (see ``chat_jobs``). Sequences in ``partial`` made from
+    these rows that are no job here (another round's, or skipped or other shards' jobs) are
+    returned with the new ones; those of other rows (the held-out prompts share the file) not."""
+    jobs = chat_jobs(rows, temperatures, seed, round_)[skip:]
     if shard is not None:
         jobs = jobs[shard[0]::shard[1]]
+    row_ids = {r.id for r in rows}
     return generate_chats(llm, jobs, max_new_tokens, max_seq_len, batch_size, ignore_eos,
-                          partial, deadline)
+                          partial, deadline,
+                          keep_other=lambda sid: source_row_id(sid) in row_ids)

@@ -80,6 +80,11 @@ class TrainConfig:
     # Leave out the first gen_skip jobs of the seeded job order: a head continued with
     # --init-from (in a later session, whose .device/ data are gone) learns from jobs it never saw.
     gen_skip: int = 0
+    # Generation round: r > 0 answers every training prompt again as new jobs (ids ``#r<r>``,
+    # seeds and order of their own, see multiturn.chat_jobs), so data of earlier rounds, kept in
+    # data.partial.jsonl, are extended rather than repeated; greedy replies would repeat round
+    # 0's, so temperature 0 is refused. The held-out split and its sequences stay round 0's.
+    gen_round: int = 0
     gen_kv_gib: float | None = None  # the generating engine's KV pool (default: half the free)
     max_seq_len: int = 2048
     max_new_tokens: int = 512
@@ -105,7 +110,7 @@ class TrainConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"TrainConfig.{name}={v!r}: must be a positive integer")
-        for name in ("warmup_steps", "save_every", "gen_skip"):
+        for name in ("warmup_steps", "save_every", "gen_skip", "gen_round"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"TrainConfig.{name}={v!r}: must be an integer >= 0")
@@ -142,6 +147,10 @@ class TrainConfig:
         if not self.temperatures or any(t < 0 for t in self.temperatures):
             raise ValueError(f"TrainConfig.temperatures={self.temperatures!r}: one or more "
                              "values >= 0")
+        if self.gen_round > 0 and 0.0 in self.temperatures:
+            raise ValueError(f"TrainConfig.temperatures={self.temperatures!r} with gen_round="
+                             f"{self.gen_round}: temperature 0 would repeat round 0's greedy "
+                             "replies; a round > 0 samples (temperatures > 0 only)")
         if not 0 < self.ttt_decay <= 1:
             raise ValueError(f"TrainConfig.ttt_decay={self.ttt_decay!r}: must be in (0, 1]")
         for name in ("val_prompts", "eval_every"):

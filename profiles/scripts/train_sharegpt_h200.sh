@@ -19,6 +19,14 @@
 # data begin, so they are kept and generation goes on after them). .device/gen as the fourth
 # session left it: jobs 16,384-32,767 (16,188 sequences) and the 589 held-out ones, so
 # `data --gen-skip 16384`.
+# Rounds: all 40,141 jobs of round 0 are answered (sixth session; .device/gen = those 40,141
+# sequences + 589 held out): go on with `data --gen-round 1 --temperatures 0.5 1.0` (appended
+# after TRAIN's `--temperatures 0 0.8`; argparse keeps the last, and a round > 0 refuses 0).
+# No --gen-skip: it would leave out round 1's own first jobs, not round 0's. Round 0's data ride
+# as data: .device/gen becomes data.partial.jsonl, whose ids are no round-1 jobs, so they come
+# back unchanged with round 1's in one data.jsonl (val.jsonl reused); a later call of round 1
+# takes the same arguments with the data returned as .device/gen (jobs done are known by id).
+# .device/gen rides beside q2 (32 MB) in the 64 MiB a call carries.
 #   bash profiles/scripts/train_sharegpt_h200.sh bench    # compiled EAGLE-3 (new head) vs vanilla, batch 1
 #                         (BATCHES="1 4 16 64"; extra arguments go to the bench, e.g. --adaptive:
 #                         issue 16's never-slower policy beside the always-drafting chain)
