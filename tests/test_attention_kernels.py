@@ -230,7 +230,7 @@ def _triton_worker() -> None:
     for name, page_size, splits in TREE_CASES:
         q, k, v, tables, starts, mask, qsl, n = _tree_batch(page_size, len(results))
         ref = paged_tree_attention_ref(q, k, v, tables, starts, mask, qsl, n, n, 21 + n, 0.2)
-        tri = _paged_attention(q, k, v, tables, starts, qsl, n, 21 + n, 0.2, num_splits=splits,
+        tri = _paged_attention(q, k, v, tables, starts + n, qsl, n, 21 + n, 0.2, num_splits=splits,
                                tree_start=starts, tree_mask=mask)
         results[name] = {"err_vs_ref": (tri - ref).abs().max().item()}
     # Start-up warm-up: every reachable launch configuration, on the engine's own caches.

@@ -45,7 +45,8 @@ def test_branching_tree_matches_dense_reference():
     table = torch.tensor([[3, 1, 7, 0]], dtype=torch.int32)
     q = torch.randn(n, 4, 8)
     out = torch.ops.compiled_spec.paged_tree_attention(
-        q, k, v, table, torch.tensor([prefix], dtype=torch.int32), anc,
+        q, k, v, table, torch.tensor([prefix], dtype=torch.int32),
+        torch.tensor([prefix + n], dtype=torch.int32), anc,
         torch.tensor([0, n], dtype=torch.int32), n, n, prefix + n, 0.5)
     flat_k, flat_v = k.reshape(-1, 2, 8), v.reshape(-1, 2, 8)
     slot = lambda p: int(table[0, p // page]) * page + p % page  # noqa: E731

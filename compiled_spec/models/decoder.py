@@ -96,7 +96,7 @@ class Attention(nn.Module):
         if attn_meta.tree_mask is not None:  # draft-tree nodes: ancestors-only attention
             out = torch.ops.compiled_spec.paged_tree_attention(
                 q, self.k_cache, self.v_cache, attn_meta.block_tables, attn_meta.tree_start,
-                attn_meta.tree_mask, attn_meta.query_start_loc, attn_meta.max_query_len,
+                attn_meta.seq_lens, attn_meta.tree_mask, attn_meta.query_start_loc, attn_meta.max_query_len,
                 attn_meta.tree_mask.shape[1], attn_meta.max_seq_len, self.scale)
             return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
         out = torch.ops.compiled_spec.paged_attention(
