@@ -18,16 +18,30 @@ python profiles/scripts/graph_launch_h200.py [--nodes 50 100 200 400 800] [--out
 Host time per replay: the median over 200 replays, each followed by a synchronize outside the
 timed region (the queue is empty when a replay starts, as on our host-bound steps); the GPU
 time per replay from CUDA events, for scale.
+
+Then, from a profiler trace of 20 replays per case (``graph_launch_trace.py``'s analysis): how
+long the GPU idles before a graph's first kernel, i.e. whether the GPU starts on a graph while
+the host is still inside ``cudaGraphLaunch``. On the H200 the tree-expand graph started ~30 us
+into its launch, the target's verify graph only after its ~0.46 ms launch returned. Cases: the
+graph alone; after a pinned host-to-device copy (as our staging uploads); after an eager
+kernel; while the GPU is still busy (``torch.cuda._sleep`` queued first).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
+import tempfile
 import time
 from typing import Callable
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from graph_launch_trace import launches, load  # noqa: E402
 
 
 def _triton_kernel() -> Callable[[torch.Tensor], None]:
@@ -62,15 +76,7 @@ def build(kind: str, nodes: int, x: torch.Tensor, y: torch.Tensor,
 
 def time_graph(body: Callable[[], None], reps: int) -> tuple[float, float]:
     """(median host us per replay, median GPU us per replay)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        body()  # warm-up (Triton compiles, allocator)
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        body()
+    g = capture(body)  # after a warm-up run (Triton compiles, allocator)
     for _ in range(10):
         g.replay()
     torch.cuda.synchronize()
@@ -85,6 +91,50 @@ def time_graph(body: Callable[[], None], reps: int) -> tuple[float, float]:
         torch.cuda.synchronize()
         gpu.append(start.elapsed_time(end) * 1e3)
     return statistics.median(host), statistics.median(gpu)
+
+
+def capture(body: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        body()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        body()
+    return g
+
+
+def start_delays(g: torch.cuda.CUDAGraph, before: str, reps: int = 20) -> dict[str, float]:
+    """Median (launch host us, GPU idle us before the graph's first kernel) over ``reps``
+    profiled replays, with ``before`` queued ahead of each replay."""
+    pinned = torch.zeros(4096, dtype=torch.int64).pin_memory()
+    dev = torch.zeros(4096, dtype=torch.int64, device="cuda")
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            if before == "h2d":
+                dev.copy_(pinned, non_blocking=True)
+            elif before == "kernel":
+                dev.add_(1)
+            elif before == "busy":
+                torch.cuda._sleep(2_000_000)  # ~1 ms of spinning ahead of the replay
+            g.replay()
+            torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "t.json")
+        prof.export_chrome_trace(path)
+        rows = launches(load(path))
+    return {"launch_us": round(statistics.median(r["launch_us"] for r in rows), 1),
+            "gpu_idle_before_us": round(statistics.median(
+                r["idle_before_us"] or 0.0 for r in rows), 1),
+            "start_after_launch_end_us": round(statistics.median(
+                r["start_after_launch_end_us"] for r in rows), 1)}
 
 
 def main() -> int:
@@ -110,10 +160,23 @@ def main() -> int:
                          "gpu_us": round(gpu, 1)})
             print(f"{kind:12s} {n:6d}   {host:14.1f}   {host / n:12.2f}   {gpu:13.1f}",
                   flush=True)
+    delays = []
+    print("\nkind          nodes  before    launch us  GPU idle before 1st kernel  1st kernel - "
+          "launch end", flush=True)
+    for kind in a.kinds[:2]:
+        for n in (a.nodes[0], a.nodes[-1]):
+            g = capture(build(kind, n, x, y, tri))
+            for before in ("none", "h2d", "kernel", "busy"):
+                d = start_delays(g, before)
+                delays.append({"kind": kind, "nodes": n, "before": before, **d})
+                print(f"{kind:12s} {n:6d}  {before:7s} {d['launch_us']:10.1f}  "
+                      f"{d['gpu_idle_before_us']:26.1f}  {d['start_after_launch_end_us']:22.1f}",
+                      flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "cuda": torch.version.cuda, "rows": rows}, f, indent=1)
+                       "cuda": torch.version.cuda, "rows": rows, "start_delays": delays}, f,
+                      indent=1)
     return 0
 
 
