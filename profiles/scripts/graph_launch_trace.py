@@ -70,9 +70,11 @@ def main() -> int:
     for r in rows:
         by_size[r["kernels"]].append(r)
     for n, rs in sorted(by_size.items()):
-        print(f"graph of {n} kernels, {len(rs)} launches: launch {statistics.median(x['launch_us'] for x in rs):.1f} us "
-              f"({statistics.median(x['launch_us'] for x in rs) / n:.2f} us/kernel), GPU idle before its "
-              f"first kernel {statistics.median(x['idle_before_us'] or 0 for x in rs):.1f} us (median)")
+        launch = statistics.median(x["launch_us"] for x in rs)
+        idle = statistics.median(x["idle_before_us"] or 0.0 for x in rs)
+        print(f"graph of {n} kernels, {len(rs)} launches: launch {launch:.1f} us "
+              f"({launch / n:.2f} us/kernel), GPU idle before its first kernel {idle:.1f} us "
+              f"(median)")
     return 0
 
 
