@@ -141,3 +141,75 @@ def test_adaptive_policy_with_graphs_equals_eager_and_counts_its_pauses(trained_
     graphs.propose._sync_graphs.clear()
     assert _run(llm, sp) == eager
     assert graphs.stats()["without_graph"]["draft_propose"]["paused (first pass only)"] > 0
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_fc_is_issued_before_the_acceptance_waits(trained_eagle3_pair, smollm2_gguf_path,
+                                                  monkeypatch, tree):
+    """EAGLE-3's fc over a decode step's target rows is issued right after the verify forward,
+    before the host reads the acceptance back (it does not depend on it), and the graphed
+    propose that follows takes that output instead of running fc again. Outputs stay the
+    eager engine's."""
+    import torch
+
+    from compiled_spec.engine.model_runner import ModelRunner
+    from compiled_spec.engine.tree_runner import TreeModelRunner
+    from compiled_spec.spec.proposer import EagleProposer
+
+    target, head = trained_eagle3_pair
+    kw = dict(speculative_topk=2, speculative_num_draft_tokens=6) if tree else {}
+    llm = _llm(target, smollm2_gguf_path, head, **kw)
+    sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    eager = _run(llm, sp)
+    _graphs(llm)
+    events: list[str] = []
+    pre, comb = EagleProposer.precombine, EagleProposer.combine
+
+    inside = []  # non-empty while precombine runs (its own combine call is not a propose's)
+
+    def precombine(self, target_hidden, active=None):  # noqa: ANN001
+        inside.append(1)
+        try:
+            pre(self, target_hidden, active)
+        finally:
+            inside.pop()
+        if self._pre is not None:
+            events.append("fc issued")
+
+    def combine(self, target_hidden):  # noqa: ANN001
+        if inside:
+            return comb(self, target_hidden)
+        hit = self._pre is not None and self._pre[0] is target_hidden
+        events.append("fc taken" if hit else "fc run now")
+        return comb(self, target_hidden)
+    monkeypatch.setattr(EagleProposer, "precombine", precombine)
+    monkeypatch.setattr(EagleProposer, "combine", combine)
+    # The step's host read of the acceptance: the greedy verification on the host (chains),
+    # numpy's view of the copied-back trees (trees).
+    if tree:
+        orig = TreeModelRunner._execute_tree
+
+        def spy_tree(self, reqs):  # noqa: ANN001
+            real = torch.Tensor.numpy
+
+            def numpy(t):  # noqa: ANN001
+                events.append("acceptance read")
+                return real(t)
+            with monkeypatch.context() as m:
+                m.setattr(torch.Tensor, "numpy", numpy)
+                return orig(self, reqs)
+        monkeypatch.setattr(TreeModelRunner, "_execute_tree", spy_tree)
+    else:
+        orig_acc = ModelRunner._greedy_accept_host
+
+        def spy(self, *a):  # noqa: ANN001, ANN002
+            events.append("acceptance read")
+            return orig_acc(self, *a)
+        monkeypatch.setattr(ModelRunner, "_greedy_accept_host", spy)
+    assert _run(llm, sp) == eager
+    taken = [i for i, e in enumerate(events) if e == "fc taken"]
+    assert len(taken) > 3, events
+    for i in taken:  # issued, then the acceptance read, then taken by the propose
+        assert events[i - 2:i] == ["fc issued", "acceptance read"], events[i - 3:i + 1]
+    # Decode steps never run the fc a second time: only proposals after a prefill do.
+    assert events.count("fc run now") <= 2 * len(PROMPTS), events

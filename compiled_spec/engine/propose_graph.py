@@ -224,8 +224,9 @@ class ProposeGraphs:
         if why is not None:
             return why
         # EAGLE-3's fc, eager and outside the graph, over every target row of the step:
-        # [T_target, n*h_target] -> [T_target, h] (EAGLE-1: the final hidden, as it is).
-        hidden = self.prop.draft.combine_aux(aux)
+        # [T_target, n*h_target] -> [T_target, h] (EAGLE-1: the final hidden, as it is);
+        # usually issued already, right after the verify (EagleProposer.precombine).
+        hidden = self.prop.combine(target_hidden)
         self.hidden[:hidden.shape[0]].copy_(hidden)
         self.graph_replays += 1
         self.padded_rows += b - n

@@ -150,6 +150,8 @@ class TreeModelRunner(ModelRunner):
             else:
                 hidden, aux = self.target_fn(input_ids, positions, meta, self.aux_layer_ids)
             logits = self.model.compute_logits(hidden)  # [T, V]
+            if self.aux_layer_ids:  # the next proposal's fc, before the acceptance's host wait
+                self.proposer.precombine(aux)
         with phase("rejection_sample"):
             if all(r.params.greedy for r in reqs):  # host-known: no sampling tensors to upload
                 drawn = logits.argmax(dim=-1)  # [T]

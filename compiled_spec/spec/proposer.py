@@ -56,12 +56,33 @@ class EagleProposer:
         self.graph: "ProposeGraphs | None" = None
         # Capture the first pass alone too (engines that may pause drafting: adaptive policy).
         self.capture_sync = False
+        # (target_hidden, its fc output) issued early by ``precombine``, taken by ``combine``.
+        self._pre: tuple[object, torch.Tensor] | None = None
         self.allocator = allocator
         self.device = device
         self.k = num_speculative_tokens
         self.sample_drafts = sample_drafts
         self.target_vocab_size = target_vocab_size
         self.layer_names = draft.layer_names
+
+    def precombine(self, target_hidden: list[torch.Tensor], active: bool | None = None) -> None:
+        """Issue EAGLE-3's fc over the step's target rows right after the verify forward, before
+        the host waits for the acceptance: the fc does not depend on which drafts are accepted,
+        so it runs on the GPU while the host waits, instead of on the critical path between the
+        acceptance and the next proposal (the graph paths run it over every target row anyway).
+        ``active``: whether a graph path will take it (default: this proposer has graphs)."""
+        self._pre = None
+        if self.graph is not None if active is None else active:
+            self._pre = (target_hidden, self.combine(target_hidden))
+
+    def combine(self, target_hidden: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+        """The draft's incoming hidden for every target row ([T, h]): what ``precombine``
+        issued for this same ``target_hidden``, else computed now."""
+        pre, self._pre = self._pre, None
+        if pre is not None and pre[0] is target_hidden:
+            return pre[1]
+        aux = target_hidden if isinstance(target_hidden, list) else [target_hidden]
+        return self.draft.combine_aux(aux)
 
     def _metas(self, meta: AttentionMetadata) -> dict[str, AttentionMetadata]:
         # Every draft layer has its own KV tensors but the same slots, so one metadata object

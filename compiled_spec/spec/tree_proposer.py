@@ -61,6 +61,11 @@ class TreeProposer:
         self._own_slot = [(slot[None, :] == (s * K + torch.arange(K, device=base.device))[:, None])
                           [None] for s in range(max(cfg.num_steps - 1, 0))]  # each [1, K, F]
 
+    def precombine(self, target_hidden: list[torch.Tensor]) -> None:
+        """EAGLE-3's fc issued right after the verify (``EagleProposer.precombine``), for the
+        graph path below."""
+        self.base.precombine(target_hidden, active=self.graph is not None)
+
     # The compiled callables live on the chain proposer (compile.use_compiled swaps them).
     @property
     def first_pass_fn(self) -> Any:
@@ -92,8 +97,7 @@ class TreeProposer:
         # graph fits, e.g. a first pass after a prefill, runs the graph's body, counted). The
         # fc runs over all of the step's target rows (N per request at batch 1: cheap) and one
         # gather keeps the accepted ones, instead of a gather per aux layer.
-        aux = target_hidden if isinstance(target_hidden, list) else [target_hidden]
-        hidden = self.draft.combine_aux(aux)[to_device(batch.hidden_rows, dev)]  # [T, h]
+        hidden = self.base.combine(target_hidden)[to_device(batch.hidden_rows, dev)]  # [T, h]
         hb = build_host_batch(self.allocator, batch.first_pass, batch.token_ids)
         last = g.first_pass.run_host(hb, None, {"hidden": hidden})  # ([B, h], [B, h])
         if last is None:
