@@ -45,7 +45,6 @@ import warnings
 from typing import Any, Callable, Literal, Mapping
 
 import torch
-from torch.utils._pytree import tree_map
 from tqdm.auto import tqdm
 
 from capture.host_stage import HostBatch, HostStage
@@ -55,6 +54,21 @@ from capture.policy import bucket_max_seq_len, padding_table
 log = logging.getLogger(__name__)
 
 GraphFn = Callable[[LiveBatch], Any]  # outputs: a pytree of tensors, [T, ...] or [B, ...]
+
+
+def _map_tensors(fn: Callable[[torch.Tensor], Any], x: Any) -> Any:
+    """``fn`` over the tensors of a graph's outputs (a tensor, or tuples / lists / dicts of
+    them, nested); anything else as it is. torch's pytree ``tree_map`` did the same at ~50 us
+    of host time per replay (traced on the CPU), on the host-bound path of every step."""
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple
+        return type(x)(*(_map_tensors(fn, v) for v in x))
+    if isinstance(x, (tuple, list)):
+        return type(x)(_map_tensors(fn, v) for v in x)
+    if isinstance(x, dict):
+        return {k: _map_tensors(fn, v) for k, v in x.items()}
+    return x
 
 
 def progress_enabled() -> bool:
@@ -239,7 +253,7 @@ class GraphRunner:
                 return x.clone() if self.clone_outputs else x
             return x
 
-        return tree_map(_slice, out)
+        return _map_tensors(_slice, out)
 
     def stats(self) -> dict[str, Any]:
         return {"graph_replays": self.graph_replays, "padded_rows": self.padded_rows,
