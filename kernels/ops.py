@@ -95,3 +95,17 @@ def paged_tree_attention(
 def _(query, k_cache, v_cache, block_tables, tree_start, seq_lens, tree_mask, query_start_loc,
       max_query_len, num_tree, max_seq_len, scale) -> torch.Tensor:
     return torch.empty_like(query)
+
+
+@torch.library.custom_op("compiled_spec::submit_break", mutates_args=("buf",))
+def submit_break(buf: torch.Tensor) -> None:  # [2] any dtype
+    """A one-element device-to-device copy inside a captured graph (on CUDA a memcpy node): an
+    experiment on how the driver hands a long graph to the GPU (``CausalLM.submit_every``).
+    Opaque to Inductor, so it stays where the forward puts it."""
+    buf[1:2].copy_(buf[0:1])
+
+
+@submit_break.register_fake
+def _(buf) -> None:
+    return None
+
