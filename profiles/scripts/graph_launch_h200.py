@@ -10,8 +10,9 @@ of N tiny nodes of several kinds, each captured from one stream:
 
 - `aten`: N `add_` kernels (ATen's elementwise kernel);
 - `triton`: N launches of a one-block Triton kernel (launched like our custom ops);
-- `aten+memcpy`: `aten` with a device-to-device copy node every 16 kernels;
-- `aten+memset`: `aten` with a `zero_` (memset node) every 16 kernels.
+- `aten+memcpy`: `aten` with a device-to-device copy (a memcpy node) every 16 kernels;
+- `aten+topk`: `aten` with a top-k over [8, 32768] every 16 kernels (as the tree expansion
+  has: its multi-block top-k brings memset nodes, which the expand graph's trace shows).
 
 python profiles/scripts/graph_launch_h200.py [--nodes 50 100 200 400 800] [--out FILE.json]
 
@@ -21,10 +22,11 @@ time per replay from CUDA events, for scale.
 
 Then, from a profiler trace of 20 replays per case (``graph_launch_trace.py``'s analysis): how
 long the GPU idles before a graph's first kernel, i.e. whether the GPU starts on a graph while
-the host is still inside ``cudaGraphLaunch``. On the H200 the tree-expand graph started ~30 us
-into its launch, the target's verify graph only after its ~0.46 ms launch returned. Cases: the
-graph alone; after a pinned host-to-device copy (as our staging uploads); after an eager
-kernel; while the GPU is still busy (``torch.cuda._sleep`` queued first).
+the host is still inside ``cudaGraphLaunch``. On the H200 the tree-expand graph (with memset
+and memcpy nodes) started ~30 us into its launch, the target's verify graph (kernels only) only
+after its ~0.46 ms launch returned. Cases, for every kind at 100 and 400 nodes: the graph
+alone; after a pinned host-to-device copy (as our staging uploads); while the GPU is still
+busy (``torch.cuda._sleep`` queued first).
 """
 from __future__ import annotations
 
@@ -61,6 +63,8 @@ def _triton_kernel() -> Callable[[torch.Tensor], None]:
 
 def build(kind: str, nodes: int, x: torch.Tensor, y: torch.Tensor,
           tri: Callable[[torch.Tensor], None]) -> Callable[[], None]:
+    big = torch.randn(8, 32768, device=x.device)
+
     def body() -> None:
         for i in range(nodes):
             if kind == "triton":
@@ -69,8 +73,8 @@ def build(kind: str, nodes: int, x: torch.Tensor, y: torch.Tensor,
                 x.add_(1.0)
             if i % 16 == 15 and kind == "aten+memcpy":
                 y.copy_(x)
-            if i % 16 == 15 and kind == "aten+memset":
-                y.zero_()
+            if i % 16 == 15 and kind == "aten+topk":
+                torch.topk(big, 8, dim=-1)
     return body
 
 
@@ -120,8 +124,6 @@ def start_delays(g: torch.cuda.CUDAGraph, before: str, reps: int = 20) -> dict[s
         for _ in range(reps):
             if before == "h2d":
                 dev.copy_(pinned, non_blocking=True)
-            elif before == "kernel":
-                dev.add_(1)
             elif before == "busy":
                 torch.cuda._sleep(2_000_000)  # ~1 ms of spinning ahead of the replay
             g.replay()
@@ -140,7 +142,7 @@ def start_delays(g: torch.cuda.CUDAGraph, before: str, reps: int = 20) -> dict[s
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--nodes", type=int, nargs="+", default=[50, 100, 200, 400, 800])
-    ap.add_argument("--kinds", nargs="+", default=["aten", "triton", "aten+memcpy", "aten+memset"])
+    ap.add_argument("--kinds", nargs="+", default=["aten", "triton", "aten+memcpy", "aten+topk"])
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -163,10 +165,10 @@ def main() -> int:
     delays = []
     print("\nkind          nodes  before    launch us  GPU idle before 1st kernel  1st kernel - "
           "launch end", flush=True)
-    for kind in a.kinds[:2]:
-        for n in (a.nodes[0], a.nodes[-1]):
+    for kind in a.kinds:
+        for n in (100, 400):
             g = capture(build(kind, n, x, y, tri))
-            for before in ("none", "h2d", "kernel", "busy"):
+            for before in ("none", "h2d", "busy"):
                 d = start_delays(g, before)
                 delays.append({"kind": kind, "nodes": n, "before": before, **d})
                 print(f"{kind:12s} {n:6d}  {before:7s} {d['launch_us']:10.1f}  "

@@ -155,7 +155,7 @@ trees)
   # tree); each variant's warm engine is then traced (one request x 32 tokens: kernel table and
   # phases in trees.log; the last tree's trace gzipped back), with no second compile or capture.
   # First (seconds): what a graph replay costs the host per node, by node kind (LAUNCH=0: not).
-  [ "${LAUNCH:-1}" = 1 ] && timeout 90 python3 profiles/scripts/graph_launch_h200.py \
+  [ "${LAUNCH:-1}" = 1 ] && timeout 150 python3 profiles/scripts/graph_launch_h200.py \
     --out "$OUT/graph_launch.json" > "$OUT/graph_launch.log" 2>&1; cat "$OUT/graph_launch.log"
   timeout ${LIMIT:-420} python3 -m compiled_spec.cli bench --model "$M" --device ${DEVICE:-cuda} \
     --dtype ${DTYPE:-bfloat16} --prompts $D/question.jsonl \
