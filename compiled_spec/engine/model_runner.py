@@ -113,9 +113,12 @@ class ModelRunner:
                 input_ids, positions, meta = host_batch_to_device(hb, self.device, drafts)
                 hidden, aux = self.target_fn(input_ids, positions, meta, self.aux_layer_ids)
             logits, row_start = self._logits(hidden, spans, num_draft)
-            if self.aux_layer_ids and self.proposer is not None and max(
-                    s.length for s in spans) <= self.k + 1:  # decoding: a graph propose follows
-                self.proposer.precombine(aux)  # issued before the acceptance's host wait
+            # Decoding with a graphed propose to follow: its fc issued before the acceptance's
+            # host wait (the O(batch) check only where there are graphs).
+            if (self.aux_layer_ids and self.proposer is not None
+                    and self.proposer.graph is not None
+                    and max(s.length for s in spans) <= self.k + 1):
+                self.proposer.precombine(aux)
         with phase("rejection_sample"):
             new_tokens = self._accept(reqs, logits, num_draft)
         self._pending = _Pending(hidden=aux if self.aux_layer_ids else hidden, spans=spans,

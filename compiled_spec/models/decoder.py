@@ -96,8 +96,9 @@ class Attention(nn.Module):
         if attn_meta.tree_mask is not None:  # draft-tree nodes: ancestors-only attention
             out = torch.ops.compiled_spec.paged_tree_attention(
                 q, self.k_cache, self.v_cache, attn_meta.block_tables, attn_meta.tree_start,
-                attn_meta.seq_lens, attn_meta.tree_mask, attn_meta.query_start_loc, attn_meta.max_query_len,
-                attn_meta.tree_mask.shape[1], attn_meta.max_seq_len, self.scale)
+                attn_meta.seq_lens, attn_meta.tree_mask, attn_meta.query_start_loc,
+                attn_meta.max_query_len, attn_meta.tree_mask.shape[1], attn_meta.max_seq_len,
+                self.scale)
             return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
         out = torch.ops.compiled_spec.paged_attention(
             q, self.k_cache, self.v_cache, attn_meta.block_tables, attn_meta.seq_lens,
@@ -179,9 +180,7 @@ class CausalLM(nn.Module):
     submit_every: int = 0
     _submit_buf: torch.Tensor | None = None
 
-    def set_submit_every(self, every: int) -> None:
-        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
-            raise ValueError(f"submit_every={every!r}: must be an integer >= 0")
+    def set_submit_every(self, every: int) -> None:  # validated by CompileConfig
         self.submit_every = every
         if every and self._submit_buf is None:
             w = self.model.embed_tokens.weight

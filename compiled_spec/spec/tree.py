@@ -110,8 +110,8 @@ def accept_paths(tokens: np.ndarray,  # [B, N] node tokens (root's unused)
     On the host, from the step's one device-to-host copy: a handful of numpy operations on
     [B, N] ints, where the same walk on the device cost ~20 kernel launches per tree level. A
     node is accepted when its token is the one drawn at its parent and its parent is accepted
-    (so, along the whole way up). Siblings hold
-    distinct tokens (top-k children), so the accepted nodes form one path, one per depth."""
+    (so, along the whole way up). Siblings hold distinct tokens (top-k children), so the
+    accepted nodes form one path, one per depth."""
     b, n = tokens.shape
     up = np.maximum(parents, 0)  # the root is its own parent here (and always accepted)
     ok = tokens == np.take_along_axis(drawn, up, 1)  # [B, N]

@@ -42,7 +42,9 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from capture.cuda_graphs import capture_graph  # noqa: E402  (the engine's own capture)
 from graph_launch_trace import launches, load  # noqa: E402
 
 
@@ -80,7 +82,7 @@ def build(kind: str, nodes: int, x: torch.Tensor, y: torch.Tensor,
 
 def time_graph(body: Callable[[], None], reps: int) -> tuple[float, float]:
     """(median host us per replay, median GPU us per replay)."""
-    g = capture(body)  # after a warm-up run (Triton compiles, allocator)
+    g, _ = capture_graph(body)  # warmed up on a side stream first (Triton compiles)
     for _ in range(10):
         g.replay()
     torch.cuda.synchronize()
@@ -95,19 +97,6 @@ def time_graph(body: Callable[[], None], reps: int) -> tuple[float, float]:
         torch.cuda.synchronize()
         gpu.append(start.elapsed_time(end) * 1e3)
     return statistics.median(host), statistics.median(gpu)
-
-
-def capture(body: Callable[[], None]) -> torch.cuda.CUDAGraph:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        body()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        body()
-    return g
 
 
 def start_delays(g: torch.cuda.CUDAGraph, before: str, reps: int = 20) -> dict[str, float]:
@@ -167,7 +156,7 @@ def main() -> int:
           "launch end", flush=True)
     for kind in a.kinds:
         for n in (100, 400):
-            g = capture(build(kind, n, x, y, tri))
+            g, _ = capture_graph(build(kind, n, x, y, tri))
             for before in ("none", "h2d", "busy"):
                 d = start_delays(g, before)
                 delays.append({"kind": kind, "nodes": n, "before": before, **d})
