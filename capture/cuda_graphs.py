@@ -50,6 +50,7 @@ from tqdm.auto import tqdm
 from capture.host_stage import HostBatch, HostStage
 from capture.pad import LiveBatch, StaticBuffers
 from capture.policy import bucket_max_seq_len, padding_table
+from capture.split import GraphSequence, capture_split
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ def progress_enabled() -> bool:
 
 
 def capture_graph(run: Callable[[], Any], pool: Any = None, warmup_iters: int = 2
-                  ) -> tuple[torch.cuda.CUDAGraph, Any]:
+                  ) -> tuple[GraphSequence, Any]:
     """Warm ``run`` up on a side stream (compilation, autotuning and lazy initialisation must
     happen outside capture), then capture one call of it into ``pool``. Returns (graph, the
     captured call's outputs): static memory that every replay rewrites."""
@@ -89,10 +90,7 @@ def capture_graph(run: Callable[[], Any], pool: Any = None, warmup_iters: int = 
             run()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = run()
-    return graph, out
+    return capture_split(run, pool, side)
 
 
 class CaptureError(RuntimeError):

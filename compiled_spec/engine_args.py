@@ -35,7 +35,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
                    help="batch sizes to capture CUDA graphs for (default: 1, 2, 4, then every "
                    "multiple of 8 up to --max-num-seqs; fewer sizes start up faster)")
-    p.add_argument("--graph-submit-every", type=int, default=0, metavar="N",
+    p.add_argument("--graph-split-every", type=int, default=0, metavar="N",
                    help="experimental: a one-element device copy (a memcpy node) after every N "
                    "target layers in the captured graphs, to see whether the GPU then starts a "
                    "graph while the host still launches it; 0 = off")
@@ -75,11 +75,11 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
               tensor_parallel_size=a.tensor_parallel_size,
               draft_tensor_parallel=a.draft_tensor_parallel)
     sizes = getattr(a, "cuda_graph_sizes", None)
-    every = getattr(a, "graph_submit_every", 0)
+    every = getattr(a, "graph_split_every", 0)
     if a.compile_cache_dir is not None or sizes or every:
         from compiled_spec.compile import CompileConfig
 
         kw["compile_config"] = CompileConfig(cache_dir=a.compile_cache_dir,
                                              capture_batch_sizes=tuple(sizes or ()),
-                                             submit_every=every)
+                                             graph_split_every=every)
     return kw

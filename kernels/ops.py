@@ -97,15 +97,16 @@ def _(query, k_cache, v_cache, block_tables, tree_start, seq_lens, tree_mask, qu
     return torch.empty_like(query)
 
 
-@torch.library.custom_op("compiled_spec::submit_break", mutates_args=("buf",))
-def submit_break(buf: torch.Tensor) -> None:  # [2] any dtype
-    """A one-element device-to-device copy inside a captured graph (on CUDA a memcpy node): an
-    experiment on how the driver hands a long graph to the GPU (``CausalLM.submit_every``).
-    Opaque to Inductor, so it stays where the forward puts it."""
-    buf[1:2].copy_(buf[0:1])
+@torch.library.custom_op("compiled_spec::graph_split", mutates_args=())
+def graph_split(x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> a copy
+    """A split point of a captured forward (``capture.split``)."""
+    from capture.split import split_point
+
+    split_point()
+    return x.clone()
 
 
-@submit_break.register_fake
-def _(buf) -> None:
-    return None
+@graph_split.register_fake
+def _(x) -> torch.Tensor:
+    return torch.empty_like(x)
 

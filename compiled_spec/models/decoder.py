@@ -172,19 +172,10 @@ class CausalLM(nn.Module):
             layer.self_attn.k_cache = k_cache
             layer.self_attn.v_cache = v_cache
 
-    # Experimental (off by default): a memcpy node after every ``submit_every`` layers of the
-    # captured graphs. On the H200 the GPU started on a graph holding memcpy/memset nodes while
-    # the host was still inside ``cudaGraphLaunch``, but on the target's verify graph (kernels
-    # only) only after the whole ~0.46 ms launch returned (results/2026-12-01_h200_session6/).
-    # Set through ``CompileConfig.submit_every`` before compiling; measured, then kept or not.
-    submit_every: int = 0
-    _submit_buf: torch.Tensor | None = None
+    graph_split_every: int = 0  # capture.split: cut the captured graphs every N layers
 
-    def set_submit_every(self, every: int) -> None:  # validated by CompileConfig
-        self.submit_every = every
-        if every and self._submit_buf is None:
-            w = self.model.embed_tokens.weight
-            self._submit_buf = torch.zeros(2, dtype=torch.int32, device=w.device)
+    def set_graph_split_every(self, every: int) -> None:
+        self.graph_split_every = every
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         return self.model.embed_tokens(input_ids)
@@ -209,12 +200,12 @@ class CausalLM(nn.Module):
         # Slots filled by position rather than a dict keyed by layer id: under torch.compile with
         # dynamic=True the ids may arrive as SymInts, which cannot be dict keys.
         captured: list[torch.Tensor | None] = [None] * len(aux_layer_ids)
-        every = self.submit_every
+        every = self.graph_split_every
         for i, layer in enumerate(self.model.layers):
             self._capture(captured, aux_layer_ids, i, hidden)
             hidden = layer(hidden, cos, sin, attn_meta)
             if every and (i + 1) % every == 0 and i + 1 < num_layers:
-                torch.ops.compiled_spec.submit_break(self._submit_buf)
+                hidden = torch.ops.compiled_spec.graph_split(hidden)
         self._capture(captured, aux_layer_ids, num_layers, hidden)
         return self.model.norm(hidden), captured  # type: ignore[return-value]
 
