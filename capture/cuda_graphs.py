@@ -50,7 +50,6 @@ from tqdm.auto import tqdm
 from capture.host_stage import HostBatch, HostStage
 from capture.pad import LiveBatch, StaticBuffers
 from capture.policy import bucket_max_seq_len, padding_table
-from capture.split import GraphSequence, capture_split
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +78,7 @@ def progress_enabled() -> bool:
 
 
 def capture_graph(run: Callable[[], Any], pool: Any = None, warmup_iters: int = 2
-                  ) -> tuple[GraphSequence, Any]:
+                  ) -> tuple[torch.cuda.CUDAGraph, Any]:
     """Warm ``run`` up on a side stream (compilation, autotuning and lazy initialisation must
     happen outside capture), then capture one call of it into ``pool``. Returns (graph, the
     captured call's outputs): static memory that every replay rewrites."""
@@ -90,7 +89,10 @@ def capture_graph(run: Callable[[], Any], pool: Any = None, warmup_iters: int = 
             run()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    return capture_split(run, pool, side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = run()
+    return graph, out
 
 
 class CaptureError(RuntimeError):

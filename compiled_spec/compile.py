@@ -40,15 +40,8 @@ class CompileConfig:
     # Persistent Inductor cache (compile_cache.py): None = ~/.cache/compiled_spec/inductor (or
     # an exported TORCHINDUCTOR_CACHE_DIR), a path = that directory, "" = Inductor's default.
     cache_dir: str | None = None
-    # Experimental: a memcpy node after every N target layers in the captured graphs (see
-    # CausalLM.graph_split_every); 0 = off.
-    graph_split_every: int = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.graph_split_every, bool) or not isinstance(self.graph_split_every, int) \
-                or self.graph_split_every < 0:
-            raise ValueError(f"CompileConfig.graph_split_every={self.graph_split_every!r}: must be an "
-                             "integer >= 0")
         for name in ("inductor", "dynamic", "cudagraphs", "strict_capture"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"CompileConfig.{name}={getattr(self, name)!r}: must be a bool")
@@ -96,7 +89,6 @@ def compile_models(runner: ModelRunner, cfg: CompileConfig) -> CompiledModels:
     # Dynamo's recompile limit counts per code object, and every engine's modules run the same
     # forward code: the default 8 would make the 9th engine in a process fail (fullgraph=True).
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    runner.model.set_graph_split_every(cfg.graph_split_every)  # read when the forward is traced
     eager: dict[str, Any] = {"target": runner.target_fn}
     backends = {"target": make_backend(hoist_fc=False, per_layer_metadata=False, inductor=cfg.inductor)}
     compiled: dict[str, Any] = {"target": compile_callable(runner.model, backends["target"], cfg)}

@@ -35,10 +35,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
                    help="batch sizes to capture CUDA graphs for (default: 1, 2, 4, then every "
                    "multiple of 8 up to --max-num-seqs; fewer sizes start up faster)")
-    p.add_argument("--graph-split-every", type=int, default=0, metavar="N",
-                   help="experimental: a one-element device copy (a memcpy node) after every N "
-                   "target layers in the captured graphs, to see whether the GPU then starts a "
-                   "graph while the host still launches it; 0 = off")
     p.add_argument("--speculative-topk", type=int, default=1, help="> 1: EAGLE-2 draft trees")
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None,
                    help="tree verification budget, root included")
@@ -75,11 +71,9 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
               tensor_parallel_size=a.tensor_parallel_size,
               draft_tensor_parallel=a.draft_tensor_parallel)
     sizes = getattr(a, "cuda_graph_sizes", None)
-    every = getattr(a, "graph_split_every", 0)
-    if a.compile_cache_dir is not None or sizes or every:
+    if a.compile_cache_dir is not None or sizes:
         from compiled_spec.compile import CompileConfig
 
         kw["compile_config"] = CompileConfig(cache_dir=a.compile_cache_dir,
-                                             capture_batch_sizes=tuple(sizes or ()),
-                                             graph_split_every=every)
+                                             capture_batch_sizes=tuple(sizes or ()))
     return kw

@@ -95,18 +95,3 @@ def paged_tree_attention(
 def _(query, k_cache, v_cache, block_tables, tree_start, seq_lens, tree_mask, query_start_loc,
       max_query_len, num_tree, max_seq_len, scale) -> torch.Tensor:
     return torch.empty_like(query)
-
-
-@torch.library.custom_op("compiled_spec::graph_split", mutates_args=())
-def graph_split(x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> a copy
-    """A split point of a captured forward (``capture.split``)."""
-    from capture.split import split_point
-
-    split_point()
-    return x.clone()
-
-
-@graph_split.register_fake
-def _(x) -> torch.Tensor:
-    return torch.empty_like(x)
-

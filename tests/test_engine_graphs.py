@@ -213,32 +213,3 @@ def test_fc_is_issued_before_the_acceptance_waits(trained_eagle3_pair, smollm2_g
         assert events[i - 2:i] == ["fc issued", "acceptance read"], events[i - 3:i + 1]
     # Decode steps never run the fc a second time: only proposals after a prefill do.
     assert events.count("fc run now") <= 2 * len(PROMPTS), events
-
-
-def test_graph_splits_in_the_target_graph_change_nothing(trained_eagle3_pair, smollm2_gguf_path):
-    """The experimental ``CompileConfig.graph_split_every``: a one-element device copy after every N
-    target layers (a memcpy node in a CUDA graph) is in the compiled target graph, between
-    layers only, and the graphed engine still writes the eager engine's output. Bad values are
-    refused by name."""
-    import torch
-
-    from passes.graph_utils import is_op
-
-    target, head = trained_eagle3_pair
-    llm = _llm(target, smollm2_gguf_path, head)
-    sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    eager = _run(llm, sp)
-    cfg = llm.config
-    models = compile_models(llm.engine.runner, CompileConfig(inductor=False, graph_split_every=1))
-    llm._compiled = models
-    policy = CapturePolicy(max_batch_size=4, num_speculative_tokens=3, max_model_len=128,
-                           batch_sizes=(1, 2, 4), seq_len_buckets=(32, 128))
-    capture_graphs(llm.engine.runner, models, policy, cfg.cache.page_size, emulate=True)
-    assert _run(llm, sp) == eager
-    op = torch.ops.compiled_spec.graph_split
-    layers = llm.engine.model.config.num_hidden_layers  # 2: one break, after layer 0
-    counts = {sum(is_op(n, op) for n in g.gm.graph.nodes) for g in models.backends["target"].compiled}
-    assert counts == {layers - 1}, counts
-    for bad in (-1, 1.5, True):
-        with pytest.raises(ValueError, match="graph_split_every"):
-            CompileConfig(graph_split_every=bad)

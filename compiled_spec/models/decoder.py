@@ -172,11 +172,6 @@ class CausalLM(nn.Module):
             layer.self_attn.k_cache = k_cache
             layer.self_attn.v_cache = v_cache
 
-    graph_split_every: int = 0  # capture.split: cut the captured graphs every N layers
-
-    def set_graph_split_every(self, every: int) -> None:
-        self.graph_split_every = every
-
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         return self.model.embed_tokens(input_ids)
 
@@ -200,12 +195,9 @@ class CausalLM(nn.Module):
         # Slots filled by position rather than a dict keyed by layer id: under torch.compile with
         # dynamic=True the ids may arrive as SymInts, which cannot be dict keys.
         captured: list[torch.Tensor | None] = [None] * len(aux_layer_ids)
-        every = self.graph_split_every
         for i, layer in enumerate(self.model.layers):
             self._capture(captured, aux_layer_ids, i, hidden)
             hidden = layer(hidden, cos, sin, attn_meta)
-            if every and (i + 1) % every == 0 and i + 1 < num_layers:
-                hidden = torch.ops.compiled_spec.graph_split(hidden)
         self._capture(captured, aux_layer_ids, num_layers, hidden)
         return self.model.norm(hidden), captured  # type: ignore[return-value]
 

@@ -27,6 +27,14 @@ and memcpy nodes) started ~30 us into its launch, the target's verify graph (ker
 after its ~0.46 ms launch returned. Cases, for every kind at 100 and 400 nodes: the graph
 alone; after a pinned host-to-device copy (as our staging uploads); while the GPU is still
 busy (``torch.cuda._sleep`` queued first).
+
+Answer (H200, seventh session, results/2026-12-01_h200_session7/graph_launch.log): untraced, a
+replay costs the host 3.2-8.3 us whatever the node count (50-800 nodes; a top-k's sort and
+memset nodes cost more: 54 us at 400); the GPU spends ~1.1 us per tiny kernel. The traced
+"GPU idle through the launch" (517 us at 400 kernels, 608 us with memcpy nodes; 59-76 us with
+top-k nodes) is the profiler's own cost per node, so cutting graphs into pieces cannot help
+an untraced step (measured: chain k=5 1399.2 tok/s with the target cut every 5 layers vs
+1415.6 whole). What a kernel costs is its GPU time, at least ~1.1 us: fewer kernels.
 """
 from __future__ import annotations
 

@@ -7,6 +7,14 @@ still launching), but the verify graph's ran only after its 0.38-0.54 ms launch 
 the GPU idled through the whole launch, every step. This prints that for any trace, e.g. the
 ``tree_step.pt.trace.json.gz`` the ``trees`` phase brings back.
 
+Read the launch times with care: they are the profiler's. Untraced, the seventh session's
+``graph_launch_h200.py`` timed ``graph.replay()`` of a 400-kernel graph at 5.0 us of host time
+(800 kernels: 8.3 us), against ~500 us for the same graph in a trace; with CUDA activity on,
+the profiler pays ~1.2 us per kernel node inside the launch, and the GPU waits for it. A
+graph's own GPU time without the profiler was ~1.1 us per tiny kernel (439 us for 400), with
+no visible start delay (50 kernels: 49.4 us). So a trace says which kernels run and for how
+long, not what launching costs an untraced step (results/2026-12-01_h200_session7/).
+
 python profiles/scripts/graph_launch_trace.py TRACE.json[.gz] [--skip 6] [--limit 12]
 """
 from __future__ import annotations

