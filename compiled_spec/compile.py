@@ -16,6 +16,7 @@ graphs by dummy runs (``compiled_spec.engine.graphs``) and the engine replays th
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,9 +41,14 @@ class CompileConfig:
     # Persistent Inductor cache (compile_cache.py): None = ~/.cache/compiled_spec/inductor (or
     # an exported TORCHINDUCTOR_CACHE_DIR), a path = that directory, "" = Inductor's default.
     cache_dir: str | None = None
+    # Inductor benchmarks its Triton GEMM templates against cuBLAS for every matmul shape it
+    # compiles and keeps the faster (fusing the epilogue when a template wins). SmolLM2's
+    # GEMMs are latency-bound (~3.9 us per cuBLAS call for ~1 MB of weights, ~half of a verify's
+    # GPU time on the H200, results/2026-12-01_h200_session7/); compiling takes longer.
+    autotune_gemm: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("inductor", "dynamic", "cudagraphs", "strict_capture"):
+        for name in ("inductor", "dynamic", "cudagraphs", "strict_capture", "autotune_gemm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"CompileConfig.{name}={getattr(self, name)!r}: must be a bool")
         if self.cache_dir is not None and not isinstance(self.cache_dir, (str, Path)):
@@ -85,30 +91,41 @@ def compile_callable(fn: Any, backend: Any, cfg: CompileConfig) -> Any:
     return call
 
 
+def inductor_config(cfg: CompileConfig) -> dict[str, Any]:
+    """The Inductor config patches every compiled callable of an engine gets."""
+    if not cfg.autotune_gemm:
+        return {}
+    # ATEN (cuBLAS) stays a candidate, so a template is chosen only where it measured faster;
+    # on a machine without Triton GEMMs (the CPU) nothing changes.
+    return {"max_autotune_gemm": True, "max_autotune_gemm_backends": "ATEN,TRITON"}
+
+
 def compile_models(runner: ModelRunner, cfg: CompileConfig) -> CompiledModels:
     # Dynamo's recompile limit counts per code object, and every engine's modules run the same
     # forward code: the default 8 would make the 9th engine in a process fail (fullgraph=True).
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    backend = functools.partial(make_backend, inductor=cfg.inductor,
+                                inductor_config=inductor_config(cfg))
     eager: dict[str, Any] = {"target": runner.target_fn}
-    backends = {"target": make_backend(hoist_fc=False, per_layer_metadata=False, inductor=cfg.inductor)}
+    backends = {"target": backend(hoist_fc=False, per_layer_metadata=False)}
     compiled: dict[str, Any] = {"target": compile_callable(runner.model, backends["target"], cfg)}
     prop = runner.proposer
     if prop is not None:
         eager.update(first_pass=prop.first_pass_fn, step=prop.step_fn)
-        backends["draft_first_pass"] = make_backend(hoist_fc=True, inductor=cfg.inductor)
-        backends["draft_step"] = make_backend(hoist_fc=False, inductor=cfg.inductor)
+        backends["draft_first_pass"] = backend(hoist_fc=True)
+        backends["draft_step"] = backend(hoist_fc=False)
         compiled["first_pass"] = compile_callable(prop.draft.forward_from_aux, backends["draft_first_pass"], cfg)
         compiled["step"] = compile_callable(prop.draft, backends["draft_step"], cfg)
         if hasattr(prop, "expand_step"):  # draft trees: each expansion and its glue as one graph
             for name, fn in (("tree_head", prop.tree_head), ("tree_step", prop.expand_step),
                              ("tree_finish", prop.finish)):
-                backends[name] = make_backend(hoist_fc=False, inductor=cfg.inductor)
+                backends[name] = backend(hoist_fc=False)
                 compiled[name] = compile_callable(fn, backends[name], cfg)
             eager.update(tree_head=prop.head_fn, tree_step=prop.expand_step_fn,
                          tree_finish=prop.finish_fn)
         if hasattr(prop, "step_and_pick"):  # chain drafting: step + pick as one graph
             eager["step_pick"] = prop.step_pick_fn
-            backends["draft_step_pick"] = make_backend(hoist_fc=False, inductor=cfg.inductor)
+            backends["draft_step_pick"] = backend(hoist_fc=False)
             compiled["step_pick"] = compile_callable(prop.step_and_pick, backends["draft_step_pick"],
                                              cfg)
     return CompiledModels(eager=eager, compiled=compiled, backends=backends)

@@ -35,6 +35,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
                    help="batch sizes to capture CUDA graphs for (default: 1, 2, 4, then every "
                    "multiple of 8 up to --max-num-seqs; fewer sizes start up faster)")
+    p.add_argument("--autotune-gemm", action="store_true",
+                   help="with --compile: Inductor times its Triton GEMM templates against cuBLAS "
+                   "per matmul shape and keeps the faster (longer compile)")
     p.add_argument("--speculative-topk", type=int, default=1, help="> 1: EAGLE-2 draft trees")
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None,
                    help="tree verification budget, root included")
@@ -71,9 +74,11 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
               tensor_parallel_size=a.tensor_parallel_size,
               draft_tensor_parallel=a.draft_tensor_parallel)
     sizes = getattr(a, "cuda_graph_sizes", None)
-    if a.compile_cache_dir is not None or sizes:
+    autotune = getattr(a, "autotune_gemm", False)
+    if a.compile_cache_dir is not None or sizes or autotune:
         from compiled_spec.compile import CompileConfig
 
         kw["compile_config"] = CompileConfig(cache_dir=a.compile_cache_dir,
-                                             capture_batch_sizes=tuple(sizes or ()))
+                                             capture_batch_sizes=tuple(sizes or ()),
+                                             autotune_gemm=autotune)
     return kw

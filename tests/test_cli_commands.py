@@ -94,3 +94,22 @@ def test_cuda_graph_sizes_reach_the_compile_config():
     assert kw["compile_config"].capture_batch_sizes == (1, 512)
     assert kw["compile_config"].cache_dir is None
     assert "compile_config" not in engine_kwargs(p.parse_args([]))
+
+
+def test_autotune_gemm_reaches_the_compile_config():
+    """--autotune-gemm turns on Inductor's GEMM autotuning through CompileConfig; off, no
+    Inductor patch is added; a non-bool value is refused by name."""
+    import argparse
+
+    from compiled_spec.compile import CompileConfig, inductor_config
+    from compiled_spec.engine_args import add_engine_args, engine_kwargs
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    cfg = engine_kwargs(p.parse_args(["--autotune-gemm"]))["compile_config"]
+    assert cfg.autotune_gemm is True
+    assert inductor_config(cfg) == {"max_autotune_gemm": True,
+                                    "max_autotune_gemm_backends": "ATEN,TRITON"}
+    assert inductor_config(CompileConfig()) == {}
+    with pytest.raises(ValueError, match="autotune_gemm"):
+        CompileConfig(autotune_gemm="yes")  # type: ignore[arg-type]

@@ -36,6 +36,23 @@ def _run(llm: LLM, sp: SamplingParams | list[SamplingParams]):
     return [o.outputs[0].token_ids for o in outs]
 
 
+def test_every_compiled_callable_gets_the_gemm_autotuning_patch(trained_eagle3_pair,
+                                                                smollm2_gguf_path):
+    """``CompileConfig.autotune_gemm`` reaches the backend of the target and of every draft
+    callable (one engine, one Inductor config)."""
+    from compiled_spec.compile import inductor_config
+
+    target, head = trained_eagle3_pair
+    llm = _llm(target, smollm2_gguf_path, head)
+    cfg = CompileConfig(inductor=False, autotune_gemm=True)
+    models = compile_models(llm.engine.runner, cfg)
+    assert set(models.backends) >= {"target", "draft_first_pass", "draft_step_pick"}
+    for name, backend in models.backends.items():
+        assert backend.inductor_config == inductor_config(cfg), name
+    plain = compile_models(llm.engine.runner, CompileConfig(inductor=False))
+    assert all(b.inductor_config == {} for b in plain.backends.values())
+
+
 @pytest.mark.parametrize("sampled", [False, True])
 def test_graphed_speculative_engine_equals_eager(trained_eagle3_pair, smollm2_gguf_path, sampled):
     target, head = trained_eagle3_pair

@@ -10,7 +10,8 @@ whole propose call for k = 3 and 5 (eager, compiled, compiled + graph), against 
 floor (bytes / 4.27 TB/s). "ms" is one call followed by a device sync (what a step waits for);
 "ms_pipelined" is the mean of back-to-back calls with one sync at the end. With --e2e, MT-bench
 prompts are generated vanilla and speculative (k=5) eager and compiled: ms/token, tau, and
-whether greedy outputs are identical.
+whether greedy outputs are identical. --autotune-gemm: the same with Inductor's GEMM
+autotuning (``CompileConfig.autotune_gemm``), to compare per-kernel tables.
 """
 from __future__ import annotations
 
@@ -106,7 +107,8 @@ def build(args: argparse.Namespace, tmp: Path) -> tuple[LLM, float]:
               num_speculative_tokens=5, device=DEVICE, max_model_len=2048,
               dtype="bfloat16" if DEVICE.type == "cuda" else "float32",
               max_num_seqs=1, kv_cache_memory_gib=4,
-              compile_config=CompileConfig(capture_batch_sizes=(1,), inductor=args.inductor))
+              compile_config=CompileConfig(capture_batch_sizes=(1,), inductor=args.inductor,
+                                           autotune_gemm=args.autotune_gemm))
     return llm, time.perf_counter() - t0
 
 
@@ -247,6 +249,8 @@ def main() -> int:
     ap.add_argument("--e2e", type=int, default=0, help="MT-bench prompts for the end-to-end run")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--autotune-gemm", action="store_true",
+                    help="Inductor's GEMM autotuning (Triton templates vs cuBLAS per shape)")
     ap.add_argument("--skip-eager", action="store_true",
                     help="time only the compiled + graph paths (eager and compiled-only measured "
                          "before)")
