@@ -43,8 +43,9 @@ class CompileConfig:
     cache_dir: str | None = None
     # Inductor benchmarks its Triton GEMM templates against cuBLAS for every matmul shape it
     # compiles and keeps the faster (fusing the epilogue when a template wins). SmolLM2's
-    # GEMMs are latency-bound (~3.9 us per cuBLAS call for ~1 MB of weights, ~half of a verify's
-    # GPU time on the H200, results/2026-12-01_h200_session7/); compiling takes longer.
+    # GEMMs are latency-bound (~3.9 us per cuBLAS call for ~1 MB of weights: ~half of the GPU
+    # kernel time of a chain step in the H200 trace, results/2026-12-01_h200_session7/trees.log);
+    # compiling takes longer.
     autotune_gemm: bool = False
 
     def __post_init__(self) -> None:
