@@ -41,6 +41,8 @@ def test_bench_cpu_smoke(tiny_hf_dir, mt_bench_path, tmp_path):
         assert (r["propose_ms"] is not None) == ("EAGLE" in engine)
         if batch == 1:  # fp32 greedy: every engine writes our vanilla output
             assert r["identical"] == 1.0, (engine, r["identical"])
+        if engine.startswith("ours"):  # per engine step: its time, and the host's GPU wait in it
+            assert 0 < r["extra"]["host_wait_ms"] < r["extra"]["step_ms"], (engine, r["extra"])
         assert engine in md
     assert [p["tau"] for p in data["projection"]] == [2.0, 3.0, 4.0]
     assert data["max_tokens"] == 8 and data["num_prompts"] == 2
@@ -84,6 +86,7 @@ def test_bench_runs_draft_trees_beside_chains(tiny_hf_dir, mt_bench_path, tmp_pa
         r = rows[(tree, b)]
         assert r["tau"] is not None and r["tau"] >= 1.0
         assert r["verify_ms"] is not None and r["propose_ms"] is not None
+        assert 0 < r["extra"]["host_wait_ms"] < r["extra"]["step_ms"], (b, r["extra"])
     assert rows[(tree, 1)]["identical"] == 1.0
     # --trace-dir: one trace per variant, taken on the warm engine, with the tree's phases in it
     traces = {p.parent.name: p for p in (tmp_path / "traces").glob("*/*.pt.trace.json")}

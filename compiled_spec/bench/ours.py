@@ -99,8 +99,9 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
             startup += time.perf_counter() - t0  # compile-on-first-use is start-up cost
         timer.reset()
         reset_peak(dev)
-        spec = llm.stats.spec
+        spec, es = llm.stats.spec, llm.stats
         d0, a0 = spec.num_drafting_steps, spec.num_accepted_tokens
+        n0, s0, w0 = es.num_steps, es.step_s, es.host_wait_s
         sync(dev)
         t0 = time.perf_counter()
         if b == 1:
@@ -117,6 +118,9 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
                   tau=(1 + (spec.num_accepted_tokens - a0) / steps) if steps else None,
                   propose_ms=timer.mean_ms("propose"), verify_ms=timer.mean_ms("verify"),
                   peak_mem_gib=peak_gib(dev))
+        if es.num_steps > n0:  # untraced: engine step time and the host's wait for the GPU in it
+            row.extra["step_ms"] = round(1e3 * (es.step_s - s0) / (es.num_steps - n0), 4)
+            row.extra["host_wait_ms"] = round(1e3 * (es.host_wait_s - w0) / (es.num_steps - n0), 4)
         if llm.stats.policy is not None:  # what the adaptive policy chose at this batch
             from compiled_spec.spec.policy import bucket_of
 
@@ -168,8 +172,10 @@ def bench_ours(variants: list[Variant], kw: dict[str, Any], prompts: list[list[i
             trace_engine(llm, v, prompts[0], trace_dir)
         rows += r
         outputs[v.name] = out
-        print(f"{v.name}: " + ", ".join(f"batch {x.batch} {x.tokens_per_s:.1f} tok/s" for x in r),
-              flush=True)
+        print(f"{v.name}: " + ", ".join(
+            f"batch {x.batch} {x.tokens_per_s:.1f} tok/s (step {x.extra.get('step_ms')} ms, "
+            f"of which waiting for the GPU {x.extra.get('host_wait_ms')} ms)" for x in r),
+            flush=True)
         del llm
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -162,6 +162,7 @@ class LLMEngine:
         # The step ends with a device-to-host copy of its tokens, so wall time is its cost.
         dt = time.perf_counter() - t0
         stats.step_s += dt
+        stats.host_wait_s = self.runner.host_wait_s
         if self._obs is not None and stats.policy is not None:
             stats.policy.observe(self._obs[0], self._obs[1], dt, self._obs[2])
             self._obs = None

@@ -6,6 +6,7 @@ device-to-host copy: the emitted tokens and acceptance counts.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -86,6 +87,17 @@ class ModelRunner:
         self._draft_probs: torch.Tensor | None = None  # [B_prev, k, V] when drafts are sampled
         self._draft_row: dict[int, int] = {}  # req_id -> row in the tensors above
         self._pending: _Pending | None = None
+        # Seconds the host spent blocked in the step's device-to-host copy, i.e. waiting for
+        # the GPU: a step whose wait is a small share of its time is host-bound (stats).
+        self.host_wait_s = 0.0
+
+    def to_host(self, t: torch.Tensor, numpy: bool = False) -> list | np.ndarray:
+        """The step's one device-to-host copy (a list, or an array for ``numpy``); the time it
+        blocks is counted."""
+        t0 = time.perf_counter()
+        out = t.cpu().numpy() if numpy else t.tolist()
+        self.host_wait_s += time.perf_counter() - t0
+        return out
 
     def reset(self) -> None:
         """Forget the last proposal and pending hidden states (after a step raised, or requests
@@ -193,7 +205,7 @@ class ModelRunner:
         kmax = K1 - 1
         greedy = all(r.params.greedy for r in reqs)  # host-known: no sampling tensors needed
         if greedy and kmax == 0:  # vanilla greedy decode: the argmax is the whole step
-            return [[t] for t in logits[:, 0].argmax(dim=-1).tolist()]
+            return [[t] for t in self.to_host(logits[:, 0].argmax(dim=-1))]
         if greedy:
             return self._greedy_accept_host(reqs, logits.argmax(dim=-1), num_draft)
         k_t = to_device(num_draft, self.device)  # [B]
@@ -205,8 +217,8 @@ class ModelRunner:
         out, n_acc = rejection_sample(probs, drafts, k_t, seeds, positions0,
                                       self._gather_draft_probs(reqs, kmax))
         if kmax == 0:  # nothing to accept (n_acc is 0): the sampled token is the whole row
-            return [[t] for t in out.reshape(-1).tolist()]
-        packed = torch.cat([n_acc[:, None], out], dim=1).tolist()  # the step's one D2H copy
+            return [[t] for t in self.to_host(out.reshape(-1))]
+        packed = self.to_host(torch.cat([n_acc[:, None], out], dim=1))  # the step's one D2H copy
         return [row[1:2 + row[0]] for row in packed]
 
     def _greedy_accept_host(self, reqs: list[Request], target: torch.Tensor,  # [B, K+1]
@@ -216,7 +228,7 @@ class ModelRunner:
         copy of the argmax and the drafts, not as a dozen tiny kernels on a host-bound step."""
         k1 = target.shape[1]
         width = self._drafts.shape[1]  # [B_prev, k] from the last proposal
-        flat = torch.cat([target.reshape(-1), self._drafts.reshape(-1)]).tolist()  # one D2H
+        flat = self.to_host(torch.cat([target.reshape(-1), self._drafts.reshape(-1)]))  # one D2H
         drafts = flat[target.numel():]
         out = []
         for i, (r, k_i) in enumerate(zip(reqs, num_draft)):

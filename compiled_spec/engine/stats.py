@@ -22,6 +22,9 @@ class EngineStats:
     step_s: float = 0.0
     num_prefill_steps: int = 0
     prefill_step_s: float = 0.0
+    # Of step_s: the host blocked in the steps' device-to-host copies (waiting for the GPU).
+    # Small against step_s: the steps are host-bound, and the GPU idles for the rest.
+    host_wait_s: float = 0.0
     # speculation_policy="adaptive": its choices and estimates per batch bucket (.summary())
     policy: SpecPolicy | None = None
     spec: SpecStats = field(default_factory=SpecStats)

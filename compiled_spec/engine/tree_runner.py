@@ -169,7 +169,7 @@ class TreeModelRunner(ModelRunner):
             if not all_tree:
                 parts.append(drawn[to_device([qsl[i] for i, t in enumerate(in_tree) if not t],
                                              dev)])
-            host = torch.cat(parts).cpu().numpy()
+            host = self.to_host(torch.cat(parts), numpy=True)
             t_idx = [i for i, t in enumerate(in_tree) if t]
             n_t, d = len(t_idx), self.tree.num_steps
             h_tok, h_par, h_depth, h_drawn = host[:4 * n_t * n_nodes].reshape(4, n_t, n_nodes)
