@@ -86,6 +86,37 @@ def test_select_nodes_is_ancestor_closed_and_parent_first():
     assert anc[0, 2].nonzero().flatten().tolist() == [0, 2]
 
 
+def _select_by_stable_sorts(scores, depth, n):
+    """The rule written as two stable sorts (score descending, ties by depth, then id)."""
+    by_depth = torch.argsort(depth, dim=1, stable=True)
+    s_sorted = torch.gather(scores, 1, by_depth)
+    return torch.gather(by_depth, 1, torch.argsort(-s_sorted, dim=1, stable=True))[:, :n]
+
+
+def test_select_nodes_key_ranks_exactly_as_the_stable_sorts():
+    """The one top-k over packed int64 keys picks the same set as the two stable sorts, on
+    scores full of ties (few distinct values, zeros of both signs, -inf) and on continuous
+    ones; returned by depth, then candidate id."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        b, c = 3, int(torch.randint(2, 300, (1,), generator=g))
+        n = int(torch.randint(1, c + 1, (1,), generator=g))
+        depth = torch.randint(1, 9, (b, c), generator=g)
+        if trial % 2:
+            levels = torch.tensor([0.0, -0.0, -0.5, -1.25, -3.0, float("-inf")])
+            scores = levels[torch.randint(0, len(levels), (b, c), generator=g)]
+        else:
+            scores = -torch.rand(b, c, generator=g) * 20
+        parent = torch.full((b, c), -1)
+        top, _, d = select_nodes(scores, depth, parent, n)
+        want = _select_by_stable_sorts(scores, depth, n)
+        assert [sorted(r) for r in top.tolist()] == [sorted(r) for r in want.tolist()], trial
+        keys = d * (c + 1) + top  # verification order: depth, then id
+        assert torch.equal(keys, keys.sort(dim=1).values)
+    with pytest.raises(ValueError, match="65536 candidates"):
+        TreeConfig(topk=64, num_steps=20, num_draft_tokens=8)
+
+
 def test_ancestor_mask_equals_walking_each_node_to_the_root():
     """Random trees (parents precede children): the level-by-level mask, with the tree's depth
     as the bound or none, is exactly each node's walk to the root; a bound below the depth

@@ -64,7 +64,9 @@ def _assert_expansions_compiled_whole(llm: LLM) -> None:
     assert any(any(is_op(n, TREE_OP) for n in g.nodes) and _calls(g, "topk") == 2
                and _calls(g, "gather") == 4 for g in steps), [str(g) for g in steps]
     assert any(_calls(g.gm.graph, "topk") == 1 for g in b["tree_head"].compiled)
-    assert any(_calls(g.gm.graph, "argsort") == 3 for g in b["tree_finish"].compiled)
+    # The selection: one top-k over packed keys, one sort into verification order.
+    assert any(_calls(g.gm.graph, "topk") == 1 and _calls(g.gm.graph, "argsort") == 1
+               for g in b["tree_finish"].compiled)
 
 
 @pytest.fixture(scope="module")
