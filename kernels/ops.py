@@ -95,3 +95,46 @@ def paged_tree_attention(
 def _(query, k_cache, v_cache, block_tables, tree_start, seq_lens, tree_mask, query_start_loc,
       max_query_len, num_tree, max_seq_len, scale) -> torch.Tensor:
     return torch.empty_like(query)
+
+
+_ROW_TOPK_CHECKED: set[tuple[int, int, torch.dtype]] = set()  # shapes checked on this GPU
+
+
+def row_topk_ref(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest of each row of ``x`` [R, N]: (values [R, k] float32, descending; indices
+    [R, k] int64), ties to the smaller index (a stable descending sort)."""
+    vals, idx = torch.sort(x.float(), dim=-1, descending=True, stable=True)
+    return vals[:, :k].contiguous(), idx[:, :k].contiguous()
+
+
+@torch.library.custom_op("compiled_spec::row_topk", mutates_args=())
+def row_topk(x: torch.Tensor,  # [R, N] float, N >= k
+             k: int) -> tuple[torch.Tensor, torch.Tensor]:  # [R, k] float32, [R, k] int64
+    """Top-k along rows with a fixed tie rule (the smaller index first), so eager and compiled
+    draft trees pick the same candidates; on CUDA a two-launch Triton kernel
+    (``kernels.topk_triton``) instead of torch.topk's multi-block radix select."""
+    if not 1 <= k <= x.shape[-1]:
+        raise ValueError(f"row_topk: k={k} outside [1, {x.shape[-1]}]")
+    if _use_triton(x):
+        from kernels.topk_triton import row_topk_triton
+
+        out = row_topk_triton(x, k)
+        key = (x.shape[-1], k, x.dtype)
+        # First use of a shape class (warm-up, never inside a capture): the kernel is checked
+        # against the reference, as the KV-move kernel is; a wrong top-k would change drafts
+        # silently (acceptance, never output), so it fails loudly here instead.
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        if key not in _ROW_TOPK_CHECKED and not capturing:
+            want = row_topk_ref(x, k)
+            if not (torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])):
+                raise RuntimeError(f"row_topk Triton kernel disagrees with the reference for "
+                                   f"rows of {x.shape[-1]}, k={k}, {x.dtype}")
+            _ROW_TOPK_CHECKED.add(key)
+        return out
+    return row_topk_ref(x, k)
+
+
+@row_topk.register_fake
+def _(x, k) -> tuple[torch.Tensor, torch.Tensor]:
+    r = x.shape[0]
+    return (x.new_empty(r, k, dtype=torch.float32), x.new_empty(r, k, dtype=torch.int64))

@@ -27,6 +27,7 @@ from compiled_spec.engine.batch import (build_host_batch, host_batch_to_device,
                                           metadata_to_device, to_device)
 from compiled_spec.spec.proposer import EagleProposer, ProposeBatch
 from compiled_spec.spec.tree import TreeConfig, ancestor_mask, select_nodes
+import kernels.ops  # noqa: F401  (registers torch.ops.compiled_spec.row_topk)
 
 if TYPE_CHECKING:
     from compiled_spec.engine.tree_graphs import TreeProposeGraphs
@@ -149,7 +150,7 @@ class TreeProposer:
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer 1: the K best first drafts, (log-probabilities [B, K], target ids [B, K])."""
         lp = torch.log_softmax(self.draft.compute_logits(for_logits).float(), dim=-1)
-        score, tok = lp.topk(self.cfg.topk, dim=-1)
+        score, tok = torch.ops.compiled_spec.row_topk(lp, self.cfg.topk)
         return score, self.draft.draft_to_target(tok)
 
     def expand_step(self, x_tok: torch.Tensor,  # [B, K] the frontier's tokens
@@ -173,10 +174,12 @@ class TreeProposer:
         new_feed, fl = self.draft(x_tok.reshape(-1), x_hid.reshape(b * K, h), positions,
                                   {n: meta for n in self.layer_names})
         lp = torch.log_softmax(self.draft.compute_logits(fl).float(), dim=-1)  # [B*K, Vd]
-        c_score, c_tok = lp.topk(K, dim=-1)
+        # Top-k with a fixed tie rule (smaller id first; kernels.ops.row_topk): eager and
+        # compiled trees pick the same children.
+        c_score, c_tok = torch.ops.compiled_spec.row_topk(lp, K)
         c_score = (x_score[:, :, None] + c_score.view(b, K, K)).reshape(b, K * K)
         c_tok = self.draft.draft_to_target(c_tok).view(b, K * K)
-        sel = c_score.topk(K, dim=-1).indices  # [B, K]
+        sel = torch.ops.compiled_spec.row_topk(c_score, K)[1]  # [B, K]
         up = (sel // K)[:, :, None]  # [B, K, 1] each one's parent in this frontier
         return (c_tok, c_score, sel, torch.gather(c_tok, 1, sel), torch.gather(c_score, 1, sel),
                 torch.gather(new_feed.view(b, K, h), 1, up.expand(-1, -1, h)),

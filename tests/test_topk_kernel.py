@@ -1,0 +1,80 @@
+"""``compiled_spec::row_topk``: the draft tree's top-k with a fixed tie rule. The Triton kernel
+(``kernels.topk_triton``, two launches) runs under TRITON_INTERPRET=1 in a subprocess (the
+interpreter must be chosen before triton is imported) and must equal the reference, a stable
+descending sort, bit for bit: on ties, -inf, single- and multi-chunk rows."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CASES = [(1, 5, 1, 1024), (3, 64, 8, 1024), (8, 1000, 8, 256), (2, 32768, 8, 1024),
+         (4, 300, 16, 64), (2, 7, 7, 1024)]  # rows, row length, k, chunk size
+
+
+def _worker() -> None:
+    from kernels.ops import row_topk_ref
+    from kernels.topk_triton import row_topk_triton
+
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for r, n, k, block in CASES:
+        for kind in ("continuous", "ties"):
+            if kind == "ties":
+                levels = torch.tensor([0.0, -1.0, -2.5, float("-inf")])
+                x = levels[torch.randint(0, len(levels), (r, n), generator=g)]
+            else:
+                x = torch.randn(r, n, generator=g)
+            v, i = row_topk_triton(x, k, block=block)
+            rv, ri = row_topk_ref(x, k)
+            out[f"{r}x{n}_k{k}_b{block}_{kind}"] = torch.equal(i, ri) and torch.equal(v, rv)
+    print("RESULTS " + json.dumps(out))
+
+
+def test_triton_row_topk_equals_the_stable_sort() -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.run([sys.executable, __file__, "--worker"], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    res = json.loads(next(ln for ln in proc.stdout.splitlines()
+                          if ln.startswith("RESULTS "))[len("RESULTS "):])
+    assert res == {k: True for k in res} and len(res) == 2 * len(CASES), res
+
+
+def test_row_topk_op_ties_go_to_the_smaller_index_and_k_is_checked() -> None:
+    import kernels.ops  # noqa: F401
+
+    x = torch.tensor([[1.0, 3.0, 3.0, -1.0, 3.0], [0.0, 0.0, 0.0, 0.0, 0.0]])
+    v, i = torch.ops.compiled_spec.row_topk(x, 3)
+    assert i.tolist() == [[1, 2, 4], [0, 1, 2]] and v.tolist() == [[3.0] * 3, [0.0] * 3]
+    assert i.dtype == torch.int64 and v.dtype == torch.float32
+    for bad in (0, 6):
+        with pytest.raises(ValueError, match=f"k={bad}"):
+            torch.ops.compiled_spec.row_topk(x, bad)
+
+
+def test_a_wrong_topk_kernel_is_caught_on_first_use(monkeypatch) -> None:
+    """Where the Triton kernel runs, its first call per shape is checked against the
+    reference: a kernel that returned the wrong candidates fails loudly, not as lower
+    acceptance."""
+    import kernels.ops as ops
+    import kernels.topk_triton as tt
+
+    monkeypatch.setattr(ops, "_use_triton", lambda t: True)
+    monkeypatch.setattr(ops, "_ROW_TOPK_CHECKED", set())
+    x = torch.randn(2, 50)
+    monkeypatch.setattr(tt, "row_topk_triton", lambda x, k: ops.row_topk_ref(x, k))
+    assert torch.equal(ops.row_topk(x, 4)[1], ops.row_topk_ref(x, 4)[1])  # checked, passes
+    monkeypatch.setattr(tt, "row_topk_triton", lambda x, k: ops.row_topk_ref(-x, k))
+    with pytest.raises(RuntimeError, match="disagrees"):
+        ops.row_topk(torch.randn(2, 60), 4)
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    _worker()
