@@ -9,8 +9,6 @@ implementations shows up as a mismatch.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +22,7 @@ if str(REPO_ROOT) not in sys.path:  # the Triton worker runs this file as a scri
     sys.path.insert(0, str(REPO_ROOT))
 
 from kernels.attention_ref import paged_attention_ref, write_kv_ref  # noqa: E402
+from tests.triton_interpret import run_interpreted  # noqa: E402
 
 # (tokens already in the cache, new query tokens) per sequence: prefill from scratch, prefill
 # after existing context (chunked prefill), decode, decode of the very first token, a padding
@@ -250,12 +249,7 @@ def _triton_worker() -> None:
 
 @pytest.fixture(scope="module")
 def triton_results() -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO_ROOT))
-    proc = subprocess.run([sys.executable, __file__, "--triton-worker"], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS "))
-    return json.loads(line[len("RESULTS "):])
+    return run_interpreted(__file__, "--triton-worker")
 
 
 @pytest.mark.parametrize("case", [c[0] for c in TRITON_CASES])

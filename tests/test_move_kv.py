@@ -4,17 +4,13 @@ a subprocess (the interpreter must be chosen before triton is imported)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from compiled_spec.spec.tree import KVCompactor, compact_kv
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from tests.triton_interpret import run_interpreted
 
 
 def _caches(layers: int, dtype: torch.dtype, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -53,12 +49,7 @@ def _worker() -> None:
 
 
 def test_move_kv_kernel_equals_per_layer_moves() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO_ROOT))
-    proc = subprocess.run([sys.executable, __file__, "--worker"], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    res = json.loads(next(ln for ln in proc.stdout.splitlines()
-                          if ln.startswith("RESULTS "))[len("RESULTS "):])
+    res = run_interpreted(__file__)
     assert res == {k: True for k in res} and len(res) == 5, res
 
 

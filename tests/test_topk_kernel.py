@@ -5,15 +5,13 @@ descending sort, bit for bit: on ties, -inf, single- and multi-chunk rows."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from tests.triton_interpret import run_interpreted
+
 CASES = [(1, 5, 1, 1024), (3, 64, 8, 1024), (8, 1000, 8, 256), (2, 32768, 8, 1024),
          (4, 300, 16, 64), (2, 7, 7, 1024)]  # rows, row length, k, chunk size
 
@@ -38,12 +36,7 @@ def _worker() -> None:
 
 
 def test_triton_row_topk_equals_the_stable_sort() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO_ROOT))
-    proc = subprocess.run([sys.executable, __file__, "--worker"], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    res = json.loads(next(ln for ln in proc.stdout.splitlines()
-                          if ln.startswith("RESULTS "))[len("RESULTS "):])
+    res = run_interpreted(__file__)
     assert res == {k: True for k in res} and len(res) == 2 * len(CASES), res
 
 
