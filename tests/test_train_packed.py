@@ -222,6 +222,16 @@ def test_a_deeper_head_grows_from_a_shallower_one_drafting_the_same(tmp_path):
     ids = torch.randint(0, 48, (2, 7), generator=g)
     hidden = torch.randn(2, 7, 32, generator=g)
     pos = torch.arange(7).expand(2, 7)
+    # Saved in the HF layout (``layers.N.`` keys for a deeper head) and read back by the
+    # engine's loader, it still drafts as the 1-layer head.
+    from compiled_spec.train.checkpoint import save_head
+    from compiled_spec.train.vocab import vocab_maps
+
+    save_head(grown, vocab_maps(torch.arange(48), 48)[1], tmp_path / "h2")
+    reloaded = load_draft(str(tmp_path / "h2"), target, torch.float32, "cpu")
+    assert len(reloaded.layers) == 2
     with torch.no_grad():
-        for a, b in zip(one.forward_dense(ids, hidden, pos), grown.forward_dense(ids, hidden, pos)):
+        for a, b, c in zip(one.forward_dense(ids, hidden, pos), grown.forward_dense(ids, hidden, pos),
+                           reloaded.forward_dense(ids, hidden, pos)):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
