@@ -231,7 +231,7 @@ def test_a_deeper_head_grows_from_a_shallower_one_drafting_the_same(tmp_path):
     reloaded = load_draft(str(tmp_path / "h2"), target, torch.float32, "cpu")
     assert len(reloaded.layers) == 2
     with torch.no_grad():
-        for a, b, c in zip(one.forward_dense(ids, hidden, pos), grown.forward_dense(ids, hidden, pos),
-                           reloaded.forward_dense(ids, hidden, pos)):
+        outs = (m.forward_dense(ids, hidden, pos) for m in (one, grown, reloaded))
+        for a, b, c in zip(*outs):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
