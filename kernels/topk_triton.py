@@ -18,7 +18,7 @@ _BIG = tl.constexpr(2**31 - 1)  # the index of "no element": loses every tie
 
 
 @triton.jit
-def _chunk_topk(x_ptr, val_ptr, idx_ptr, n, stride_x, out_stride, chunks,
+def _chunk_topk(x_ptr, val_ptr, idx_ptr, n, stride_x, out_stride,
                 K: tl.constexpr, BLOCK: tl.constexpr, HAS_IDX: tl.constexpr, idx_in_ptr):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -52,14 +52,14 @@ def row_topk_triton(x: torch.Tensor,  # [R, N] float, N >= k
     block = min(block, triton.next_power_of_2(n))
     chunks = triton.cdiv(n, block)
     if chunks == 1:  # one chunk per row: its winners are the answer
-        _chunk_topk[(r, 1)](x, vals, idx, n, x.stride(0), k, 1, K=k, BLOCK=block,
+        _chunk_topk[(r, 1)](x, vals, idx, n, x.stride(0), k, K=k, BLOCK=block,
                             HAS_IDX=False, idx_in_ptr=x)
         return vals, idx
     v1 = torch.empty(r, chunks * k, dtype=torch.float32, device=x.device)
     i1 = torch.empty(r, chunks * k, dtype=torch.int64, device=x.device)
-    _chunk_topk[(r, chunks)](x, v1, i1, n, x.stride(0), chunks * k, chunks, K=k, BLOCK=block,
+    _chunk_topk[(r, chunks)](x, v1, i1, n, x.stride(0), chunks * k, K=k, BLOCK=block,
                              HAS_IDX=False, idx_in_ptr=x)
     m = chunks * k
-    _chunk_topk[(r, 1)](v1, vals, idx, m, m, k, 1, K=k, BLOCK=triton.next_power_of_2(m),
+    _chunk_topk[(r, 1)](v1, vals, idx, m, m, k, K=k, BLOCK=triton.next_power_of_2(m),
                         HAS_IDX=True, idx_in_ptr=i1)
     return vals, idx

@@ -117,9 +117,9 @@ class TreeProposer:
 
         Three callables do the work (``head_fn``, ``expand_step_fn``, ``finish_fn``), each one
         graph under compile=True: the top-k / score / gather glue fuses into a few kernels
-        beside the draft layer instead of ~50 eager ATen kernels per expansion, and a CUDA
-        graph's launch costs host time per kernel node (~1.3 us on the H200: the expand graph's
-        341 kernels cost 0.52 ms to launch, results/2026-12-01_h200_session6/)."""
+        beside the draft layer instead of ~50 eager ATen kernels per expansion, and every
+        kernel of a CUDA graph costs the GPU ~1 us at the least (H200,
+        results/2026-12-01_h200_session7/graph_launch.log)."""
         cfg, dev = self.cfg, self.device
         K, F = cfg.topk, cfg.num_forwarded
         feed0 = live.extras["feed"]  # [B, h]

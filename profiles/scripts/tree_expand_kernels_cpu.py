@@ -1,9 +1,10 @@
 """Kernels one draft-tree propose's expansion (``TreeProposer.expand``) runs, eager vs compiled,
 on the CPU.
 
-On a GPU the whole expansion replays as one CUDA graph (``tree_draft_expand``), and a graph
-launch costs host time per kernel node: on the H200 the expand graph's 341 kernels took
-0.52 ms to launch and ~0.76 ms of GPU time in tiny kernels (results/2026-12-01_h200_session6/).
+On a GPU the whole expansion replays as one CUDA graph (``tree_draft_expand``), and each of its
+kernels costs the GPU ~1 us at the least: on the H200 the expand graph's 341 kernels took
+~0.76 ms of GPU time in tiny kernels (results/2026-12-01_h200_session6/; its ~0.5 ms of launch
+in that trace was the profiler's own cost, results/2026-12-01_h200_session7/).
 Under compile=True the expansion's parts (layer 1's top-k, each expansion with its glue, the
 node selection) are compiled whole, so Inductor fuses the glue. This counts, for one expand
 call on the tests' tiny bigram target with a random EAGLE-3 head: eager, every top-level aten
