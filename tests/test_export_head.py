@@ -1,5 +1,6 @@
 """export-head: reads sharded heads (the shipped one too) and replaces an earlier export whole
 (a stale index would make the loader serve the old shards)."""
+import hashlib
 import json
 from pathlib import Path
 
@@ -9,7 +10,7 @@ from safetensors.torch import load_file
 
 from compiled_spec.draft import load_draft
 from compiled_spec.draft.testing import write_eagle3_head
-from compiled_spec.heads import resolve_draft
+from compiled_spec.heads import SHIPPED, SHIPPED_WEIGHTS, resolve_draft
 from compiled_spec.models import load_model
 from compiled_spec.models.config import ModelConfig
 from compiled_spec.train.checkpoint import export_head, head_files
@@ -72,3 +73,14 @@ def test_sharded_heads_export_the_shipped_one_too(pair, tmp_path):
     assert want.keys() == got.keys()
     for k, v in want.items():
         assert torch.equal(got[k], v.float() if v.is_floating_point() else v), k
+
+
+def test_shipped_weights_are_the_ones_their_results_measured():
+    """The recorded sha256 of each shipped head is the committed file's, and the result folder
+    quoted for it exists: new weights cannot ship without naming what measured them."""
+    root = Path(__file__).resolve().parents[1]
+    assert SHIPPED_WEIGHTS.keys() == SHIPPED.keys()
+    for name, (sha, results) in SHIPPED_WEIGHTS.items():
+        weights = Path(resolve_draft(name)) / "model.safetensors"
+        assert hashlib.sha256(weights.read_bytes()).hexdigest() == sha, name
+        assert (root / results / "README.md").is_file(), results

@@ -5,16 +5,23 @@
 Alpaca and CodeAlpaca prompts; bf16, one layer, 32768-token draft vocabulary whose readout is
 the target's own lm_head rows (``lm_head_from_target``: rebuilt at load from ``d2t``, not stored).
 How it was trained and what it accepts: profiles/results/2026-12-01_h200_packed-ttt/ (first
-training), profiles/results/2026-12-01_h200_continued-head/ and
-profiles/results/2026-12-01_h200_session4/ (continued on fresh data),
-profiles/results/2026-12-01_h200_session5/ (the current weights) and
-profiles/results/HISTORY.md.
+training), then continued on fresh data in the third to sixth sessions (``SHIPPED_WEIGHTS``
+names the result folder of the current weights; profiles/results/HISTORY.md has the rest).
 """
 from __future__ import annotations
 
 from pathlib import Path
 
 SHIPPED: dict[str, str] = {"smollm2-eagle3": "smollm2-135m-instruct-eagle3"}
+
+# Each shipped head's weights file: its sha256 and the result folder that measured exactly those
+# weights. Shipping new weights means changing both here (a test checks the hash), so the
+# figures the docs quote cannot silently belong to weights that were never committed (the
+# seventh session's head was reported shipped but not committed; eighth session's correction).
+SHIPPED_WEIGHTS: dict[str, tuple[str, str]] = {
+    "smollm2-eagle3": ("78fb2b7e6601f5999b6fa54645388f6dfc5600a1eb5d0ac79d09f6f2b1c5fd9d",
+                       "profiles/results/2026-12-01_h200_session6/"),
+}
 
 
 def resolve_draft(draft: str | None) -> str | None:
