@@ -43,6 +43,13 @@ def test_bench_cpu_smoke(tiny_hf_dir, mt_bench_path, tmp_path):
             assert r["identical"] == 1.0, (engine, r["identical"])
         if engine.startswith("ours"):  # per engine step: its time, and the host's GPU wait in it
             assert 0 < r["extra"]["host_wait_ms"] < r["extra"]["step_ms"], (engine, r["extra"])
+        if "compiled" in engine and engine.startswith("ours") and batch == 1:
+            # Start-up split and the compile cache's hits / misses, on the first batch's row.
+            split, cache = r["extra"]["startup_split_s"], r["extra"]["compile_cache"]
+            assert {"load", "compile", "capture"} <= split.keys(), split
+            assert cache["fxgraph_hit"] + cache["fxgraph_miss"] > 0, cache
+        elif engine.startswith("ours"):
+            assert "compile_cache" not in r["extra"], (engine, batch)
         assert engine in md
     assert [p["tau"] for p in data["projection"]] == [2.0, 3.0, 4.0]
     assert data["max_tokens"] == 8 and data["num_prompts"] == 2

@@ -136,6 +136,12 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
             # prefill of a new shape class recompiles; those seconds land in tokens/s).
             row.extra["compiled_graphs"] = {n: c["graphs"] for n, c in llm.compile_stats.items()
                                             if isinstance(c, dict) and "graphs" in c}
+            # Where start-up went, and whether the persistent cache served it: on the H200 one
+            # target graph took 35-52 s to capture on a machine whose cache should have held it
+            # (results/2026-12-01_h200_session8/), so the row says hits and misses itself.
+            if b == batch_sizes[0]:
+                row.extra["startup_split_s"] = {k: round(s, 2) for k, s in llm.startup_s.items()}
+                row.extra["compile_cache"] = llm.compile_cache
         rows.append(row)
     return rows, batch1_out
 
@@ -176,6 +182,9 @@ def bench_ours(variants: list[Variant], kw: dict[str, Any], prompts: list[list[i
             f"batch {x.batch} {x.tokens_per_s:.1f} tok/s (step {x.extra.get('step_ms')} ms, "
             f"of which waiting for the GPU {x.extra.get('host_wait_ms')} ms)" for x in r),
             flush=True)
+        if r and "startup_split_s" in r[0].extra:
+            print(f"{v.name}: start-up {r[0].extra['startup_split_s']} s, compile cache "
+                  f"{r[0].extra['compile_cache']}", flush=True)
         del llm
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
