@@ -65,3 +65,10 @@ def test_shipped_head_tree_is_lossless(setup, smollm2_gguf_path):
     assert [o.token_ids for o in llm.generate(prompts, SP)] == vanilla
     print(f"shipped head, tree topk 4 steps 3 budget 10: tau "
           f"{llm.stats.spec.mean_acceptance_length:.3f}")
+    # Requests ending at different steps: the accepted nodes' KV moves are made after the next
+    # proposal, for the requests that go on only (a finished one's blocks are free by then).
+    lens = [13, 48, 29]
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
+                                  for m in lens])
+    assert [o.token_ids for o in outs] == [v[:m] for v, m in zip(vanilla, lens)]
+    assert llm.engine.allocator.num_free == llm.engine.allocator.num_blocks

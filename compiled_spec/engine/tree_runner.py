@@ -46,10 +46,25 @@ class TreeModelRunner(ModelRunner):
         self._tree: DraftTree | None = None
         self._tree_row: dict[int, int] = {}
         self._compact = KVCompactor()  # one launch for every layer on a GPU
+        # The last verify's KV moves (req_id -> (src slots, dst slots)), made after the next
+        # proposal is launched: they only have to land before the next target forward, and
+        # between the step's host copy and that launch the GPU has nothing queued.
+        self._moves: dict[int, tuple[list[int], list[int]]] = {}
 
     def reset(self) -> None:
         super().reset()
         self._tree, self._tree_row = None, {}
+        self._moves = {}  # the step's requests are recomputed: nothing of it is kept
+
+    def _apply_moves(self, req_ids: set[int] | None = None) -> None:
+        """Move the accepted nodes' target KV into place, for ``req_ids`` (None: all). A request
+        that finished in the step is left out: its blocks are already free, and the proposal
+        may have grown another request into them."""
+        moves, self._moves = self._moves, {}
+        src = [s for rid, (ss, _) in moves.items() if req_ids is None or rid in req_ids for s in ss]
+        dst = [d for rid, (_, ds) in moves.items() if req_ids is None or rid in req_ids for d in ds]
+        self._compact([(layer.self_attn.k_cache, layer.self_attn.v_cache)
+                       for layer in self.model.model.layers], src, dst)
 
     def _takes_tree(self, req: Request) -> bool:
         """Room for at least one draft, and the tree's slots inside max_model_len. Slots may
@@ -70,6 +85,8 @@ class TreeModelRunner(ModelRunner):
 
     @torch.inference_mode()
     def execute(self, reqs: list[Request], num_new: list[int]) -> StepOutput:
+        if self._moves:  # no proposal ran since the last verify: move before any forward
+            self._apply_moves({r.req_id for r in reqs})
         if any(n != 1 for n in num_new) or not any(self.num_drafts_for(r) for r in reqs):
             self._tree_row = {}
             return super().execute(reqs, num_new)  # no drafts in this step: the chain path
@@ -177,17 +194,17 @@ class TreeModelRunner(ModelRunner):
             cap = np.array([reqs[i].max_total_tokens - reqs[i].num_tokens - 1 for i in t_idx])
             path, n_acc, bonus = accept_paths(h_tok, h_par, h_drawn, h_depth, d, cap)
             # Each accepted node's KV moves from its tree slot (position root + node) to the
-            # position of its depth; a node already there stays.
-            src, dst_slots = [], []
+            # position of its depth; a node already there stays. Made in ``propose``.
             for row, i in enumerate(t_idx):
                 rid, root = reqs[i].req_id, starts[i]
+                src, dst_slots = [], []
                 for j in range(int(n_acc[row])):
                     node = int(path[row, j])
                     if node != j + 1:
                         src.append(alloc.slot(rid, root + node))
                         dst_slots.append(alloc.slot(rid, root + j + 1))
-            self._compact([(layer.self_attn.k_cache, layer.self_attn.v_cache)
-                           for layer in self.model.model.layers], src, dst_slots)
+                if src:
+                    self._moves[rid] = (src, dst_slots)
         plain = iter(host[4 * n_t * n_nodes:].tolist())
         new_tokens, num_draft, spans, rows_by_req = [], [], [], {}
         row = 0
@@ -216,6 +233,10 @@ class TreeModelRunner(ModelRunner):
     def propose(self, reqs: list[Request], accepted: dict[int, int], draft: bool = True) -> None:
         self._tree_row = {}
         super().propose([r for r in reqs if self._takes_tree(r)], accepted, draft)
+        # After the draft's launches: the target's KV is not read until the next verify (the
+        # draft has KV of its own), so the move is off the GPU's idle path.
+        if self._moves:
+            self._apply_moves({r.req_id for r in reqs})
 
     def _propose(self, chosen: list[Request], batch: ProposeBatch, pend: _Pending) -> None:
         self._tree, _ = self.proposer.propose(batch, pend.hidden)

@@ -121,25 +121,28 @@ def accept_paths(tokens: np.ndarray,  # [B, N] node tokens (root's unused)
     (so, along the whole way up). Siblings hold distinct tokens (top-k children), so the
     accepted nodes form one path, one per depth."""
     b, n = tokens.shape
+    # Fancy indexing, not np.take_along_axis: the same gather at half the host time (its index
+    # building dominates at these sizes, 25 -> 13 us per 32-node tree on the CPU).
+    rows = np.arange(b)[:, None]  # [B, 1]
     up = np.maximum(parents, 0)  # the root is its own parent here (and always accepted)
-    ok = tokens == np.take_along_axis(drawn, up, 1)  # [B, N]
+    ok = tokens == drawn[rows, up]  # [B, N]
     if max_accept is not None:
         ok &= depth <= max_accept[:, None]
     ok[:, 0] = True
     # Accepted = ok along the whole way up: one pass per level (max_depth), not per node (~N),
-    # so the walk costs ~25 us of host time for a 32-node tree instead of ~65 (a tree step's
+    # so the walk costs ~13 us of host time for a 32-node tree instead of ~65 (a tree step's
     # acceptance runs on the host between the verify and the next proposal).
     accepted = ok
     for _ in range(max_depth - 1):
-        accepted = ok & np.take_along_axis(accepted, up, 1)
+        accepted = ok & accepted[rows, up]
     accepted[:, 0] = False
     n_acc = accepted.sum(axis=1)
     path = np.full((b, max_depth + 1), -1, dtype=np.int64)
     path[:, 0] = 0  # column d holds the accepted node of depth d; column 0 the root
     r, c = np.nonzero(accepted)
     path[r, depth[r, c]] = c
-    last = path[np.arange(b), n_acc]  # the deepest accepted node (the root if none)
-    bonus = drawn[np.arange(b), last]
+    last = path[rows[:, 0], n_acc]  # the deepest accepted node (the root if none)
+    bonus = drawn[rows[:, 0], last]
     return path[:, 1:], n_acc, bonus
 
 

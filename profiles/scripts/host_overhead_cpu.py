@@ -39,12 +39,23 @@ from compiled_spec.compile import CompileConfig, capture_graphs, compile_models 
 
 _IN_REPLAY = [0]
 _REPLAY_S = [0.0]
+# The critical path: from the end of the step's device-to-host copy to the next replay. On a
+# GPU nothing is queued then (the copy waited for all work), so every microsecond of it is the
+# GPU's idle time; host work after that replay overlaps the GPU's.
+_SYNC_END: list[float | None] = [None]
+_CRIT_S = [0.0]
+_CRIT_PROF: list[cProfile.Profile | None] = [None]  # --cprofile-critical: that path alone
 _orig_replay = EmulatedGraph.replay
 
 
 def _timed_replay(self: EmulatedGraph) -> None:
     _IN_REPLAY[0] += 1
     t0 = time.perf_counter()
+    if _SYNC_END[0] is not None:
+        _CRIT_S[0] += t0 - _SYNC_END[0]
+        _SYNC_END[0] = None
+        if _CRIT_PROF[0] is not None:
+            _CRIT_PROF[0].disable()
     try:
         with _disable_current_modes():  # a replay is one launch, and Dynamo refuses the mode
             _orig_replay(self)
@@ -121,14 +132,25 @@ def measure(name: str, llm: LLM, k: int, batch: int, tokens: int, ops: bool,
     llm.generate(prompts, sp, use_tqdm=False)  # warm: Dynamo guards, allocator, graphs
 
     eng = llm.engine
+    to_host = eng.runner.to_host
+
+    def timed_to_host(*args, **kwargs):
+        out = to_host(*args, **kwargs)
+        _SYNC_END[0] = time.perf_counter()
+        if _CRIT_PROF[0] is not None:
+            _CRIT_PROF[0].enable()
+        return out
+
+    eng.runner.to_host = timed_to_host
     for p in prompts:
         eng.add_request(p, sp)
     eng.step()  # prefill (not a decode step)
-    host_ms, replay_ms, counter = [], [], OpCounter(by_frame)
+    _SYNC_END[0] = None
+    host_ms, replay_ms, crit_ms, counter = [], [], [], OpCounter(by_frame)
     tokens_before = eng.stats.num_decode_tokens
     steps = 0
     while eng.has_unfinished():
-        _REPLAY_S[0] = 0.0
+        _REPLAY_S[0] = _CRIT_S[0] = 0.0  # a copy's path to the next launch may span steps
         t0 = time.perf_counter()
         if prof is not None:
             prof.enable()
@@ -142,12 +164,14 @@ def measure(name: str, llm: LLM, k: int, batch: int, tokens: int, ops: bool,
         wall = time.perf_counter() - t0
         host_ms.append((wall - _REPLAY_S[0]) * 1e3)
         replay_ms.append(_REPLAY_S[0] * 1e3)
+        crit_ms.append(_CRIT_S[0] * 1e3)
         steps += 1
     emitted = eng.stats.num_decode_tokens - tokens_before
     row = {"variant": name, "batch": batch, "k": k, "steps": steps, "tokens": emitted,
            "host_ms_per_step_median": statistics.median(host_ms),
            "host_ms_per_step_p90": sorted(host_ms)[int(0.9 * (len(host_ms) - 1))],
-           "replay_ms_per_step_median": statistics.median(replay_ms)}
+           "replay_ms_per_step_median": statistics.median(replay_ms),
+           "sync_to_launch_ms_median": statistics.median(crit_ms)}
     st = graphs.stats()
     row["replays_per_step"] = round(st["replayed"] / max(1, steps), 2)
     row["without_graph"] = st["without_graph"]
@@ -168,6 +192,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--ops", action="store_true", help="count aten ops (slows the host timing)")
     ap.add_argument("--cprofile", action="store_true", help="print the top host functions")
+    ap.add_argument("--cprofile-critical", action="store_true",
+                    help="the same for the path from the step's copy to the next replay only")
     ap.add_argument("--by-frame", action="store_true",
                     help="with --ops: launching ops (no views) per project function")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 64])
@@ -192,7 +218,12 @@ def main() -> None:
             llm = LLM(model=target, tokenizer=tok, max_model_len=256, max_num_seqs=batch,
                       num_kv_blocks=20 * batch + 8, dtype="float32", **spec)
             prof = cProfile.Profile() if a.cprofile else None
+            _CRIT_PROF[0] = cProfile.Profile() if a.cprofile_critical else None
             row = measure(name, llm, k, batch, a.tokens, a.ops, prof, a.by_frame)
+            if _CRIT_PROF[0] is not None:
+                _CRIT_PROF[0].disable()
+                print(f"== {name}: from the step's copy to the next replay")
+                pstats.Stats(_CRIT_PROF[0]).sort_stats("cumulative").print_stats(30)
             rows.append(row)
             print(json.dumps(row), flush=True)
             if prof is not None:
