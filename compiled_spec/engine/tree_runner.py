@@ -56,13 +56,14 @@ class TreeModelRunner(ModelRunner):
         self._tree, self._tree_row = None, {}
         self._moves = {}  # the step's requests are recomputed: nothing of it is kept
 
-    def _apply_moves(self, req_ids: set[int] | None = None) -> None:
-        """Move the accepted nodes' target KV into place, for ``req_ids`` (None: all). A request
-        that finished in the step is left out: its blocks are already free, and the proposal
-        may have grown another request into them."""
+    def _apply_moves(self) -> None:
+        """Move the accepted nodes' target KV into place, for the requests that still hold
+        their blocks. One that finished (or was preempted) since is left out: its blocks are
+        free, and the proposal may have grown another request into them."""
         moves, self._moves = self._moves, {}
-        src = [s for rid, (ss, _) in moves.items() if req_ids is None or rid in req_ids for s in ss]
-        dst = [d for rid, (_, ds) in moves.items() if req_ids is None or rid in req_ids for d in ds]
+        live = [mv for rid, mv in moves.items() if rid in self.allocator.tables]
+        src = [s for ss, _ in live for s in ss]
+        dst = [d for _, ds in live for d in ds]
         self._compact([(layer.self_attn.k_cache, layer.self_attn.v_cache)
                        for layer in self.model.model.layers], src, dst)
 
@@ -86,7 +87,7 @@ class TreeModelRunner(ModelRunner):
     @torch.inference_mode()
     def execute(self, reqs: list[Request], num_new: list[int]) -> StepOutput:
         if self._moves:  # no proposal ran since the last verify: move before any forward
-            self._apply_moves({r.req_id for r in reqs})
+            self._apply_moves()
         if any(n != 1 for n in num_new) or not any(self.num_drafts_for(r) for r in reqs):
             self._tree_row = {}
             return super().execute(reqs, num_new)  # no drafts in this step: the chain path
@@ -236,7 +237,7 @@ class TreeModelRunner(ModelRunner):
         # After the draft's launches: the target's KV is not read until the next verify (the
         # draft has KV of its own), so the move is off the GPU's idle path.
         if self._moves:
-            self._apply_moves({r.req_id for r in reqs})
+            self._apply_moves()
 
     def _propose(self, chosen: list[Request], batch: ProposeBatch, pend: _Pending) -> None:
         self._tree, _ = self.proposer.propose(batch, pend.hidden)
