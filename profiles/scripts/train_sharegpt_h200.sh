@@ -27,6 +27,15 @@
 # back unchanged with round 1's in one data.jsonl (val.jsonl reused); a later call of round 1
 # takes the same arguments with the data returned as .device/gen (jobs done are known by id).
 # .device/gen rides beside q2 (32 MB) in the 64 MiB a call carries.
+# A new session starts from a fresh checkout: .device/ (and so .device/gen) is gone and only the
+# shipped weights carry what earlier data taught. Each session generates a new round
+# (`data --gen-round N --temperatures 0.4 0.8`, N = 2 in the eighth session, so 3 next) and
+# continues the shipped head on it in `train --init-from smollm2-eagle3` (eighth session:
+# 150 s on 8,093 sequences tied the shipped head; give the data phase GEN_LIMIT=420 LIMIT=510
+# and train TRAIN_LIMIT=360 or more).
+# Cold start on a fresh machine: capturing one SmolLM2 target graph took 35-52 s, so one
+# engine with graphs costs ~110-160 s before its first token; `trees` with BATCHES="1 4" did
+# not fit LIMIT=480 (eighth session): run batch 4 in a call of its own.
 #   bash profiles/scripts/train_sharegpt_h200.sh bench    # compiled EAGLE-3 (new head) vs vanilla, batch 1
 #                         (BATCHES="1 4 16 64"; extra arguments go to the bench, e.g. --adaptive:
 #                         issue 16's never-slower policy beside the always-drafting chain)
