@@ -20,7 +20,10 @@ from safetensors.torch import save_file
 
 
 def write_bigram_target(d: Path, vocab: int = 32, hidden: int = 32, layers: int = 2,
-                        logit_scale: float = 1.0, seed: int = 0) -> str:
+                        logit_scale: float = 1.0, seed: int = 0, attention: bool = False) -> str:
+    """A tiny Llama whose next token depends only on the current one (attention output zeroed,
+    so a head learns it in seconds). ``attention=True`` keeps o_proj random: the output then
+    depends on the whole KV, which a test of anything that writes or moves KV needs."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -33,7 +36,8 @@ def write_bigram_target(d: Path, vocab: int = 32, hidden: int = 32, layers: int 
         for p in m.parameters():
             p.normal_(0.0, 0.3)
         for layer in m.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
+            if not attention:
+                layer.self_attn.o_proj.weight.zero_()
             layer.input_layernorm.weight.fill_(1.0)
             layer.post_attention_layernorm.weight.uniform_(0.5, 1.5)
         m.model.norm.weight.fill_(1.0)
