@@ -59,8 +59,8 @@ def test_branching_tree_matches_dense_reference():
 
 
 # --- selection, masks, acceptance, compaction --------------------------------------------------
-from compiled_spec.spec.tree import (TreeConfig, accept_paths, ancestor_mask,  # noqa: E402
-                                     compact_kv, select_nodes)
+from compiled_spec.spec.tree import (  # noqa: E402
+    TreeConfig, accept_paths, accept_walk, ancestor_mask, compact_kv, select_nodes)
 
 
 def test_tree_config_validation():
@@ -213,7 +213,10 @@ def test_accept_paths_equals_the_walk_on_random_trees(seed):
     cap = torch.randint(0, steps + 1, (b,), generator=g)
     for c in (None, cap):
         ref = _walk_accept(tokens, parents, top, steps, c)
-        assert _accept(tokens, parents, top, depth, steps, c) == ref
+        assert _accept(tokens, parents, top, depth, steps, c) == ref  # numpy (b > 2)
+        walked = accept_walk(tokens.numpy(), parents.numpy(), top.numpy(), steps,
+                             None if c is None else c.numpy())
+        assert tuple(x.tolist() for x in walked) == ref  # the small-batch walk
         if c is None:
             assert max(ref[1]) >= 3  # the trees were deep enough to test paths
 

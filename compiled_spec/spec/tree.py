@@ -119,8 +119,13 @@ def accept_paths(tokens: np.ndarray,  # [B, N] node tokens (root's unused)
     [B, N] ints, where the same walk on the device cost ~20 kernel launches per tree level. A
     node is accepted when its token is the one drawn at its parent and its parent is accepted
     (so, along the whole way up). Siblings hold distinct tokens (top-k children), so the
-    accepted nodes form one path, one per depth."""
+    accepted nodes form one path, one per depth.
+
+    Up to ``WALK_MAX_BATCH`` trees take ``accept_walk`` instead (same result): a few dict
+    lookups per tree cost less host time than ~25 numpy calls of fixed overhead each."""
     b, n = tokens.shape
+    if b <= WALK_MAX_BATCH:
+        return accept_walk(tokens, parents, drawn, max_depth, max_accept)
     # Fancy indexing, not np.take_along_axis: the same gather at half the host time (its index
     # building dominates at these sizes, 25 -> 13 us per 32-node tree on the CPU).
     rows = np.arange(b)[:, None]  # [B, 1]
@@ -144,6 +149,33 @@ def accept_paths(tokens: np.ndarray,  # [B, N] node tokens (root's unused)
     last = path[rows[:, 0], n_acc]  # the deepest accepted node (the root if none)
     bonus = drawn[rows[:, 0], last]
     return path[:, 1:], n_acc, bonus
+
+
+WALK_MAX_BATCH = 2  # up to here the walk is faster (CPU: 7.7 vs 15.9 us at 1 tree, 22.7 vs 18.1 at 4)
+
+
+def accept_walk(tokens: np.ndarray, parents: np.ndarray, drawn: np.ndarray,  # [B, N] each
+                max_depth: int, max_accept: np.ndarray | None = None,  # [B]
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``accept_paths`` by walking each tree from its root: the child keyed by (parent, token)
+    holding the token drawn at the current node, until none does or the budget is reached.
+    For the small batches of latency-bound serving, where a tree step's acceptance sits
+    between the host copy and the next launch, with the GPU idle."""
+    b = tokens.shape[0]
+    path = np.full((b, max_depth), -1, dtype=np.int64)
+    n_acc = np.zeros(b, dtype=np.int64)
+    bonus = np.zeros(b, dtype=drawn.dtype)
+    caps = [max_depth] * b if max_accept is None else np.minimum(max_accept, max_depth).tolist()
+    for r, (tok, par, drw) in enumerate(zip(tokens.tolist(), parents.tolist(), drawn.tolist())):
+        child = {(p, t): j for j, (p, t) in enumerate(zip(par, tok)) if j}
+        node, k = 0, 0
+        while k < caps[r]:
+            nxt = child.get((node, drw[node]))
+            if nxt is None:
+                break
+            path[r, k], node, k = nxt, nxt, k + 1
+        n_acc[r], bonus[r] = k, drw[node]
+    return path, n_acc, bonus
 
 
 def compact_kv(caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer [blocks, page, H, D]

@@ -223,7 +223,8 @@ def main() -> None:
             if _CRIT_PROF[0] is not None:
                 _CRIT_PROF[0].disable()
                 print(f"== {name}: from the step's copy to the next replay")
-                pstats.Stats(_CRIT_PROF[0]).sort_stats("cumulative").print_stats(30)
+                order = os.environ.get("CRIT_SORT", "cumulative")  # or tottime
+                pstats.Stats(_CRIT_PROF[0]).sort_stats(order).print_stats(30)
             rows.append(row)
             print(json.dumps(row), flush=True)
             if prof is not None:
