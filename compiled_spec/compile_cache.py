@@ -58,7 +58,7 @@ def activate(cache_dir: str | None) -> str | None:
     later (a new shape mid-serving) must land in the same cache."""
     if cache_dir == "":
         return os.environ.get(ENV)
-    if cache_dir is None and os.environ.get(ENV):
+    if cache_dir is None and _user_exported():
         return os.environ[ENV]
     base = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     path = base / f"code-{code_hash()}"
@@ -68,6 +68,22 @@ def activate(cache_dir: str | None) -> str | None:
         raise ValueError(f"compile cache directory {str(path)!r} cannot be created: {e}") from None
     os.environ[ENV] = str(path)
     return str(path)
+
+
+def _user_exported() -> bool:
+    """Whether ``TORCHINDUCTOR_CACHE_DIR`` holds a directory a user chose. Importing
+    torch._dynamo writes Inductor's own default there (torch 2.11-2.13: its package cache and the
+    compiler bisector resolve the cache directory at import), so a value equal to that default
+    is torch's, not the user's: taking it for a user's export left every artifact in the temp
+    directory instead of ours (found 2026-12-01, eighth session)."""
+    value = os.environ.get(ENV)
+    if not value:
+        return False
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir as torch_default
+    except ImportError:  # another torch layout: trust the variable
+        return True
+    return os.path.abspath(value) != os.path.abspath(torch_default())
 
 
 _KEYS = {"fxgraph_hit": ("inductor", "fxgraph_cache_hit"),

@@ -23,6 +23,11 @@ def test_cache_dir_choice(monkeypatch, tmp_path):
     code = f"code-{code_hash()}"  # one subdirectory per version of the traced code
     assert activate(None) == str(tmp_path / "ours" / code) == os.environ[ENV]
     assert (tmp_path / "ours" / code).is_dir()
+    # torch writes its own default there when torch._dynamo is imported: not a user's choice
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir as torch_default
+
+    monkeypatch.setenv(ENV, torch_default())
+    assert activate(None) == str(tmp_path / "ours" / code) == os.environ[ENV]
     monkeypatch.setenv(ENV, str(tmp_path / "user"))  # the user's export wins over our default
     assert activate(None) == str(tmp_path / "user")
     explicit = str(tmp_path / "explicit" / code)
@@ -34,6 +39,23 @@ def test_cache_dir_choice(monkeypatch, tmp_path):
         activate(str(tmp_path / "file" / "sub"))
     with pytest.raises(ValueError, match="cache_dir=3"):
         CompileConfig(cache_dir=3)  # type: ignore[arg-type]
+
+
+def test_default_dir_is_ours_after_torch_set_its_own(tmp_path):
+    """In a fresh process nobody exported TORCHINDUCTOR_CACHE_DIR, but importing the engine
+    (torch._dynamo) makes torch write its temp-dir default there: ours must still be used."""
+    env = {k: v for k, v in os.environ.items() if k != ENV}
+    env.update(PYTHONPATH=str(ROOT), COMPILED_SPEC_CACHE_DIR=str(tmp_path / "ours"))
+    code = ("import os, torch._dynamo, compiled_spec.llm\n"
+            "from compiled_spec.compile_cache import ENV, activate\n"
+            "torched = os.environ.get(ENV)\n"
+            "print(torched, activate(None), os.environ[ENV])")
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    torched, chosen, now = p.stdout.split()
+    assert torched != "None"  # torch did set it (else this test checks nothing)
+    assert chosen == now == str(tmp_path / "ours" / f"code-{code_hash()}")
 
 
 def test_code_hash_changes_with_any_traced_source(tmp_path):
