@@ -146,14 +146,13 @@ def test_tree_moves_kv_where_attention_reads_it(tmp_path, smollm2_gguf_path):
     llm = LLM(**kw, draft=head, num_speculative_tokens=3, speculative_topk=8,
               speculative_num_draft_tokens=24)
     moved = []
-    orig = llm.engine.runner._compact.__call__
+    compact = llm.engine.runner._compact
 
-    class Spy:
-        def __call__(self, caches, src, dst):
-            moved.append(len(src))
-            return orig(caches, src, dst)
+    def spy(caches, src, dst):
+        moved.append(len(src))
+        return compact(caches, src, dst)
 
-    llm.engine.runner._compact = Spy()
+    llm.engine.runner._compact = spy
     assert [o.token_ids for o in llm.generate(PROMPTS, params)] == ref
     assert sum(moved) > 10, moved  # the test exercised the moves
     assert llm.engine.allocator.num_free == llm.engine.allocator.num_blocks

@@ -9,7 +9,7 @@ each is a kernel launch or a copy, each costing host time), and the step's wall 
 time spent inside replays is its host time.
 
 python profiles/scripts/host_overhead_cpu.py [--fixtures .device/tc] [--tokenizer GGUF] [--tokens 96]
-                                     [--ops [--by-frame]] [--cprofile]
+    [--ops [--by-frame]] [--cprofile] [--cprofile-critical]
 
 Fixtures: the tiny bigram target + EAGLE-3 head of tests/conftest.py (built on first use, as in
 profiles/scripts/tree_graphs_check.py). Model size does not matter here: replays are excluded.
