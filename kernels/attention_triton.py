@@ -5,10 +5,8 @@ block of its query tokens and one KV head, and processes every query head of tha
 group at once: the rows of its score tile are (token, head-in-group) pairs, so each K/V tile is
 loaded once per group instead of once per query head and repeated K/V are never materialised.
 When the batch has too few programs to fill the GPU (small-batch decode / verification), the KV
-range is additionally split across programs (flash-decoding) and the partial results are merged
-either by the split that finishes last, inside this kernel, or by a second small kernel
-(``FUSED_SPLIT_MERGE``; see ``kernels.attention_merge_triton``). Every loop bound comes from
-device tensors or host ints: no host syncs.
+range is additionally split across programs and the partial results are merged by a second small
+kernel (flash-decoding). Every loop bound comes from device tensors or host ints: no host syncs.
 """
 from __future__ import annotations
 
@@ -19,27 +17,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_merge_triton import (_merge_splits_kernel, merge_chunk,
-                                            merge_split_partials, split_counters)
 from kernels.launch import BLOCK_N, attention_launch
 from kernels.write_kv_triton import write_kv_triton  # noqa: F401  (re-exported)
 
 
-# Which merge a split launch uses (the default of ``fused_merge``): True, the last split to finish
-# merges inside the attention kernel (one launch per layer); False, the original second launch,
-# ``_merge_splits_kernel``. COMPILED_SPEC_ATTN_MERGE=kernel selects the latter for a whole process
-# (A/B runs of the engine on a GPU). Fused by default: the merge launch is ~1.9 us of a ~1 ms
-# verify forward per layer (H200 trace, issue 16) and the fused tail does the same loads from L2
-# without a launch; bench_attention --merge times both. Fused mode also leaves a one-split
-# launch's output uninitialised (the kernel zeroes the padding rows itself): no torch.zeros fill.
-FUSED_SPLIT_MERGE: bool = os.environ.get("COMPILED_SPEC_ATTN_MERGE", "fused") != "kernel"
-
-
 # Per-call integers kept off the specialisation key (kernels.launch): a new value class would
 # otherwise compile a new binary mid-serving. All are scalar offsets (no vectorised access).
-@triton.jit(do_not_specialize=["stride_bt", "stride_ls", "kv_chunk", "num_tokens"])
+@triton.jit(do_not_specialize=["stride_bt", "stride_ls", "kv_chunk"])
 def _paged_attn_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, lse_ptr, counter_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     tree_start_ptr, tree_mask_ptr, stride_mt, num_tree,  # tree attention (TREE) only
     stride_qt, stride_qh,  # query may be a strided view (q and k roped as one tensor)
@@ -50,48 +36,30 @@ def _paged_attn_kernel(
     stride_ls, stride_lt,  # partial lse [splits, tokens, heads] (split path only)
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2 (exp2 is the fast path)
     head_dim, page_size, kv_chunk,
-    num_tokens,  # rows of q / out; those past the last sequence's are zeroed (FUSED_MERGE)
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DOT_FP32: tl.constexpr, TREE: tl.constexpr,
-    FUSED_MERGE: tl.constexpr, MERGE_CHUNK: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_block = tl.program_id(1) // NUM_SPLITS
     split = tl.program_id(1) % NUM_SPLITS
     kv_head = tl.program_id(2)
 
-    # Rows are (token, head-in-group) pairs; GROUP_PAD rounds the group to a power of two.
-    rows = tl.arange(0, BLOCK_Q * GROUP_PAD)  # [M]
-    head = kv_head * GROUP + rows % GROUP_PAD  # [M] query head
-    d = tl.arange(0, DIM_PAD)  # [D]
-    d_ok = d < head_dim
-    if FUSED_MERGE:
-        if (seq == 0) & (tl.program_id(1) == 0):
-            # Token rows no sequence owns (a captured batch's padding) get zeros, as from the
-            # reference; out is allocated uninitialised (no fill launch per layer) and nothing
-            # else writes them. One program per KV head, before any early return.
-            owned = tl.load(query_start_loc_ptr + tl.num_programs(0))
-            zeros = tl.zeros([BLOCK_Q * GROUP_PAD, DIM_PAD], tl.float32)
-            for t0 in range(owned, num_tokens, BLOCK_Q):
-                t = t0 + rows // GROUP_PAD  # [M]
-                z_ok = (t < num_tokens) & (rows % GROUP_PAD < GROUP)
-                z_off = t.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh
-                tl.store(out_ptr + z_off + d[None, :], zeros.to(out_ptr.dtype.element_ty),
-                         mask=z_ok[:, None] & d_ok[None, :])
-
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    # Covers q_len 0 (padding sequences) and short sequences. The condition is the same for all
-    # splits of a query block, so either all of them reach the arrival counter below or none.
-    if q_block * BLOCK_Q >= q_len:
+    if q_block * BLOCK_Q >= q_len:  # covers q_len 0 (padding sequences) and short sequences
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx_len = seq_len - q_len  # absolute position of this sequence's first query token
 
+    # Rows are (token, head-in-group) pairs; GROUP_PAD rounds the group to a power of two.
+    rows = tl.arange(0, BLOCK_Q * GROUP_PAD)  # [M]
     tok = q_block * BLOCK_Q + rows // GROUP_PAD  # [M] token index within the sequence
+    head = kv_head * GROUP + rows % GROUP_PAD  # [M] query head
     row_ok = (tok < q_len) & (rows % GROUP_PAD < GROUP)
     q_pos = ctx_len + tok  # [M] absolute position of each row's token
+    d = tl.arange(0, DIM_PAD)  # [D]
+    d_ok = d < head_dim
     t64 = (q_start + tok).to(tl.int64)
     q_off = t64[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [M, D]
@@ -151,37 +119,49 @@ def _paged_attn_kernel(
         m_i = m_new
 
     # Rows with no visible key (padding rows, or an empty split) keep l = 0: emit zeros.
-    # An empty split (lo >= hi: a context shorter than the split range) still gets here and
-    # writes lse -inf, so it counts as arrived below.
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
     store_mask = row_ok[:, None] & d_ok[None, :]
-    o_off = t64[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]  # [M, D]
     if NUM_SPLITS == 1:
+        o_off = t64[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=store_mask)
     else:
-        row_off = t64 * stride_pt + head * stride_ph  # [M]
-        lse_off = t64 * stride_lt + head  # [M]
-        tl.store(part_ptr + split * stride_ps + row_off[:, None] + d[None, :], out,
-                 mask=store_mask)
+        p_off = split * stride_ps + t64[:, None] * stride_pt + head[:, None] * stride_ph + d[None, :]
+        tl.store(out_ptr + p_off, out, mask=store_mask)
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))  # base-2 log-sum-exp
-        tl.store(lse_ptr + split * stride_ls + lse_off, lse, mask=row_ok)
-        if FUSED_MERGE:
-            # Release: every thread's partial stores come before the (one-thread) atomic; the
-            # acquire half orders the last program's loads of the other splits' partials after
-            # it (the same pattern as a CUDA split-K semaphore: barrier, then atomic).
-            tl.debug_barrier()
-            q_blocks = tl.num_programs(1) // NUM_SPLITS
-            cnt_ptr = counter_ptr + (seq * q_blocks + q_block) * tl.num_programs(2) + kv_head
-            arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
-            if arrived == NUM_SPLITS - 1:
-                # Everyone else has arrived and incremented: nothing else touches the counter in
-                # this launch, and the next launch (graph replay) finds it at 0.
-                tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
-                merged = merge_split_partials(
-                    part_ptr, lse_ptr, row_off, lse_off, row_ok, d, d_ok, stride_ps, stride_ls,
-                    BLOCK_Q * GROUP_PAD, DIM_PAD, NUM_SPLITS, MERGE_CHUNK)  # [M, D]
-                tl.store(out_ptr + o_off, merged.to(out_ptr.dtype.element_ty), mask=store_mask)
+        tl.store(lse_ptr + split * stride_ls + t64 * stride_lt + head, lse, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["num_seqs", "stride_ls"])
+def _merge_splits_kernel(
+    part_ptr, lse_ptr, out_ptr, query_start_loc_ptr, num_seqs,
+    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
+    head_dim,
+    NUM_SPLITS: tl.constexpr, DIM_PAD: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    s = tl.arange(0, NUM_SPLITS)  # [S]
+    d = tl.arange(0, DIM_PAD)  # [D]
+    d_ok = d < head_dim
+    # Tokens past the last sequence's (padding rows of a captured batch) belong to no program of
+    # the attention kernel, so their lse was never written (lse is allocated uninitialised: no
+    # fill kernel per layer); they get zeros, like the reference. Every owned token has an lse
+    # from every split (-inf for an empty one).
+    if tok >= tl.load(query_start_loc_ptr + num_seqs):
+        tl.store(out_ptr + tok * stride_ot + head * stride_oh + d,
+                 tl.zeros([DIM_PAD], tl.float32).to(out_ptr.dtype.element_ty), mask=d_ok)
+        return
+    lse = tl.load(lse_ptr + s * stride_ls + tok * stride_lt + head)  # [S]
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m > float("-inf"), m, 0.0)
+    w = tl.where(lse > float("-inf"), tl.exp2(lse - m_safe), 0.0)  # [S]
+    part = tl.load(part_ptr + s[:, None] * stride_ps + tok * stride_pt + head * stride_ph
+                   + d[None, :], mask=(w > 0.0)[:, None] & d_ok[None, :], other=0.0)  # [S, D]
+    w_sum = tl.sum(w, 0)
+    out = tl.sum(part * w[:, None], 0) / tl.where(w_sum > 0.0, w_sum, 1.0)  # unowned -> 0
+    tl.store(out_ptr + tok * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+             mask=d_ok)
 
 
 def _dot_in_fp32(dtype: torch.dtype) -> bool:
@@ -218,7 +198,6 @@ def _paged_attention(
     num_splits: int | None,  # None = heuristic; must be a power of two otherwise
     tree_start: torch.Tensor | None = None,  # [num_seqs] int32: tree attention when given
     tree_mask: torch.Tensor | None = None,  # [num_tokens, num_tree] bool
-    fused_merge: bool | None = None,  # None = FUSED_SPLIT_MERGE
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
@@ -236,20 +215,13 @@ def _paged_attention(
     block_q, block_n, q_blocks = cfg.block_q, BLOCK_N, cfg.q_blocks
     num_splits, kv_chunk = cfg.num_splits, cfg.kv_chunk
     grid = (num_seqs, q_blocks * num_splits, num_kv_heads)
-    fused = FUSED_SPLIT_MERGE if fused_merge is None else fused_merge
-    counters = seq_lens  # placeholder, never dereferenced unless fused with splits
-    if fused and num_splits > 1:
-        counters = split_counters(query.device, num_seqs * q_blocks * num_kv_heads)
-        fused = counters is not None  # None: first split launch is inside a capture
-    chunk = merge_chunk(num_splits, block_q * group_pad, dim_pad) if fused else 1
 
-    if num_splits == 1 and not fused:
+    if num_splits == 1:
         # Tokens owned by no sequence are never visited by the kernel; the reference yields zeros.
         out = torch.zeros(query.shape, dtype=query.dtype, device=query.device)
-    else:  # the merge (a kernel, or the fused kernel itself) writes every row, zeros included
+        part, lse = out, out  # unused placeholders
+    else:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    part, lse = out, out  # unused placeholders without splits
-    if num_splits > 1:
         part = torch.empty((num_splits, num_tokens, num_heads, head_dim), dtype=torch.float32,
                            device=query.device)  # [splits, num_tokens, num_heads, head_dim]
         lse = torch.empty((num_splits, num_tokens, num_heads), dtype=torch.float32,
@@ -259,7 +231,7 @@ def _paged_attention(
         mask_u8 = tree_mask.contiguous().view(torch.uint8)
         num_tree = tree_mask.shape[1]
     _paged_attn_kernel[grid](
-        query, k_cache, v_cache, out, part, lse, counters,
+        query, k_cache, v_cache, part if num_splits > 1 else out, lse,
         block_tables, seq_lens, query_start_loc,
         tree_start if tree else seq_lens, mask_u8 if tree else seq_lens,
         mask_u8.stride(0) if tree else 0, num_tree if tree else 0,
@@ -268,12 +240,11 @@ def _paged_attention(
         block_tables.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         scale * 1.4426950408889634,  # log2(e)
-        head_dim, page_size, kv_chunk, num_tokens,
+        head_dim, page_size, kv_chunk,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n, DIM_PAD=dim_pad,
         NUM_SPLITS=num_splits, DOT_FP32=_dot_in_fp32(query.dtype), TREE=tree,
-        FUSED_MERGE=fused, MERGE_CHUNK=chunk,
     )
-    if num_splits > 1 and not fused:
+    if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             part, lse, out, query_start_loc, num_seqs,
             part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),

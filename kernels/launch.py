@@ -8,8 +8,7 @@ length class. So the policy is written here once, used by the kernel wrapper, an
 ``reachable_configs`` so that start-up can compile every configuration an engine can meet
 (``kernels.warmup``). The integer arguments that vary per call are kept off the specialisation
 key (``do_not_specialize`` in the kernels: the block-table row stride, the split buffers' token
-stride, the sequence count of the merge kernel, the token count of the fused merge's padding
-rows).
+stride, the sequence count of the merge kernel).
 """
 from __future__ import annotations
 

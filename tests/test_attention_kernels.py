@@ -172,15 +172,10 @@ TRITON_CASES = [
     # q as a strided view (the decoder ropes q and k as one tensor and passes the q slice)
     ("p16_gqa_fp32_strided_q", 16, (9, 3), 32, "float32", None),
     ("p4_gqa_fp32_strided_q_split4", 4, (9, 3), 32, "float32", 4),
-    # the two-kernel split merge (fused_merge=False); the fused one has its own shape sweep in
-    # tests/test_attention_split_merge.py
-    ("p16_gqa_fp32_split4_twokernel", 16, (9, 3), 32, "float32", 4),
-    ("p5_gqa_bf16_split2_twokernel", 5, (6, 2), 128, "bfloat16", 2),
 ]
 TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 6e-2}
 # Tree attention: (name, page_size, forced KV splits or None); fp32, GQA 9/3, head_dim 32.
-TREE_CASES = [("tree_p1", 1, None), ("tree_p4_split2", 4, 2), ("tree_p16", 16, None),
-              ("tree_p4_split4_twokernel", 4, 4)]
+TREE_CASES = [("tree_p1", 1, None), ("tree_p4_split2", 4, 2), ("tree_p16", 16, None)]
 
 
 def _tree_batch(page_size: int, seed: int):
@@ -221,8 +216,7 @@ def _triton_worker() -> None:
         write_kv_triton(batch.new_k, batch.new_v, tri_k, tri_v, batch.slot_mapping)
         write_ok = torch.equal(tri_k, ref_k) and torch.equal(tri_v, ref_v)
         ref = paged_attention_ref(*batch.attn_args(ref_k, ref_v)).float()
-        tri = _paged_attention(*batch.attn_args(tri_k, tri_v), num_splits=splits,
-                               fused_merge=False if name.endswith("_twokernel") else None)
+        tri = _paged_attention(*batch.attn_args(tri_k, tri_v), num_splits=splits)
         results[name] = {
             "write_ok": write_ok,
             "dtype_ok": tri.dtype == dtype and tri.shape == batch.query.shape,
@@ -236,8 +230,7 @@ def _triton_worker() -> None:
         q, k, v, tables, starts, mask, qsl, n = _tree_batch(page_size, len(results))
         ref = paged_tree_attention_ref(q, k, v, tables, starts, mask, qsl, n, n, 21 + n, 0.2)
         tri = _paged_attention(q, k, v, tables, starts + n, qsl, n, 21 + n, 0.2, num_splits=splits,
-                               tree_start=starts, tree_mask=mask,
-                               fused_merge=False if name.endswith("_twokernel") else None)
+                               tree_start=starts, tree_mask=mask)
         results[name] = {"err_vs_ref": (tri - ref).abs().max().item()}
     # Start-up warm-up: every reachable launch configuration, on the engine's own caches.
     from kernels.launch import reachable_configs
