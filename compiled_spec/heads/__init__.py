@@ -5,8 +5,9 @@
 Alpaca and CodeAlpaca prompts; bf16, one layer, 32768-token draft vocabulary whose readout is
 the target's own lm_head rows (``lm_head_from_target``: rebuilt at load from ``d2t``, not stored).
 How it was trained and what it accepts: profiles/results/2026-12-01_h200_packed-ttt/ (first
-training), then continued on fresh data in the third to sixth sessions (``SHIPPED_WEIGHTS``
-names the result folder of the current weights; profiles/results/HISTORY.md has the rest).
+training), then continued on fresh data in the third to sixth and the ninth sessions
+(``SHIPPED_WEIGHTS`` names the result folder of the current weights; profiles/results/HISTORY.md
+has the rest).
 """
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ SHIPPED: dict[str, str] = {"smollm2-eagle3": "smollm2-135m-instruct-eagle3"}
 # figures the docs quote cannot silently belong to weights that were never committed (the
 # seventh session's head was reported shipped but not committed; eighth session's correction).
 SHIPPED_WEIGHTS: dict[str, tuple[str, str]] = {
-    "smollm2-eagle3": ("78fb2b7e6601f5999b6fa54645388f6dfc5600a1eb5d0ac79d09f6f2b1c5fd9d",
-                       "profiles/results/2026-12-01_h200_session6/"),
+    "smollm2-eagle3": ("7e4dd98f348b774a5316c011219e2fb35d3a94747986f4394343fc3d4fb0fff3",
+                       "profiles/results/2026-12-02_h200_session9/"),
 }
 
 
