@@ -215,6 +215,8 @@ class GraphRunner:
 
     def run(self, live: LiveBatch) -> Any:
         key = self._lookup(live)
+        if not isinstance(key, str) and not self.buffers.sources_fit(live.extras):
+            key = "source_rows"  # e.g. a row source from a target step larger than any graph
         if isinstance(key, str):  # compiled, no graph; counted so it cannot go unnoticed
             self._miss(key)
             return self.fn(live)
@@ -228,6 +230,8 @@ class GraphRunner:
         extras (device tensors) copied in; None (counted) when no graph fits: the caller then
         builds device tensors and runs ``fn``."""
         key = self._lookup_ints(hb.num_seqs, hb.max_query_len, hb.width, hb.max_seq_len)
+        if not isinstance(key, str) and not self.buffers.sources_fit(extras):
+            key = "source_rows"
         if isinstance(key, str):
             self._miss(key)
             return None

@@ -53,6 +53,9 @@ class HostBatch:
     max_seq_len: int
     draft_dst: list[int] = field(default_factory=list)  # rows of input_ids ...
     draft_src: list[int] = field(default_factory=list)  # ... taking drafts_flat[src]
+    # [T]: each token's row in the row-source extras (``StaticBuffers(row_sources=...)``),
+    # gathered inside the graph; empty for buffers without row sources.
+    rows: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -81,11 +84,12 @@ class HostStage:
         self.bufs = bufs
         self.t64, self.h64 = staging(bufs.flat64.numel(), torch.int64, bufs.device)
         self.t32, self.h32 = staging(bufs.flat32.numel(), torch.int32, bufs.device)
-        t, b, s = bufs.max_tokens, bufs.max_seqs, bufs.num_steps
-        self.h64[(3 + s) * t:] = -1  # slots of rows never written: inert
+        t, b, s, lead = bufs.max_tokens, bufs.max_seqs, bufs.num_steps, bufs.lead
+        self.h64[(lead + s) * t:] = -1  # slots of rows never written: inert
         self._ids, self._dst, self._src = (self.h64[i * t:(i + 1) * t] for i in range(3))
-        self._pos = self.h64[3 * t:(3 + s) * t].reshape(s, t)  # [S, max_tokens]
-        self._slots = self.h64[(3 + s) * t:(3 + 2 * s) * t].reshape(s, t)  # [S, max_tokens]
+        self._rows = self.h64[3 * t:4 * t] if bufs.rows is not None else None  # [max_tokens]
+        self._pos = self.h64[lead * t:(lead + s) * t].reshape(s, t)  # [S, max_tokens]
+        self._slots = self.h64[(lead + s) * t:(lead + 2 * s) * t].reshape(s, t)  # [S, max_tokens]
         self._lens = self.h32[:s * b].reshape(s, b)  # [S, max_seqs]
         self._qsl = self.h32[s * b:s * b + b + 1]
         self._tables = self.h32[s * b + b + 1:].reshape(b, bufs.max_blocks)
@@ -95,7 +99,8 @@ class HostStage:
              extras: dict[str, torch.Tensor] | None = None) -> LiveBatch:
         """Stage ``hb`` padded to (padded_tokens, padded_seqs); returns the static views with
         the graph's host ints. ``drafts_flat``: the device drafts that draft_src indexes;
-        ``extras``: the buffers' extras as device tensors ([T, ...] or [B, ...])."""
+        ``extras``: the buffers' extras as device tensors ([T, ...] or [B, ...]; a row source
+        [R, ...] with R up to its buffer's rows, which ``hb.rows`` index)."""
         bufs, t, b = self.bufs, hb.num_tokens, hb.num_seqs
         s = bufs.num_steps
         if not (t <= padded_tokens <= bufs.max_tokens and b <= padded_seqs <= bufs.max_seqs):
@@ -108,7 +113,14 @@ class HostStage:
             raise ValueError(f"host batch has {hb.num_steps} steps, buffers {s}")
         if set(extras or {}) != set(bufs.extras):
             raise ValueError(f"extras {sorted(extras or {})} != buffers' {sorted(bufs.extras)}")
+        if not bufs.sources_fit(extras):
+            raise ValueError(f"row sources {sorted(bufs.sources)} exceed their buffers")
+        if len(hb.rows) != (t if self._rows is not None else 0):
+            raise ValueError(f"host batch has {len(hb.rows)} rows for {t} tokens; buffers' row "
+                             f"sources: {sorted(bufs.sources)}")
         put(self._ids, hb.input_ids, padded_tokens, 0)
+        if self._rows is not None:  # padded tokens read row 0 of every source: a valid row
+            put(self._rows, hb.rows, padded_tokens, 0)
         steps = zip(*((hb.positions, hb.slots, hb.seq_lens) if s > 1
                       else ([hb.positions], [hb.slots], [hb.seq_lens])))
         for j, (pos, slots, lens) in enumerate(steps):
@@ -123,7 +135,7 @@ class HostStage:
         tab[:] = 0
         for i, row in enumerate(hb.tables):
             tab[i, :len(row)] = row
-        end64 = (3 + 2 * s - 1) * bufs.max_tokens + padded_tokens
+        end64 = (bufs.lead + 2 * s - 1) * bufs.max_tokens + padded_tokens
         end32 = (s + 1) * bufs.max_seqs + 1 + padded_seqs * bufs.max_blocks
         bufs.flat64[:end64].copy_(self.t64[:end64], non_blocking=True)
         bufs.flat32[:end32].copy_(self.t32[:end32], non_blocking=True)
@@ -136,6 +148,7 @@ class HostStage:
         for name, v in (extras or {}).items():  # padding rows zeroed, as StaticBuffers.fill
             dst = view.extras[name]
             dst[:v.shape[0]].copy_(v, non_blocking=True)
-            if dst.shape[0] > v.shape[0]:
+            # A row source's rows past the live ones are never read: not worth a launch.
+            if dst.shape[0] > v.shape[0] and name not in bufs.sources:
                 dst[v.shape[0]:].zero_()
         return view

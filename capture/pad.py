@@ -6,7 +6,8 @@ Padding convention (what ``kernels/`` accept, checked by tests/test_capture.py):
   makes ``write_kv`` skip the row (both kernels test ``slot < 0``), so padding never touches the KV
   cache. These rows belong to no sequence (``query_start_loc[-1]`` stays at the live token count),
   so paged attention never reads them and returns zeros for them; the rest of the model computes
-  finite garbage there, which ``GraphRunner`` slices away.
+  finite garbage there, which ``GraphRunner`` slices away. Their ``rows`` (buffers with row
+  sources) are 0: row 0 of a source, a valid row, so the graph's gather never reads out of range.
 * Padded **sequence** rows (``num_seqs .. padded_seqs``): q_len 0 (query_start_loc repeats the live
   token count, as vLLM pads it), seq_len 0, block table all block 0. q_len 0 makes the Triton
   kernel return before reading anything else; seq_len 0 (not 1) means "no context", so padding
@@ -29,6 +30,8 @@ from compiled_spec.attention_metadata import AttentionMetadata
 
 # trailing shape and dtype of an extra per-token / per-sequence input (e.g. the draft's hidden)
 ExtraSpec = tuple[tuple[int, ...], torch.dtype]
+# rows, trailing shape and dtype of a row source: an extra the graph gathers by ``LiveBatch.rows``
+SourceSpec = tuple[int, tuple[int, ...], torch.dtype]
 
 
 @dataclass
@@ -40,6 +43,9 @@ class LiveBatch:
     positions: torch.Tensor  # [T] int64, or [S, T] for an S-step loop
     meta: AttentionMetadata  # slot_mapping [T] | [S, T]; seq_lens [B] | [S, B]; tables [B, W]
     extras: dict[str, torch.Tensor] = field(default_factory=dict)  # [T, ...] or [B, ...]
+    # [T] int64: each token's row in the row-source extras ([R, ...], any R), which the graph
+    # gathers itself; None when the batch has no row sources.
+    rows: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -150,16 +156,19 @@ def pad_metadata(meta: AttentionMetadata, padded_tokens: int, padded_seqs: int,
 
 def pad_batch(live: LiveBatch, padded_tokens: int, padded_seqs: int,
               max_query_len: int | None = None, max_seq_len: int | None = None,
-              seq_extras: Collection[str] = ()) -> LiveBatch:
+              seq_extras: Collection[str] = (), sources: Collection[str] = ()) -> LiveBatch:
     """Allocating version of ``StaticBuffers.fill``. Extras named in ``seq_extras`` are
-    per-sequence ([B, ...]); the others per-token ([T, ...]); both are padded with zeros."""
+    per-sequence ([B, ...]); those in ``sources`` row sources, kept as they are; the others
+    per-token ([T, ...]). Padding is zeros, and padded tokens read row 0 of the sources."""
     return LiveBatch(
         input_ids=pad_dim(live.input_ids, padded_tokens, 0),
         positions=pad_dim(live.positions, padded_tokens, 0, dim=-1),
         meta=pad_metadata(live.meta, padded_tokens, padded_seqs, live.num_tokens,
                           max_query_len, max_seq_len),
-        extras={k: pad_dim(v, padded_seqs if k in seq_extras else padded_tokens, 0)
-                for k, v in live.extras.items()})
+        extras={k: v if k in sources else
+                pad_dim(v, padded_seqs if k in seq_extras else padded_tokens, 0)
+                for k, v in live.extras.items()},
+        rows=None if live.rows is None else pad_dim(live.rows, padded_tokens, 0))
 
 
 class StaticBuffers:
@@ -170,11 +179,17 @@ class StaticBuffers:
     strides) are what the graph was captured with. Block tables keep their full max_blocks width
     so the row stride never changes. Create them outside inference mode (plain tensors can be
     refilled in and out of it; inference tensors only inside).
+
+    ``row_sources``: extras of their own row count whose rows the graph gathers itself, by the
+    int64 ``rows`` [max_tokens] staged with the other integers (one upload, no index kernel
+    before the replay). They are copied in as they are and never sliced: a padded token reads
+    row 0, a valid row, and only live tokens' rows are ever read back.
     """
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device,
                  num_steps: int = 1, token_extras: Mapping[str, ExtraSpec] | None = None,
-                 seq_extras: Mapping[str, ExtraSpec] | None = None) -> None:
+                 seq_extras: Mapping[str, ExtraSpec] | None = None,
+                 row_sources: Mapping[str, SourceSpec] | None = None) -> None:
         if min(max_tokens, max_seqs, max_blocks, num_steps) < 1:
             raise ValueError("StaticBuffers: sizes must be >= 1")
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
@@ -184,12 +199,16 @@ class StaticBuffers:
         # Two flat buffers (int64, int32) with every integer input as a view: a host-built batch
         # lands in them in two copies (``capture.host_stage``). The int32 tables come last so a
         # copy of the prefix up to the live rows' tables carries everything.
-        self.flat64 = torch.zeros(t * (3 + 2 * s), dtype=torch.int64, device=self.device)
+        # ``lead``: the [max_tokens] segments before the positions (rows only with row sources,
+        # so the other graphs' uploads do not grow).
+        self.lead = lead = 4 if row_sources else 3
+        self.flat64 = torch.zeros(t * (lead + 2 * s), dtype=torch.int64, device=self.device)
         self.input_ids = self.flat64[:t]  # [max_tokens]
         self.draft_dst = self.flat64[t:2 * t]  # rows of input_ids taking device-resident drafts
         self.draft_src = self.flat64[2 * t:3 * t]  # ... from these flat draft indices
-        self.positions = self.flat64[3 * t:(3 + s) * t].view(s, t)  # [S, max_tokens]
-        self.slot_mapping = self.flat64[(3 + s) * t:].view(s, t)  # [S, max_tokens]
+        self.rows = self.flat64[3 * t:4 * t] if row_sources else None  # [max_tokens]
+        self.positions = self.flat64[lead * t:(lead + s) * t].view(s, t)  # [S, max_tokens]
+        self.slot_mapping = self.flat64[(lead + s) * t:].view(s, t)  # [S, max_tokens]
         self.slot_mapping.fill_(-1)
         self.flat32 = torch.zeros(s * b + b + 1 + b * max_blocks, dtype=torch.int32,
                                   device=self.device)
@@ -202,6 +221,11 @@ class StaticBuffers:
         for specs, rows in ((token_extras or {}, max_tokens), (seq_extras or {}, max_seqs)):
             for name, (shape, dtype) in specs.items():
                 self.extras[name] = torch.zeros((rows, *shape), dtype=dtype, device=self.device)
+        self.sources = set((row_sources or {}).keys())
+        for name, (rows, shape, dtype) in (row_sources or {}).items():
+            if name in self.extras:
+                raise ValueError(f"StaticBuffers: extra {name!r} given twice")
+            self.extras[name] = torch.zeros((rows, *shape), dtype=dtype, device=self.device)
 
     def _views(self, t: int, b: int, max_query_len: int, max_seq_len: int) -> LiveBatch:
         # The same few shapes every step: build each set of views once (a dozen slices and two
@@ -223,7 +247,14 @@ class StaticBuffers:
                 block_tables=self.block_tables[:b], seq_lens=self.seq_lens[0, :b] if one
                 else self.seq_lens[:, :b], query_start_loc=self.query_start_loc[:b + 1],
                 max_query_len=max_query_len, max_seq_len=max_seq_len),
-            extras={k: v[:b] if k in self._seq_extras else v[:t] for k, v in self.extras.items()})
+            extras={k: v if k in self.sources else v[:b] if k in self._seq_extras else v[:t]
+                    for k, v in self.extras.items()},
+            rows=None if self.rows is None else self.rows[:t])
+
+    def sources_fit(self, extras: Mapping[str, torch.Tensor] | None) -> bool:
+        """Whether each row source given fits its static buffer (the caller counts a miss)."""
+        return all(extras[k].shape[0] <= self.extras[k].shape[0]
+                   for k in self.sources if extras and k in extras)
 
     def fill(self, live: LiveBatch, padded_tokens: int, padded_seqs: int,
              max_query_len: int, max_seq_len: int) -> LiveBatch:
@@ -242,12 +273,22 @@ class StaticBuffers:
                              f"({max_query_len}, {max_seq_len})")
         if set(live.extras) != set(self.extras):
             raise ValueError(f"extras {sorted(live.extras)} != buffers' {sorted(self.extras)}")
+        if not self.sources_fit(live.extras):
+            raise ValueError(f"row sources {sorted(self.sources)} exceed their buffers")
+        if (live.rows is None) != (self.rows is None):
+            raise ValueError(f"live batch rows {'absent' if live.rows is None else 'given'}, "
+                             f"buffers' row sources {sorted(self.sources)}")
         view = self._views(padded_tokens, padded_seqs, max_query_len, max_seq_len)
         pad_dim(live.input_ids, padded_tokens, 0, out=view.input_ids)
         pad_dim(live.positions, padded_tokens, 0, dim=-1, out=view.positions)
         pad_metadata(live.meta, padded_tokens, padded_seqs, t, out=view.meta)
+        if live.rows is not None:
+            pad_dim(live.rows, padded_tokens, 0, out=view.rows)
         for k, v in live.extras.items():
-            pad_dim(v, view.extras[k].shape[0], 0, out=view.extras[k])
+            if k in self.sources:  # as it is: rows past the live ones are never read
+                view.extras[k][:v.shape[0]].copy_(v, non_blocking=True)
+            else:
+                pad_dim(v, view.extras[k].shape[0], 0, out=view.extras[k])
         return view
 
     def fill_dummy(self, padded_tokens: int, padded_seqs: int, query_len: int,
@@ -266,6 +307,8 @@ class StaticBuffers:
         view.meta.seq_lens.fill_(query_len)
         torch.mul(torch.arange(padded_seqs + 1, device=self.device, dtype=torch.int32),
                   query_len, out=view.meta.query_start_loc)
+        if view.rows is not None:
+            view.rows.zero_()  # row 0 of every source
         for v in view.extras.values():
             v.zero_()
         return view

@@ -5,6 +5,8 @@ tree first-pass and tree-expand graphs. Compiling must change neither the greedy
 of vanilla decoding) nor the acceptance, at any page size; seeded sampling too."""
 from __future__ import annotations
 
+from itertools import accumulate
+
 import pytest
 import torch
 
@@ -177,3 +179,40 @@ def test_bench_times_the_staged_tree_verify(trained_eagle3_pair, smollm2_gguf_pa
     rows, _ = time_engine(llm, Variant("tree", "head", True, (2, 6)), PROMPTS[:2], [1], 12, 0.0)
     assert rows[0].verify_ms is not None and rows[0].verify_ms > 0
     assert graphs.stats()["components"]["target_tree_verify"]["graph_replays"] > before
+
+
+def test_first_pass_graph_gathers_the_accepted_rows(trained_eagle3_pair, smollm2_gguf_path,
+                                                    monkeypatch):
+    """The first-pass graph gathers each request's accepted target rows itself (staged
+    ``rows``, engine.tree_graphs). Those rows skip the tree's unaccepted nodes, so a graph that
+    read any other rows would draft other trees: every tree of the graphed run must equal the
+    eager run's, and some step must have accepted a node off the first branch."""
+    llm = _llm(trained_eagle3_pair, smollm2_gguf_path, attention=True)
+    prop = llm.engine.runner.proposer
+    real = prop.propose
+    seen: list[tuple[list[list[int]], torch.Tensor, torch.Tensor]] = []
+
+    def spy(batch, target_hidden):
+        tree, q = real(batch, target_hidden)
+        ends = list(accumulate(s.length for s in batch.first_pass))
+        rows = [batch.hidden_rows[e - s.length:e] for s, e in zip(batch.first_pass, ends)]
+        # Copied now: the trees are graph outputs, valid until the next replay.
+        seen.append((rows, tree.tokens.clone(), tree.parents.clone()))
+        return tree, q
+
+    monkeypatch.setattr(prop, "propose", spy)
+    eager = _ids(llm)
+    eager_seen, seen[:] = list(seen), []
+    graphs = _graphs(llm)
+    assert _ids(llm) == eager
+    for (rows, tok, par), (rows_e, tok_e, par_e) in zip(seen, eager_seen):  # first one off
+        assert rows == rows_e
+        assert torch.equal(tok, tok_e) and torch.equal(par, par_e), rows
+    assert len(seen) == len(eager_seen)
+    # A request whose first-pass rows are not one contiguous run: an accepted node that was not
+    # its parent's first child in the verify's row order.
+    assert any(r[i + 1] - r[i] > 1 for rows, _, _ in seen for r in rows
+               for i in range(len(r) - 1))
+    st = graphs.stats()
+    assert st["components"]["tree_draft_first_pass"]["graph_replays"] > 0
+    assert set(st["without_graph"].get("tree_draft_first_pass", {})) <= {"query_len"}

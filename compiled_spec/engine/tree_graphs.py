@@ -11,9 +11,14 @@ exactly as for the chain components).
   q_len 0, seq_len 0 and slot -1 (``capture.pad``), so padding is inert. The tree runner stages
   its host lists straight into the buffers (``GraphRunner.run_host``).
 * ``tree_draft_first_pass``: the draft over each request's root and accepted nodes (<= depth + 1
-  tokens, causal); EAGLE-3's fc runs eagerly before it (``TreeProposer.propose``). The graph
-  returns each request's last row only (what ``expand`` reads). A first pass after a prefill is
-  longer and runs compiled without a graph, counted as ``query_len``.
+  tokens, causal); EAGLE-3's fc runs eagerly before it (``TreeProposer.propose``) over every
+  target row of the step, into the row source ``hidden``, and the graph gathers the accepted
+  rows itself by the host-staged ``rows`` (the tree's accepted nodes are not contiguous, and an
+  index upload plus a gather outside the graph would sit between the step's host copy and the
+  replay, where the GPU idles). The graph returns each request's last row only (what ``expand``
+  reads). A first pass after a prefill is longer and runs compiled without a graph, counted as
+  ``query_len``; one after a target step with more rows than the source holds, as
+  ``source_rows``.
 * ``tree_draft_expand``: ``TreeProposer.expand``, i.e. layer 1's top-k, every expansion (K
   nodes per request, tree attention, metadata of all steps built on the host beforehand) and
   node selection, as one graph per batch size; outputs are per request.
@@ -77,16 +82,20 @@ class TreeProposeGraphs:
         names = prop.layer_names
 
         def first_pass(b: LiveBatch) -> tuple[torch.Tensor, torch.Tensor]:  # [B, h] each
+            hidden = b.extras["hidden"].index_select(0, b.rows)  # [T, h] the accepted rows
             # prop.step_fn is read per call: compiled or eager, as compile.use_compiled set it.
-            feed, for_logits = prop.step_fn(b.input_ids, b.extras["hidden"], b.positions,
+            feed, for_logits = prop.step_fn(b.input_ids, hidden, b.positions,
                                              {name: b.meta for name in names})  # [T, h] each
             # Each request's last row, what expand reads; a padded sequence's start and end are
             # the live token count, so its "last row" is a live one (and is sliced off).
             last = (b.meta.query_start_loc[1:] - 1).long()  # [B]
             return feed[last], for_logits[last]
 
+        # The source holds every target row of the step before: a tree verify (<= N rows per
+        # request) or a decode (one); a larger step, e.g. one that prefilled, is a counted miss.
+        src_rows = bm * max(cfg.num_draft_tokens, q)
         fbufs = StaticBuffers(bm * q, bm, max_blocks, dev,
-                              token_extras={"hidden": ((h,), dtype)})
+                              row_sources={"hidden": (src_rows, (h,), dtype)})
         self.first_pass = reg("tree_draft_first_pass", first_pass,
                               [s * q for s in batch_sizes], fbufs, query_len=q,
                               output_rows="seqs")

@@ -96,14 +96,17 @@ class TreeProposer:
                                                             for_logits[last]))), None
         # Graphs: EAGLE-3's fc eagerly, then both calls staged from host lists (a batch no
         # graph fits, e.g. a first pass after a prefill, runs the graph's body, counted). The
-        # fc runs over all of the step's target rows (N per request at batch 1: cheap) and one
-        # gather keeps the accepted ones, instead of a gather per aux layer.
-        hidden = self.base.combine(target_hidden)[to_device(batch.hidden_rows, dev)]  # [T, h]
+        # fc runs over all of the step's target rows (N per request at batch 1: cheap); the
+        # first-pass graph gathers the accepted ones by the staged hidden_rows, so no index
+        # list is uploaded and no gather launched between the acceptance and the replay.
+        hidden = self.base.combine(target_hidden)  # [T_target, h]
         hb = build_host_batch(self.allocator, batch.first_pass, batch.token_ids)
+        hb.rows = batch.hidden_rows
         last = g.first_pass.run_host(hb, None, {"hidden": hidden})  # ([B, h], [B, h])
         if last is None:
             ids, positions, meta = host_batch_to_device(hb, dev)
-            last = g.first_pass.fn(LiveBatch(ids, positions, meta, extras={"hidden": hidden}))
+            last = g.first_pass.fn(LiveBatch(ids, positions, meta, extras={"hidden": hidden},
+                                             rows=to_device(batch.hidden_rows, dev)))
         extras = {"feed": last[0], "for_logits": last[1]}
         out = g.expand.run_host(self._expand_rows(batch), None, extras)
         if out is None:
