@@ -85,7 +85,13 @@ def compile_callable(fn: Any, backend: Any, cfg: CompileConfig) -> Any:
         # be equal in the first call (a 2-entry query_start_loc and a 2-block table at batch 1)
         # and recompile, seconds mid-serving, the first time they differ. Scoped to our calls
         # (a CUDA-graph replay does not come through here), not set process-wide.
-        with torch.fx.experimental._config.patch(use_duck_shape=False):
+        # Python floats (RMSNorm eps, the embedding's norm_type) are specialized from the start:
+        # with dynamic=True Dynamo otherwise traces them as symbols, and its scalar-tensorify
+        # pass then restarts the whole analysis to specialize them, so every target compile
+        # traced the model and ran AOTAutograd twice (the first attempt's AOT cache entry never
+        # hits: ~8.5 s of a 22 s warm start on the CPU, ninth session).
+        with torch.fx.experimental._config.patch(use_duck_shape=False), \
+                torch._dynamo.config.patch(specialize_float=True):
             return compiled(*args, **kwargs)
 
     call.__wrapped__ = compiled  # type: ignore[attr-defined]

@@ -89,23 +89,38 @@ def _user_exported() -> bool:
 _KEYS = {"fxgraph_hit": ("inductor", "fxgraph_cache_hit"),
          "fxgraph_miss": ("inductor", "fxgraph_cache_miss"),
          "aot_hit": ("aot_autograd", "autograd_cache_hit"),
-         "aot_miss": ("aot_autograd", "autograd_cache_miss")}
+         "aot_miss": ("aot_autograd", "autograd_cache_miss"),
+         "aot_bypass": ("aot_autograd", "autograd_cache_bypass")}
+
+# torch's own compile timers (``dynamo_timed``; seconds summed over every compilation) that split
+# a start-up once the FX cache hits: a warm start on the H200 still spent 43 s outside Inductor
+# (ninth session), and these say whether Dynamo's tracing, AOTAutograd or guards hold it. A name
+# a torch version lacks reads 0.
+_TIMERS = {"dynamo": "_compile.compile_inner",  # all of Dynamo's compiles, backends included
+           "trace": "bytecode_tracing",  # Dynamo's symbolic run of the Python code
+           "backend": "OutputGraph.call_user_compiler",  # our backend: passes, AOT, Inductor
+           "aot": "create_aot_dispatcher_function",  # AOTAutograd (traced again on a miss)
+           "inductor": "compile_fx_inner",  # Inductor (a cache hit loads the artifact)
+           "guards": "build_guards"}
 
 
-def _read() -> dict[str, int]:
-    from torch._dynamo.utils import counters
+def _read() -> dict[str, float]:
+    from torch._dynamo.utils import compilation_time_metrics, counters
 
-    return {k: int(counters[group][name]) for k, (group, name) in _KEYS.items()}
+    out: dict[str, float] = {k: int(counters[group][name]) for k, (group, name) in _KEYS.items()}
+    out.update({f"{k}_s": float(sum(compilation_time_metrics.get(name, ())))
+                for k, name in _TIMERS.items()})
+    return out
 
 
 @dataclass
 class CacheStats:
-    """Cache hits and misses of one LLM's compilation. torch counts per process, so these are
-    deltas from when this LLM started compiling (another LLM compiling in the same process in
-    the meantime would be counted too)."""
+    """Cache hits and misses of one LLM's compilation, and torch's compile timers ("seconds").
+    torch counts per process, so these are deltas from when this LLM started compiling (another
+    LLM compiling in the same process in the meantime would be counted too)."""
 
     dir: str | None
-    _start: dict[str, int]
+    _start: dict[str, float]
 
     @classmethod
     def begin(cls, cache_dir: str | None) -> "CacheStats":
@@ -113,4 +128,6 @@ class CacheStats:
 
     def as_dict(self) -> dict[str, object]:
         now = _read()
-        return {"dir": self.dir, **{k: now[k] - self._start[k] for k in _KEYS}}
+        seconds = {k: round(now[k] - self._start[k], 2) for k in now if k.endswith("_s")}
+        return {"dir": self.dir, **{k: int(now[k] - self._start[k]) for k in _KEYS},
+                "seconds": seconds}
