@@ -78,9 +78,15 @@ class CapturePolicy:
         return self.num_speculative_tokens + 1
 
 
-def decode_sizes(policy: CapturePolicy) -> list[int]:
-    """Token counts of the captured target decode graphs: one token per request, T = n."""
-    return list(policy.batch_sizes)
+def decode_sizes(policy: CapturePolicy, single_via_verify: bool = False) -> list[int]:
+    """Token counts of the captured target decode graphs: one token per request, T = n.
+
+    ``single_via_verify`` (engines that verify chains): no decode graph for one request, whose
+    decode steps (the first after a prefill, or speculation paused) replay the batch-1 verify
+    graph instead, one query token in its k + 1 rows and the rest inert padding. Dynamo
+    specializes dimensions of size 1, so a 1-token graph is a target compile of its own; on
+    the H200 capturing it took 20-35 s of a start-up (ninth session)."""
+    return [n for n in policy.batch_sizes if n > 1 or not single_via_verify]
 
 
 def verify_sizes(policy: CapturePolicy) -> list[int]:

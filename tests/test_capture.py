@@ -34,6 +34,11 @@ def test_policy_sizes():
     q = CapturePolicy(8, 0, 512, batch_sizes=(4, 1, 4, 2), seq_len_buckets=(512, 128))
     assert q.batch_sizes == (1, 2, 4) and q.seq_len_buckets == (128, 512)  # normalised
     assert verify_sizes(q) == decode_sizes(q)  # k = 0: verify is decode
+    # Chain engines: one request decoding replays the batch-1 verify graph, so no 1-token
+    # graph (a target compile of its own: Dynamo specializes size-1 dimensions).
+    assert decode_sizes(p, single_via_verify=True) == [2, 4, 8, 16]
+    one = CapturePolicy(max_batch_size=1, num_speculative_tokens=5, max_model_len=512)
+    assert decode_sizes(one, single_via_verify=True) == [] and verify_sizes(one) == [6]
 
 
 @pytest.mark.parametrize("kwargs", [

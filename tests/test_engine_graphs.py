@@ -82,6 +82,33 @@ def test_graphed_speculative_engine_equals_eager(trained_eagle3_pair, smollm2_gg
     assert _run(llm, sp) == eager and graphs.stats()["replayed"] == replays
 
 
+def test_one_request_decodes_through_the_verify_graph(trained_eagle3_pair, smollm2_gguf_path):
+    """A chain engine captures no 1-token decode graph (it would be a target compile of its
+    own): a single request's decode step (the first after its prefill) replays the batch-1
+    verify graph with inert padding rows, and the output stays exactly eager's."""
+    target, head = trained_eagle3_pair
+    llm = _llm(target, smollm2_gguf_path, head)
+    sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = [[3, 7, 1], [9, 2, 4, 4, 8]]
+    eager = [o.outputs[0].token_ids for o in llm.generate(prompts[:1], sp, use_tqdm=False)]
+    eager += [o.outputs[0].token_ids for o in llm.generate(prompts[1:], sp, use_tqdm=False)]
+    graphs = _graphs(llm, batch_sizes=(1,))
+    assert graphs.registry.runners["target_decode"].sizes == []
+    assert graphs.required == ["target_verify", "draft_propose"]
+    graphed, before = [], llm.stats.spec.num_drafting_steps
+    for prompt in prompts:  # one request at a time: every step has batch size 1
+        graphed += [o.outputs[0].token_ids for o in llm.generate([prompt], sp, use_tqdm=False)]
+    assert graphed == eager
+    st = graphs.stats()["components"]
+    assert st["target_decode"]["graph_replays"] == 0
+    assert st["target_decode"]["eager_fallbacks"] == 0  # no decode step went without a graph
+    # The verify steps and the decode steps without drafts all replayed the batch-1 verify
+    # graph: more replays than the graphed run's drafting steps.
+    drafting = llm.stats.spec.num_drafting_steps - before
+    assert st["target_verify"]["graph_replays"] > drafting > 0
+    assert graphs.stats()["without_graph"].get("target_verify", {}) == {}
+
+
 def test_uncaptured_sizes_run_without_graph_and_are_counted(trained_eagle3_pair,
                                                            smollm2_gguf_path):
     target, head = trained_eagle3_pair

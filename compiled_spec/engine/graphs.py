@@ -46,9 +46,12 @@ class GraphedTarget:
     none."""
 
     def __init__(self, fn: TargetFn, decode: GraphRunner, verify: GraphRunner | None,
-                 verify_query_len: int, tree: GraphRunner | None = None) -> None:
+                 verify_query_len: int, tree: GraphRunner | None = None,
+                 single_via_verify: bool = False) -> None:
         self.fn, self.decode, self.verify, self.tree = fn, decode, verify, tree
         self.verify_query_len = verify_query_len
+        # One request decoding replays the batch-1 verify graph (capture.policy.decode_sizes).
+        self.single_via_verify = single_via_verify and verify is not None
         self.prefill_calls = 0
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -57,14 +60,14 @@ class GraphedTarget:
             if self.tree is None:
                 raise RuntimeError("tree attention reached an engine without a tree-verify graph")
             return self.tree.run(tree_live(input_ids, positions, meta))
-        runner = self._causal_runner(meta.max_query_len)
+        runner = self._causal_runner(meta.max_query_len, meta.block_tables.shape[0])
         if runner is not None:
             return runner.run(LiveBatch(input_ids, positions, meta))
         return self.fn(input_ids, positions, meta, aux_layer_ids)
 
-    def _causal_runner(self, max_query_len: int) -> GraphRunner | None:
+    def _causal_runner(self, max_query_len: int, num_seqs: int) -> GraphRunner | None:
         """Decode (one query token) or verify (up to k + 1); None, counted, for a prefill."""
-        if max_query_len == 1:
+        if max_query_len == 1 and not (self.single_via_verify and num_seqs == 1):
             return self.decode
         if self.verify is not None and max_query_len <= self.verify_query_len:
             return self.verify
@@ -90,7 +93,7 @@ class GraphedTarget:
         """The engine's causal steps from a host-built batch: decode / verify replay with the
         inputs staged in two copies; anything without a graph (prefill, or a counted miss)
         gets device tensors built here and runs compiled."""
-        runner = self._causal_runner(hb.max_query_len)
+        runner = self._causal_runner(hb.max_query_len, hb.num_seqs)
         out = None if runner is None else runner.run_host(hb, drafts_flat)
         if out is not None:
             return out
@@ -127,12 +130,13 @@ class EngineGraphs:
         top_tokens = max_seqs * (k + 1)
         tbufs = StaticBuffers(top_tokens, max_seqs, max_blocks, device)
         target_graph_fn = lambda b: target_fn(b.input_ids, b.positions, b.meta, aux_ids)  # noqa: E731
-        decode = reg("target_decode", target_graph_fn, decode_sizes(policy), tbufs)
+        decode = reg("target_decode", target_graph_fn, decode_sizes(policy, k > 0), tbufs)
         verify = reg("target_verify", target_graph_fn, verify_sizes(policy), tbufs,
                      query_len=k + 1) if k > 0 else None
         tree_verify = None if tree is None else register_tree_verify(
             reg, target_fn, tree, policy.batch_sizes, max_blocks, device, aux_ids)
-        self.target = GraphedTarget(target_fn, decode, verify, k + 1, tree_verify)
+        self.target = GraphedTarget(target_fn, decode, verify, k + 1, tree_verify,
+                                    single_via_verify=k > 0)
         self.propose: ProposeGraphs | TreeProposeGraphs | None = None
         prop = runner.proposer
         if prop is None:
@@ -150,8 +154,10 @@ class EngineGraphs:
 
     @property
     def required(self) -> list[str]:
-        """Components that must have graphs: every registered one."""
-        return list(self.registry.runners)
+        """Components that must have graphs: every registered one with sizes to capture (a
+        chain engine of batch size 1 has no decode graph: the verify graph serves it)."""
+        return [name for name, r in self.registry.runners.items()
+                if getattr(r, "sizes", True)]
 
     def capture(self) -> float:
         """Dummy runs + capture of every component; raises ``CaptureError`` when a component

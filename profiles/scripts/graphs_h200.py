@@ -123,22 +123,21 @@ def component_latencies(llm: LLM, skip_eager: bool) -> dict[str, Any]:
     policy = graphs.policy
     out: dict[str, Any] = {"target": {}, "propose": {}, "kernels": {}}
 
-    # Target forward at T tokens; T = 4 and 8 get their own graphs here (the engine's verify
-    # graph is T = k + 1 = 6), captured into the same pool from the same compiled function.
+    # Target forward at T tokens; each T gets its own graph here (the engine's verify graph
+    # is T = k + 1 = 6), captured into the same pool from the same compiled function.
     max_blocks = graphs.registry.runners["target_decode"].buffers.max_blocks
     fn = models.compiled["target"]
     for t in (1, 4, 8):
         ids = torch.randint(0, vocab, (t,), device=dev)
         pos, meta = build_metadata(alloc, [Span(rid, CTX, t)], dev)
         live = LiveBatch(ids, pos, meta)
-        if t == 1:
-            runner_t = graphs.registry.runners["target_decode"]
-        else:
-            runner_t = graphs.registry.register(
-                f"bench_target_T{t}", lambda b: fn(b.input_ids, b.positions, b.meta, aux_ids),
-                [t], StaticBuffers(t, 1, max_blocks, dev), query_len=t, clone_outputs=True,
-                seq_len_buckets=policy.seq_len_buckets)
-            runner_t.capture()
+        # T = 1 too gets its own graph: a chain engine captures no 1-token decode graph
+        # (capture.policy.decode_sizes), its single-request decode replays the verify graph.
+        runner_t = graphs.registry.register(
+            f"bench_target_T{t}", lambda b: fn(b.input_ids, b.positions, b.meta, aux_ids),
+            [t], StaticBuffers(t, 1, max_blocks, dev), query_len=t, clone_outputs=True,
+            seq_len_buckets=policy.seq_len_buckets)
+        runner_t.capture()
         with torch.inference_mode():
             out["target"][f"T{t}"] = {} if skip_eager else {
                 "eager": timeit(lambda: models.eager["target"](ids, pos, meta, aux_ids)),
