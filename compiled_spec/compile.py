@@ -173,5 +173,6 @@ def _route(runner: ModelRunner, models: CompiledModels, on: bool) -> None:
     g = models.graphs if on else None
     if runner.proposer is not None:
         runner.proposer.graph = None if g is None else g.propose
+        runner.proposer.early_graph = None if g is None else g.propose_early
     if g is not None:
         runner.target_fn = g.target

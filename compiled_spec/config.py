@@ -1,6 +1,7 @@
 """The engine's configuration tree: small typed dataclasses validated in __post_init__."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -94,6 +95,9 @@ class SpecConfig:
     # "always" drafts every step; "adaptive" pauses drafting when measured step costs and
     # acceptance say plain decoding is faster at this batch size (compiled_spec/spec/policy.py).
     speculation_policy: str = "always"
+    # Greedy chain steps launch the next proposal before the host reads the acceptance
+    # (compiled_spec/engine/early_propose.py); False: always after it, as before.
+    early_propose: bool = True
 
     @property
     def tree(self) -> "TreeConfig | None":
@@ -124,6 +128,11 @@ class SpecConfig:
         if self.speculation_policy == "adaptive" and self.tree is not None:
             raise ValueError("speculation_policy='adaptive' is not supported with draft trees "
                              f"(speculative_topk={t}): use 'always' or a chain (topk 1)")
+
+
+def early_propose_default() -> bool:
+    """SpecConfig.early_propose when not given: on unless COMPILED_SPEC_EARLY_PROPOSE=0."""
+    return os.environ.get("COMPILED_SPEC_EARLY_PROPOSE", "1") != "0"
 
 
 @dataclass

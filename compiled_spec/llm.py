@@ -11,6 +11,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from compiled_spec.config import (CacheConfig, EngineConfig, SchedulerConfig, SpecConfig,
+                                  early_propose_default,
                                   resolve_device, resolve_dtype)
 from capture import CapturePolicy
 from compiled_spec.compile_cache import CacheStats, activate as activate_compile_cache
@@ -54,6 +55,9 @@ class LLM:
     larger prefill steps: offline throughput; see ``SchedulerConfig``).
     ``speculation_policy="adaptive"`` pauses drafting at batch sizes where measured step costs
     and acceptance say plain decoding is faster (``llm.stats.policy.summary()`` reports it).
+    ``early_propose=False`` launches each proposal after the host read the step's acceptance
+    (default: before it where the step allows, ``llm.stats.early_propose`` counts both; None
+    reads COMPILED_SPEC_EARLY_PROPOSE, 0 = off).
     """
 
     def __init__(
@@ -80,6 +84,7 @@ class LLM:
         speculative_num_steps: int | None = None,
         speculative_num_draft_tokens: int | None = None,
         speculation_policy: str = "always",
+        early_propose: bool | None = None,
         compile: bool = False,
         compile_config: CompileConfig | None = None,
         tensor_parallel_size: int = 1,
@@ -139,7 +144,9 @@ class LLM:
                 draft_sampling=draft_sampling, speculative_topk=speculative_topk,
                 speculative_num_steps=speculative_num_steps,
                 speculative_num_draft_tokens=speculative_num_draft_tokens,
-                speculation_policy=speculation_policy),
+                speculation_policy=speculation_policy,
+                early_propose=early_propose_default() if early_propose is None
+                else early_propose),
         )
         draft_model = None
         if draft is not None:

@@ -76,13 +76,21 @@ def test_bench_runs_draft_trees_beside_chains(tiny_hf_dir, mt_bench_path, tmp_pa
                  "--prompts", mt_bench_path, "--num-prompts", "2", "--max-tokens", "8",
                  "--max-model-len", "1024", "--batch-sizes", "1", "2", "--variants",
                  "ours_vanilla_eager", "ours_eagle_eager", "--trees", "2:4", "--adaptive",
+                 "--late-propose",
                  "--out-dir", str(out), "--trace-dir", str(tmp_path / "traces")]) == 0
     rows = {(r["engine"], r["batch"]): r for r in
             json.loads((out / "benchmarks.json").read_text())["rows"]}
     tree = "ours EAGLE tree topk 2, 4 tokens, depth 3 eager"
     adaptive = "ours EAGLE k=3 adaptive eager"
+    late = "ours EAGLE k=3 late propose eager"
     assert set(rows) == {(e, b) for e in ("ours vanilla eager", "ours EAGLE k=3 eager", tree,
-                                          adaptive) for b in (1, 2)}
+                                          adaptive, late) for b in (1, 2)}
+    # --late-propose: the chain with early propose off, lossless, every step said late ("off");
+    # eager engines have no early graph, so their steps are late too, and say why.
+    assert rows[(late, 1)]["identical"] == 1.0
+    assert rows[(late, 1)]["extra"]["early_propose"]["late_reasons"].keys() == {"off"}
+    assert "no_graph" in rows[("ours EAGLE k=3 eager", 1)]["extra"]["early_propose"][
+        "late_reasons"]
     # --adaptive: the chain again under speculation_policy="adaptive", lossless, its choices
     # at each batch size in the row
     assert rows[(adaptive, 1)]["identical"] == 1.0
@@ -99,7 +107,7 @@ def test_bench_runs_draft_trees_beside_chains(tiny_hf_dir, mt_bench_path, tmp_pa
     traces = {p.parent.name: p for p in (tmp_path / "traces").glob("*/*.pt.trace.json")}
     assert set(traces) == {"ours_vanilla_eager", "ours_EAGLE_k_3_eager",
                            "ours_EAGLE_tree_topk_2__4_tokens__depth_3_eager",
-                           "ours_EAGLE_k_3_adaptive_eager"}
+                           "ours_EAGLE_k_3_adaptive_eager", "ours_EAGLE_k_3_late_propose_eager"}
     from compiled_spec.profile import phase_latencies
     lat = phase_latencies(str(traces["ours_EAGLE_tree_topk_2__4_tokens__depth_3_eager"]))
     assert lat["propose"]["count"] > 0 and lat["verify"]["count"] > 0

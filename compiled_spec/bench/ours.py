@@ -26,6 +26,7 @@ class Variant:
     compile: bool
     tree: tuple[int, int] | None = None  # EAGLE-2 draft tree: (topk, verified tokens incl. root)
     policy: str = "always"  # speculation_policy
+    early_propose: bool = True  # False: every proposal launched after the acceptance is read
 
 
 def _kv_blocks(prompts: list[list[int]], batch: int, max_tokens: int, k: int, page: int) -> int:
@@ -53,6 +54,8 @@ def build_engine(v: Variant, kw: dict[str, Any], prompts: list[list[int]],
         kw.update(speculative_topk=v.tree[0], speculative_num_draft_tokens=v.tree[1])
     if v.policy != "always":
         kw["speculation_policy"] = v.policy
+    if v.draft is not None:
+        kw["early_propose"] = v.early_propose
     # Size the KV pool from the prompts, so the reported peak memory is this run's need (a
     # tree writes every node's KV at its own slot past the last token).
     k = (v.tree[1] if v.tree else kw.get("num_speculative_tokens", 0)) if v.draft else 0
@@ -84,6 +87,8 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
             "verify", target.run_tree_host)
     if runner.proposer is not None:
         runner.proposer.propose = timer.wrap("propose", runner.proposer.propose)
+    if getattr(runner, "early", None) is not None:  # chain steps proposing before the D2H read
+        runner.early.propose = timer.wrap("propose", runner.early.propose)
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     warm = SamplingParams(max_tokens=min(16, max_tokens), temperature=0.0, ignore_eos=True)
     rows, batch1_out = [], []
@@ -102,6 +107,7 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
         spec, es = llm.stats.spec, llm.stats
         d0, a0 = spec.num_drafting_steps, spec.num_accepted_tokens
         n0, s0, w0 = es.num_steps, es.step_s, es.host_wait_s
+        ep0 = es.early_propose.as_dict() if es.early_propose is not None else None
         sync(dev)
         t0 = time.perf_counter()
         if b == 1:
@@ -121,6 +127,13 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
         if es.num_steps > n0:  # untraced: engine step time and the host's wait for the GPU in it
             row.extra["step_ms"] = round(1e3 * (es.step_s - s0) / (es.num_steps - n0), 4)
             row.extra["host_wait_ms"] = round(1e3 * (es.host_wait_s - w0) / (es.num_steps - n0), 4)
+        if ep0 is not None:  # steps that proposed before / after the acceptance was read
+            ep = es.early_propose.as_dict()
+            row.extra["early_propose"] = {
+                "early": ep["early"] - ep0["early"], "late": ep["late"] - ep0["late"],
+                "late_reasons": {r: n - ep0["late_reasons"].get(r, 0)
+                                 for r, n in ep["late_reasons"].items()
+                                 if n > ep0["late_reasons"].get(r, 0)}}
         if llm.stats.policy is not None:  # what the adaptive policy chose at this batch
             from compiled_spec.spec.policy import bucket_of
 

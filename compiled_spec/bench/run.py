@@ -33,10 +33,13 @@ TINY = dict(LLAMA8B, vocab_size=49152, hidden_size=64, intermediate_size=128,
 
 
 def _variants(names: list[str], draft: str | None, k: int,
-              trees: list[tuple[int, int]] = (), adaptive: bool = False) -> list[Variant]:
+              trees: list[tuple[int, int]] = (), adaptive: bool = False,
+              late_propose: bool = False) -> list[Variant]:
     """Our engines to run; each EAGLE variant also runs once per draft tree of ``trees``
-    ((topk, tokens): EAGLE-2 trees of depth k), and with ``adaptive`` once more as a chain under
-    speculation_policy="adaptive", in the same compile mode."""
+    ((topk, tokens): EAGLE-2 trees of depth k), with ``adaptive`` once more as a chain under
+    speculation_policy="adaptive", and with ``late_propose`` once more as a chain whose
+    proposals all launch after the acceptance is read (early_propose=False), in the same
+    compile mode."""
     out = []
     for n in names:
         if n not in OURS:
@@ -47,6 +50,9 @@ def _variants(names: list[str], draft: str | None, k: int,
         mode = " compiled + graphs" if n.endswith("compiled") else " eager"
         label = (f"ours EAGLE k={k}" if spec else "ours vanilla") + mode
         out.append(Variant(label, draft if spec else None, n.endswith("compiled")))
+        if spec and late_propose:
+            out.append(Variant(f"ours EAGLE k={k} late propose" + mode, draft,
+                               n.endswith("compiled"), early_propose=False))
         if spec and adaptive:
             out.append(Variant(f"ours EAGLE k={k} adaptive" + mode, draft, n.endswith("compiled"),
                                policy="adaptive"))
@@ -124,7 +130,8 @@ def run_bench(a: argparse.Namespace) -> int:
     merged = [json.loads(Path(p).read_text()) for p in a.merge or []]
     # Chat-encoded once; every engine (ours and transformers) gets the same ids.
     prompts = encode_chat(load_tokenizer(a.tokenizer or model), texts)
-    rows, outs = bench_ours(_variants(names, draft, k, a.trees, a.adaptive), kw, prompts, batch_sizes,
+    rows, outs = bench_ours(_variants(names, draft, k, a.trees, a.adaptive,
+                                      getattr(a, "late_propose", False)), kw, prompts, batch_sizes,
                             a.max_tokens, Path(a.trace_dir) if a.trace_dir else None)
     # The reference for "same output": our vanilla eager batch-1 outputs, from this run or a
     # merged one (a device call is capped at 10 minutes, so a full run spans several calls).
@@ -206,6 +213,9 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--adaptive", action="store_true",
                    help="also run each EAGLE chain with speculation_policy='adaptive' (drafting "
                    "pauses where plain decoding measures faster)")
+    b.add_argument("--late-propose", action="store_true",
+                   help="also run each EAGLE chain with early_propose=False (every proposal "
+                   "launched after the host reads the step's acceptance), to compare")
     b.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64],
                    help="batch sizes for our engines (transformers runs batch 1)")
     b.add_argument("--tokenizer", default=None)

@@ -78,6 +78,12 @@ class LLMEngine:
         self.stats = EngineStats()
         if cfg.spec is not None and cfg.spec.speculation_policy == "adaptive":
             self.stats.policy = SpecPolicy()
+        early = self.runner.early if draft is not None else None
+        if early is not None:
+            early.enabled = cfg.spec.early_propose
+            # The policy picks a step's mode after its acceptance: such steps propose late.
+            early.may_pause = self.stats.policy is not None
+            self.stats.early_propose = early.stats
         self._mode_prev = SPEC  # the last proposal's mode: what this step verifies
         self._obs: tuple[int, str, float] | None = None  # this step, if steady: (B, mode, tau)
 

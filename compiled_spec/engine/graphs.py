@@ -35,6 +35,7 @@ from capture.host_stage import HostBatch
 from compiled_spec.attention_metadata import AttentionMetadata
 from compiled_spec.engine.batch import host_batch_to_device
 from compiled_spec.engine.model_runner import ModelRunner
+from compiled_spec.engine.early_propose_graph import EarlyProposeGraphs
 from compiled_spec.engine.propose_graph import ProposeGraphs
 from compiled_spec.engine.tree_graphs import TreeProposeGraphs, register_tree_verify, tree_live
 
@@ -138,6 +139,7 @@ class EngineGraphs:
         self.target = GraphedTarget(target_fn, decode, verify, k + 1, tree_verify,
                                     single_via_verify=k > 0)
         self.propose: ProposeGraphs | TreeProposeGraphs | None = None
+        self.propose_early: EarlyProposeGraphs | None = None
         prop = runner.proposer
         if prop is None:
             return
@@ -151,6 +153,10 @@ class EngineGraphs:
                                      policy.seq_len_buckets[-1], dtype,
                                      pool=self.registry.pool, emulate=emulate, strict=strict)
         self.registry.runners[ProposeGraphs.name] = self.propose  # type: ignore[assignment]
+        # Early propose (engine/early_propose.py): its own graphs, captured only when it is on.
+        if runner.early is not None and runner.early.enabled:
+            self.propose_early = EarlyProposeGraphs(self.propose)
+            self.registry.runners[EarlyProposeGraphs.name] = self.propose_early  # type: ignore
 
     @property
     def required(self) -> list[str]:

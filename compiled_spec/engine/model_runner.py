@@ -15,6 +15,7 @@ import torch
 
 from capture.host_stage import HostBatch
 from compiled_spec.engine.batch import Span, build_host_batch, host_batch_to_device, to_device
+from compiled_spec.engine.early_propose import EarlyPropose, EarlyStep, HostCopy
 from compiled_spec.engine.logprobs import gather_logprobs
 from compiled_spec.engine.request import Request
 from compiled_spec.kv_cache import BlockAllocator, KVCacheExhausted
@@ -87,22 +88,29 @@ class ModelRunner:
         self._draft_probs: torch.Tensor | None = None  # [B_prev, k, V] when drafts are sampled
         self._draft_row: dict[int, int] = {}  # req_id -> row in the tensors above
         self._pending: _Pending | None = None
+        # Chain steps propose before the host reads their acceptance (engine/early_propose.py).
+        self.early: EarlyPropose | None = EarlyPropose(self)
+        self._early_step: EarlyStep | None = None  # this step's, until ``propose`` takes it
         # Seconds the host spent blocked in the step's device-to-host copy, i.e. waiting for
         # the GPU: a step whose wait is a small share of its time is host-bound (stats).
         self.host_wait_s = 0.0
 
-    def to_host(self, t: torch.Tensor, numpy: bool = False) -> list | np.ndarray:
+    def to_host(self, t: torch.Tensor | HostCopy, numpy: bool = False) -> list | np.ndarray:
         """The step's one device-to-host copy (a list, or an array for ``numpy``); the time it
-        blocks is counted."""
+        blocks is counted. A ``HostCopy`` was issued earlier: this waits for it."""
         t0 = time.perf_counter()
-        out = t.cpu().numpy() if numpy else t.tolist()
+        if isinstance(t, HostCopy):
+            host = t.wait()
+            out = host.numpy() if numpy else host.tolist()
+        else:
+            out = t.cpu().numpy() if numpy else t.tolist()
         self.host_wait_s += time.perf_counter() - t0
         return out
 
     def reset(self) -> None:
         """Forget the last proposal and pending hidden states (after a step raised, or requests
         were aborted mid-step): the next step verifies no drafts, which stays exact."""
-        self._drafts = self._draft_probs = self._pending = None
+        self._drafts = self._draft_probs = self._pending = self._early_step = None
         self._draft_row = {}
 
     def num_drafts_for(self, req: Request) -> int:
@@ -131,10 +139,18 @@ class ModelRunner:
                     and self.proposer.graph is not None
                     and max(s.length for s in spans) <= self.k + 1):
                 self.proposer.precombine(aux)
+        target_hidden = aux if self.aux_layer_ids else hidden
+        # Staged while the verify runs; None: this step proposes late (the reason counted).
+        early = None if self.early is None else self.early.plan(reqs, num_new, num_draft,
+                                                                row_start)
         with phase("rejection_sample"):
-            new_tokens = self._accept(reqs, logits, num_draft)
-        self._pending = _Pending(hidden=aux if self.aux_layer_ids else hidden, spans=spans,
-                                 row_start=row_start, num_draft=num_draft)
+            if early is not None:
+                new_tokens = self.early.accept(early, logits, target_hidden)
+            else:
+                new_tokens = self._accept(reqs, logits, num_draft)
+        self._early_step = early
+        self._pending = None if early is not None else _Pending(
+            hidden=target_hidden, spans=spans, row_start=row_start, num_draft=num_draft)
         lp = None
         if any(r.params.logprobs is not None for r in reqs):
             lp = gather_logprobs(list(logits), new_tokens, [r.params.logprobs for r in reqs])
@@ -262,8 +278,11 @@ class ModelRunner:
         complete; the next step verifies nothing.
         """
         self._draft_row = {}
-        pend = self._pending
-        self._pending = None
+        pend, early = self._pending, self._early_step
+        self._pending = self._early_step = None
+        if early is not None:  # proposed already, before the acceptance was read
+            self.early.finish(early, reqs, accepted, draft)
+            return
         if self.proposer is None or pend is None:
             return
         by_id = {s.req_id: (s, rs, kd) for s, rs, kd in zip(pend.spans, pend.row_start, pend.num_draft)}

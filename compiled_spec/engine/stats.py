@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from compiled_spec.engine.early_propose import EarlyProposeStats
 from compiled_spec.spec.metrics import SpecStats
 from compiled_spec.spec.policy import SpecPolicy
 
@@ -27,4 +28,7 @@ class EngineStats:
     host_wait_s: float = 0.0
     # speculation_policy="adaptive": its choices and estimates per batch bucket (.summary())
     policy: SpecPolicy | None = None
+    # Chain engines: steps that proposed before the host read their acceptance, and the late
+    # ones with why (engine/early_propose.py); None for vanilla and draft-tree engines.
+    early_propose: EarlyProposeStats | None = None
     spec: SpecStats = field(default_factory=SpecStats)

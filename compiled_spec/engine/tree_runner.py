@@ -43,6 +43,7 @@ class TreeModelRunner(ModelRunner):
         self.proposer = TreeProposer(self.proposer, tree)
         self.k = tree.num_steps
         self.lookahead = tree.lookahead
+        self.early = None  # early propose covers chains only (engine/early_propose.py)
         self._tree: DraftTree | None = None
         self._tree_row: dict[int, int] = {}
         self._compact = KVCompactor()  # one launch for every layer on a GPU

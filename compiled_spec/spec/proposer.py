@@ -23,6 +23,7 @@ from compiled_spec.kv_cache import BlockAllocator
 from compiled_spec.spec.rejection import sample_draft
 
 if TYPE_CHECKING:
+    from compiled_spec.engine.early_propose_graph import EarlyProposeGraphs
     from compiled_spec.engine.propose_graph import ProposeGraphs
 
 
@@ -54,6 +55,8 @@ class EagleProposer:
         # When set (compiled mode on CUDA), the whole propose replays as one CUDA graph per
         # batch size; calls it cannot take run the path below (and are counted there).
         self.graph: "ProposeGraphs | None" = None
+        # Its variant for steps whose acceptance is still on the device (engine/early_propose.py).
+        self.early_graph: "EarlyProposeGraphs | None" = None
         # Capture the first pass alone too (engines that may pause drafting: adaptive policy).
         self.capture_sync = False
         # (target_hidden, its fc output) issued early by ``precombine``, taken by ``combine``.

@@ -45,12 +45,22 @@ _REPLAY_S = [0.0]
 _SYNC_END: list[float | None] = [None]
 _CRIT_S = [0.0]
 _CRIT_PROF: list[cProfile.Profile | None] = [None]  # --cprofile-critical: that path alone
+# From the same copy to the next TARGET replay: the host's whole turnaround. A step that
+# proposed early (engine/early_propose.py) has its draft queued on the GPU during it, so its
+# GPU idles only for what this exceeds the draft's GPU time; a late step idles through
+# sync_to_launch, then again wherever the rest outlasts the draft.
+_SYNC_END_T: list[float | None] = [None]
+_CRIT_T_S = [0.0]
+_PROPOSE_GRAPHS: set[int] = set()  # ids of the propose graphs' (emulated) graph objects
 _orig_replay = EmulatedGraph.replay
 
 
 def _timed_replay(self: EmulatedGraph) -> None:
     _IN_REPLAY[0] += 1
     t0 = time.perf_counter()
+    if _SYNC_END_T[0] is not None and id(self) not in _PROPOSE_GRAPHS:
+        _CRIT_T_S[0] += t0 - _SYNC_END_T[0]
+        _SYNC_END_T[0] = None
     if _SYNC_END[0] is not None:
         _CRIT_S[0] += t0 - _SYNC_END[0]
         _SYNC_END[0] = None
@@ -60,7 +70,10 @@ def _timed_replay(self: EmulatedGraph) -> None:
         with _disable_current_modes():  # a replay is one launch, and Dynamo refuses the mode
             _orig_replay(self)
     finally:
-        _REPLAY_S[0] += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        _REPLAY_S[0] += dt
+        if _SYNC_END_T[0] is not None:  # a replay is one launch: its emulated run is no host work
+            _SYNC_END_T[0] += dt
         _IN_REPLAY[0] -= 1
 
 
@@ -127,6 +140,9 @@ def measure(name: str, llm: LLM, k: int, batch: int, tokens: int, ops: bool,
                            max_model_len=cfg.max_model_len, batch_sizes=(batch,),
                            seq_len_buckets=(cfg.max_model_len,))
     graphs = capture_graphs(llm.engine.runner, models, policy, cfg.cache.page_size, emulate=True)
+    _PROPOSE_GRAPHS.clear()
+    for pg in (graphs.propose, graphs.propose_early):
+        _PROPOSE_GRAPHS.update(id(g) for g, _ in (pg._graphs.values() if pg is not None else ()))
     sp = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     prompts = [[3, 7, 1, 9, 2, 4][: 3 + i % 3] + [i % 29 + 1] for i in range(batch)]
     llm.generate(prompts, sp, use_tqdm=False)  # warm: Dynamo guards, allocator, graphs
@@ -136,7 +152,7 @@ def measure(name: str, llm: LLM, k: int, batch: int, tokens: int, ops: bool,
 
     def timed_to_host(*args, **kwargs):
         out = to_host(*args, **kwargs)
-        _SYNC_END[0] = time.perf_counter()
+        _SYNC_END[0] = _SYNC_END_T[0] = time.perf_counter()
         if _CRIT_PROF[0] is not None:
             _CRIT_PROF[0].enable()
         return out
@@ -145,12 +161,14 @@ def measure(name: str, llm: LLM, k: int, batch: int, tokens: int, ops: bool,
     for p in prompts:
         eng.add_request(p, sp)
     eng.step()  # prefill (not a decode step)
-    _SYNC_END[0] = None
+    _SYNC_END[0] = _SYNC_END_T[0] = None
     host_ms, replay_ms, crit_ms, counter = [], [], [], OpCounter(by_frame)
+    crit_t_ms = []
     tokens_before = eng.stats.num_decode_tokens
     steps = 0
     while eng.has_unfinished():
-        _REPLAY_S[0] = _CRIT_S[0] = 0.0  # a copy's path to the next launch may span steps
+        # a copy's path to the next launch may span steps
+        _REPLAY_S[0] = _CRIT_S[0] = _CRIT_T_S[0] = 0.0
         t0 = time.perf_counter()
         if prof is not None:
             prof.enable()
@@ -165,16 +183,20 @@ def measure(name: str, llm: LLM, k: int, batch: int, tokens: int, ops: bool,
         host_ms.append((wall - _REPLAY_S[0]) * 1e3)
         replay_ms.append(_REPLAY_S[0] * 1e3)
         crit_ms.append(_CRIT_S[0] * 1e3)
+        crit_t_ms.append(_CRIT_T_S[0] * 1e3)
         steps += 1
     emitted = eng.stats.num_decode_tokens - tokens_before
     row = {"variant": name, "batch": batch, "k": k, "steps": steps, "tokens": emitted,
            "host_ms_per_step_median": statistics.median(host_ms),
            "host_ms_per_step_p90": sorted(host_ms)[int(0.9 * (len(host_ms) - 1))],
            "replay_ms_per_step_median": statistics.median(replay_ms),
-           "sync_to_launch_ms_median": statistics.median(crit_ms)}
+           "sync_to_launch_ms_median": statistics.median(crit_ms),
+           "sync_to_target_launch_ms_median": statistics.median(crit_t_ms)}
     st = graphs.stats()
     row["replays_per_step"] = round(st["replayed"] / max(1, steps), 2)
     row["without_graph"] = st["without_graph"]
+    if eng.stats.early_propose is not None:  # cumulative, the warm-up run included
+        row["early_propose"] = eng.stats.early_propose.as_dict()
     if ops:
         row["aten_ops_per_step"] = round(sum(counter.ops.values()) / steps, 1)
         row["top_ops"] = {o: round(n / steps, 2) for o, n in counter.ops.most_common(40)}
@@ -207,7 +229,10 @@ def main() -> None:
     target, head, tok = fixtures(Path(a.fixtures), a.tokenizer)
     rows = []
     for batch in a.batch:
-        variants = [("vanilla", None, 0, {}), ("eagle3_k5", head, 5, {})]
+        # eagle3_k5: chain steps propose before the acceptance is read (early_propose, the
+        # default); eagle3_k5_late: after it, as before issue 16.
+        variants = [("vanilla", None, 0, {}), ("eagle3_k5", head, 5, {}),
+                    ("eagle3_k5_late", head, 5, {"early_propose": False})]
         if a.trees:  # issue 15: a tree step's host work against the chain's
             variants += [("tree_topk4_16", head, 5, {"speculative_topk": 4,
                                                       "speculative_num_draft_tokens": 16}),

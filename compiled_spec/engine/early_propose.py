@@ -1,0 +1,184 @@
+"""Early propose (issues 14/16): a chain step launches its next proposal BEFORE the host reads
+the step's acceptance, so the draft runs on the GPU while the host does the step's bookkeeping.
+
+Late (the default path before this): verify -> device-to-host copy of the acceptance -> host
+bookkeeping (token appends, stop checks) -> stage the proposal -> launch it; the GPU idles from
+the copy to that launch. Early: verify -> argmax and the verified drafts into one static buffer
+-> their copy to the host, issued without waiting -> the propose graph of
+``early_propose_graph`` (it computes the acceptance itself from that buffer) -> only then the
+host waits for the copy. The engine's later ``propose`` call only records which requests go on.
+
+A step takes the early path when it is a pure greedy chain step: every request verifies k drafts
+(one query token plus k), no logprobs, a captured early graph fits, the engine may not pause
+drafting (the adaptive policy decides after the step) and every request's KV blocks can be grown
+for the worst case (all k accepted) now. Any other step runs the late path unchanged, and
+``EarlyProposeStats`` says why: no step falls back silently. Sampled requests (rejection
+sampling) are not covered yet: they run late ("sampling").
+
+Requests that finish in an early step had their drafts computed anyway: the drafts are dropped;
+their draft-KV writes land in their own blocks, in stream order before anything can reuse them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from compiled_spec.engine.request import Request
+from compiled_spec.profile import phase
+
+if TYPE_CHECKING:
+    from compiled_spec.engine.early_propose_graph import EarlyProposeGraphs
+    from compiled_spec.engine.model_runner import ModelRunner
+
+
+@dataclass
+class EarlyProposeStats:
+    early: int = 0  # drafting steps whose proposal launched before the acceptance was read
+    late: int = 0  # steps of a speculative engine that ran the late path ...
+    late_reasons: dict[str, int] = field(default_factory=dict)  # ... and why
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"early": self.early, "late": self.late, "late_reasons": dict(self.late_reasons)}
+
+
+@dataclass
+class EarlyStep:
+    """A step whose proposal is launched (or about to be) before its acceptance is read."""
+
+    size: int  # the captured batch size it replays
+    index: dict[int, int]  # req_id -> its row in this step (and in the drafts)
+    starts: list[int]  # per request: the first verified position (its last token's)
+    same_rows: bool  # the last proposal's draft rows are this step's rows, in order
+    drafts: torch.Tensor | None = None  # [n, k]
+    probs: torch.Tensor | None = None  # [n, k, V] when drafts are sampled
+
+
+class HostCopy:
+    """A device-to-host copy issued without waiting: a pinned destination, an event after it
+    (on the CPU the copy is done when issued)."""
+
+    def __init__(self, src: torch.Tensor, dst: torch.Tensor,
+                 event: "torch.cuda.Event | None") -> None:
+        dst.copy_(src.reshape(-1), non_blocking=True)
+        if event is not None:
+            event.record()
+        self.dst, self.event = dst, event
+
+    def wait(self) -> torch.Tensor:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.dst
+
+
+class EarlyPropose:
+    """The runner's early path: ``plan`` (after the verify is launched), ``accept`` (in place of
+    ``ModelRunner._accept``), ``finish`` (in place of ``ModelRunner.propose``)."""
+
+    def __init__(self, runner: "ModelRunner", enabled: bool = True) -> None:
+        self.runner = runner
+        self.enabled = enabled  # the switch (SpecConfig.early_propose); off: every step late
+        self.may_pause = False  # the engine's adaptive policy may pause drafting after a step
+        self.stats = EarlyProposeStats()
+        self._event = torch.cuda.Event() if runner.device.type == "cuda" else None
+
+    def _late(self, why: str) -> None:
+        self.stats.late += 1
+        self.stats.late_reasons[why] = self.stats.late_reasons.get(why, 0) + 1
+        return None
+
+    @property
+    def graph(self) -> "EarlyProposeGraphs | None":
+        prop = self.runner.proposer
+        return None if prop is None else getattr(prop, "early_graph", None)
+
+    def plan(self, reqs: list[Request], num_new: list[int], num_draft: list[int],
+             row_start: list[int]) -> EarlyStep | None:
+        """Whether this step proposes early (None: late, the reason counted); if so, its
+        blocks are grown for the worst case and the graph's inputs staged and uploaded."""
+        r = self.runner
+        if r.proposer is None:
+            return None
+        if not self.enabled:
+            return self._late("off")
+        g = self.graph
+        if g is None:
+            return self._late("no_graph")
+        if self.may_pause:
+            return self._late("adaptive_policy")
+        k = r.k
+        if max(num_new) != 1 or min(num_draft) != k:
+            return self._late("not_chain")  # prefill rows, or a request verifying < k drafts
+        if not all(q.params.greedy for q in reqs):
+            return self._late("sampling")
+        if any(q.params.logprobs is not None for q in reqs):
+            return self._late("logprobs")
+        size = g.graph_size(len(reqs))
+        if size is None:
+            return self._late("size")
+        alloc = r.allocator
+        # Worst case: all k drafts accepted (n_tok = num_tokens + k + 1), then k more
+        # positions for the next proposal, as ModelRunner.propose grows them.
+        wants = [min(q.num_tokens + 2 * k + 1, r._grow_cap(q)) for q in reqs]
+        need = sum(max(0, alloc.blocks_for(w) - len(alloc.tables.get(q.req_id, ())))
+                   for q, w in zip(reqs, wants))
+        if need > alloc.num_free:
+            return self._late("kv_exhausted")
+        for q, w in zip(reqs, wants):
+            alloc.grow(q.req_id, w)
+        starts = [q.num_computed for q in reqs]
+        draft_rows = [r._draft_row[q.req_id] for q in reqs]
+        why = g.stage(size, starts, [alloc.tables[q.req_id] for q in reqs], row_start,
+                      draft_rows, [q.max_total_tokens for q in reqs], [q.seed for q in reqs],
+                      [q.params.temperature for q in reqs])
+        if why is not None:
+            return self._late(why)
+        return EarlyStep(size=size, index={q.req_id: i for i, q in enumerate(reqs)},
+                         starts=starts, same_rows=draft_rows == list(range(len(reqs))))
+
+    def accept(self, step: EarlyStep, logits: torch.Tensor,  # [n, k+1, V]
+               target_hidden: torch.Tensor | list[torch.Tensor]) -> list[list[int]]:
+        """Greedy acceptance with the proposal launched before the host reads it: the tokens
+        per request (accepted drafts, then the target's next token)."""
+        r, g, k = self.runner, self.graph, self.runner.k
+        n = logits.shape[0]
+        target = logits.argmax(dim=-1)  # [n, k+1]
+        drafts = r._drafts[:n] if step.same_rows else r._drafts.index_select(
+            0, g.draft_rows(n))  # [n, k] the drafts this step verified
+        acc = g.acc[:n]  # [n, 2k+1]
+        torch.cat([target, drafts], dim=1, out=acc)
+        copy = HostCopy(acc, g.acc_host[:acc.numel()], self._event)  # the step's one D2H
+        with phase("propose"):
+            step.drafts, step.probs = self.propose(step.size, n, target_hidden)
+        flat = r.to_host(copy, numpy=True).reshape(n, 2 * k + 1).tolist()
+        out = []
+        for row in flat:  # the graph's rule: leading drafts equal to the argmax
+            a = 0
+            while a < k and row[k + 1 + a] == row[a]:
+                a += 1
+            out.append(row[:a + 1])
+        self.stats.early += 1
+        return out
+
+    def propose(self, size: int, n: int, target_hidden: torch.Tensor | list[torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The replay (its own method so the benchmark can time it as the step's propose)."""
+        return self.graph.replay(size, n, target_hidden)
+
+    def finish(self, step: EarlyStep, reqs: list[Request], accepted: dict[int, int],
+               draft: bool) -> None:
+        """``ModelRunner.propose`` for an early step: nothing to launch, only which requests go
+        on with the drafts, and how far their draft KV is valid (as the late path sets them)."""
+        r = self.runner
+        r._drafts, r._draft_probs = step.drafts, step.probs
+        r._draft_row = {}
+        for q in reqs:
+            i = step.index.get(q.req_id)
+            if i is None or not q.spec_enabled:
+                continue
+            if min(r.k, q.max_total_tokens - q.num_tokens - 1) <= 0:
+                continue  # nothing left to verify: the late path skips it too
+            q.draft_computed = step.starts[i] + accepted[q.req_id] + 1
+            if draft:
+                r._draft_row[q.req_id] = i

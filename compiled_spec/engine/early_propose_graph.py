@@ -1,0 +1,239 @@
+"""The propose graph of a chain step whose acceptance is still on the device (early propose).
+
+``ProposeGraphs`` needs each request's accepted count on the host: it stages the first pass over
+exactly the accepted positions. Here the propose is launched BEFORE the host reads the step's
+acceptance, so the draft runs on the GPU while the host does the step's bookkeeping (vLLM's
+async scheduling with a padded drafter batch, SGLang's overlap scheduler). The host stages every
+request's k + 1 verified positions as if all were accepted, and the graph itself decides from the
+target's argmax and the drafts that were verified:
+
+* n_acc [B] = leading drafts equal to the argmax (greedy verification, as the host does it);
+  m = n_acc + 1 accepted target positions.
+* first pass: a FIXED stride of k + 1 query rows per request (row j at position start + j,
+  token argmax[j], seq_len start + k + 1). Rows j >= m get slot -1: they write no KV, and under
+  the causal mask a live row j attends keys <= start + j only, all written by rows <= j. Rows
+  >= m compute garbage that nothing reads. ``last`` = b * (k + 1) + m - 1.
+* loop step s (1..k-1): position start + m - 1 + s, live below the request's limit
+  n_tok - 2 + k_next (as ``ModelRunner.propose``: n_tok = start + 1 + m, k_next = min(k,
+  max_total - n_tok - 1)); its slot is looked up in the staged block table on the device.
+
+Every request's blocks must already cover the worst case (all k accepted): the caller grows them.
+Padded sequences: slots -1, q_len 0 in both passes (as ``capture.pad``), seq_len 0 in the loop.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from capture.cuda_graphs import capture_graph
+from capture.emulate import emulate_graph
+from capture.host_stage import put, staging
+from capture.pad import LiveBatch
+from compiled_spec.attention_metadata import AttentionMetadata
+from compiled_spec.engine.propose_graph import _Layout
+
+if TYPE_CHECKING:
+    from compiled_spec.engine.propose_graph import ProposeGraphs
+
+
+class EarlyProposeGraphs:
+    name = "draft_propose_early"
+
+    def __init__(self, base: "ProposeGraphs") -> None:
+        # The late graphs' proposer, sizes, pool and fc output buffer are shared: one step
+        # replays one of the two, never both.
+        self.base, self.prop = base, base.prop
+        self.k, self.q, self.steps = base.k, base.q, base.steps
+        self.sizes, self.bucket, self.max_blocks = base.sizes, base.bucket, base.max_blocks
+        self.page = base.allocator.page_size
+        self.device = base.device
+        bm, tm, w, k = self.sizes[-1], self.sizes[-1] * self.q, self.max_blocks, self.k
+        self.l64 = _Layout([("positions", tm), ("slots", tm), ("rows", tm), ("draft_rows", bm),
+                            ("start", bm), ("max_total", bm), ("seeds", bm)])
+        self.l32 = _Layout([("seq_lens", bm), ("qsl", bm + 1), ("tables", bm * w),
+                            ("loop_qsl", bm + 1), ("live", bm), ("temperature", bm)])
+        self.t64, self.h64 = staging(self.l64.size, torch.int64, self.device)
+        self.t32, self.h32 = staging(self.l32.size, torch.int32, self.device)
+        self.d64 = torch.zeros(self.l64.size, dtype=torch.int64, device=self.device)
+        self.d32 = torch.zeros(self.l32.size, dtype=torch.int32, device=self.device)
+        # [bm, 2k + 1]: per request the target's argmax over its k + 1 verified rows, then the
+        # k drafts it verified; written before the replay, read by it and copied to the host.
+        self.acc = torch.zeros(bm, 2 * k + 1, dtype=torch.int64, device=self.device)
+        self.acc_host, self.acc_np = staging(bm * (2 * k + 1), torch.int64, self.device)
+        self._j = torch.arange(self.q, device=self.device)  # [k+1] row in a request's stride
+        self._s = torch.arange(1, max(self.steps, 0) + 1, device=self.device)  # [k-1] loop steps
+        self._row0 = torch.arange(bm, device=self.device) * self.q  # [bm] first row per request
+        self._graphs: dict[int, tuple[Any, Any]] = {}
+        self.capture_failures: list[dict[str, Any]] = []
+        self.graph_replays = self.padded_rows = 0
+
+    # ---- GraphRunner-compatible surface ----------------------------------------------------
+    @property
+    def enabled(self) -> bool:
+        return self.base.enabled
+
+    @property
+    def captured_sizes(self) -> list[int]:
+        return sorted(self._graphs)
+
+    def stats(self) -> dict[str, Any]:
+        # Steps that could not take this graph ran the late one: ModelRunner.early counts why.
+        return {"graph_replays": self.graph_replays, "padded_rows": self.padded_rows,
+                "eager_fallbacks": 0, "fallback_reasons": {},
+                "captured_sizes": self.captured_sizes,
+                "captured_graphs": [(b, self.bucket) for b in self.captured_sizes],
+                "capture_failures": list(self.capture_failures)}
+
+    def graph_size(self, n: int) -> int | None:
+        return next((s for s in self.sizes if s >= n and s in self._graphs), None)
+
+    # ---- the captured computation ------------------------------------------------------------
+    def _views(self, b: int) -> dict[str, Any]:
+        t, w = b * self.q, self.max_blocks
+        g64 = lambda name, n: self.l64.seg(self.d64, name, n)  # noqa: E731
+        g32 = lambda name, n: self.l32.seg(self.d32, name, n)  # noqa: E731
+        return {"b": b, "positions": g64("positions", t), "slots": g64("slots", t),
+                "rows": g64("rows", t), "start": g64("start", b),
+                "max_total": g64("max_total", b), "seeds": g64("seeds", b),
+                "seq_lens": g32("seq_lens", b), "qsl": g32("qsl", b + 1),
+                "tables": g32("tables", b * w).view(b, w), "loop_qsl": g32("loop_qsl", b + 1),
+                "live": g32("live", b), "acc": self.acc[:b],
+                "temperature": g32("temperature", b).view(torch.float32)}
+
+    def _body(self, v: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        p, k, q, b = self.prop, self.k, self.q, v["b"]
+        target, verified = v["acc"][:, :q], v["acc"][:, q:]  # [b, k+1], [b, k]
+        # int64 before the scan: a bool cumprod relies on the op promoting it on every backend
+        n_acc = (verified == target[:, :k]).long().cumprod(dim=1).sum(dim=1)  # [b]
+        m = n_acc + 1  # [b] accepted target positions
+        live_row = (self._j[None, :] < m[:, None]).reshape(-1)  # [b*(k+1)]
+        tables = v["tables"]  # [b, W]
+        meta = AttentionMetadata(
+            slot_mapping=torch.where(live_row, v["slots"], -1), block_tables=tables,
+            seq_lens=v["seq_lens"], query_start_loc=v["qsl"], max_query_len=q,
+            max_seq_len=self.bucket)
+        hidden = self.base.hidden.index_select(0, v["rows"])  # [b*(k+1), h]
+        feed, for_logits = p.step_fn(target.reshape(-1), hidden, v["positions"],
+                                     {n: meta for n in p.layer_names})  # [b*(k+1), h] each
+        last = self._row0[:b] + m - 1  # [b] the row each request's chain continues from
+        tok, pq = p._pick(p.draft.compute_logits(for_logits[last]), v["temperature"],
+                          v["seeds"], v["positions"][last] + 2)
+        if self.steps == 0:
+            return tok[:, None], (pq[:, None] if p.sample_drafts else None)
+        start, live = v["start"], v["live"] != 0  # [b]
+        n_tok = start + 1 + m
+        k_next = torch.clamp(torch.clamp(v["max_total"] - n_tok - 1, max=k), min=0)
+        limit = n_tok - 2 + k_next  # [b] positions >= this are inert in the loop
+        pos = (start + m - 1)[None, :] + self._s[:, None]  # [k-1, b]
+        writes = (pos < limit[None, :]) & live[None, :]
+        pos = torch.where(pos < limit[None, :], pos, (limit - 1)[None, :]).clamp(min=0)
+        col = (pos // self.page).clamp(max=self.max_blocks - 1)  # [k-1, b]
+        block = tables.gather(1, col.t()).t().long()  # [k-1, b]
+        slots = torch.where(writes, block * self.page + pos % self.page, -1)
+        lens = torch.where(live[None, :], pos + 1, 0).to(torch.int32)  # [k-1, b]
+        rest, rest_q = p.run_loop(LiveBatch(
+            input_ids=tok, positions=pos,
+            meta=AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=lens,
+                                   query_start_loc=v["loop_qsl"], max_query_len=1,
+                                   max_seq_len=self.bucket),
+            extras={"feed": feed[last], "temperature": v["temperature"], "seeds": v["seeds"]}))
+        drafts = torch.cat([tok[:, None], rest], dim=1)  # [b, k]
+        return drafts, (torch.cat([pq[:, None], rest_q], dim=1) if p.sample_drafts else None)
+
+    # ---- start-up ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture(self) -> None:
+        if not self.enabled:
+            return
+        for b in reversed(self.sizes):  # largest first: smaller graphs reuse the pool
+            try:
+                self._capture_one(b)
+            except Exception as e:  # recorded, warned (or raised when strict), never silent
+                self.capture_failures.append({"size": b, "max_seq_len": self.bucket,
+                                              "error": f"{type(e).__name__}: {e}"})
+                if self.base.strict:
+                    raise
+                import warnings
+                warnings.warn(f"{self.name}: CUDA graph capture failed for batch {b}: "
+                              f"{type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
+
+    def _capture_one(self, b: int) -> None:
+        h64, h32, l64, l32, q = self.h64, self.h32, self.l64, self.l32, self.q
+        t = b * q
+        h64[:] = 0
+        h32[:] = 0
+        l64.seg(h64, "positions", t)[:] = np.arange(t) % q
+        l64.seg(h64, "slots", t)[:] = -1  # dummy runs never write the (live) KV cache
+        # max_total 0: no loop step is below its limit, so the loop writes nothing either.
+        l32.seg(h32, "seq_lens", b)[:] = q
+        l32.seg(h32, "qsl", b + 1)[:] = np.arange(b + 1) * q
+        l32.seg(h32, "loop_qsl", b + 1)[:] = np.arange(b + 1)
+        l32.seg(h32, "live", b)[:] = 1
+        self._upload()
+        self.acc.zero_()
+        views = self._views(b)
+        run = lambda: self._body(views)  # noqa: E731
+        self._graphs[b] = (emulate_graph(run, self.base.pool) if self.base.emulate
+                           else capture_graph(run, self.base.pool))
+
+    def _upload(self) -> None:
+        self.d64.copy_(self.t64, non_blocking=True)
+        self.d32.copy_(self.t32, non_blocking=True)
+
+    # ---- per step ----------------------------------------------------------------------------
+    def stage(self, b: int, starts: list[int], tables: list[list[int]], row_start: list[int],
+              draft_rows: list[int], max_total: list[int], seeds: list[int],
+              temperature: list[float]) -> str | None:
+        """Write the padded inputs of a graph of size ``b`` on the host and upload them (before
+        the acceptance kernels, which read ``draft_rows``). Per request: ``starts`` its first
+        verified position, ``row_start`` its first target row. A reason when they do not fit."""
+        n, q, w, page = len(starts), self.q, self.max_blocks, self.page
+        t, t_live = b * q, n * q
+        if max(map(len, tables)) > w:
+            return "block_table_width"
+        if max(starts) + q > self.bucket or max(max_total) > self.bucket:
+            return "max_seq_len"
+        # Lists, not numpy: a few requests' k + 1 rows, right after the verify's launch.
+        pos = [s + j for s in starts for j in range(q)]  # [n*(k+1)]
+        slots = [table[p // page] * page + p % page
+                 for table, s in zip(tables, starts) for p in range(s, s + q)]
+        rows = [r0 + j for r0 in row_start for j in range(q)]
+        h64, h32, l64, l32 = self.h64, self.h32, self.l64, self.l32
+        put(l64.seg(h64, "positions"), pos, t, 0)
+        put(l64.seg(h64, "slots"), slots, t, -1)
+        put(l64.seg(h64, "rows"), rows, t, 0)
+        put(l64.seg(h64, "draft_rows"), draft_rows, n, 0)
+        put(l64.seg(h64, "start"), starts, b, 0)
+        put(l64.seg(h64, "max_total"), max_total, b, 0)
+        put(l64.seg(h64, "seeds"), seeds, b, 0)
+        put(l32.seg(h32, "seq_lens"), [s + q for s in starts], b, 0)
+        put(l32.seg(h32, "qsl"), range(0, t_live + 1, q), b + 1, t_live)
+        put(l32.seg(h32, "loop_qsl"), range(n + 1), b + 1, n)
+        put(l32.seg(h32, "live"), [1] * n, b, 0)
+        tab = l32.seg(h32, "tables", b * w).reshape(b, w)
+        tab[:] = 0
+        for i, table in enumerate(tables):
+            tab[i, :len(table)] = table
+        temp = l32.seg(h32, "temperature", b).view(np.float32)
+        temp[:n] = temperature
+        temp[n:] = 0.0
+        self._upload()
+        return None
+
+    def draft_rows(self, n: int) -> torch.Tensor:
+        """[n] the staged rows of the last proposal's drafts, on the device."""
+        return self.l64.seg(self.d64, "draft_rows", n)
+
+    def replay(self, b: int, n: int, target_hidden: torch.Tensor | list[torch.Tensor]
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """After ``acc`` [:n] is written: the fc output into the static hidden buffer, the
+        replay, and (drafts [n, k], q [n, k, V] or None) copied out of the graph pool."""
+        hidden = self.prop.combine(target_hidden)  # [T_target, h], usually precombined
+        self.base.hidden[:hidden.shape[0]].copy_(hidden)
+        graph, (drafts, probs) = self._graphs[b]
+        graph.replay()
+        self.graph_replays += 1
+        self.padded_rows += b - n
+        return drafts[:n].clone(), (probs[:n].clone() if probs is not None else None)

@@ -1,0 +1,155 @@
+"""Early propose (compiled_spec/engine/early_propose.py) on the CPU through emulated graphs: a
+chain step launches its proposal before the host reads the acceptance, from the acceptance the
+graph computes itself. Greedy output must equal vanilla decoding and the late path's, acceptance
+must equal the late path's (a wrong device-side n_acc only costs acceptance, never output), and
+the graph must write exactly the draft KV the late graph writes (masked rows write nothing)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._pytree import tree_flatten
+
+from capture import CapturePolicy
+from compiled_spec import LLM, SamplingParams
+from compiled_spec.compile import CompileConfig, capture_graphs, compile_models
+from compiled_spec.engine.batch import Span
+from compiled_spec.spec.proposer import ProposeBatch
+
+K = 3
+PROMPTS = [[3, 7, 1], [5], [9, 2, 4, 4, 8, 1, 2], [11, 12], [6, 6, 6, 1, 2]]
+
+
+@pytest.fixture(scope="module")
+def engines(trained_eagle3_pair, smollm2_gguf_path):
+    """(speculative LLM with emulated graphs, early propose captured; vanilla eager LLM). Pages
+    of 4 tokens: proposals cross block boundaries often."""
+    target, head = trained_eagle3_pair
+    kw = dict(model=target, tokenizer=smollm2_gguf_path, max_model_len=128, max_num_seqs=4,
+              page_size=4, num_kv_blocks=96)
+    spec = LLM(draft=head, num_speculative_tokens=K, **kw)
+    models = compile_models(spec.engine.runner, CompileConfig(inductor=False))
+    spec._compiled = models
+    policy = CapturePolicy(max_batch_size=4, num_speculative_tokens=K, max_model_len=128,
+                           batch_sizes=(1, 2, 4), seq_len_buckets=(128,))
+    capture_graphs(spec.engine.runner, models, policy, 4, emulate=True)
+    return spec, LLM(**kw)
+
+
+def _gen(llm: LLM, prompts: list[list[int]], sps: list[SamplingParams], batch: int
+         ) -> list[list[int]]:
+    out = []
+    for i in range(0, len(prompts), batch):
+        res = llm.generate(prompts[i:i + batch], sps[i:i + batch], use_tqdm=False)
+        out += [o.outputs[0].token_ids for o in res]
+    return out
+
+
+def _run(spec: LLM, early: bool, prompts, sps, batch: int) -> tuple[list[list[int]], int, dict]:
+    """(outputs, accepted drafts, early-propose counters) of one run, the switch set."""
+    runner, st = spec.engine.runner, spec.stats
+    runner.early.enabled = early
+    acc0, before = st.spec.num_accepted_tokens, st.early_propose.as_dict()
+    out = _gen(spec, prompts, sps, batch)
+    after = st.early_propose.as_dict()
+    diff = {"early": after["early"] - before["early"], "late": after["late"] - before["late"],
+            "late_reasons": {r: n - before["late_reasons"].get(r, 0)
+                             for r, n in after["late_reasons"].items()}}
+    runner.early.enabled = True
+    return out, st.spec.num_accepted_tokens - acc0, diff
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_early_propose_equals_vanilla_and_late(engines, batch):
+    """Mixed prompt lengths, requests ending at different steps (max_tokens, a stop token)
+    and k shrinking near each request's budget (the loop's step limits)."""
+    spec, vanilla = engines
+    prompts = PROMPTS + PROMPTS[:1]
+    free = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
+            for m in (7, 11, 16, 9, 20, 13)]
+    ref = _gen(vanilla, prompts, free, 1)
+    stop_tok = ref[5][6]  # the last request stops at its first `stop_tok`
+    sps = free[:5] + [SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True,
+                                     stop_token_ids=[stop_tok])]
+    ref = _gen(vanilla, prompts, sps, 1)
+    assert len(ref[5]) <= 7 and ref[5][-1] == stop_tok
+    late, late_acc, late_st = _run(spec, False, prompts, sps, batch)
+    early, early_acc, early_st = _run(spec, True, prompts, sps, batch)
+    assert late == ref and early == ref
+    assert late_st["early"] == 0 and late_st["late_reasons"].get("off", 0) > 0
+    assert early_st["early"] > 0, early_st  # the early path ran: no pass by falling back
+    # Near each budget requests verify fewer than k drafts: those steps run late, said so.
+    assert early_st["late_reasons"].get("not_chain", 0) > 0, early_st
+    assert late_acc > 0 and early_acc == late_acc  # the device-side acceptance is the host's
+
+
+def test_kv_nearly_exhausted_falls_back_and_says_so(engines):
+    """With few free blocks the worst-case growth (all k accepted) fails: the step proposes late,
+    counted under kv_exhausted, and output does not change."""
+    spec, vanilla = engines
+    alloc = spec.engine.allocator
+    sps = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * 2
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    ref = _gen(vanilla, prompts, sps, 2)
+    # The two need 27 and 31 positions (7 + 8 blocks of 4) in all: with 14 free the one ahead
+    # cannot reserve k + 1 positions more than the scheduler does (the other then waits).
+    reserve = -1
+    alloc.grow(reserve, (alloc.num_free - 14) * alloc.page_size)
+    try:
+        out, _, st = _run(spec, True, prompts, sps, 2)
+    finally:
+        alloc.free(reserve)
+    assert out == ref
+    assert st["late_reasons"].get("kv_exhausted", 0) > 0, st
+    assert st["early"] > 0, st
+
+
+def test_early_graph_writes_what_the_late_graph_writes(engines):
+    """Three requests that accept 0, 2 and all 3 drafts, the second near its budget (k_next
+    = 1: loop steps past its limit write nothing): the early graph, given only the argmax and
+    the verified drafts, must draft what the late graph drafts from the host's acceptance and
+    leave the draft KV exactly as the late graph leaves it. Fails if rows past the accepted
+    ones write KV (the request accepting 0 leaves row k unwritten by the loop), if n_acc or
+    the limits are computed wrongly."""
+    spec, _ = engines
+    runner = spec.engine.runner
+    prop, alloc, q = runner.proposer, runner.allocator, K + 1
+    late, early = prop.graph, prop.early_graph
+    starts, n_acc, max_total = [9, 21, 30], [0, 2, 3], [40, 27, 60]
+    ids = [1000, 1001, 1002]
+    for i, s, mt in zip(ids, starts, max_total):
+        alloc.grow(i, min(s + 1 + 2 * K + 1, mt))
+    gen = torch.Generator().manual_seed(0)
+    vocab = spec.engine.model.config.vocab_size
+    target = torch.randint(0, vocab, (3, q), generator=gen)  # [3, k+1] the target's argmax
+    drafts = target[:, :K].clone()  # [3, k] the drafts the step verified
+    for b, a in enumerate(n_acc):
+        if a < K:
+            drafts[b, a] = (target[b, a] + 1) % vocab  # the first rejected draft
+    th = spec.engine.model.config.hidden_size
+    aux = [torch.randn(3 * q, th, generator=gen) for _ in runner.aux_layer_ids]
+    ms = [a + 1 for a in n_acc]
+    limits = [s + 1 + m - 2 + min(K, mt - (s + 1 + m) - 1)
+              for s, m, mt in zip(starts, ms, max_total)]
+    batch = ProposeBatch(
+        first_pass=[Span(i, s, m) for i, s, m in zip(ids, starts, ms)],
+        token_ids=[t for b, m in enumerate(ms) for t in target[b, :m].tolist()],
+        hidden_rows=[b * q + j for b, m in enumerate(ms) for j in range(m)],
+        step_limits=limits, temperature=[0.0] * 3, seeds=[1, 2, 3])
+    caches = [t for t in tree_flatten(spec.engine.kv_caches)[0] if isinstance(t, torch.Tensor)]
+    before = [t.clone() for t in caches]
+    try:
+        want, _ = late.run(batch, aux)
+        want_kv = [t.clone() for t in caches]
+        for t, b in zip(caches, before):
+            t.copy_(b)
+        assert early.stage(4, starts, [alloc.tables[i] for i in ids], [0, q, 2 * q],
+                           [0, 1, 2], max_total, [1, 2, 3], [0.0] * 3) is None
+        early.acc[:3] = torch.cat([target, drafts], dim=1)
+        got, _ = early.replay(4, 3, aux)
+    finally:
+        for i in ids:
+            alloc.free(i)
+    assert torch.equal(got, want)
+    assert any(not torch.equal(w, b) for w, b in zip(want_kv, before))  # it wrote draft KV
+    for t, w in zip(caches, want_kv):
+        torch.testing.assert_close(t, w, atol=1e-5, rtol=0)
