@@ -77,6 +77,24 @@ def progress_enabled() -> bool:
     return os.environ.get("COMPILED_SPEC_PROGRESS", "1") != "0"
 
 
+def capture_each(name: str, sizes: list[int], bucket: int, capture_one: Callable[[int], None],
+                 failures: list[dict[str, Any]], strict: bool) -> None:
+    """``capture_one(b)`` for every batch size, largest first (smaller graphs reuse the pool),
+    with progress; a failure is recorded in ``failures`` and warned (raised when ``strict``),
+    never silent. For runners that capture whole steps of their own (the propose graphs)."""
+    for b in tqdm(sorted(sizes, reverse=True), desc=f"capture {name}", unit="graph",
+                  disable=not progress_enabled()):
+        try:
+            capture_one(b)
+        except Exception as e:
+            failures.append({"size": b, "max_seq_len": bucket,
+                             "error": f"{type(e).__name__}: {e}"})
+            if strict:
+                raise
+            warnings.warn(f"{name}: CUDA graph capture failed for batch {b}: "
+                          f"{type(e).__name__}: {e}", RuntimeWarning, stacklevel=3)
+
+
 def capture_graph(run: Callable[[], Any], pool: Any = None, warmup_iters: int = 2
                   ) -> tuple[torch.cuda.CUDAGraph, Any]:
     """Warm ``run`` up on a side stream (compilation, autotuning and lazy initialisation must

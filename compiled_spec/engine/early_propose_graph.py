@@ -27,12 +27,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from capture.cuda_graphs import capture_graph
+from capture.cuda_graphs import capture_each, capture_graph
 from capture.emulate import emulate_graph
 from capture.host_stage import put, staging
 from capture.pad import LiveBatch
 from compiled_spec.attention_metadata import AttentionMetadata
-from compiled_spec.engine.propose_graph import _Layout
+from compiled_spec.engine.propose_graph import _Layout, stage_dummy
 
 if TYPE_CHECKING:
     from compiled_spec.engine.propose_graph import ProposeGraphs
@@ -147,29 +147,13 @@ class EarlyProposeGraphs:
     def capture(self) -> None:
         if not self.enabled:
             return
-        for b in reversed(self.sizes):  # largest first: smaller graphs reuse the pool
-            try:
-                self._capture_one(b)
-            except Exception as e:  # recorded, warned (or raised when strict), never silent
-                self.capture_failures.append({"size": b, "max_seq_len": self.bucket,
-                                              "error": f"{type(e).__name__}: {e}"})
-                if self.base.strict:
-                    raise
-                import warnings
-                warnings.warn(f"{self.name}: CUDA graph capture failed for batch {b}: "
-                              f"{type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
+        capture_each(self.name, self.sizes, self.bucket, self._capture_one,
+                     self.capture_failures, self.base.strict)
 
     def _capture_one(self, b: int) -> None:
         h64, h32, l64, l32, q = self.h64, self.h32, self.l64, self.l32, self.q
-        t = b * q
-        h64[:] = 0
-        h32[:] = 0
-        l64.seg(h64, "positions", t)[:] = np.arange(t) % q
-        l64.seg(h64, "slots", t)[:] = -1  # dummy runs never write the (live) KV cache
         # max_total 0: no loop step is below its limit, so the loop writes nothing either.
-        l32.seg(h32, "seq_lens", b)[:] = q
-        l32.seg(h32, "qsl", b + 1)[:] = np.arange(b + 1) * q
-        l32.seg(h32, "loop_qsl", b + 1)[:] = np.arange(b + 1)
+        stage_dummy(h64, h32, l64, l32, b, q)
         l32.seg(h32, "live", b)[:] = 1
         self._upload()
         self.acc.zero_()

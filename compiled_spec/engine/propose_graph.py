@@ -21,9 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
-from capture.cuda_graphs import capture_graph, progress_enabled
+from capture.cuda_graphs import capture_each, capture_graph
 from capture.emulate import emulate_graph
 from capture.host_stage import put, staging
 from capture.pad import LiveBatch
@@ -49,6 +48,20 @@ class _Layout:
     def seg(self, buf: Any, name: str, n: int | None = None) -> Any:
         off, length = self.at[name]
         return buf[off:off + (length if n is None else n)]
+
+
+def stage_dummy(h64: Any, h32: Any, l64: _Layout, l32: _Layout, b: int, q: int) -> None:
+    """The host inputs of a capture's dummy run at batch ``b``: ``q`` first-pass rows per
+    request at positions 0..q-1, KV slot -1 everywhere (dummy runs never write the live KV
+    cache), one loop row per request; every other input 0."""
+    t = b * q
+    h64[:] = 0
+    h32[:] = 0
+    l64.seg(h64, "positions", t)[:] = np.arange(t) % q
+    l64.seg(h64, "slots", t)[:] = -1
+    l32.seg(h32, "seq_lens", b)[:] = q
+    l32.seg(h32, "qsl", b + 1)[:] = np.arange(b + 1) * q
+    l32.seg(h32, "loop_qsl", b + 1)[:] = np.arange(b + 1)
 
 
 class ProposeGraphs:
@@ -158,33 +171,15 @@ class ProposeGraphs:
     def capture(self) -> None:
         if not self.enabled:
             return
-        sizes = list(reversed(self.sizes))  # largest first: smaller graphs reuse the pool
-        for b in tqdm(sizes, desc=f"capture {self.name}", unit="graph",
-                      disable=not progress_enabled()):
-            try:
-                self._capture_one(b)
-            except Exception as e:  # recorded, warned (or raised when strict), never silent
-                self.capture_failures.append({"size": b, "max_seq_len": self.bucket,
-                                              "error": f"{type(e).__name__}: {e}"})
-                if self.strict:
-                    raise
-                import warnings
-                warnings.warn(f"{self.name}: CUDA graph capture failed for batch {b}: "
-                              f"{type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
+        capture_each(self.name, self.sizes, self.bucket, self._capture_one,
+                     self.capture_failures, self.strict)
 
     def _capture_one(self, b: int) -> None:
         h64, h32, l64, l32, q = self.h64, self.h32, self.l64, self.l32, self.q
-        t = b * q
-        h64[:] = 0
-        h32[:] = 0
-        l64.seg(h64, "positions", t)[:] = np.arange(t) % q
-        l64.seg(h64, "slots", t)[:] = -1  # dummy runs never write the (live) KV cache
+        stage_dummy(h64, h32, l64, l32, b, q)
         l64.seg(h64, "last", b)[:] = np.arange(1, b + 1) * q - 1
         l64.seg(h64, "loop_slots")[:] = -1
-        l32.seg(h32, "seq_lens", b)[:] = q
-        l32.seg(h32, "qsl", b + 1)[:] = np.arange(b + 1) * q
         l32.seg(h32, "loop_lens")[:] = 1
-        l32.seg(h32, "loop_qsl", b + 1)[:] = np.arange(b + 1)
         self._upload()
         views = self._views(b)
         run = lambda: self._body(views)  # noqa: E731
