@@ -142,7 +142,7 @@ def test_early_graph_writes_what_the_late_graph_writes(engines):
         want_kv = [t.clone() for t in caches]
         for t, b in zip(caches, before):
             t.copy_(b)
-        assert early.stage(4, starts, [alloc.tables[i] for i in ids], [0, q, 2 * q],
+        assert early.stage(4, [Span(i, s, q) for i, s in zip(ids, starts)], [0, q, 2 * q],
                            [0, 1, 2], max_total, [1, 2, 3], [0.0] * 3) is None
         early.acc[:3] = torch.cat([target, drafts], dim=1)
         got, _ = early.replay(4, 3, aux)

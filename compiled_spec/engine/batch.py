@@ -63,6 +63,17 @@ def padded_tables(tables: list[list[int]], width: int) -> np.ndarray:
     return out
 
 
+def greedy_accept(target: list[int], drafts: list[int], k: int) -> list[int]:
+    """Greedy verification on the host, from the step's one copy: the leading drafts (at most
+    ``k``) equal to the target's argmax at their positions, then the target's next token.
+    ``target`` holds the argmax of the k + 1 verified rows (longer is fine: only those are
+    read)."""
+    n = 0
+    while n < k and drafts[n] == target[n]:
+        n += 1
+    return target[:n + 1]
+
+
 def span_rows(allocator: BlockAllocator, spans: list[Span]
               ) -> tuple[list[int], list[int], list[int], list[int]]:
     """Host lists of a flat batch of ``spans``: positions and slots per token, seq_lens per

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from compiled_spec.engine.batch import Span, greedy_accept
 from compiled_spec.engine.request import Request
 from compiled_spec.profile import phase
 
@@ -127,15 +128,16 @@ class EarlyPropose:
             return self._late("kv_exhausted")
         for q, w in zip(reqs, wants):
             alloc.grow(q.req_id, w)
-        starts = [q.num_computed for q in reqs]
+        # Each request's k + 1 verified positions, staged as if all were accepted.
+        spans = [Span(q.req_id, q.num_computed, k + 1) for q in reqs]
         draft_rows = [r._draft_row[q.req_id] for q in reqs]
-        why = g.stage(size, starts, [alloc.tables[q.req_id] for q in reqs], row_start,
-                      draft_rows, [q.max_total_tokens for q in reqs], [q.seed for q in reqs],
-                      [q.params.temperature for q in reqs])
+        why = g.stage(size, spans, row_start, draft_rows, [q.max_total_tokens for q in reqs],
+                      [q.seed for q in reqs], [q.params.temperature for q in reqs])
         if why is not None:
             return self._late(why)
         return EarlyStep(size=size, index={q.req_id: i for i, q in enumerate(reqs)},
-                         starts=starts, same_rows=draft_rows == list(range(len(reqs))))
+                         starts=[sp.start for sp in spans],
+                         same_rows=draft_rows == list(range(len(reqs))))
 
     def accept(self, step: EarlyStep, logits: torch.Tensor,  # [n, k+1, V]
                target_hidden: torch.Tensor | list[torch.Tensor]) -> list[list[int]]:
@@ -152,14 +154,9 @@ class EarlyPropose:
         with phase("propose"):
             step.drafts, step.probs = self.propose(step.size, n, target_hidden)
         flat = r.to_host(copy, numpy=True).reshape(n, 2 * k + 1).tolist()
-        out = []
-        for row in flat:  # the graph's rule: leading drafts equal to the argmax
-            a = 0
-            while a < k and row[k + 1 + a] == row[a]:
-                a += 1
-            out.append(row[:a + 1])
         self.stats.early += 1
-        return out
+        # The graph's rule, on the host: leading drafts equal to the argmax.
+        return [greedy_accept(row, row[k + 1:], k) for row in flat]
 
     def propose(self, size: int, n: int, target_hidden: torch.Tensor | list[torch.Tensor]
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from capture.cuda_graphs import capture_each, capture_graph
@@ -32,7 +31,8 @@ from capture.emulate import emulate_graph
 from capture.host_stage import put, staging
 from capture.pad import LiveBatch
 from compiled_spec.attention_metadata import AttentionMetadata
-from compiled_spec.engine.propose_graph import _Layout, stage_dummy
+from compiled_spec.engine.batch import Span, span_rows
+from compiled_spec.engine.propose_graph import _Layout, stage_dummy, stage_tables
 
 if TYPE_CHECKING:
     from compiled_spec.engine.propose_graph import ProposeGraphs
@@ -61,7 +61,7 @@ class EarlyProposeGraphs:
         # [bm, 2k + 1]: per request the target's argmax over its k + 1 verified rows, then the
         # k drafts it verified; written before the replay, read by it and copied to the host.
         self.acc = torch.zeros(bm, 2 * k + 1, dtype=torch.int64, device=self.device)
-        self.acc_host, self.acc_np = staging(bm * (2 * k + 1), torch.int64, self.device)
+        self.acc_host, _ = staging(bm * (2 * k + 1), torch.int64, self.device)
         self._j = torch.arange(self.q, device=self.device)  # [k+1] row in a request's stride
         self._s = torch.arange(1, max(self.steps, 0) + 1, device=self.device)  # [k-1] loop steps
         self._row0 = torch.arange(bm, device=self.device) * self.q  # [bm] first row per request
@@ -167,22 +167,22 @@ class EarlyProposeGraphs:
         self.d32.copy_(self.t32, non_blocking=True)
 
     # ---- per step ----------------------------------------------------------------------------
-    def stage(self, b: int, starts: list[int], tables: list[list[int]], row_start: list[int],
-              draft_rows: list[int], max_total: list[int], seeds: list[int],
-              temperature: list[float]) -> str | None:
+    def stage(self, b: int, spans: list[Span], row_start: list[int], draft_rows: list[int],
+              max_total: list[int], seeds: list[int], temperature: list[float]) -> str | None:
         """Write the padded inputs of a graph of size ``b`` on the host and upload them (before
-        the acceptance kernels, which read ``draft_rows``). Per request: ``starts`` its first
-        verified position, ``row_start`` its first target row. A reason when they do not fit."""
-        n, q, w, page = len(starts), self.q, self.max_blocks, self.page
-        t, t_live = b * q, n * q
+        the acceptance kernels, which read ``draft_rows``). Per request: ``spans`` its k + 1
+        verified positions (as if all were accepted), ``row_start`` its first target row. A
+        reason when they do not fit."""
+        n, q, w = len(spans), self.q, self.max_blocks
+        t = b * q
+        alloc = self.base.allocator
+        tables = [alloc.tables[sp.req_id] for sp in spans]
         if max(map(len, tables)) > w:
             return "block_table_width"
+        starts = [sp.start for sp in spans]
         if max(starts) + q > self.bucket or max(max_total) > self.bucket:
             return "max_seq_len"
-        # Lists, not numpy: a few requests' k + 1 rows, right after the verify's launch.
-        pos = [s + j for s in starts for j in range(q)]  # [n*(k+1)]
-        slots = [table[p // page] * page + p % page
-                 for table, s in zip(tables, starts) for p in range(s, s + q)]
+        pos, slots, lens, qsl = span_rows(alloc, spans)  # [n*(k+1)] x2, [n], [n+1]
         rows = [r0 + j for r0 in row_start for j in range(q)]
         h64, h32, l64, l32 = self.h64, self.h32, self.l64, self.l32
         put(l64.seg(h64, "positions"), pos, t, 0)
@@ -192,17 +192,11 @@ class EarlyProposeGraphs:
         put(l64.seg(h64, "start"), starts, b, 0)
         put(l64.seg(h64, "max_total"), max_total, b, 0)
         put(l64.seg(h64, "seeds"), seeds, b, 0)
-        put(l32.seg(h32, "seq_lens"), [s + q for s in starts], b, 0)
-        put(l32.seg(h32, "qsl"), range(0, t_live + 1, q), b + 1, t_live)
+        put(l32.seg(h32, "seq_lens"), lens, b, 0)
+        put(l32.seg(h32, "qsl"), qsl, b + 1, n * q)
         put(l32.seg(h32, "loop_qsl"), range(n + 1), b + 1, n)
         put(l32.seg(h32, "live"), [1] * n, b, 0)
-        tab = l32.seg(h32, "tables", b * w).reshape(b, w)
-        tab[:] = 0
-        for i, table in enumerate(tables):
-            tab[i, :len(table)] = table
-        temp = l32.seg(h32, "temperature", b).view(np.float32)
-        temp[:n] = temperature
-        temp[n:] = 0.0
+        stage_tables(h32, l32, b, w, tables, temperature)
         self._upload()
         return None
 

@@ -162,8 +162,7 @@ class EngineGraphs:
     def required(self) -> list[str]:
         """Components that must have graphs: every registered one with sizes to capture (a
         chain engine of batch size 1 has no decode graph: the verify graph serves it)."""
-        return [name for name, r in self.registry.runners.items()
-                if getattr(r, "sizes", True)]
+        return [name for name, r in self.registry.runners.items() if r.sizes]
 
     def capture(self) -> float:
         """Dummy runs + capture of every component; raises ``CaptureError`` when a component

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from capture.host_stage import HostBatch
-from compiled_spec.engine.batch import Span, build_host_batch, host_batch_to_device, to_device
+from compiled_spec.engine.batch import (Span, build_host_batch, greedy_accept,
+                                        host_batch_to_device, to_device)
 from compiled_spec.engine.early_propose import EarlyPropose, EarlyStep, HostCopy
 from compiled_spec.engine.logprobs import gather_logprobs
 from compiled_spec.engine.request import Request
@@ -248,12 +249,8 @@ class ModelRunner:
         drafts = flat[target.numel():]
         out = []
         for i, (r, k_i) in enumerate(zip(reqs, num_draft)):
-            row = flat[i * k1:(i + 1) * k1]
             base = self._draft_row.get(r.req_id, 0) * width
-            n = 0
-            while n < k_i and drafts[base + n] == row[n]:
-                n += 1
-            out.append(row[:n + 1])
+            out.append(greedy_accept(flat[i * k1:(i + 1) * k1], drafts[base:base + k_i], k_i))
         return out
 
     def _gather_drafts(self, reqs: list[Request], kmax: int) -> torch.Tensor:

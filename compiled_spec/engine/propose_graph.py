@@ -64,6 +64,19 @@ def stage_dummy(h64: Any, h32: Any, l64: _Layout, l32: _Layout, b: int, q: int) 
     l32.seg(h32, "loop_qsl", b + 1)[:] = np.arange(b + 1)
 
 
+def stage_tables(h32: Any, l32: _Layout, b: int, w: int, tables: list[list[int]],
+                 temperature: list[float]) -> None:
+    """Each request's block table (zero-padded to ``w`` blocks) and sampling temperature into
+    the int32 host buffer; padded sequences get table 0 and temperature 0."""
+    tab = l32.seg(h32, "tables", b * w).reshape(b, w)
+    tab[:] = 0
+    for i, table in enumerate(tables):
+        tab[i, :len(table)] = table
+    temp = l32.seg(h32, "temperature", b).view(np.float32)
+    temp[:len(temperature)] = temperature
+    temp[len(temperature):] = 0.0
+
+
 class ProposeGraphs:
     name = "draft_propose"
 
@@ -282,14 +295,8 @@ class ProposeGraphs:
                 grid[:, n:b] = pad
         put(l32.seg(h32, "seq_lens"), lens, b, 0)
         put(l32.seg(h32, "qsl"), qsl, b + 1, t_live)
-        tab = l32.seg(h32, "tables", b * w).reshape(b, w)
-        tab[:] = 0
-        for i, table in enumerate(tables):
-            tab[i, :len(table)] = table
+        stage_tables(h32, l32, b, w, tables, batch.temperature)
         put(l32.seg(h32, "loop_qsl"), list(range(n + 1)), b + 1, n)
-        temp = l32.seg(h32, "temperature", b).view(np.float32)
-        temp[:n] = batch.temperature
-        temp[n:] = 0.0
         self._upload()
         return None
 
