@@ -20,8 +20,8 @@ SHIPPED: dict[str, str] = {"smollm2-eagle3": "smollm2-135m-instruct-eagle3"}
 # figures the docs quote cannot silently belong to weights that were never committed (the
 # seventh session's head was reported shipped but not committed; eighth session's correction).
 SHIPPED_WEIGHTS: dict[str, tuple[str, str]] = {
-    "smollm2-eagle3": ("7e4dd98f348b774a5316c011219e2fb35d3a94747986f4394343fc3d4fb0fff3",
-                       "profiles/results/2026-12-02_h200_session9/"),
+    "smollm2-eagle3": ("28e3f5baef56a0e7c628a091e24d527da2079e4279c9cf914e143602eee592f9",
+                       "profiles/results/2026-12-02_h200_session10/"),
 }
 
 
