@@ -50,21 +50,32 @@ class EarlyProposeGraphs:
         self.page = base.allocator.page_size
         self.device = base.device
         bm, tm, w, k = self.sizes[-1], self.sizes[-1] * self.q, self.max_blocks, self.k
-        self.l64 = _Layout([("positions", tm), ("slots", tm), ("rows", tm), ("draft_rows", bm),
+        # "rows" first: every tensor the draft callables take sits at a storage offset >= 2, as
+        # the late graphs' views do (see _out below).
+        self.l64 = _Layout([("rows", tm), ("positions", tm), ("slots", tm), ("draft_rows", bm),
                             ("start", bm), ("max_total", bm), ("seeds", bm)])
         self.l32 = _Layout([("seq_lens", bm), ("qsl", bm + 1), ("tables", bm * w),
                             ("loop_qsl", bm + 1), ("live", bm), ("temperature", bm)])
         self.t64, self.h64 = staging(self.l64.size, torch.int64, self.device)
         self.t32, self.h32 = staging(self.l32.size, torch.int32, self.device)
-        self.d64 = torch.zeros(self.l64.size, dtype=torch.int64, device=self.device)
-        self.d32 = torch.zeros(self.l32.size, dtype=torch.int32, device=self.device)
-        # [bm, 2k + 1]: per request the target's argmax over its k + 1 verified rows, then the
-        # k drafts it verified; written before the replay, read by it and copied to the host.
-        self.acc = torch.zeros(bm, 2 * k + 1, dtype=torch.int64, device=self.device)
+        with torch.inference_mode():  # as propose_graph's buffers (one draft compile, not two)
+            self.d64 = torch.zeros(self.l64.size, dtype=torch.int64, device=self.device)
+            self.d32 = torch.zeros(self.l32.size, dtype=torch.int32, device=self.device)
+            # [bm, 2k + 1]: per request the target's argmax over its k + 1 verified rows, then
+            # the k drafts it verified; written before the replay, read by it, copied to host.
+            self.acc = torch.zeros(bm, 2 * k + 1, dtype=torch.int64, device=self.device)
+            self._j = torch.arange(self.q, device=self.device)  # [k+1] row in a request's stride
+            self._s = torch.arange(1, max(self.steps, 0) + 1, device=self.device)  # [k-1] steps
+            self._row0 = torch.arange(bm, device=self.device) * self.q  # [bm] first row each
+            self._neg1 = torch.full((), -1, dtype=torch.int64, device=self.device)
+            # What the graph computes for the draft callables is written (out=) at offset >= 2
+            # of these: Dynamo guards a tensor input's storage offset (0 and 1 specialize), and
+            # the late graphs' metadata are views at offsets >= 2, so fresh tensors here made it
+            # compile the draft step and the step + pick twice each (tenth session).
+            s = max(self.steps, 0)
+            self._o64 = torch.zeros(2 + tm + 2 * s * bm, dtype=torch.int64, device=self.device)
+            self._o32 = torch.zeros(2 + s * bm, dtype=torch.int32, device=self.device)
         self.acc_host, _ = staging(bm * (2 * k + 1), torch.int64, self.device)
-        self._j = torch.arange(self.q, device=self.device)  # [k+1] row in a request's stride
-        self._s = torch.arange(1, max(self.steps, 0) + 1, device=self.device)  # [k-1] loop steps
-        self._row0 = torch.arange(bm, device=self.device) * self.q  # [bm] first row per request
         self._graphs: dict[int, tuple[Any, Any]] = {}
         self.capture_failures: list[dict[str, Any]] = []
         self.graph_replays = self.padded_rows = 0
@@ -91,7 +102,8 @@ class EarlyProposeGraphs:
 
     # ---- the captured computation ------------------------------------------------------------
     def _views(self, b: int) -> dict[str, Any]:
-        t, w = b * self.q, self.max_blocks
+        t, w, tm, bm = b * self.q, self.max_blocks, self.sizes[-1] * self.q, self.sizes[-1]
+        s = max(self.steps, 0)
         g64 = lambda name, n: self.l64.seg(self.d64, name, n)  # noqa: E731
         g32 = lambda name, n: self.l32.seg(self.d32, name, n)  # noqa: E731
         return {"b": b, "positions": g64("positions", t), "slots": g64("slots", t),
@@ -100,6 +112,11 @@ class EarlyProposeGraphs:
                 "seq_lens": g32("seq_lens", b), "qsl": g32("qsl", b + 1),
                 "tables": g32("tables", b * w).view(b, w), "loop_qsl": g32("loop_qsl", b + 1),
                 "live": g32("live", b), "acc": self.acc[:b],
+                # outputs (offsets >= 2): the first pass's slots, the loop's metadata [k-1, b]
+                "first_slots": self._o64[2:2 + t],
+                "loop_pos": self._o64[2 + tm:2 + tm + s * bm].view(s, bm)[:, :b],
+                "loop_slots": self._o64[2 + tm + s * bm:].view(s, bm)[:, :b],
+                "loop_lens": self._o32[2:].view(s, bm)[:, :b],
                 "temperature": g32("temperature", b).view(torch.float32)}
 
     def _body(self, v: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -110,8 +127,9 @@ class EarlyProposeGraphs:
         m = n_acc + 1  # [b] accepted target positions
         live_row = (self._j[None, :] < m[:, None]).reshape(-1)  # [b*(k+1)]
         tables = v["tables"]  # [b, W]
+        first_slots = torch.where(live_row, v["slots"], self._neg1, out=v["first_slots"])
         meta = AttentionMetadata(
-            slot_mapping=torch.where(live_row, v["slots"], -1), block_tables=tables,
+            slot_mapping=first_slots, block_tables=tables,
             seq_lens=v["seq_lens"], query_start_loc=v["qsl"], max_query_len=q,
             max_seq_len=self.bucket)
         hidden = self.base.hidden.index_select(0, v["rows"])  # [b*(k+1), h]
@@ -128,11 +146,13 @@ class EarlyProposeGraphs:
         limit = n_tok - 2 + k_next  # [b] positions >= this are inert in the loop
         pos = (start + m - 1)[None, :] + self._s[:, None]  # [k-1, b]
         writes = (pos < limit[None, :]) & live[None, :]
-        pos = torch.where(pos < limit[None, :], pos, (limit - 1)[None, :]).clamp(min=0)
+        pos = torch.clamp(torch.where(pos < limit[None, :], pos, (limit - 1)[None, :]), min=0,
+                          out=v["loop_pos"])
         col = (pos // self.page).clamp(max=self.max_blocks - 1)  # [k-1, b]
         block = tables.gather(1, col.t()).t().long()  # [k-1, b]
-        slots = torch.where(writes, block * self.page + pos % self.page, -1)
-        lens = torch.where(live[None, :], pos + 1, 0).to(torch.int32)  # [k-1, b]
+        slots = torch.where(writes, block * self.page + pos % self.page, self._neg1,
+                            out=v["loop_slots"])
+        lens = v["loop_lens"].copy_(torch.where(live[None, :], pos + 1, 0))  # [k-1, b] int32
         rest, rest_q = p.run_loop(LiveBatch(
             input_ids=tok, positions=pos,
             meta=AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=lens,
@@ -167,6 +187,7 @@ class EarlyProposeGraphs:
         self.d32.copy_(self.t32, non_blocking=True)
 
     # ---- per step ----------------------------------------------------------------------------
+    @torch.inference_mode()  # writes the inference-tensor buffers (see __init__)
     def stage(self, b: int, spans: list[Span], row_start: list[int], draft_rows: list[int],
               max_total: list[int], seeds: list[int], temperature: list[float]) -> str | None:
         """Write the padded inputs of a graph of size ``b`` on the host and upload them (before
@@ -204,6 +225,7 @@ class EarlyProposeGraphs:
         """[n] the staged rows of the last proposal's drafts, on the device."""
         return self.l64.seg(self.d64, "draft_rows", n)
 
+    @torch.inference_mode()  # writes the inference-tensor buffers (see __init__)
     def replay(self, b: int, n: int, target_hidden: torch.Tensor | list[torch.Tensor]
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """After ``acc`` [:n] is written: the fc output into the static hidden buffer, the

@@ -101,12 +101,17 @@ class ProposeGraphs:
         # Host buffers (pinned on CUDA; see capture.host_stage.staging for why that is safe).
         self.t64, self.h64 = staging(self.l64.size, torch.int64, self.device)
         self.t32, self.h32 = staging(self.l32.size, torch.int32, self.device)
-        self.d64 = torch.zeros(self.l64.size, dtype=torch.int64, device=self.device)
-        self.d32 = torch.zeros(self.l32.size, dtype=torch.int32, device=self.device)
-        # [T_max, h]: the fc output (eager) over ALL of the target's rows of the step; the
-        # graph gathers each request's accepted rows itself, so the host launches no gathers.
-        self.hidden = torch.zeros(tm, proposer.draft.config.hidden_size, dtype=hidden_dtype,
-                                  device=self.device)
+        # Inference tensors, as everything the graph bodies compute (capture and replay run in
+        # inference mode): the compiled draft step guards on its inputs' dispatch keys, and
+        # metadata views of normal buffers here beside the early graph's computed metadata
+        # made Dynamo compile every draft callable twice (tenth session, TORCH_LOGS=recompiles).
+        with torch.inference_mode():
+            self.d64 = torch.zeros(self.l64.size, dtype=torch.int64, device=self.device)
+            self.d32 = torch.zeros(self.l32.size, dtype=torch.int32, device=self.device)
+            # [T_max, h]: the fc output (eager) over ALL of the target's rows of the step; the
+            # graph gathers each request's accepted rows itself: the host launches no gathers.
+            self.hidden = torch.zeros(tm, proposer.draft.config.hidden_size, dtype=hidden_dtype,
+                                      device=self.device)
         self._graphs: dict[int, tuple[Any, Any]] = {}
         # The first pass alone per size (speculation paused, see EagleProposer.sync), captured
         # only when the engine may pause (proposer.capture_sync).
@@ -240,6 +245,7 @@ class ProposeGraphs:
         self.padded_rows += b - n
         return b
 
+    @torch.inference_mode()  # writes the inference-tensor buffers (see __init__)
     def run(self, batch: "ProposeBatch", target_hidden: torch.Tensor | list[torch.Tensor]
             ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """Replay for ``batch`` and return (drafts [n, k], q or None); None (counted) when no
@@ -253,6 +259,7 @@ class ProposeGraphs:
         n = len(batch.first_pass)
         return drafts[:n].clone(), (probs[:n].clone() if probs is not None else None)
 
+    @torch.inference_mode()  # writes the inference-tensor buffers (see __init__)
     def run_sync(self, batch: "ProposeBatch", target_hidden: torch.Tensor | list[torch.Tensor]
                  ) -> bool:
         """Replay the first pass alone for ``batch`` (speculation paused); False (counted)
