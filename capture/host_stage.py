@@ -93,6 +93,8 @@ class HostStage:
         self._lens = self.h32[:s * b].reshape(s, b)  # [S, max_seqs]
         self._qsl = self.h32[s * b:s * b + b + 1]
         self._tables = self.h32[s * b + b + 1:].reshape(b, bufs.max_blocks)
+        # (padded tokens, padded seqs) -> the two uploads' (device, host) views
+        self._uploads: dict[tuple[int, int], tuple[tuple[torch.Tensor, torch.Tensor], ...]] = {}
 
     def fill(self, hb: HostBatch, padded_tokens: int, padded_seqs: int, max_query_len: int,
              max_seq_len: int, drafts_flat: torch.Tensor | None,
@@ -135,10 +137,14 @@ class HostStage:
         tab[:] = 0
         for i, row in enumerate(hb.tables):
             tab[i, :len(row)] = row
-        end64 = (bufs.lead + 2 * s - 1) * bufs.max_tokens + padded_tokens
-        end32 = (s + 1) * bufs.max_seqs + 1 + padded_seqs * bufs.max_blocks
-        bufs.flat64[:end64].copy_(self.t64[:end64], non_blocking=True)
-        bufs.flat32[:end32].copy_(self.t32[:end32], non_blocking=True)
+        up = self._uploads.get((padded_tokens, padded_seqs))
+        if up is None:  # the same few sizes every step: four slices made once per size
+            end64 = (bufs.lead + 2 * s - 1) * bufs.max_tokens + padded_tokens
+            end32 = (s + 1) * bufs.max_seqs + 1 + padded_seqs * bufs.max_blocks
+            up = self._uploads[(padded_tokens, padded_seqs)] = (
+                (bufs.flat64[:end64], self.t64[:end64]), (bufs.flat32[:end32], self.t32[:end32]))
+        for dst, src in up:
+            dst.copy_(src, non_blocking=True)
         if n_d:
             if drafts_flat is None:
                 raise ValueError("host batch has draft rows but no drafts were given")
@@ -147,7 +153,7 @@ class HostStage:
         view = bufs._views(padded_tokens, padded_seqs, max_query_len, max_seq_len)
         for name, v in (extras or {}).items():  # padding rows zeroed, as StaticBuffers.fill
             dst = view.extras[name]
-            dst[:v.shape[0]].copy_(v, non_blocking=True)
+            (dst if dst.shape[0] == v.shape[0] else dst[:v.shape[0]]).copy_(v, non_blocking=True)
             # A row source's rows past the live ones are never read: not worth a launch.
             if dst.shape[0] > v.shape[0] and name not in bufs.sources:
                 dst[v.shape[0]:].zero_()

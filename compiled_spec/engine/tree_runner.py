@@ -51,6 +51,7 @@ class TreeModelRunner(ModelRunner):
         # proposal is launched: they only have to land before the next target forward, and
         # between the step's host copy and that launch the GPU has nothing queued.
         self._moves: dict[int, tuple[list[int], list[int]]] = {}
+        self._draft_idx: dict[tuple[int, ...], dict[str, list[int]]] = {}  # _draft_rows
 
     def reset(self) -> None:
         super().reset()
@@ -67,6 +68,20 @@ class TreeModelRunner(ModelRunner):
         dst = [d for _, ds in live for d in ds]
         self._compact([(layer.self_attn.k_cache, layer.self_attn.v_cache)
                        for layer in self.model.model.layers], src, dst)
+
+    def _draft_rows(self, tree_rows: list[int]) -> dict[str, list[int]]:
+        """An all-tree batch's drafted input rows and their rows in the trees' tokens: the same
+        every step for a batch whose tree rows are unchanged, so built once per row order."""
+        key = tuple(tree_rows)
+        rows = self._draft_idx.get(key)
+        if rows is None:
+            n = self.tree.num_draft_tokens
+            if len(self._draft_idx) > 64:  # batches come and go: keep the cache small
+                self._draft_idx.clear()
+            rows = self._draft_idx[key] = {
+                "draft_dst": [i * n + j for i in range(len(key)) for j in range(1, n)],
+                "draft_src": [r * n + j for r in key for j in range(1, n)]}
+        return rows
 
     def _takes_tree(self, req: Request) -> bool:
         """Room for at least one draft, and the tree's slots inside max_model_len. Slots may
@@ -96,6 +111,7 @@ class TreeModelRunner(ModelRunner):
 
     def _execute_tree(self, reqs: list[Request]) -> StepOutput:
         n_nodes, dev, alloc = self.tree.num_draft_tokens, self.device, self.allocator
+        page = alloc.page_size
         with phase("prepare"):
             in_tree = [self.num_drafts_for(r) > 0 for r in reqs]
             host_ids, base, slots, qsl, tables, starts = [], [], [], [0], [], []
@@ -106,12 +122,13 @@ class TreeModelRunner(ModelRunner):
                 host_ids.append(r.token_ids[root])
                 host_ids.extend([0] * (n - 1))
                 base.extend([root] * n)
-                slots.extend(alloc.slot(r.req_id, root + j) for j in range(n))
+                table = alloc.tables[r.req_id]  # the slots inlined: 32 calls a tree otherwise
+                slots.extend([table[p // page] * page + p % page for p in range(root, root + n)])
                 if t:
                     node_dst.append(qsl[-1])
                     tree_rows.append(self._tree_row[r.req_id])
                 qsl.append(qsl[-1] + n)
-                tables.append(alloc.tables[r.req_id])
+                tables.append(table)
                 starts.append(root)
             tree = self._tree
             all_tree = all(in_tree)
@@ -131,8 +148,7 @@ class TreeModelRunner(ModelRunner):
                     input_ids=host_ids, positions=base, slots=slots,
                     seq_lens=[r + n_nodes for r in starts], query_start_loc=qsl, tables=tables,
                     max_query_len=n_nodes, max_seq_len=max(starts) + n_nodes,
-                    draft_dst=[q0 + j for q0 in qsl[:-1] for j in range(1, n_nodes)],
-                    draft_src=[r * n_nodes + j for r in tree_rows for j in range(1, n_nodes)])
+                    **self._draft_rows(tree_rows))
             elif all_tree:  # every request verifies a tree: its rows are the batch as they are
                 dst = None
                 tok = t_tok.clone()  # [B, N]

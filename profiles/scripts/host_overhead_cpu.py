@@ -142,7 +142,10 @@ def measure(name: str, llm: LLM, k: int, batch: int, tokens: int, ops: bool,
     graphs = capture_graphs(llm.engine.runner, models, policy, cfg.cache.page_size, emulate=True)
     _PROPOSE_GRAPHS.clear()
     for pg in (graphs.propose, graphs.propose_early):
-        _PROPOSE_GRAPHS.update(id(g) for g, _ in (pg._graphs.values() if pg is not None else ()))
+        # A tree engine's propose is two GraphRunners (first pass, expand), a chain's one object.
+        parts = [] if pg is None else [pg.first_pass, pg.expand] if hasattr(pg, "expand") \
+            else [pg]
+        _PROPOSE_GRAPHS.update(id(g) for part in parts for g, _ in part._graphs.values())
     sp = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     prompts = [[3, 7, 1, 9, 2, 4][: 3 + i % 3] + [i % 29 + 1] for i in range(batch)]
     llm.generate(prompts, sp, use_tqdm=False)  # warm: Dynamo guards, allocator, graphs
@@ -220,6 +223,7 @@ def main() -> None:
                     help="with --ops: launching ops (no views) per project function")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--trees", action="store_true", help="also two draft-tree variants")
+    ap.add_argument("--only", nargs="+", default=None, help="these variants alone (by name)")
     a = ap.parse_args()
     if a.tokenizer is None:
         from compiled_spec.models.gguf_loader import find_default_gguf
@@ -239,6 +243,8 @@ def main() -> None:
                          ("tree_topk8_32", head, 5, {"speculative_topk": 8,
                                                       "speculative_num_draft_tokens": 32})]
         for name, draft, k, extra in variants:
+            if a.only is not None and name not in a.only:
+                continue
             spec = {"draft": draft, "num_speculative_tokens": k, **extra} if draft else {}
             llm = LLM(model=target, tokenizer=tok, max_model_len=256, max_num_seqs=batch,
                       num_kv_blocks=20 * batch + 8, dtype="float32", **spec)
