@@ -1,5 +1,6 @@
 """The paged-KV attention, top-k and skinny-GEMM ops, registered with torch.library so
-torch.compile traces them as opaque nodes (with fake implementations for shape propagation) and our passes can find them."""
+torch.compile traces them as opaque nodes (with fake implementations for shape propagation) and
+our passes can find them."""
 from __future__ import annotations
 
 import torch

@@ -17,7 +17,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # the Triton worker runs this file as a script
     sys.path.insert(0, str(REPO_ROOT))
 
-from kernels.gemm_config import MAX_M, GemmConfig, block_m_for, candidates, gemm_config  # noqa: E402
+from kernels.gemm_config import (MAX_M, GemmConfig, block_m_for, candidates,  # noqa: E402
+                                 gemm_config)
 from tests.triton_interpret import run_interpreted  # noqa: E402
 
 K, N = 96, 40  # K: 1.5 tiles of 64; N: 2.5 tiles of 16 (both tails masked)
