@@ -47,9 +47,14 @@ class CompileConfig:
     # kernel time of a chain step in the H200 trace, results/2026-12-01_h200_session7/trees.log);
     # compiling takes longer.
     autotune_gemm: bool = False
+    # The target's RMSNorm -> linear, SiLU-and-mul -> linear and residual adds rewritten to
+    # fused skinny-GEMM ops (passes.skinny_gemm; one Triton launch each at decode sizes). Off
+    # until measured on the H200 (python -m kernels.bench_gemm, then end to end).
+    skinny_gemm: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("inductor", "dynamic", "cudagraphs", "strict_capture", "autotune_gemm"):
+        for name in ("inductor", "dynamic", "cudagraphs", "strict_capture", "autotune_gemm",
+                     "skinny_gemm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"CompileConfig.{name}={getattr(self, name)!r}: must be a bool")
         if self.cache_dir is not None and not isinstance(self.cache_dir, (str, Path)):
@@ -114,7 +119,8 @@ def compile_models(runner: ModelRunner, cfg: CompileConfig) -> CompiledModels:
     backend = functools.partial(make_backend, inductor=cfg.inductor,
                                 inductor_config=inductor_config(cfg))
     eager: dict[str, Any] = {"target": runner.target_fn}
-    backends = {"target": backend(hoist_fc=False, per_layer_metadata=False)}
+    backends = {"target": backend(hoist_fc=False, per_layer_metadata=False,
+                                  skinny_gemm=cfg.skinny_gemm)}
     compiled: dict[str, Any] = {"target": compile_callable(runner.model, backends["target"], cfg)}
     prop = runner.proposer
     if prop is not None:

@@ -1,10 +1,12 @@
-"""The paged-KV attention ops, registered with torch.library so torch.compile traces them as
-opaque nodes (with fake implementations for shape propagation) and our passes can find them."""
+"""The paged-KV attention, top-k and skinny-GEMM ops, registered with torch.library so
+torch.compile traces them as opaque nodes (with fake implementations for shape propagation) and
+our passes can find them."""
 from __future__ import annotations
 
 import torch
 
 from kernels.attention_ref import paged_attention_ref, paged_tree_attention_ref, write_kv_ref
+from kernels.skinny_gemm_ref import linear_ref, rmsnorm_linear_ref, silu_mul_linear_ref
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -138,3 +140,70 @@ def row_topk(x: torch.Tensor,  # [R, N] float, N >= k
 def _(x, k) -> tuple[torch.Tensor, torch.Tensor]:
     r = x.shape[0]
     return (x.new_empty(r, k, dtype=torch.float32), x.new_empty(r, k, dtype=torch.int64))
+
+
+# Skinny GEMMs (batch-1 decode / verify): one launch for linear (+ a fused RMSNorm or
+# SiLU-and-mul prologue, + a residual). The Triton kernel runs on CUDA for M <= MAX_M rows;
+# elsewhere (CPU, prefill-sized M) the exact unfused PyTorch ops run, cuBLAS on the GPU.
+def _skinny(x: torch.Tensor) -> bool:
+    from kernels.gemm_config import MAX_M
+
+    return _use_triton(x) and x.shape[0] <= MAX_M
+
+
+@torch.library.custom_op("compiled_spec::skinny_linear", mutates_args=())
+def skinny_linear(x: torch.Tensor,  # [M, K]
+                  weight: torch.Tensor,  # [N, K]
+                  residual: torch.Tensor | None = None,  # [M, N]
+                  ) -> torch.Tensor:  # [M, N]: residual + x @ weight^T
+    if _skinny(x):
+        from kernels.skinny_gemm_triton import skinny_gemm_triton
+
+        return skinny_gemm_triton(x, weight, residual=residual)
+    return linear_ref(x, weight, residual)
+
+
+@torch.library.custom_op("compiled_spec::rmsnorm_linear", mutates_args=())
+def rmsnorm_linear(x: torch.Tensor,  # [M, K]
+                   norm_weight: torch.Tensor,  # [K]
+                   eps: float,
+                   weight: torch.Tensor,  # [N, K]
+                   residual: torch.Tensor | None = None,  # [M, N]
+                   ) -> torch.Tensor:  # [M, N]: residual + rmsnorm(x) @ weight^T
+    if _skinny(x):
+        from kernels.skinny_gemm_triton import skinny_gemm_triton
+
+        return skinny_gemm_triton(x, weight, norm_weight=norm_weight, eps=eps,
+                                  residual=residual)
+    return rmsnorm_linear_ref(x, norm_weight, eps, weight, residual)
+
+
+@torch.library.custom_op("compiled_spec::silu_mul_linear", mutates_args=())
+def silu_mul_linear(gate_up: torch.Tensor,  # [M, 2K]: [gate | up]
+                    weight: torch.Tensor,  # [N, K]
+                    residual: torch.Tensor | None = None,  # [M, N]
+                    ) -> torch.Tensor:  # [M, N]: residual + (silu(gate) * up) @ weight^T
+    if _skinny(gate_up):
+        from kernels.skinny_gemm_triton import skinny_gemm_triton
+
+        return skinny_gemm_triton(gate_up, weight, silu_mul=True, residual=residual)
+    return silu_mul_linear_ref(gate_up, weight, residual)
+
+
+def _gemm_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@skinny_linear.register_fake
+def _(x, weight, residual=None) -> torch.Tensor:
+    return _gemm_out(x, weight)
+
+
+@rmsnorm_linear.register_fake
+def _(x, norm_weight, eps, weight, residual=None) -> torch.Tensor:
+    return _gemm_out(x, weight)
+
+
+@silu_mul_linear.register_fake
+def _(gate_up, weight, residual=None) -> torch.Tensor:
+    return _gemm_out(gate_up, weight)

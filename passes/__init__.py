@@ -9,11 +9,13 @@ from passes.hoist_fc import HoistEagle3Fc, HoistedPart
 from passes.noop_elim import NoOpElimination
 from passes.pipeline import (PASS_ORDER, POST_GRAD_ORDER, CompiledSpecBackend, PassManager,
                              default_passes, make_backend)
+from passes.skinny_gemm import SkinnyGemmFusion
 from passes.unfuse_addmm import UnfuseResidualAddmm
 
 __all__ = [
     "DUMP_ENV", "GraphPass", "hash_source", "BindPerLayerAttnMetadata", "HoistEagle3Fc",
-    "HoistedPart", "NoOpElimination", "UnfuseResidualAddmm", "PASS_ORDER", "POST_GRAD_ORDER",
+    "HoistedPart", "NoOpElimination", "SkinnyGemmFusion", "UnfuseResidualAddmm", "PASS_ORDER",
+    "POST_GRAD_ORDER",
     "CompiledSpecBackend", "PassManager",
     "default_passes", "make_backend",
 ]

@@ -33,20 +33,24 @@ from passes.graph_utils import (INPUT_SPEC_KEY, PAGED_ATTENTION, WRITE_KV, Input
 from passes.hoist_fc import HOISTED_KEY, HoistEagle3Fc, HoistedPart
 from passes.noop_elim import NoOpElimination
 from passes.post_grad import PostGradPasses, inductor_patches
+from passes.skinny_gemm import SkinnyGemmFusion
 from passes.unfuse_addmm import UnfuseResidualAddmm
 
 # THE pass order. NoOp first: stray views between cat and fc, or between a metadata input and
 # the attention op, would otherwise hide those patterns. Hoisting before metadata binding keeps
-# the layer pass looking at the graph that will actually be compiled.
-PASS_ORDER: list[type[GraphPass]] = [NoOpElimination, HoistEagle3Fc, BindPerLayerAttnMetadata]
+# the layer pass looking at the graph that will actually be compiled. The skinny-GEMM fusion
+# last: it turns linears into custom ops, which would hide the EAGLE-3 fc from the hoisting.
+PASS_ORDER: list[type[GraphPass]] = [NoOpElimination, HoistEagle3Fc, BindPerLayerAttnMetadata,
+                                     SkinnyGemmFusion]
 # Then, inside Inductor, on the ATen graph after its own post-grad patterns (they create the
 # addmm nodes this one undoes).
 POST_GRAD_ORDER: list[type[GraphPass]] = [UnfuseResidualAddmm]
 
 
 def default_passes(hoist_fc: bool = True, per_layer_metadata: bool = True,
-                   keep_graphs: bool = False) -> list[GraphPass]:
-    skip = {HoistEagle3Fc: not hoist_fc, BindPerLayerAttnMetadata: not per_layer_metadata}
+                   keep_graphs: bool = False, skinny_gemm: bool = False) -> list[GraphPass]:
+    skip = {HoistEagle3Fc: not hoist_fc, BindPerLayerAttnMetadata: not per_layer_metadata,
+            SkinnyGemmFusion: not skinny_gemm}
     return [cls(keep_graphs=keep_graphs) for cls in PASS_ORDER if not skip.get(cls, False)]
 
 
@@ -246,7 +250,8 @@ class CompiledSpecBackend:
 
 
 def make_backend(passes: list[GraphPass] | None = None, hoist_fc: bool = True, *,
-                 per_layer_metadata: bool = True, inductor: bool = True,
+                 per_layer_metadata: bool = True, skinny_gemm: bool = False,
+                 inductor: bool = True,
                  inductor_config: dict[str, Any] | None = None,
                  wrap_compiled: Callable[[Callable[..., Any], fx.GraphModule],
                                          Callable[..., Any]] | None = None,
@@ -259,13 +264,15 @@ def make_backend(passes: list[GraphPass] | None = None, hoist_fc: bool = True, *
     hoist_fc: EAGLE-3 first-pass drafts; a target or EAGLE-1 graph has nothing to hoist.
     per_layer_metadata: drafts; the target shares one metadata across layers by design, so give
         it ``False`` (else each of its layers would get its own metadata inputs).
+    skinny_gemm: add ``SkinnyGemmFusion`` to the default passes (norm / SiLU-and-mul /
+        residual folded into fused GEMM ops); off until measured on the GPU.
     inductor_config: Inductor config patches for every compiled graph.
     wrap_compiled: ``(compiled, gm) -> callable`` around the compiled remainder only (e.g. a
         CUDA graph capture); the hoisted fc always runs outside it.
     keep_graphs: passes keep ``last_before`` / ``last_after`` graph text.
     """
     if passes is None:
-        passes = default_passes(hoist_fc, per_layer_metadata, keep_graphs)
+        passes = default_passes(hoist_fc, per_layer_metadata, keep_graphs, skinny_gemm)
     drop = (() if hoist_fc else (HoistEagle3Fc,)) + \
         (() if per_layer_metadata else (BindPerLayerAttnMetadata,))
     passes = [p for p in passes if not isinstance(p, drop)]

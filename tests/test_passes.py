@@ -14,7 +14,7 @@ from torch import nn
 
 from compiled_spec.attention_metadata import AttentionMetadata
 from passes import (PASS_ORDER, BindPerLayerAttnMetadata, HoistEagle3Fc, NoOpElimination,
-                    PassManager, make_backend)
+                    PassManager, SkinnyGemmFusion, make_backend)
 from passes.graph_utils import PAGED_ATTENTION, WRITE_KV, count_ops, is_op
 from passes.pipeline import _copy_graph_module, _GraphRunner
 
@@ -368,7 +368,8 @@ def test_bind_refuses_different_kv_layouts():
 # --- pipeline -----------------------------------------------------------------------------------
 
 def test_pass_order_dumps_and_attention_guard(tmp_path, monkeypatch):
-    pm = PassManager([BindPerLayerAttnMetadata(), NoOpElimination(), HoistEagle3Fc()])
+    pm = PassManager([BindPerLayerAttnMetadata(), SkinnyGemmFusion(), NoOpElimination(),
+                      HoistEagle3Fc()])
     assert [type(p) for p in pm.passes] == PASS_ORDER
     metas = {f"layers.{i}": make_meta([3, 2], [4, 5], TABLE_A) for i in range(3)}
     x = torch.randn(5, H)
