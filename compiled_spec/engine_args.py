@@ -38,6 +38,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--autotune-gemm", action="store_true",
                    help="with --compile: Inductor times its Triton GEMM templates against cuBLAS "
                    "per matmul shape and keeps the faster (longer compile)")
+    p.add_argument("--skinny-gemm", action="store_true",
+                   help="with --compile: the target's RMSNorm / SiLU-and-mul / residual fused "
+                   "into Triton GEMMs for few rows (passes.skinny_gemm; CUDA, M <= 64)")
     p.add_argument("--speculative-topk", type=int, default=1, help="> 1: EAGLE-2 draft trees")
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None,
                    help="tree verification budget, root included")
@@ -75,10 +78,11 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
               draft_tensor_parallel=a.draft_tensor_parallel)
     sizes = getattr(a, "cuda_graph_sizes", None)
     autotune = getattr(a, "autotune_gemm", False)
-    if a.compile_cache_dir is not None or sizes or autotune:
+    skinny = getattr(a, "skinny_gemm", False)
+    if a.compile_cache_dir is not None or sizes or autotune or skinny:
         from compiled_spec.compile import CompileConfig
 
         kw["compile_config"] = CompileConfig(cache_dir=a.compile_cache_dir,
                                              capture_batch_sizes=tuple(sizes or ()),
-                                             autotune_gemm=autotune)
+                                             autotune_gemm=autotune, skinny_gemm=skinny)
     return kw

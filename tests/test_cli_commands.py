@@ -113,3 +113,6 @@ def test_autotune_gemm_reaches_the_compile_config():
     assert inductor_config(CompileConfig()) == {}
     with pytest.raises(ValueError, match="autotune_gemm"):
         CompileConfig(autotune_gemm="yes")  # type: ignore[arg-type]
+    # --skinny-gemm: the fused skinny-GEMM pass, off unless asked for
+    assert engine_kwargs(p.parse_args(["--skinny-gemm"]))["compile_config"].skinny_gemm is True
+    assert cfg.skinny_gemm is False

