@@ -24,6 +24,7 @@ import hashlib
 import os
 import pickle
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -52,19 +53,24 @@ class PrecompileStats:
     compiled: int = 0  # entries traced by aot_compile in this process and saved
     fallbacks: list[str] = field(default_factory=list)  # why a callable traced instead
     traced: dict[str, str] = field(default_factory=dict)  # callables never precompiled: why
+    load_s: float = 0.0  # reading and deserializing entries (guards rebuilt, Inductor loaded)
+    compile_s: float = 0.0  # aot_compile + serialize + write of new entries
 
     def as_dict(self) -> dict[str, Any]:
         return {"loaded": self.loaded, "hits": self.hits, "compiled": self.compiled,
-                "fallbacks": list(self.fallbacks), "traced": dict(self.traced)}
+                "fallbacks": list(self.fallbacks), "traced": dict(self.traced),
+                "load_s": round(self.load_s, 2), "compile_s": round(self.compile_s, 2)}
 
 
 def cache_key(name: str, module: torch.nn.Module, backend_uuid: str, parts: dict[str, Any]) -> str:
     """Everything that changes the traced graph: the callable, the module's class, config and
     parameter dtypes / devices, the backend's passes (uuid), the compile options and engine
-    settings in ``parts`` (k, ...), and torch's version. The code itself is covered by the
-    cache directory (``compile_cache.code_hash``)."""
+    settings in ``parts`` (k, ...), torch's version and our code (``code_hash``: the
+    cache directory holds it too, unless a user exported TORCHINDUCTOR_CACHE_DIR)."""
+    from compiled_spec.compile_cache import code_hash
+
     params = sorted({(str(p.dtype), str(p.device)) for p in module.parameters()})
-    text = repr((name, type(module).__qualname__, repr(getattr(module, "config", None)), params,
+    text = repr((code_hash(), name, type(module).__qualname__, repr(getattr(module, "config", None)), params,
                  backend_uuid, sorted(parts.items()), torch.__version__))
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
@@ -93,6 +99,7 @@ class PrecompiledModule:
             return
         from torch._dynamo.aot_compile import AOTCompiledFunction
 
+        t0 = time.perf_counter()
         try:
             blobs = pickle.loads(self.path.read_bytes())
             # Tensor guards compare dispatch keys including the thread's local ones, taken when
@@ -104,6 +111,8 @@ class PrecompiledModule:
             self.stats.fallbacks.append(f"{self.name}: load failed: {type(e).__name__}: "
                                         f"{str(e)[:200]}")
             return
+        finally:
+            self.stats.load_s += time.perf_counter() - t0
         self.entries, self._blobs = entries, list(blobs)
         self._unused = set(range(len(entries)))
         self.stats.loaded += len(entries)
@@ -127,6 +136,7 @@ class PrecompiledModule:
     def _compile(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         from torch._dynamo.aot_compile import AOTCompiledFunction
 
+        t0 = time.perf_counter()
         try:
             # The unbound forward, so the module is an argument (guarded like Dynamo guards a
             # module call) rather than state the serializer would have to pickle.
@@ -134,8 +144,11 @@ class PrecompiledModule:
                                dynamic=self.dynamic, fullgraph=True)
             with torch._dynamo.config.patch(enable_aot_compile=True):
                 entry = fn.aot_compile(((self.module, *args), kwargs))
-            blob = AOTCompiledFunction.serialize(entry).serialized_data
+            blob = AOTCompiledFunction.serialize(entry)
+            # torch 2.13 returns an AOTCompileSaveResult, older versions the bytes themselves
+            blob = getattr(blob, "serialized_data", blob)
         except Exception as e:
+            self.stats.compile_s += time.perf_counter() - t0
             self.off = f"{self.name}: aot_compile failed: {type(e).__name__}: {str(e)[:200]}"
             self.stats.fallbacks.append(self.off)
             return None
@@ -146,6 +159,7 @@ class PrecompiledModule:
             _atomic_write(self.path, pickle.dumps(self._blobs))
         except OSError as e:
             self.stats.fallbacks.append(f"{self.name}: not saved: {e}")
+        self.stats.compile_s += time.perf_counter() - t0
         return entry
 
 
