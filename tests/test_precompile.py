@@ -29,7 +29,6 @@ def run(pre):
               device="cpu", num_speculative_tokens=3, max_model_len=64, page_size=4, compile=True,
               compile_config=CompileConfig(cache_dir=sys.argv[4], precompile=pre))
     out = llm.generate([[1, 2, 3], [4, 5, 6, 7]], SamplingParams(max_tokens=6, ignore_eos=True))
-    out += llm.generate([[9, 8, 7, 6, 5]], SamplingParams(max_tokens=5, ignore_eos=True))
     return {"cache": llm.compile_cache, "ids": [o.token_ids for o in out]}
 print(json.dumps({"pre": run(True), **({"traced": run(False)} if len(sys.argv) > 5 else {})}))
 """
