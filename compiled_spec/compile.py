@@ -17,7 +17,7 @@ graphs by dummy runs (``compiled_spec.engine.graphs``) and the engine replays th
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ import torch.fx.experimental._config  # noqa: F401  (use_duck_shape, patched per
 from capture import CapturePolicy
 from compiled_spec.engine.graphs import EngineGraphs
 from compiled_spec.engine.model_runner import ModelRunner
+from compiled_spec.precompile import PrecompiledModule, PrecompileStats, cache_key, precompile_dir
 from passes import make_backend
 
 
@@ -51,10 +52,14 @@ class CompileConfig:
     # fused skinny-GEMM ops (passes.skinny_gemm; one Triton launch each at decode sizes). Off
     # until measured on the H200 (python -m kernels.bench_gemm, then end to end).
     skinny_gemm: bool = False
+    # Issue 16: save the target's Dynamo + Inductor result (torch's aot_compile) in the compile
+    # cache and load it on the next start-up instead of tracing (compiled_spec/precompile.py).
+    # Off until a warm start is verified on the GPU machine's torch (2.11).
+    precompile: bool = False
 
     def __post_init__(self) -> None:
         for name in ("inductor", "dynamic", "cudagraphs", "strict_capture", "autotune_gemm",
-                     "skinny_gemm"):
+                     "skinny_gemm", "precompile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"CompileConfig.{name}={getattr(self, name)!r}: must be a bool")
         if self.cache_dir is not None and not isinstance(self.cache_dir, (str, Path)):
@@ -73,6 +78,7 @@ class CompiledModels:
     active: bool = False
     graphs: EngineGraphs | None = None  # CUDA graphs over the compiled callables, once captured
     graphs_off: str | None = None  # why there are none (CPU device, cudagraphs=False)
+    precompile: PrecompileStats | None = None  # CompileConfig.precompile: loads, saves, why not
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {name: {"graphs": len(b.graphs), "pass_matches": b.match_counts}
@@ -82,8 +88,17 @@ class CompiledModels:
         return out
 
 
-def compile_callable(fn: Any, backend: Any, cfg: CompileConfig) -> Any:
+def compile_callable(fn: Any, backend: Any, cfg: CompileConfig,
+                     precompile: tuple[str, PrecompileStats, dict[str, Any]] | None = None) -> Any:
+    """``precompile``: (name, stats, cache-key parts) to serve ``fn`` (an nn.Module) from
+    precompiled entries (compiled_spec/precompile.py), falling back to the traced callable."""
     compiled = torch.compile(fn, backend=backend, dynamic=cfg.dynamic, fullgraph=True)
+    run: Any = compiled
+    if precompile is not None:
+        name, stats, parts = precompile
+        key = cache_key(name, fn, backend.uuid(), parts)
+        run = PrecompiledModule(name, fn, backend, cfg.dynamic, compiled,
+                                precompile_dir() / f"{name}-{key}.bin", stats)
 
     def call(*args: Any, **kwargs: Any) -> Any:
         # No duck sizing while Dynamo traces our calls: it would tie dims that merely happen to
@@ -97,7 +112,7 @@ def compile_callable(fn: Any, backend: Any, cfg: CompileConfig) -> Any:
         # hits: ~8.5 s of a 22 s warm start on the CPU, ninth session).
         with torch.fx.experimental._config.patch(use_duck_shape=False), \
                 torch._dynamo.config.patch(specialize_float=True):
-            return compiled(*args, **kwargs)
+            return run(*args, **kwargs)
 
     call.__wrapped__ = compiled  # type: ignore[attr-defined]
     return call
@@ -121,8 +136,20 @@ def compile_models(runner: ModelRunner, cfg: CompileConfig) -> CompiledModels:
     eager: dict[str, Any] = {"target": runner.target_fn}
     backends = {"target": backend(hoist_fc=False, per_layer_metadata=False,
                                   skinny_gemm=cfg.skinny_gemm)}
-    compiled: dict[str, Any] = {"target": compile_callable(runner.model, backends["target"], cfg)}
     prop = runner.proposer
+    stats = PrecompileStats() if cfg.precompile else None
+    pre = None
+    if stats is not None:
+        # Everything outside the module that shapes its graph (the module's own config, dtype
+        # and device are read from it); k changes the verify's token counts (dynamic anyway).
+        parts = {"k": getattr(prop, "k", 0), **asdict(cfg)}
+        parts.pop("cache_dir")  # where the file lives, not what it holds
+        pre = ("target", stats, parts)
+        stats.traced.update(dict.fromkeys(
+            ("first_pass", "step") if prop is not None else (),
+            "backend wraps the graph (_GraphRunner): not serializable"))
+    compiled: dict[str, Any] = {"target": compile_callable(runner.model, backends["target"], cfg,
+                                                           pre)}
     if prop is not None:
         eager.update(first_pass=prop.first_pass_fn, step=prop.step_fn)
         backends["draft_first_pass"] = backend(hoist_fc=True)
@@ -141,7 +168,10 @@ def compile_models(runner: ModelRunner, cfg: CompileConfig) -> CompiledModels:
             backends["draft_step_pick"] = backend(hoist_fc=False)
             compiled["step_pick"] = compile_callable(prop.step_and_pick, backends["draft_step_pick"],
                                              cfg)
-    return CompiledModels(eager=eager, compiled=compiled, backends=backends)
+    if stats is not None:
+        stats.traced.update({n: "a proposer method: Dynamo's guard pickler fails on its state"
+                             for n in compiled if n.startswith(("step_pick", "tree_"))})
+    return CompiledModels(eager=eager, compiled=compiled, backends=backends, precompile=stats)
 
 
 def capture_graphs(runner: ModelRunner, models: CompiledModels, policy: CapturePolicy,

@@ -206,7 +206,12 @@ class LLM:
     def compile_cache(self) -> dict:
         """The compile cache in use and its hits / misses (FX graphs, AOTAutograd graphs) since
         this LLM started compiling; {} before compile=True."""
-        return {} if self._cache_stats is None else self._cache_stats.as_dict()
+        if self._cache_stats is None:
+            return {}
+        out = self._cache_stats.as_dict()
+        if self._compiled is not None and self._compiled.precompile is not None:
+            out["precompile"] = self._compiled.precompile.as_dict()
+        return out
 
     @property
     def compile_stats(self) -> dict:

@@ -1,0 +1,178 @@
+"""Issue 16: skip Dynamo on a warm start by loading torch's ahead-of-time precompiled functions
+(``torch.compile(...).aot_compile`` / ``AOTCompiledFunction``) instead of tracing again.
+
+A warm start with every Inductor / AOTAutograd cache hit still pays Dynamo's symbolic run of the
+Python code (H200: 13 s of a 30.6 s start-up, ninth session). An ``AOTCompiledFunction`` holds
+Dynamo's guards, the bytecode it generated and the backend's compiled graph (AOTAutograd's
+bundled cache entry, Inductor code included); loading one costs no trace.
+
+What it needs from our backend: the callable the backend returns must be serializable, i.e.
+AOTAutograd's bundled entry (``compile_fx``'s result, which has ``serialize``) returned as is.
+Only the target qualifies today: the drafts' backends wrap the compiled graph in
+``passes.pipeline._GraphRunner`` (the hoisted EAGLE-3 fc, per-layer metadata), which torch
+cannot serialize, and the chain's step + pick is a method of the proposer, whose state (the
+other compiled callables) Dynamo's guard pickler tries and fails to pickle. So they trace.
+
+One file per callable and configuration holds every specialisation compiled so far (a guard
+miss, e.g. batch 1's 0/1 specialisation, compiles and appends one more); a call tries each
+entry's guards in order. Any failure to load or compile is counted with its reason and the
+callable falls back to ``torch.compile``'s traced path: never silently.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+
+def available() -> str | None:
+    """None when this torch can precompile, else why not (torch 2.11 is not verified: its
+    ``aot_compile`` may be missing or behave differently, so every piece is looked up)."""
+    try:
+        from torch._dynamo.aot_compile import AOTCompiledFunction  # noqa: F401
+    except ImportError as e:
+        return f"torch {torch.__version__} has no torch._dynamo.aot_compile ({e})"
+    if not hasattr(torch._dynamo.config, "enable_aot_compile"):
+        return f"torch {torch.__version__} has no torch._dynamo.config.enable_aot_compile"
+    return None
+
+
+@dataclass
+class PrecompileStats:
+    """What the precompiled callables of one LLM did; reported in ``LLM.compile_cache``."""
+
+    loaded: int = 0  # entries read from disk
+    hits: int = 0  # loaded entries that served a call (no Dynamo trace)
+    compiled: int = 0  # entries traced by aot_compile in this process and saved
+    fallbacks: list[str] = field(default_factory=list)  # why a callable traced instead
+    traced: dict[str, str] = field(default_factory=dict)  # callables never precompiled: why
+    load_s: float = 0.0  # reading and deserializing entries (guards rebuilt, Inductor loaded)
+    compile_s: float = 0.0  # aot_compile + serialize + write of new entries
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"loaded": self.loaded, "hits": self.hits, "compiled": self.compiled,
+                "fallbacks": list(self.fallbacks), "traced": dict(self.traced),
+                "load_s": round(self.load_s, 2), "compile_s": round(self.compile_s, 2)}
+
+
+def cache_key(name: str, module: torch.nn.Module, backend_uuid: str, parts: dict[str, Any]) -> str:
+    """Everything that changes the traced graph: the callable, the module's class, config and
+    parameter dtypes / devices, the backend's passes (uuid), the compile options and engine
+    settings in ``parts`` (k, ...), torch's version and our code (``code_hash``: the
+    cache directory holds it too, unless a user exported TORCHINDUCTOR_CACHE_DIR)."""
+    from compiled_spec.compile_cache import code_hash
+
+    params = sorted({(str(p.dtype), str(p.device)) for p in module.parameters()})
+    text = repr((code_hash(), name, type(module).__qualname__, repr(getattr(module, "config", None)), params,
+                 backend_uuid, sorted(parts.items()), torch.__version__))
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+class PrecompiledModule:
+    """``module(*args)`` through precompiled entries; misses aot-compile (and save) a new one,
+    failures go to ``traced`` (the ordinary ``torch.compile`` callable)."""
+
+    def __init__(self, name: str, module: torch.nn.Module, backend: Any, dynamic: bool,
+                 traced: Callable[..., Any], path: Path, stats: PrecompileStats) -> None:
+        self.name, self.module, self.backend, self.dynamic = name, module, backend, dynamic
+        self.traced = traced
+        self.path = path
+        self.stats = stats
+        self.entries: list[Any] = []  # AOTCompiledFunction, in the order they were compiled
+        self._blobs: list[bytes] = []  # their serialized form, rewritten on each new entry
+        self._unused: set[int] = set()  # loaded entries not yet counted as a hit
+        self.off: str | None = available()  # set: every miss traces
+        if self.off is not None:
+            stats.fallbacks.append(f"{name}: {self.off}")
+        else:
+            self._load()
+
+    def _load(self) -> None:
+        if not self.path.exists():
+            return
+        from torch._dynamo.aot_compile import AOTCompiledFunction
+
+        t0 = time.perf_counter()
+        try:
+            blobs = pickle.loads(self.path.read_bytes())
+            # Tensor guards compare dispatch keys including the thread's local ones, taken when
+            # the guards are rebuilt here: the engine calls under inference mode (no
+            # ADInplaceOrView), so rebuild them under it too, else every guard fails.
+            with torch.inference_mode():
+                entries = [AOTCompiledFunction.deserialize(b) for b in blobs]
+        except Exception as e:  # a torch upgrade, a truncated file: trace, say so, rewrite
+            self.stats.fallbacks.append(f"{self.name}: load failed: {type(e).__name__}: "
+                                        f"{str(e)[:200]}")
+            return
+        finally:
+            self.stats.load_s += time.perf_counter() - t0
+        self.entries, self._blobs = entries, list(blobs)
+        self._unused = set(range(len(entries)))
+        self.stats.loaded += len(entries)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        for i, entry in enumerate(self.entries):
+            # The guards Dynamo would check before reusing a graph (shapes, dtypes, 0/1
+            # specialisations), restored from the file; global guards were dropped at save
+            # (torch's aot_compile does), which the cache key stands in for.
+            if entry.guard_check(self.module, *args, **kwargs):
+                if i in self._unused:
+                    self._unused.discard(i)
+                    self.stats.hits += 1
+                return entry.fn(self.module, *args, **kwargs)
+        if self.off is None:
+            entry = self._compile(args, kwargs)
+            if entry is not None:
+                return entry.fn(self.module, *args, **kwargs)
+        return self.traced(*args, **kwargs)
+
+    def _compile(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        from torch._dynamo.aot_compile import AOTCompiledFunction
+
+        t0 = time.perf_counter()
+        try:
+            # The unbound forward, so the module is an argument (guarded like Dynamo guards a
+            # module call) rather than state the serializer would have to pickle.
+            fn = torch.compile(type(self.module).forward, backend=self.backend,
+                               dynamic=self.dynamic, fullgraph=True)
+            with torch._dynamo.config.patch(enable_aot_compile=True):
+                entry = fn.aot_compile(((self.module, *args), kwargs))
+            blob = AOTCompiledFunction.serialize(entry)
+            # torch 2.13 returns an AOTCompileSaveResult, older versions the bytes themselves
+            blob = getattr(blob, "serialized_data", blob)
+        except Exception as e:
+            self.stats.compile_s += time.perf_counter() - t0
+            self.off = f"{self.name}: aot_compile failed: {type(e).__name__}: {str(e)[:200]}"
+            self.stats.fallbacks.append(self.off)
+            return None
+        self.entries.append(entry)
+        self._blobs.append(blob)
+        self.stats.compiled += 1
+        try:
+            _atomic_write(self.path, pickle.dumps(self._blobs))
+        except OSError as e:
+            self.stats.fallbacks.append(f"{self.name}: not saved: {e}")
+        self.stats.compile_s += time.perf_counter() - t0
+        return entry
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    """Whole files only: another process starting meanwhile reads the old or the new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as f:
+        f.write(data)
+    os.replace(f.name, path)
+
+
+def precompile_dir() -> Path:
+    """Inside the compile cache directory in use (per version of our code and torch)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir()) / "precompiled"

@@ -1,0 +1,93 @@
+"""CompileConfig.precompile (compiled_spec/precompile.py): a second process loads the target's
+precompiled entries instead of tracing it, with outputs identical to the traced path, and a
+broken file falls back to tracing with its reason reported."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from compiled_spec.compile_cache import ENV
+from compiled_spec.precompile import PrecompiledModule, PrecompileStats, available
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
+
+# One LLM with precompile on; with a 5th argument also one without (the traced path, served
+# from the same Inductor cache), whose token ids must be the same.
+_RUN = """
+import json, sys
+from compiled_spec import LLM, SamplingParams
+from compiled_spec.compile import CompileConfig
+def run(pre):
+    llm = LLM(model=sys.argv[1], draft=sys.argv[2], tokenizer=sys.argv[3], dtype="float32",
+              device="cpu", num_speculative_tokens=3, max_model_len=64, page_size=4, compile=True,
+              compile_config=CompileConfig(cache_dir=sys.argv[4], precompile=pre))
+    out = llm.generate([[1, 2, 3], [4, 5, 6, 7]], SamplingParams(max_tokens=6, ignore_eos=True))
+    return {"cache": llm.compile_cache, "ids": [o.token_ids for o in out]}
+print(json.dumps({"pre": run(True), **({"traced": run(False)} if len(sys.argv) > 5 else {})}))
+"""
+
+
+def test_warm_start_loads_the_target_instead_of_tracing(tmp_path, bigram_eagle3,
+                                                         smollm2_gguf_path):
+    target, head = bigram_eagle3
+    env = {k: v for k, v in os.environ.items() if k != ENV}
+    env.update(PYTHONPATH=str(ROOT), COMPILED_SPEC_PROGRESS="0")
+    runs = []
+    for extra in (["traced"], []):
+        p = subprocess.run([sys.executable, "-c", _RUN, target, head, smollm2_gguf_path,
+                            str(tmp_path / "cache"), *extra], env=env, capture_output=True,
+                           text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
+    cold, warm = runs
+    first, second = cold["pre"]["cache"]["precompile"], warm["pre"]["cache"]["precompile"]
+    # cold: every specialisation of the target (prefill, batch-1 decode, ...) compiled, saved
+    assert first["loaded"] == 0 and first["compiled"] >= 2 and first["fallbacks"] == []
+    # warm: all of them loaded and used, nothing traced for the target
+    assert second["loaded"] == first["compiled"] == second["hits"], second
+    assert second["compiled"] == 0 and second["fallbacks"] == [], second
+    assert set(second["traced"]) == {"first_pass", "step", "step_pick"}  # said, not silent
+    assert cold["pre"]["ids"] == cold["traced"]["ids"] == warm["pre"]["ids"]
+    files = list((tmp_path / "cache").rglob("precompiled/target-*.bin"))
+    assert len(files) == 1
+
+
+class _Tiny(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.lin(x)) * 2
+
+
+def test_unreadable_file_falls_back_and_says_why(tmp_path):
+    path = tmp_path / "precompiled" / "tiny-x.bin"
+    path.parent.mkdir()
+    path.write_bytes(b"not a pickle")
+    stats = PrecompileStats()
+    mod = _Tiny()
+    traced_calls = []
+
+    def traced(*args):
+        traced_calls.append(1)
+        return mod(*args)
+
+    # a backend whose result torch cannot serialize: aot_compile fails -> traced, reason kept
+    pre = PrecompiledModule("tiny", mod, lambda gm, ex: gm.forward, True, traced, path, stats)
+    assert stats.loaded == 0 and stats.fallbacks[0].startswith("tiny: load failed")
+    x = torch.randn(5, 4)
+    with torch.inference_mode():
+        out = pre(x)
+        torch.testing.assert_close(out, mod(x), rtol=0, atol=0)
+        pre(x)
+    assert traced_calls == [1, 1] and stats.compiled == 0
+    assert len(stats.fallbacks) == 2 and "aot_compile failed" in stats.fallbacks[1]
+    assert path.read_bytes() == b"not a pickle"  # nothing half-written over it
