@@ -41,6 +41,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skinny-gemm", action="store_true",
                    help="with --compile: the target's RMSNorm / SiLU-and-mul / residual fused "
                    "into Triton GEMMs for few rows (passes.skinny_gemm; CUDA, M <= 64)")
+    p.add_argument("--precompile", action="store_true",
+                   help="with --compile: save the target's compiled result (torch's aot_compile) "
+                   "in the compile cache and load it on later starts instead of tracing")
     p.add_argument("--speculative-topk", type=int, default=1, help="> 1: EAGLE-2 draft trees")
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None,
                    help="tree verification budget, root included")
@@ -79,10 +82,12 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
     sizes = getattr(a, "cuda_graph_sizes", None)
     autotune = getattr(a, "autotune_gemm", False)
     skinny = getattr(a, "skinny_gemm", False)
-    if a.compile_cache_dir is not None or sizes or autotune or skinny:
+    pre = getattr(a, "precompile", False)
+    if a.compile_cache_dir is not None or sizes or autotune or skinny or pre:
         from compiled_spec.compile import CompileConfig
 
         kw["compile_config"] = CompileConfig(cache_dir=a.compile_cache_dir,
                                              capture_batch_sizes=tuple(sizes or ()),
-                                             autotune_gemm=autotune, skinny_gemm=skinny)
+                                             autotune_gemm=autotune, skinny_gemm=skinny,
+                                             precompile=pre)
     return kw

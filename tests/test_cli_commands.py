@@ -116,3 +116,5 @@ def test_autotune_gemm_reaches_the_compile_config():
     # --skinny-gemm: the fused skinny-GEMM pass, off unless asked for
     assert engine_kwargs(p.parse_args(["--skinny-gemm"]))["compile_config"].skinny_gemm is True
     assert cfg.skinny_gemm is False
+    assert engine_kwargs(p.parse_args(["--precompile"]))["compile_config"].precompile is True
+    assert cfg.precompile is False

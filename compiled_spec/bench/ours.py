@@ -44,11 +44,13 @@ def build_engine(v: Variant, kw: dict[str, Any], prompts: list[list[int]],
     kw = dict(kw)
     autotune = kw.pop("autotune_gemm", False)  # compiled engines only
     skinny = kw.pop("skinny_gemm", False)
+    pre = kw.pop("precompile", False)
     top = max(batch_sizes)
     kw.update(draft=v.draft, compile=v.compile, max_num_seqs=top)
     if v.compile:
         kw["compile_config"] = CompileConfig(capture_batch_sizes=tuple(sorted(batch_sizes)),
-                                             autotune_gemm=autotune, skinny_gemm=skinny)
+                                             autotune_gemm=autotune, skinny_gemm=skinny,
+                                             precompile=pre)
     if v.draft is None:
         kw.pop("num_speculative_tokens", None)
     if v.tree is not None:

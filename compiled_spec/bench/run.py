@@ -125,7 +125,8 @@ def run_bench(a: argparse.Namespace) -> int:
               max_model_len=a.max_model_len, page_size=a.page_size, method=a.method,
               num_speculative_tokens=k, draft_sampling=a.draft_sampling,
               autotune_gemm=getattr(a, "autotune_gemm", False),
-              skinny_gemm=getattr(a, "skinny_gemm", False))
+              skinny_gemm=getattr(a, "skinny_gemm", False),
+              precompile=getattr(a, "precompile", False))
     batch_sizes = sorted(set(a.batch_sizes))
 
     merged = [json.loads(Path(p).read_text()) for p in a.merge or []]
