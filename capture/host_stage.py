@@ -37,6 +37,14 @@ def put(arr: np.ndarray, live: list, size: int, pad: int) -> None:
     arr[len(live):size] = pad
 
 
+def put_tables(tab: np.ndarray, tables: list[list[int]]) -> None:
+    """``tab`` [padded_seqs, W]: each request's block table, zero-padded (padded sequences get
+    table 0: their rows are inert, slot -1)."""
+    tab[:] = 0
+    for i, row in enumerate(tables):
+        tab[i, :len(row)] = row
+
+
 @dataclass
 class HostBatch:
     """A flat batch as host lists (``Span`` layout, inert padding already applied to rows past
@@ -133,10 +141,7 @@ class HostStage:
         self._dst[:n_d] = hb.draft_dst
         self._src[:n_d] = hb.draft_src
         put(self._qsl, hb.query_start_loc, padded_seqs + 1, t)
-        tab = self._tables[:padded_seqs]
-        tab[:] = 0
-        for i, row in enumerate(hb.tables):
-            tab[i, :len(row)] = row
+        put_tables(self._tables[:padded_seqs], hb.tables)
         up = self._uploads.get((padded_tokens, padded_seqs))
         if up is None:  # the same few sizes every step: four slices made once per size
             end64 = (bufs.lead + 2 * s - 1) * bufs.max_tokens + padded_tokens

@@ -24,7 +24,7 @@ import torch
 
 from capture.cuda_graphs import capture_each, capture_graph
 from capture.emulate import emulate_graph
-from capture.host_stage import put, staging
+from capture.host_stage import put, put_tables, staging
 from capture.pad import LiveBatch
 from compiled_spec.attention_metadata import AttentionMetadata
 from compiled_spec.engine.batch import loop_rows, span_rows
@@ -68,10 +68,7 @@ def stage_tables(h32: Any, l32: _Layout, b: int, w: int, tables: list[list[int]]
                  temperature: list[float]) -> None:
     """Each request's block table (zero-padded to ``w`` blocks) and sampling temperature into
     the int32 host buffer; padded sequences get table 0 and temperature 0."""
-    tab = l32.seg(h32, "tables", b * w).reshape(b, w)
-    tab[:] = 0
-    for i, table in enumerate(tables):
-        tab[i, :len(table)] = table
+    put_tables(l32.seg(h32, "tables", b * w).reshape(b, w), tables)
     temp = l32.seg(h32, "temperature", b).view(np.float32)
     temp[:len(temperature)] = temperature
     temp[len(temperature):] = 0.0
