@@ -12,6 +12,7 @@ import torch
 
 from kernels.attention_ref import paged_attention_ref, write_kv_ref
 from kernels.attention_triton import _paged_attention, paged_attention_triton, write_kv_triton
+from kernels.graph_timer import graph_us
 
 PAGE_SIZE = 16
 SHAPES = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128)}  # (num_heads, num_kv_heads, head_dim)
@@ -82,21 +83,7 @@ def check() -> bool:
 
 def time_graph(fn, reps: int = 20, iters: int = 10) -> float:
     """Mean microseconds per call: replay a CUDA graph holding `reps` calls."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000.0 / (reps * iters)
+    return graph_us(lambda _: fn(), reps, iters)
 
 
 def bench() -> None:

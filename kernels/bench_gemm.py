@@ -25,6 +25,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from kernels.graph_timer import graph_us
+
 SHAPES = {"qkv": (576, 960), "o_proj": (576, 576), "gate_up": (576, 3072),
           "down": (1536, 576), "lm_head": (576, 49152)}  # name: (K, N)
 MS = (1, 6, 16, 48, 2, 4, 8, 32)  # the sizes that matter most first, in case time runs out
@@ -67,21 +69,7 @@ def time_us(fn: Callable[[int], object], copies: int, iters: int = 10) -> float:
         for i in range(copies):
             fn(i)
         return (time.perf_counter() - t0) * 1e6 / copies
-    for i in range(min(copies, 3)):
-        fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(copies):
-            fn(i)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (copies * iters)
+    return graph_us(fn, copies, iters)
 
 
 class Case:
