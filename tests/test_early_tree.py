@@ -181,3 +181,28 @@ def test_early_tree_graph_writes_what_the_late_graphs_write(engines):
     assert any(not torch.equal(w, b) for w, b in zip(want_kv, before))  # it wrote draft KV
     for t, w in zip(caches, want_kv):
         torch.testing.assert_close(t, w, atol=1e-5, rtol=0)
+
+
+def test_early_tree_graph_body_is_capturable(trained_eagle3_pair, smollm2_gguf_path):
+    """What the early graph captures (the device acceptance, the fixed-stride first pass, the
+    expansion's metadata and the expansion) holds no op a CUDA graph capture refuses: a tensor
+    from host data, a device-to-host read, nonzero (tests/test_capturable.py's recorder)."""
+    from compiled_spec.engine.early_tree_graph import EarlyTreeGraphs
+    from tests.test_capturable import _Record
+
+    llm = _llm(trained_eagle3_pair, smollm2_gguf_path, True)  # eager: no Dynamo under the mode
+    runner = llm.engine.runner
+    g = EarlyTreeGraphs(runner.proposer, runner.allocator, (2,), 24, 96, torch.float32,
+                        emulate=True)
+    for i in (7, 8):
+        runner.allocator.grow(i, 40)
+    tok, par, dep, drawn = (torch.from_numpy(a).long() for a in
+                            _random_trees(np.random.default_rng(0), 2, N, D))
+    assert g.stage(2, [7, 8], [5, 9]) is None
+    rec = _Record()
+    with torch.inference_mode():
+        g.acc[:2] = torch.stack([tok, par, dep, drawn], dim=1)
+        with rec:
+            out = g._body(2)
+    assert rec.bad == [], sorted(set(rec.bad))
+    assert out[0].shape == (2, N)
