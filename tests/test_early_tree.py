@@ -21,6 +21,7 @@ from compiled_spec.spec.tree_accept_device import accept_greedy_device, first_pa
 D, TOPK, N = 3, 2, 6
 TREE = dict(num_speculative_tokens=D, speculative_topk=TOPK, speculative_num_draft_tokens=N)
 PROMPTS = [[3, 7, 1], [5], [9, 2, 4, 4, 8, 1, 2], [11, 12], [6, 6, 6, 1, 2]]
+AFTER_CAPTURE: dict[str, int] = {}  # graphs per compiled callable once capture is done
 
 
 def _random_trees(rng: np.random.Generator, b: int, n: int, d: int) -> tuple[np.ndarray, ...]:
@@ -86,6 +87,8 @@ def engines(trained_eagle3_pair, smollm2_gguf_path):
     policy = CapturePolicy(max_batch_size=4, num_speculative_tokens=D, max_model_len=96,
                            batch_sizes=(1, 4), seq_len_buckets=(96,))
     capture_graphs(spec.engine.runner, models, policy, 4, emulate=True)
+    AFTER_CAPTURE.update({n: b["graphs"] for n, b in spec.compile_stats.items()
+                          if isinstance(b, dict) and "graphs" in b})
     return spec, _llm(trained_eagle3_pair, smollm2_gguf_path, False)
 
 
@@ -183,26 +186,42 @@ def test_early_tree_graph_writes_what_the_late_graphs_write(engines):
         torch.testing.assert_close(t, w, atol=1e-5, rtol=0)
 
 
-def test_early_tree_graph_body_is_capturable(trained_eagle3_pair, smollm2_gguf_path):
-    """What the early graph captures (the device acceptance, the fixed-stride first pass, the
-    expansion's metadata and the expansion) holds no op a CUDA graph capture refuses: a tensor
-    from host data, a device-to-host read, nonzero (tests/test_capturable.py's recorder)."""
-    from compiled_spec.engine.early_tree_graph import EarlyTreeGraphs
+def test_early_tree_graph_body_is_capturable(engines):
+    """What the early graph captures (the device acceptance, the first pass's layout, the
+    expansion's metadata, the late graphs' bodies) holds no op a CUDA graph capture refuses: a
+    tensor from host data, a device-to-host read, nonzero (tests/test_capturable.py's
+    recorder). Run eagerly (Dynamo refuses the recorder's mode), two live requests of four."""
+    from compiled_spec.compile import use_compiled
     from tests.test_capturable import _Record
 
-    llm = _llm(trained_eagle3_pair, smollm2_gguf_path, True)  # eager: no Dynamo under the mode
-    runner = llm.engine.runner
-    g = EarlyTreeGraphs(runner.proposer, runner.allocator, (2,), 24, 96, torch.float32,
-                        emulate=True)
+    spec, _ = engines
+    runner = spec.engine.runner
+    g, alloc = runner.proposer.early_graph, runner.allocator
     for i in (7, 8):
-        runner.allocator.grow(i, 40)
+        alloc.grow(i, 40)
     tok, par, dep, drawn = (torch.from_numpy(a).long() for a in
                             _random_trees(np.random.default_rng(0), 2, N, D))
-    assert g.stage(2, [7, 8], [5, 9]) is None
     rec = _Record()
-    with torch.inference_mode():
-        g.acc[:2] = torch.stack([tok, par, dep, drawn], dim=1)
-        with rec:
-            out = g._body(2)
+    use_compiled(runner, spec._compiled, False)
+    try:
+        assert g.stage(4, [7, 8], [5, 9]) is None
+        with torch.inference_mode():
+            g.acc[:2] = torch.stack([tok, par, dep, drawn], dim=1)
+            with rec:
+                out = g._body(4)
+    finally:
+        use_compiled(runner, spec._compiled, True)
+        for i in (7, 8):
+            alloc.free(i)
     assert rec.bad == [], sorted(set(rec.bad))
-    assert out[0].shape == (2, N)
+    assert out[0].shape == (4, N)
+
+
+def test_early_and_late_tree_graphs_share_the_draft_compiles(engines):
+    """The early graph runs the late graphs' bodies on their own static buffers, so the draft
+    callables see the tensors they were compiled for: one compile per batch class (batch 1 and
+    batch 4: Dynamo's 0/1 specialisation), not two (buffers of its own, inference tensors at
+    other offsets, made Dynamo compile every draft callable again)."""
+    engines  # noqa: B018  (the fixture captures and records the counts)
+    for name in ("draft_step", "tree_head", "tree_step", "tree_finish"):
+        assert AFTER_CAPTURE[name] == 2, AFTER_CAPTURE

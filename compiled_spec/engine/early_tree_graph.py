@@ -7,15 +7,22 @@ and the expansion from the new root, both from host lists. Here the host stages 
 not depend on acceptance, and the graph decides the rest from the verified trees and the
 target's argmax per node (``spec.tree_accept_device``):
 
-* first pass: a FIXED stride of D + 1 query rows per request (row j at position start + j,
-  seq_len start + D + 1, causal). Row j <= n_acc reads the accepted node of depth j + 1's token
-  (then the bonus) and the target state of its node (the root, then the accepted nodes), as the
-  late path stages them; rows past n_acc get slot -1: they write no KV, and a live row attends
-  keys <= its own position only, all written by live rows. ``last`` = b * (D + 1) + n_acc.
+* first pass: laid out exactly as the late path stages it into the late first-pass graph's
+  buffers, from the device's n_acc: request i's n_acc + 1 rows back to back from
+  query_start_loc[i] (a cumsum), at positions start + j, reading the accepted node of depth
+  j + 1's token (then the bonus) and the target state of its node (the root, then the accepted
+  nodes), seq_len start + n_acc + 1; the padded tokens after the live ones (``capture.pad``).
+  The late graph's own body then runs on those buffers.
 * expansion: root = start + n_acc + 1 (the new last token's position); step s's K nodes at
   position root + s, KV at tree slots root + s * K + i, seq_len root + F: the slots are looked
   up in the staged block tables on the device, and positions past the request's blocks write
-  nothing (as ``TreeProposer._expand_rows``).
+  nothing (as ``TreeProposer._expand_rows``). Written into the late expand graph's buffers,
+  whose body (``TreeProposer.expand``) then runs.
+
+Writing into the late graphs' buffers is safe: one step replays either those graphs or this
+one, and every late replay stages (uploads) everything its views read. Sharing them also hands
+the draft's compiled callables the very tensors they were compiled for: with buffers of its
+own (inference tensors, other offsets) Dynamo compiled each of them again.
 
 Blocks must cover the worst case (all D accepted) beforehand: the caller grows them. Padded
 sequences: n_acc 0, q_len 0 in both passes (as ``capture.pad``), slot -1, seq_len 0.
@@ -30,12 +37,11 @@ import torch
 from capture.cuda_graphs import capture_each, capture_graph
 from capture.emulate import emulate_graph
 from capture.host_stage import put, staging
-from capture.pad import LiveBatch
-from compiled_spec.attention_metadata import AttentionMetadata
 from compiled_spec.engine.propose_graph import _Layout
 from compiled_spec.spec.tree_accept_device import accept_greedy_device, first_pass_rows
 
 if TYPE_CHECKING:
+    from compiled_spec.engine.tree_graphs import TreeProposeGraphs
     from compiled_spec.kv_cache import BlockAllocator
     from compiled_spec.spec.tree_proposer import TreeProposer
 
@@ -43,12 +49,13 @@ if TYPE_CHECKING:
 class EarlyTreeGraphs:
     name = "tree_draft_early"
 
-    def __init__(self, prop: "TreeProposer", allocator: "BlockAllocator",
-                 batch_sizes: tuple[int, ...], max_blocks: int, bucket: int,
-                 dtype: torch.dtype, pool: Any = None, emulate: bool = False,
+    def __init__(self, late: "TreeProposeGraphs", prop: "TreeProposer",
+                 allocator: "BlockAllocator", batch_sizes: tuple[int, ...], max_blocks: int,
+                 bucket: int, pool: Any = None, emulate: bool = False,
                  strict: bool = False) -> None:
         cfg = prop.cfg
         self.prop, self.allocator, self.device = prop, allocator, prop.device
+        self.fp, self.ex = late.first_pass, late.expand  # whose buffers and bodies it reuses
         self.d, self.n, self.k = cfg.num_steps, cfg.num_draft_tokens, cfg.topk
         self.q, self.s, self.f = cfg.num_steps + 1, prop.expand_steps, cfg.num_forwarded
         self.sizes, self.bucket, self.max_blocks = sorted(batch_sizes), bucket, max_blocks
@@ -56,13 +63,10 @@ class EarlyTreeGraphs:
         self.pool, self.emulate, self.strict = pool, emulate, strict
         bm, w = self.sizes[-1], max_blocks
         tm = bm * self.q
-        self.l64 = _Layout([("positions", tm), ("slots", tm), ("row0", bm), ("start", bm),
-                            ("covered", bm)])
-        self.l32 = _Layout([("seq_lens", bm), ("qsl", bm + 1), ("tables", bm * w),
-                            ("eqsl", bm + 1), ("live", bm)])
+        self.l64 = _Layout([("slots", tm), ("row0", bm), ("start", bm), ("covered", bm)])
+        self.l32 = _Layout([("tables", bm * w), ("eqsl", bm + 1), ("live", bm)])
         self.t64, self.h64 = staging(self.l64.size, torch.int64, self.device)
         self.t32, self.h32 = staging(self.l32.size, torch.int32, self.device)
-        h = prop.draft.config.hidden_size
         with torch.inference_mode():  # the graphs compute under inference mode
             self.d64 = torch.zeros(self.l64.size, dtype=torch.int64, device=self.device)
             self.d32 = torch.zeros(self.l32.size, dtype=torch.int32, device=self.device)
@@ -70,8 +74,7 @@ class EarlyTreeGraphs:
             # target's argmax at each node; written after the verify, read by the replay, and
             # the step's one copy to the host (the host's acceptance reads the same numbers).
             self.acc = torch.zeros(bm, 4, self.n, dtype=torch.int64, device=self.device)
-            self.hidden = torch.zeros(bm * self.n, h, dtype=dtype, device=self.device)  # fc rows
-            self._row0q = torch.arange(bm, device=self.device) * self.q  # [bm]
+            self._tok = torch.arange(tm, device=self.device)  # [bm*(D+1)] first-pass rows
             self._step = torch.arange(self.s, device=self.device)  # [S]
             self._node = torch.arange(self.k, device=self.device)  # [K]
         self.acc_host, _ = staging(bm * 4 * self.n, torch.int64, self.device)
@@ -101,26 +104,39 @@ class EarlyTreeGraphs:
 
     # ---- the captured computation ------------------------------------------------------------
     def _body(self, b: int) -> tuple[torch.Tensor, ...]:
-        p, q, w = self.prop, self.q, self.max_blocks
+        p, q, w, K, S = self.prop, self.q, self.max_blocks, self.k, self.s
         g64 = lambda name, n: self.l64.seg(self.d64, name, n)  # noqa: E731
         g32 = lambda name, n: self.l32.seg(self.d32, name, n)  # noqa: E731
+        # The late graphs' own static views: the draft callables see the tensors they were
+        # compiled for (dispatch keys, storage offsets, strides), so nothing compiles twice.
+        fb = self.fp.buffers._views(b * q, b, q, self.bucket)
+        eb = self.ex.buffers._views(b * K, b, K, self.bucket)
         tables = g32("tables", b * w).view(b, w)  # [b, W]
+        fb.meta.block_tables.copy_(tables)
+        eb.meta.block_tables.copy_(tables)
         live = g32("live", b) != 0  # [b]
+        start = g64("start", b)  # [b]
         tok, par, dep, drawn = self.acc[:b].unbind(1)  # [b, N] each
         path, n_acc, bonus = accept_greedy_device(tok, par, dep, drawn, self.d, live)
-        ids, nodes, live_rows = first_pass_rows(tok, path, n_acc, bonus)  # [b, D+1] each
-        rows = (g64("row0", b)[:, None] + nodes).reshape(-1)  # [b*(D+1)]
-        slots = torch.where(live_rows.reshape(-1), g64("slots", b * q), -1)  # [b*(D+1)]
-        meta = AttentionMetadata(slot_mapping=slots, block_tables=tables,
-                                 seq_lens=g32("seq_lens", b), query_start_loc=g32("qsl", b + 1),
-                                 max_query_len=q, max_seq_len=self.bucket)
-        feed, for_logits = p.step_fn(ids.reshape(-1), self.hidden.index_select(0, rows),
-                                     g64("positions", b * q),
-                                     {name: meta for name in p.layer_names})  # [b*(D+1), h]
-        last = self._row0q[:b] + n_acc  # [b] each request's row of its new last token
+        ids, nodes, _ = first_pass_rows(tok, path, n_acc, bonus)  # [b, D+1] each
+        # The first pass laid out as the late path stages it: request i's m_i = n_acc + 1
+        # rows back to back from qsl[i], padded tokens after the live ones (capture.pad).
+        m = torch.where(live, n_acc + 1, 0)  # [b]
+        ends = torch.cumsum(m, dim=0)  # [b]
+        fb.meta.query_start_loc[1:].copy_(ends)
+        fb.meta.query_start_loc[:1].zero_()
+        seq = torch.searchsorted(ends, self._tok[:b * q], right=True).clamp(max=b - 1)  # [T]
+        j = (self._tok[:b * q] - (ends - m)[seq]).clamp(0, q - 1)  # [T] row within its request
+        on = self._tok[:b * q] < ends[-1]  # [T] live token rows
+        at = seq * q + j  # [T] into the fixed [b, D+1] tables
+        fb.input_ids.copy_(torch.where(on, ids.reshape(-1)[at], 0))
+        fb.positions.copy_(torch.where(on, start[seq] + j, 0))
+        fb.meta.slot_mapping.copy_(torch.where(on, g64("slots", b * q)[at], -1))
+        fb.rows.copy_(torch.where(on, g64("row0", b)[seq] + nodes.reshape(-1)[at], 0))
+        fb.meta.seq_lens.copy_(torch.where(live, start + m, 0))
+        feed, for_logits = self.fp.fn(fb)  # [b, h] each: every request's last row
         # The expansion's metadata from the device's root (TreeProposer._expand_rows' rule).
-        root = g64("start", b) + n_acc + 1  # [b]
-        S, K = self.s, self.k
+        root = start + n_acc + 1  # [b]
         pos = (root[None, :, None] + self._step[:, None, None]).expand(S, b, K)  # [S, b, K]
         slot_pos = root[None, :, None] + self._step[:, None, None] * K + self._node  # [S, b, K]
         col = (slot_pos // self.page).clamp(max=w - 1)
@@ -128,14 +144,14 @@ class EarlyTreeGraphs:
         block = block.view(b, S, K).permute(1, 0, 2)  # [S, b, K]
         writes = (slot_pos < g64("covered", b)[None, :, None]) & live[None, :, None]
         e_slots = torch.where(writes, block * self.page + slot_pos % self.page, -1)
-        lens = torch.where(live, root + self.f, 0).to(torch.int32)[None, :].expand(S, b)
-        e_meta = AttentionMetadata(slot_mapping=e_slots.reshape(S, b * K), block_tables=tables,
-                                   seq_lens=lens.contiguous(),
-                                   query_start_loc=g32("eqsl", b + 1), max_query_len=K,
-                                   max_seq_len=self.bucket)
-        e_ids = torch.zeros(b * K, dtype=torch.int64, device=self.device)  # unused: sizes it
-        return p.expand(LiveBatch(e_ids, pos.reshape(S, b * K).contiguous(), e_meta,
-                                  extras={"feed": feed[last], "for_logits": for_logits[last]}))
+        eb.positions.copy_(torch.where(live[None, :, None], pos, 0).reshape(eb.positions.shape))
+        eb.meta.slot_mapping.copy_(e_slots.reshape(eb.meta.slot_mapping.shape))
+        lens = torch.where(live, root + self.f, 0)[None, :].expand(S, b)  # [S, b]
+        eb.meta.seq_lens.copy_(lens.reshape(eb.meta.seq_lens.shape))
+        eb.meta.query_start_loc.copy_(g32("eqsl", b + 1))
+        eb.extras["feed"].copy_(feed)
+        eb.extras["for_logits"].copy_(for_logits)
+        return self.ex.fn(eb)  # tokens, parents, depth [b, N], mask [b, N, N]
 
     # ---- start-up ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -150,10 +166,7 @@ class EarlyTreeGraphs:
         h64, h32, l64, l32, q = self.h64, self.h32, self.l64, self.l32, self.q
         h64[:] = 0
         h32[:] = 0
-        l64.seg(h64, "positions", b * q)[:] = np.arange(b * q) % q
         l64.seg(h64, "slots", b * q)[:] = -1
-        l32.seg(h32, "seq_lens", b)[:] = q
-        l32.seg(h32, "qsl", b + 1)[:] = np.arange(b + 1) * q
         l32.seg(h32, "eqsl", b + 1)[:] = np.arange(b + 1) * self.k
         l32.seg(h32, "live", b)[:] = 1
         self._upload()
@@ -178,17 +191,13 @@ class EarlyTreeGraphs:
             return "block_table_width"
         if max(starts) + q > self.bucket or max(starts) + 1 + q + self.f > self.bucket:
             return "max_seq_len"
-        pos = [s + j for s in starts for j in range(q)]
         slots = [t[p // page] * page + p % page for s, t in zip(starts, tables)
                  for p in range(s, s + q)]
         h64, h32, l64, l32 = self.h64, self.h32, self.l64, self.l32
-        put(l64.seg(h64, "positions"), pos, b * q, 0)
         put(l64.seg(h64, "slots"), slots, b * q, -1)
         put(l64.seg(h64, "row0"), range(0, n * self.n, self.n), b, 0)
         put(l64.seg(h64, "start"), starts, b, 0)
         put(l64.seg(h64, "covered"), [len(t) * page for t in tables], b, 0)
-        put(l32.seg(h32, "seq_lens"), [s + q for s in starts], b, 0)
-        put(l32.seg(h32, "qsl"), range(0, (n + 1) * q, q), b + 1, n * q)
         put(l32.seg(h32, "eqsl"), range(0, (n + 1) * self.k, self.k), b + 1, n * self.k)
         put(l32.seg(h32, "live"), [1] * n, b, 0)
         tab = l32.seg(h32, "tables", b * w).reshape(b, w)
@@ -201,11 +210,11 @@ class EarlyTreeGraphs:
     @torch.inference_mode()
     def replay(self, b: int, n: int, target_hidden: torch.Tensor | list[torch.Tensor]
                ) -> tuple[torch.Tensor, ...]:
-        """After ``acc`` [:n] is written: the fc output into the static hidden buffer, the
+        """After ``acc`` [:n] is written: the fc output into the first pass's row source, the
         replay, and the trees (tokens, parents, depth [n, N], mask [n, N, N]) as graph memory,
         valid until the pool's next replay (the next verify copies what it reads first)."""
         hidden = self.prop.base.combine(target_hidden)  # [T_target, h], usually precombined
-        self.hidden[:hidden.shape[0]].copy_(hidden)
+        self.fp.buffers.extras["hidden"][:hidden.shape[0]].copy_(hidden)
         graph, out = self._graphs[b]
         graph.replay()
         self.graph_replays += 1
