@@ -12,7 +12,8 @@ Three components share one graph memory pool (``capture.GraphRegistry``):
   states, so no graph depends on the aux width or the first pass's token count (seeds/003).
 
 Draft-tree engines register ``target_tree_verify``, ``tree_draft_first_pass`` and
-``tree_draft_expand`` (``engine.tree_graphs``) instead of ``target_verify`` / ``draft_propose``.
+``tree_draft_expand`` (``engine.tree_graphs``) instead of ``target_verify`` / ``draft_propose``,
+and with early propose on ``tree_draft_early`` (``engine.early_tree_graph``).
 
 Prefill steps (any request with more than k + 1 query tokens) are never captured; they run the
 compiled function directly and are counted as ``prefill``. Every other miss (batch above the

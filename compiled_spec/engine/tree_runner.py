@@ -12,7 +12,8 @@ seeded request writes exactly its vanilla output.
 A step verifies trees only when every request in it is decoding (one new token): a step that
 also prefills runs the chain path with no drafts, and the requests re-propose after it. Requests
 that cannot take a tree this step (too near their end for the tree's slots, or not speculating)
-decode plainly inside the tree step as one-node trees. With compile=True the verify forward
+decode plainly inside the tree step as one-node trees. Greedy all-tree steps with graphs launch
+the next trees before the host reads the acceptance (``engine.early_tree``). With compile=True the verify forward
 runs through ``target_fn`` (compiled; on CUDA a tree-verify graph per batch size, see
 ``engine.tree_graphs``) and the proposer's draft forwards through the compiled draft.
 """
