@@ -137,8 +137,9 @@ def test_early_tree_equals_vanilla_and_late(engines, batch):
 def test_early_tree_graph_writes_what_the_late_graphs_write(engines):
     """Three requests accepting 0, 2 and all D nodes of random trees (one off the first
     branch): the early graph, given the trees and the argmax, must draft the trees the late
-    graphs draft from the host's acceptance, and leave the draft KV exactly as they do. Fails
-    if rows past the accepted path write KV, or the path, roots or slots are wrong."""
+    graphs draft from the host's acceptance, and leave the draft KV and the target KV (the
+    accepted nodes moved to their depths' positions) exactly as the late path does. Fails if
+    the path, roots, slots or moves are wrong."""
     spec, _ = engines
     runner = spec.engine.runner
     prop, alloc = runner.proposer, runner.allocator
@@ -165,10 +166,19 @@ def test_early_tree_graph_writes_what_the_late_graphs_write(engines):
                    tok[b, path[b, :n_acc[b]]].tolist() + [int(bonus[b])]],
         hidden_rows=[b * N + j for b in range(3) for j in [0] + path[b, :n_acc[b]].tolist()],
         step_limits=[0] * 3, temperature=[0.0] * 3, seeds=[1, 2, 3])
+    target_kv = [c for kv in runner._caches() for c in kv]
     caches = [t for t in tree_flatten(spec.engine.kv_caches)[0] if isinstance(t, torch.Tensor)]
+    caches += [c for c in target_kv if all(c is not t for t in caches)]
     before = [t.clone() for t in caches]
+    # The late path's target-KV moves (TreeModelRunner._execute_tree's rule, made on the host).
+    src = [alloc.slot(i, s + int(path[b, j])) for b, (i, s) in enumerate(zip(ids, starts))
+           for j in range(n_acc[b]) if path[b, j] != j + 1]
+    dst = [alloc.slot(i, s + j + 1) for b, (i, s) in enumerate(zip(ids, starts))
+           for j in range(n_acc[b]) if path[b, j] != j + 1]
+    assert len(src) == 4  # request 1's nodes 2 and 4, request 2's nodes 3 and 5
     try:
         want = [t.clone() for t in prop.propose(batch, aux)[0].__dict__.values()]
+        runner._compact(runner._caches(), src, dst)
         want_kv = [t.clone() for t in caches]
         for t, b in zip(caches, before):
             t.copy_(b)
@@ -182,6 +192,8 @@ def test_early_tree_graph_writes_what_the_late_graphs_write(engines):
     for g, w in zip(got, want):
         assert torch.equal(g, w)
     assert any(not torch.equal(w, b) for w, b in zip(want_kv, before))  # it wrote draft KV
+    moved = [k for k, t in enumerate(caches) if any(t is c for c in target_kv)]
+    assert moved and any(not torch.equal(want_kv[k], before[k]) for k in moved)  # and moved
     for t, w in zip(caches, want_kv):
         torch.testing.assert_close(t, w, atol=1e-5, rtol=0)
 

@@ -29,7 +29,7 @@ sequences: n_acc 0, q_len 0 in both passes (as ``capture.pad``), slot -1, seq_le
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -51,11 +51,14 @@ class EarlyTreeGraphs:
 
     def __init__(self, late: "TreeProposeGraphs", prop: "TreeProposer",
                  allocator: "BlockAllocator", batch_sizes: tuple[int, ...], max_blocks: int,
-                 bucket: int, pool: Any = None, emulate: bool = False,
-                 strict: bool = False) -> None:
+                 bucket: int, move_kv: Callable[[torch.Tensor], None], pool: Any = None,
+                 emulate: bool = False, strict: bool = False) -> None:
+        """``move_kv(idx)``: moves the target's KV slots idx[0] -> idx[1] ([2, M] on the
+        device) in every layer, as the late path's ``TreeModelRunner._apply_moves``."""
         cfg = prop.cfg
         self.prop, self.allocator, self.device = prop, allocator, prop.device
         self.fp, self.ex = late.first_pass, late.expand  # whose buffers and bodies it reuses
+        self.move_kv = move_kv
         self.d, self.n, self.k = cfg.num_steps, cfg.num_draft_tokens, cfg.topk
         self.q, self.s, self.f = cfg.num_steps + 1, prop.expand_steps, cfg.num_forwarded
         self.sizes, self.bucket, self.max_blocks = sorted(batch_sizes), bucket, max_blocks
@@ -63,7 +66,8 @@ class EarlyTreeGraphs:
         self.pool, self.emulate, self.strict = pool, emulate, strict
         bm, w = self.sizes[-1], max_blocks
         tm = bm * self.q
-        self.l64 = _Layout([("slots", tm), ("row0", bm), ("start", bm), ("covered", bm)])
+        self.l64 = _Layout([("slots", tm), ("row0", bm), ("start", bm), ("covered", bm),
+                            ("tslots", bm * self.n), ("dslots", bm * self.d)])
         self.l32 = _Layout([("tables", bm * w), ("eqsl", bm + 1), ("live", bm)])
         self.t64, self.h64 = staging(self.l64.size, torch.int64, self.device)
         self.t32, self.h32 = staging(self.l32.size, torch.int32, self.device)
@@ -77,6 +81,7 @@ class EarlyTreeGraphs:
             self._tok = torch.arange(tm, device=self.device)  # [bm*(D+1)] first-pass rows
             self._step = torch.arange(self.s, device=self.device)  # [S]
             self._node = torch.arange(self.k, device=self.device)  # [K]
+            self._depth = torch.arange(self.d, device=self.device)  # [D]
         self.acc_host, _ = staging(bm * 4 * self.n, torch.int64, self.device)
         self._graphs: dict[int, tuple[Any, Any]] = {}
         self.capture_failures: list[dict[str, Any]] = []
@@ -151,7 +156,16 @@ class EarlyTreeGraphs:
         eb.meta.query_start_loc.copy_(g32("eqsl", b + 1))
         eb.extras["feed"].copy_(feed)
         eb.extras["for_logits"].copy_(for_logits)
-        return self.ex.fn(eb)  # tokens, parents, depth [b, N], mask [b, N, N]
+        trees = self.ex.fn(eb)  # tokens, parents, depth [b, N], mask [b, N, N]
+        # The accepted nodes' target KV to the positions of their depths (the late path's
+        # host-made moves): accepted row j moves the slot of root + path[j] to root + j + 1.
+        # Every other row moves a slot onto itself, one no accepted node moves to (staged), so
+        # the destinations stay distinct; the draft above never reads the target's KV.
+        dst = g64("dslots", b * self.d).view(b, self.d)  # [b, D]
+        src = torch.where(self._depth[None, :] < n_acc[:, None],
+                          g64("tslots", b * self.n).view(b, self.n).gather(1, path), dst)
+        self.move_kv(torch.stack([src.reshape(-1), dst.reshape(-1)]))  # [2, b*D]
+        return trees
 
     # ---- start-up ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -191,13 +205,20 @@ class EarlyTreeGraphs:
             return "block_table_width"
         if max(starts) + q > self.bucket or max(starts) + 1 + q + self.f > self.bucket:
             return "max_seq_len"
-        slots = [t[p // page] * page + p % page for s, t in zip(starts, tables)
-                 for p in range(s, s + q)]
+        slot = lambda t, p: t[p // page] * page + p % page  # noqa: E731
+        slots = [slot(t, p) for s, t in zip(starts, tables) for p in range(s, s + q)]
+        # Target-KV moves: each tree slot (a source), each depth's slot (a destination); the
+        # padded rows' self-moves on request 0's slot past its deepest possible destination.
+        noop = slot(tables[0], starts[0] + self.d + 1)
+        tslots = [slot(t, s + k) for s, t in zip(starts, tables) for k in range(self.n)]
+        dslots = [slot(t, s + j + 1) for s, t in zip(starts, tables) for j in range(self.d)]
         h64, h32, l64, l32 = self.h64, self.h32, self.l64, self.l32
         put(l64.seg(h64, "slots"), slots, b * q, -1)
         put(l64.seg(h64, "row0"), range(0, n * self.n, self.n), b, 0)
         put(l64.seg(h64, "start"), starts, b, 0)
         put(l64.seg(h64, "covered"), [len(t) * page for t in tables], b, 0)
+        put(l64.seg(h64, "tslots"), tslots, b * self.n, noop)
+        put(l64.seg(h64, "dslots"), dslots, b * self.d, noop)
         put(l32.seg(h32, "eqsl"), range(0, (n + 1) * self.k, self.k), b + 1, n * self.k)
         put(l32.seg(h32, "live"), [1] * n, b, 0)
         tab = l32.seg(h32, "tables", b * w).reshape(b, w)

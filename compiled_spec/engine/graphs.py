@@ -151,8 +151,8 @@ class EngineGraphs:
             if runner.early is not None and runner.early.enabled:  # engine/early_tree.py
                 self.propose_early = EarlyTreeGraphs(
                     self.propose, prop, runner.allocator, policy.batch_sizes, max_blocks,
-                    policy.seq_len_buckets[-1], pool=self.registry.pool, emulate=emulate,
-                    strict=strict)
+                    policy.seq_len_buckets[-1], runner.move_kv, pool=self.registry.pool,
+                    emulate=emulate, strict=strict)
                 self.registry.runners[EarlyTreeGraphs.name] = self.propose_early  # type: ignore
             return
         # One graph per batch size, at the largest bucket: the draft's attention is one layer,

@@ -70,8 +70,15 @@ class TreeModelRunner(ModelRunner):
         live = [mv for rid, mv in moves.items() if rid in self.allocator.tables]
         src = [s for ss, _ in live for s in ss]
         dst = [d for _, ds in live for d in ds]
-        self._compact([(layer.self_attn.k_cache, layer.self_attn.v_cache)
-                       for layer in self.model.model.layers], src, dst)
+        self._compact(self._caches(), src, dst)
+
+    def _caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(layer.self_attn.k_cache, layer.self_attn.v_cache)
+                for layer in self.model.model.layers]
+
+    def move_kv(self, idx: torch.Tensor) -> None:  # [2, M] slots on the device
+        """The early tree graph's KV moves (made in the graph, in place of ``_moves``)."""
+        self._compact.move(self._caches(), idx)
 
     def _draft_rows(self, tree_rows: list[int]) -> dict[str, list[int]]:
         """An all-tree batch's drafted input rows and their rows in the trees' tokens: the same
@@ -225,8 +232,9 @@ class TreeModelRunner(ModelRunner):
             cap = np.array([reqs[i].max_total_tokens - reqs[i].num_tokens - 1 for i in t_idx])
             path, n_acc, bonus = accept_paths(h_tok, h_par, h_drawn, h_depth, d, cap)
             # Each accepted node's KV moves from its tree slot (position root + node) to the
-            # position of its depth; a node already there stays. Made in ``propose``.
-            for row, i in enumerate(t_idx):
+            # position of its depth; a node already there stays. Made in ``propose`` (an early
+            # step's graph made them already).
+            for row, i in enumerate(t_idx if early is None else ()):
                 rid, root = reqs[i].req_id, starts[i]
                 src, dst_slots = [], []
                 for j in range(int(n_acc[row])):
