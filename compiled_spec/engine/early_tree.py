@@ -8,8 +8,8 @@ engine's bookkeeping and stages the next verify. The chain's counterpart is
 The graph computes the greedy acceptance itself from the verified trees and the target's
 argmax per node; the host computes the same from the step's one device-to-host copy of those
 numbers (``accept_paths``), so both agree by construction. The accepted nodes' target-KV moves
-are still made by the host in ``TreeModelRunner.propose`` (after this launch): the draft reads
-the target's hidden states, never its KV, so nothing launched early depends on them.
+are made in the graph too, after the draft (which reads the target's hidden states, never its
+KV), so an early step leaves the host no moves to make before the next verify.
 
 A step goes early when every request verifies a tree, all are greedy with no logprobs, the
 adaptive policy cannot pause drafting, an early graph fits the batch, and every request stays

@@ -18,6 +18,9 @@ target's argmax per node (``spec.tree_accept_device``):
   up in the staged block tables on the device, and positions past the request's blocks write
   nothing (as ``TreeProposer._expand_rows``). Written into the late expand graph's buffers,
   whose body (``TreeProposer.expand``) then runs.
+* target-KV moves: the accepted nodes' KV from their tree slots to their depths' positions, as
+  the late path's host-made moves (``TreeModelRunner._apply_moves``), from host-staged slot
+  tables and the device's path; after the draft, which never reads the target's KV.
 
 Writing into the late graphs' buffers is safe: one step replays either those graphs or this
 one, and every late replay stages (uploads) everything its views read. Sharing them also hands
@@ -109,7 +112,7 @@ class EarlyTreeGraphs:
 
     # ---- the captured computation ------------------------------------------------------------
     def _body(self, b: int) -> tuple[torch.Tensor, ...]:
-        p, q, w, K, S = self.prop, self.q, self.max_blocks, self.k, self.s
+        q, w, K, S = self.q, self.max_blocks, self.k, self.s
         g64 = lambda name, n: self.l64.seg(self.d64, name, n)  # noqa: E731
         g32 = lambda name, n: self.l32.seg(self.d32, name, n)  # noqa: E731
         # The late graphs' own static views: the draft callables see the tensors they were
