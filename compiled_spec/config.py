@@ -95,8 +95,8 @@ class SpecConfig:
     # "always" drafts every step; "adaptive" pauses drafting when measured step costs and
     # acceptance say plain decoding is faster at this batch size (compiled_spec/spec/policy.py).
     speculation_policy: str = "always"
-    # Greedy chain steps launch the next proposal before the host reads the acceptance
-    # (compiled_spec/engine/early_propose.py); False: always after it, as before.
+    # Greedy chain and tree steps launch the next proposal before the host reads the
+    # acceptance (compiled_spec/engine/early_propose.py, early_tree.py); False: always after.
     early_propose: bool = True
 
     @property

@@ -17,6 +17,8 @@ from compiled_spec import LLM, SamplingParams
 REFUSED = {
     torch.ops.aten.lift_fresh.default: "tensor from host data",
     torch.ops.aten._local_scalar_dense.default: "device-to-host read",
+    # Under inference mode (the proposers' calls) .item() dispatches as this, not decomposed.
+    torch.ops.aten.item.default: "device-to-host read",
     torch.ops.aten.nonzero.default: "nonzero",
 }
 PROMPTS = [[3, 7, 1], [5], [9, 2, 4, 4, 8, 1, 2], [11, 12]]

@@ -207,8 +207,9 @@ def test_fc_is_issued_before_the_acceptance_waits(trained_eagle3_pair, smollm2_g
     sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     eager = _run(llm, sp)
     _graphs(llm)
-    if not tree:  # the late path's order; an early step takes the fc before the read
-        llm.engine.runner.early.enabled = False  # (tests/test_early_propose.py)
+    # The late path's order; an early step takes the fc before the read (chains:
+    # tests/test_early_propose.py, trees: tests/test_early_tree.py).
+    llm.engine.runner.early.enabled = False
     events: list[str] = []
     pre, comb = EagleProposer.precombine, EagleProposer.combine
 

@@ -104,12 +104,13 @@ def test_emulated_tree_graphs_equal_eager(trained_eagle3_pair, smollm2_gguf_path
     assert llm.stats.spec.num_accepted_tokens > 0
     eager_spec = llm.stats.spec.as_dict()
     graphs = _graphs(llm)
-    assert set(graphs.registry.runners) == {"target_decode", *TREE_GRAPHS}
+    # Greedy tree steps draft early (tests/test_early_tree.py); steps near a request's end late.
+    assert set(graphs.registry.runners) == {"target_decode", *TREE_GRAPHS, "tree_draft_early"}
     llm.engine.stats.spec = type(llm.stats.spec)()  # count the graphed run alone
     assert _ids(llm) == eager
     assert llm.stats.spec.as_dict() == eager_spec  # same drafts accepted at every position
     st = graphs.stats()
-    for name in TREE_GRAPHS:
+    for name in (*TREE_GRAPHS, "tree_draft_early"):
         assert st["components"][name]["graph_replays"] > 0, (name, st["components"][name])
     assert st["padded_rows"] > 0  # batches of 3 pad to 4
     # Prefill steps and the first pass after them have no graph, and are counted as such.
@@ -201,6 +202,7 @@ def test_first_pass_graph_gathers_the_accepted_rows(trained_eagle3_pair, smollm2
         return tree, q
 
     monkeypatch.setattr(prop, "propose", spy)
+    llm.engine.runner.early.enabled = False  # every proposal through the late graphs
     eager = _ids(llm)
     eager_seen, seen[:] = list(seen), []
     graphs = _graphs(llm)

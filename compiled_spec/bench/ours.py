@@ -90,7 +90,7 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
             "verify", target.run_tree_host)
     if runner.proposer is not None:
         runner.proposer.propose = timer.wrap("propose", runner.proposer.propose)
-    if getattr(runner, "early", None) is not None:  # chain steps proposing before the D2H read
+    if getattr(runner, "early", None) is not None:  # steps proposing before the D2H read
         runner.early.propose = timer.wrap("propose", runner.early.propose)
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     warm = SamplingParams(max_tokens=min(16, max_tokens), temperature=0.0, ignore_eos=True)

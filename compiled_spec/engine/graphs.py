@@ -12,7 +12,8 @@ Three components share one graph memory pool (``capture.GraphRegistry``):
   states, so no graph depends on the aux width or the first pass's token count (seeds/003).
 
 Draft-tree engines register ``target_tree_verify``, ``tree_draft_first_pass`` and
-``tree_draft_expand`` (``engine.tree_graphs``) instead of ``target_verify`` / ``draft_propose``.
+``tree_draft_expand`` (``engine.tree_graphs``) instead of ``target_verify`` / ``draft_propose``,
+and with early propose on ``tree_draft_early`` (``engine.early_tree_graph``).
 
 Prefill steps (any request with more than k + 1 query tokens) are never captured; they run the
 compiled function directly and are counted as ``prefill``. Every other miss (batch above the
@@ -36,6 +37,7 @@ from compiled_spec.attention_metadata import AttentionMetadata
 from compiled_spec.engine.batch import host_batch_to_device
 from compiled_spec.engine.model_runner import ModelRunner
 from compiled_spec.engine.early_propose_graph import EarlyProposeGraphs
+from compiled_spec.engine.early_tree_graph import EarlyTreeGraphs
 from compiled_spec.engine.propose_graph import ProposeGraphs
 from compiled_spec.engine.tree_graphs import TreeProposeGraphs, register_tree_verify, tree_live
 
@@ -139,13 +141,19 @@ class EngineGraphs:
         self.target = GraphedTarget(target_fn, decode, verify, k + 1, tree_verify,
                                     single_via_verify=k > 0)
         self.propose: ProposeGraphs | TreeProposeGraphs | None = None
-        self.propose_early: EarlyProposeGraphs | None = None
+        self.propose_early: EarlyProposeGraphs | EarlyTreeGraphs | None = None
         prop = runner.proposer
         if prop is None:
             return
         dtype = runner.model.lm_head.weight.dtype
         if tree is not None:
             self.propose = TreeProposeGraphs(reg, prop, policy.batch_sizes, max_blocks, dtype)
+            if runner.early is not None and runner.early.enabled:  # engine/early_tree.py
+                self.propose_early = EarlyTreeGraphs(
+                    self.propose, prop, runner.allocator, policy.batch_sizes, max_blocks,
+                    policy.seq_len_buckets[-1], runner.move_kv, pool=self.registry.pool,
+                    emulate=emulate, strict=strict)
+                self.registry.runners[EarlyTreeGraphs.name] = self.propose_early  # type: ignore
             return
         # One graph per batch size, at the largest bucket: the draft's attention is one layer,
         # so shorter buckets would buy little for their extra captures.

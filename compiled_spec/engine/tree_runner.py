@@ -12,7 +12,8 @@ seeded request writes exactly its vanilla output.
 A step verifies trees only when every request in it is decoding (one new token): a step that
 also prefills runs the chain path with no drafts, and the requests re-propose after it. Requests
 that cannot take a tree this step (too near their end for the tree's slots, or not speculating)
-decode plainly inside the tree step as one-node trees. With compile=True the verify forward
+decode plainly inside the tree step as one-node trees. Greedy all-tree steps with graphs launch
+the next trees before the host reads the acceptance (``engine.early_tree``). With compile=True the verify forward
 runs through ``target_fn`` (compiled; on CUDA a tree-verify graph per batch size, see
 ``engine.tree_graphs``) and the proposer's draft forwards through the compiled draft.
 """
@@ -25,6 +26,7 @@ import torch
 
 from capture.host_stage import HostBatch
 from compiled_spec.engine.batch import Span, metadata_to_device, to_device
+from compiled_spec.engine.early_tree import EarlyTree, EarlyTreeStep
 from compiled_spec.engine.logprobs import gather_logprobs
 from compiled_spec.engine.model_runner import (ModelRunner, StepOutput, _Pending,
                                                build_sampling_tensors)
@@ -43,7 +45,9 @@ class TreeModelRunner(ModelRunner):
         self.proposer = TreeProposer(self.proposer, tree)
         self.k = tree.num_steps
         self.lookahead = tree.lookahead
-        self.early = None  # early propose covers chains only (engine/early_propose.py)
+        # Greedy tree steps propose before the host reads their acceptance (early_tree.py).
+        self.early = EarlyTree(self)  # type: ignore[assignment]
+        self._early_tree: EarlyTreeStep | None = None  # this step's, until ``propose``
         self._tree: DraftTree | None = None
         self._tree_row: dict[int, int] = {}
         self._compact = KVCompactor()  # one launch for every layer on a GPU
@@ -55,7 +59,7 @@ class TreeModelRunner(ModelRunner):
 
     def reset(self) -> None:
         super().reset()
-        self._tree, self._tree_row = None, {}
+        self._tree, self._tree_row, self._early_tree = None, {}, None
         self._moves = {}  # the step's requests are recomputed: nothing of it is kept
 
     def _apply_moves(self) -> None:
@@ -66,8 +70,15 @@ class TreeModelRunner(ModelRunner):
         live = [mv for rid, mv in moves.items() if rid in self.allocator.tables]
         src = [s for ss, _ in live for s in ss]
         dst = [d for _, ds in live for d in ds]
-        self._compact([(layer.self_attn.k_cache, layer.self_attn.v_cache)
-                       for layer in self.model.model.layers], src, dst)
+        self._compact(self._caches(), src, dst)
+
+    def _caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(layer.self_attn.k_cache, layer.self_attn.v_cache)
+                for layer in self.model.model.layers]
+
+    def move_kv(self, idx: torch.Tensor) -> None:  # [2, M] slots on the device
+        """The early tree graph's KV moves (made in the graph, in place of ``_moves``)."""
+        self._compact.move(self._caches(), idx)
 
     def _draft_rows(self, tree_rows: list[int]) -> dict[str, list[int]]:
         """An all-tree batch's drafted input rows and their rows in the trees' tokens: the same
@@ -187,6 +198,9 @@ class TreeModelRunner(ModelRunner):
             logits = self.model.compute_logits(hidden)  # [T, V]
             if self.aux_layer_ids:  # the next proposal's fc, before the acceptance's host wait
                 self.proposer.precombine(aux)
+        target_hidden = aux if self.aux_layer_ids else hidden
+        # Staged while the verify runs; None: this step proposes late (the reason counted).
+        early = self._early_tree = self.early.plan_tree(reqs, in_tree, starts)
         with phase("rejection_sample"):
             if all(r.params.greedy for r in reqs):  # host-known: no sampling tensors to upload
                 drawn = logits.argmax(dim=-1)  # [T]
@@ -198,22 +212,29 @@ class TreeModelRunner(ModelRunner):
                 drawn = sample_from_probs(apply_filters(logits, st),
                                           position_keys(st.seeds, positions + 1, STREAM_TOKEN))
             at_nodes = (drawn if dst is None else drawn[dst]).view(-1, n_nodes)  # [B_t, N]
-            # The step's one device-to-host copy: every tree's tokens, parents, depths and the
-            # token drawn at each node, then one token per plain request.
-            parts = [tree_info.reshape(-1), at_nodes.reshape(-1)]
-            if not all_tree:
-                parts.append(drawn[to_device([qsl[i] for i, t in enumerate(in_tree) if not t],
-                                             dev)])
-            host = self.to_host(torch.cat(parts), numpy=True)
             t_idx = [i for i, t in enumerate(in_tree) if t]
             n_t, d = len(t_idx), self.tree.num_steps
-            h_tok, h_par, h_depth, h_drawn = host[:4 * n_t * n_nodes].reshape(4, n_t, n_nodes)
+            if early is not None:  # the next trees drafted before the host reads the copy
+                copy = self.early.launch(early, tree_info, at_nodes, target_hidden)
+                host = self.to_host(copy, numpy=True)  # [n, 4, N]: as below, per request
+                h_tok, h_par, h_depth, h_drawn = host.reshape(n_t, 4, n_nodes).transpose(1, 0, 2)
+            else:
+                # The step's one device-to-host copy: every tree's tokens, parents, depths and
+                # the token drawn at each node, then one token per plain request.
+                parts = [tree_info.reshape(-1), at_nodes.reshape(-1)]
+                if not all_tree:
+                    parts.append(drawn[to_device([qsl[i] for i, t in enumerate(in_tree)
+                                                  if not t], dev)])
+                host = self.to_host(torch.cat(parts), numpy=True)
+                h_tok, h_par, h_depth, h_drawn = host[:4 * n_t * n_nodes].reshape(
+                    4, n_t, n_nodes)
             # Accept no more drafts than the request's budget leaves room for (plus the bonus).
             cap = np.array([reqs[i].max_total_tokens - reqs[i].num_tokens - 1 for i in t_idx])
             path, n_acc, bonus = accept_paths(h_tok, h_par, h_drawn, h_depth, d, cap)
             # Each accepted node's KV moves from its tree slot (position root + node) to the
-            # position of its depth; a node already there stays. Made in ``propose``.
-            for row, i in enumerate(t_idx):
+            # position of its depth; a node already there stays. Made in ``propose`` (an early
+            # step's graph made them already).
+            for row, i in enumerate(t_idx if early is None else ()):
                 rid, root = reqs[i].req_id, starts[i]
                 src, dst_slots = [], []
                 for j in range(int(n_acc[row])):
@@ -223,7 +244,7 @@ class TreeModelRunner(ModelRunner):
                         dst_slots.append(alloc.slot(rid, root + j + 1))
                 if src:
                     self._moves[rid] = (src, dst_slots)
-        plain = iter(host[4 * n_t * n_nodes:].tolist())
+        plain = iter(host[4 * n_t * n_nodes:].tolist() if early is None else ())
         new_tokens, num_draft, spans, rows_by_req = [], [], [], {}
         row = 0
         for i, (r, t) in enumerate(zip(reqs, in_tree)):
@@ -238,9 +259,9 @@ class TreeModelRunner(ModelRunner):
             rows_by_req[r.req_id] = [qsl[i]] + [qsl[i] + j for j in nodes]
             row += 1
         # The first pass covers the root and the accepted nodes (positions are now sequential).
-        self._pending = _Pending(hidden=aux if self.aux_layer_ids else hidden, spans=spans,
-                                 row_start=qsl[:-1], num_draft=[0] * len(reqs),
-                                 rows_by_req=rows_by_req)
+        self._pending = None if early is not None else _Pending(
+            hidden=target_hidden, spans=spans, row_start=qsl[:-1], num_draft=[0] * len(reqs),
+            rows_by_req=rows_by_req)
         lp = None
         if any(r.params.logprobs is not None for r in reqs):  # the rows the tokens came from
             rows = [logits[to_device(rows_by_req.get(r.req_id, [qsl[i]]), dev)]
@@ -250,7 +271,12 @@ class TreeModelRunner(ModelRunner):
 
     def propose(self, reqs: list[Request], accepted: dict[int, int], draft: bool = True) -> None:
         self._tree_row = {}
-        super().propose([r for r in reqs if self._takes_tree(r)], accepted, draft)
+        early, self._early_tree = self._early_tree, None
+        if early is not None:  # drafted already, before the acceptance was read
+            self._pending = None
+            self.early.finish(early, reqs, accepted, draft)
+        else:
+            super().propose([r for r in reqs if self._takes_tree(r)], accepted, draft)
         # After the draft's launches: the target's KV is not read until the next verify (the
         # draft has KV of its own), so the move is off the GPU's idle path.
         if self._moves:

@@ -218,6 +218,22 @@ class KVCompactor:
         if not (k0.is_cuda if self.use_kernel is None else self.use_kernel):
             compact_kv(caches, src, dst)
             return
+        idx = torch.tensor([src, dst], dtype=torch.int64).to(k0.device, non_blocking=True)
+        self.move(caches, idx)
+
+    def move(self, caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (K, V)
+             idx: torch.Tensor,  # [2, M] int64 source then destination slots, on the device
+             ) -> None:
+        """The moves with their slots already on the device (fixed M: capturable once the
+        kernel's table exists; the early tree graph's warm-up builds it). Destinations must be
+        distinct, except self-moves of one slot (every copy writes the same value)."""
+        k0 = caches[0][0]
+        if not (k0.is_cuda if self.use_kernel is None else self.use_kernel):
+            for k_cache, v_cache in caches:  # compact_kv's gather-then-scatter
+                for cache in (k_cache, v_cache):
+                    flat = cache.view(-1, *cache.shape[2:])  # [slots, H, D]
+                    flat.index_copy_(0, idx[1], flat.index_select(0, idx[0]))
+            return
         from kernels.move_kv_triton import cache_table, move_slots_triton
 
         flat = [c for kv in caches for c in kv]
@@ -226,7 +242,6 @@ class KVCompactor:
             if self._table is None:
                 _check_kernel(k0)
             self._table, self._ptrs = cache_table(flat), ptrs
-        idx = torch.tensor([src, dst], dtype=torch.int64).to(k0.device, non_blocking=True)
         move_slots_triton(self._table, k0, idx)
 
 

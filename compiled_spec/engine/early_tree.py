@@ -1,0 +1,144 @@
+"""Early tree propose (issue 15): a greedy draft-tree step launches its next proposal (first
+pass and expansion, one graph: ``early_tree_graph``) right after the tree verify, BEFORE the
+host reads the step's acceptance, so the draft runs on the GPU while the host accepts, does the
+engine's bookkeeping and stages the next verify. The chain's counterpart is
+``early_propose``; this shares its switch (``SpecConfig.early_propose``) and its counters
+(``llm.stats.early_propose``).
+
+The graph computes the greedy acceptance itself from the verified trees and the target's
+argmax per node; the host computes the same from the step's one device-to-host copy of those
+numbers (``accept_paths``), so both agree by construction. The accepted nodes' target-KV moves
+are made in the graph too, after the draft (which reads the target's hidden states, never its
+KV), so an early step leaves the host no moves to make before the next verify.
+
+A step goes early when every request verifies a tree, all are greedy with no logprobs, the
+adaptive policy cannot pause drafting, an early graph fits the batch, and every request stays
+far enough from its end that it takes a tree next step whatever it accepts (its blocks then
+grow for the worst case, all D accepted). Anything else runs the late path, the reason counted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from compiled_spec.engine.early_propose import EarlyProposeStats, HostCopy
+from compiled_spec.engine.request import Request
+from compiled_spec.profile import phase
+from compiled_spec.spec.tree_proposer import DraftTree
+
+if TYPE_CHECKING:
+    from compiled_spec.engine.early_tree_graph import EarlyTreeGraphs
+    from compiled_spec.engine.tree_runner import TreeModelRunner
+
+
+@dataclass
+class EarlyTreeStep:
+    size: int  # the captured batch size it replays
+    index: dict[int, int]  # req_id -> its row in this step's trees (and the next ones)
+    starts: list[int]  # per request: its root's position this step
+    tree: DraftTree | None = None  # the next step's trees, as the graph wrote them
+
+
+class EarlyTree:
+    """The tree runner's early path: ``plan`` (before the verify's acceptance), ``launch``
+    (after the verify: the argmax into the graph's input, its host copy issued, the replay),
+    ``finish`` (in place of the late propose)."""
+
+    def __init__(self, runner: "TreeModelRunner", enabled: bool = True) -> None:
+        self.runner = runner
+        self.enabled = enabled
+        self.may_pause = False  # the engine's adaptive policy may pause drafting after a step
+        self.stats = EarlyProposeStats()
+        self._event = torch.cuda.Event() if runner.device.type == "cuda" else None
+
+    def _late(self, why: str) -> None:
+        self.stats.late += 1
+        self.stats.late_reasons[why] = self.stats.late_reasons.get(why, 0) + 1
+        return None
+
+    @property
+    def graph(self) -> "EarlyTreeGraphs | None":
+        return getattr(self.runner.proposer, "early_graph", None)
+
+    def plan(self, reqs: list[Request], *_: object) -> None:
+        """A tree engine's chain-path step (a prefill, or nothing to verify): it proposes late."""
+        return self._late("not_tree")
+
+    def plan_tree(self, reqs: list[Request], in_tree: list[bool], starts: list[int]
+                  ) -> EarlyTreeStep | None:
+        """Whether this tree step proposes early (None: late, the reason counted); if so, its
+        blocks are grown for the worst case and the graph's inputs staged and uploaded."""
+        r = self.runner
+        if not self.enabled:
+            return self._late("off")
+        g = self.graph
+        if g is None:
+            return self._late("no_graph")
+        if self.may_pause:
+            return self._late("adaptive_policy")
+        if not all(in_tree):
+            return self._late("not_all_tree")  # one-node (plain) requests in the step
+        if not all(q.params.greedy for q in reqs):
+            return self._late("sampling")
+        if any(q.params.logprobs is not None for q in reqs):
+            return self._late("logprobs")
+        size = g.graph_size(len(reqs))
+        if size is None:
+            return self._late("size")
+        d, look, alloc = r.tree.num_steps, r.tree.lookahead, r.allocator
+        # Whatever it accepts (up to D, then the bonus), each request must take a tree next
+        # step (TreeModelRunner._takes_tree) with no cap on its acceptance: the graph's
+        # acceptance has none, and it drafts for every request.
+        if any(q.max_total_tokens - q.num_tokens - 1 - d < 2
+               or q.num_tokens + d + 1 + look > r.max_model_len for q in reqs):
+            return self._late("near_end")
+        # The late path's grow (n_tok + lookahead) at the worst case n_tok = num_tokens + D + 1.
+        wants = [q.num_tokens + d + 1 + look for q in reqs]
+        need = sum(max(0, alloc.blocks_for(w) - len(alloc.tables.get(q.req_id, ())))
+                   for q, w in zip(reqs, wants))
+        if need > alloc.num_free:
+            return self._late("kv_exhausted")
+        for q, w in zip(reqs, wants):
+            alloc.grow(q.req_id, w)
+        why = g.stage(size, [q.req_id for q in reqs], starts)
+        if why is not None:
+            return self._late(why)
+        return EarlyTreeStep(size=size, index={q.req_id: i for i, q in enumerate(reqs)},
+                             starts=list(starts))
+
+    def launch(self, step: EarlyTreeStep, tree_info: torch.Tensor,  # [3, n, N]
+               drawn: torch.Tensor,  # [n, N] the target's argmax at each node
+               target_hidden: torch.Tensor | list[torch.Tensor]) -> HostCopy:
+        """The graph's inputs, the step's one device-to-host copy (issued, not waited for),
+        then the replay: the host reads the copy while the draft runs."""
+        g = self.runner.proposer.early_graph
+        n = drawn.shape[0]
+        acc = g.acc[:n]  # [n, 4, N]
+        acc[:, :3].copy_(tree_info.transpose(0, 1))
+        acc[:, 3].copy_(drawn)
+        copy = HostCopy(acc, g.acc_host[:acc.numel()], self._event)
+        with phase("propose"):
+            step.tree = self.propose(step.size, n, target_hidden)
+        self.stats.early += 1
+        return copy
+
+    def propose(self, size: int, n: int, target_hidden: torch.Tensor | list[torch.Tensor]
+                ) -> DraftTree:
+        """The replay (its own method so the benchmark can time it as the step's propose)."""
+        return DraftTree(*self.runner.proposer.early_graph.replay(size, n, target_hidden))
+
+    def finish(self, step: EarlyTreeStep, reqs: list[Request], accepted: dict[int, int],
+               draft: bool) -> None:
+        """``propose`` for an early step: nothing to launch; which requests go on with the
+        trees and how far their draft KV is valid (as the late path sets them)."""
+        r = self.runner
+        r._tree, r._tree_row = step.tree, {}
+        for q in reqs:
+            i = step.index.get(q.req_id)
+            if i is None or not r._takes_tree(q):
+                continue
+            q.draft_computed = step.starts[i] + accepted[q.req_id] + 1
+            if draft:
+                r._tree_row[q.req_id] = i

@@ -1,0 +1,246 @@
+"""The draft-tree proposal of a step whose acceptance is still on the device (early tree
+propose, issue 15): one graph of the first pass and the expansion, replayed right after the
+tree verify, before the host reads the acceptance.
+
+The late path (``TreeProposer.propose``) stages the first pass over exactly the accepted path
+and the expansion from the new root, both from host lists. Here the host stages only what does
+not depend on acceptance, and the graph decides the rest from the verified trees and the
+target's argmax per node (``spec.tree_accept_device``):
+
+* first pass: laid out exactly as the late path stages it into the late first-pass graph's
+  buffers, from the device's n_acc: request i's n_acc + 1 rows back to back from
+  query_start_loc[i] (a cumsum), at positions start + j, reading the accepted node of depth
+  j + 1's token (then the bonus) and the target state of its node (the root, then the accepted
+  nodes), seq_len start + n_acc + 1; the padded tokens after the live ones (``capture.pad``).
+  The late graph's own body then runs on those buffers.
+* expansion: root = start + n_acc + 1 (the new last token's position); step s's K nodes at
+  position root + s, KV at tree slots root + s * K + i, seq_len root + F: the slots are looked
+  up in the staged block tables on the device, and positions past the request's blocks write
+  nothing (as ``TreeProposer._expand_rows``). Written into the late expand graph's buffers,
+  whose body (``TreeProposer.expand``) then runs.
+* target-KV moves: the accepted nodes' KV from their tree slots to their depths' positions, as
+  the late path's host-made moves (``TreeModelRunner._apply_moves``), from host-staged slot
+  tables and the device's path; after the draft, which never reads the target's KV.
+
+Writing into the late graphs' buffers is safe: one step replays either those graphs or this
+one, and every late replay stages (uploads) everything its views read. Sharing them also hands
+the draft's compiled callables the very tensors they were compiled for: with buffers of its
+own (inference tensors, other offsets) Dynamo compiled each of them again.
+
+Blocks must cover the worst case (all D accepted) beforehand: the caller grows them. Padded
+sequences: n_acc 0, q_len 0 in both passes (as ``capture.pad``), slot -1, seq_len 0.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+import torch
+
+from capture.cuda_graphs import capture_each, capture_graph
+from capture.emulate import emulate_graph
+from capture.host_stage import put, staging
+from compiled_spec.engine.propose_graph import _Layout
+from compiled_spec.spec.tree_accept_device import accept_greedy_device, first_pass_rows
+
+if TYPE_CHECKING:
+    from compiled_spec.engine.tree_graphs import TreeProposeGraphs
+    from compiled_spec.kv_cache import BlockAllocator
+    from compiled_spec.spec.tree_proposer import TreeProposer
+
+
+class EarlyTreeGraphs:
+    name = "tree_draft_early"
+
+    def __init__(self, late: "TreeProposeGraphs", prop: "TreeProposer",
+                 allocator: "BlockAllocator", batch_sizes: tuple[int, ...], max_blocks: int,
+                 bucket: int, move_kv: Callable[[torch.Tensor], None], pool: Any = None,
+                 emulate: bool = False, strict: bool = False) -> None:
+        """``move_kv(idx)``: moves the target's KV slots idx[0] -> idx[1] ([2, M] on the
+        device) in every layer, as the late path's ``TreeModelRunner._apply_moves``."""
+        cfg = prop.cfg
+        self.prop, self.allocator, self.device = prop, allocator, prop.device
+        self.fp, self.ex = late.first_pass, late.expand  # whose buffers and bodies it reuses
+        self.move_kv = move_kv
+        self.d, self.n, self.k = cfg.num_steps, cfg.num_draft_tokens, cfg.topk
+        self.q, self.s, self.f = cfg.num_steps + 1, prop.expand_steps, cfg.num_forwarded
+        self.sizes, self.bucket, self.max_blocks = sorted(batch_sizes), bucket, max_blocks
+        self.page = allocator.page_size
+        self.pool, self.emulate, self.strict = pool, emulate, strict
+        bm, w = self.sizes[-1], max_blocks
+        tm = bm * self.q
+        self.l64 = _Layout([("slots", tm), ("row0", bm), ("start", bm), ("covered", bm),
+                            ("tslots", bm * self.n), ("dslots", bm * self.d)])
+        self.l32 = _Layout([("tables", bm * w), ("eqsl", bm + 1), ("live", bm)])
+        self.t64, self.h64 = staging(self.l64.size, torch.int64, self.device)
+        self.t32, self.h32 = staging(self.l32.size, torch.int32, self.device)
+        with torch.inference_mode():  # the graphs compute under inference mode
+            self.d64 = torch.zeros(self.l64.size, dtype=torch.int64, device=self.device)
+            self.d32 = torch.zeros(self.l32.size, dtype=torch.int32, device=self.device)
+            # [bm, 4, N] per request: its verified tree's tokens, parents, depths and the
+            # target's argmax at each node; written after the verify, read by the replay, and
+            # the step's one copy to the host (the host's acceptance reads the same numbers).
+            self.acc = torch.zeros(bm, 4, self.n, dtype=torch.int64, device=self.device)
+            self._tok = torch.arange(tm, device=self.device)  # [bm*(D+1)] first-pass rows
+            self._step = torch.arange(self.s, device=self.device)  # [S]
+            self._node = torch.arange(self.k, device=self.device)  # [K]
+            self._depth = torch.arange(self.d, device=self.device)  # [D]
+        self.acc_host, _ = staging(bm * 4 * self.n, torch.int64, self.device)
+        self._graphs: dict[int, tuple[Any, Any]] = {}
+        self.capture_failures: list[dict[str, Any]] = []
+        self.graph_replays = self.padded_rows = 0
+
+    # ---- GraphRunner-compatible surface ----------------------------------------------------
+    @property
+    def enabled(self) -> bool:
+        return self.emulate or self.device.type == "cuda"
+
+    @property
+    def captured_sizes(self) -> list[int]:
+        return sorted(self._graphs)
+
+    def stats(self) -> dict[str, Any]:
+        # Steps that could not take this graph ran the late graphs: EarlyTree counts why.
+        return {"graph_replays": self.graph_replays, "padded_rows": self.padded_rows,
+                "eager_fallbacks": 0, "fallback_reasons": {},
+                "captured_sizes": self.captured_sizes,
+                "captured_graphs": [(b, self.bucket) for b in self.captured_sizes],
+                "capture_failures": list(self.capture_failures)}
+
+    def graph_size(self, n: int) -> int | None:
+        return next((s for s in self.sizes if s >= n and s in self._graphs), None)
+
+    # ---- the captured computation ------------------------------------------------------------
+    def _body(self, b: int) -> tuple[torch.Tensor, ...]:
+        q, w, K, S = self.q, self.max_blocks, self.k, self.s
+        g64 = lambda name, n: self.l64.seg(self.d64, name, n)  # noqa: E731
+        g32 = lambda name, n: self.l32.seg(self.d32, name, n)  # noqa: E731
+        # The late graphs' own static views: the draft callables see the tensors they were
+        # compiled for (dispatch keys, storage offsets, strides), so nothing compiles twice.
+        fb = self.fp.buffers._views(b * q, b, q, self.bucket)
+        eb = self.ex.buffers._views(b * K, b, K, self.bucket)
+        tables = g32("tables", b * w).view(b, w)  # [b, W]
+        fb.meta.block_tables.copy_(tables)
+        eb.meta.block_tables.copy_(tables)
+        live = g32("live", b) != 0  # [b]
+        start = g64("start", b)  # [b]
+        tok, par, dep, drawn = self.acc[:b].unbind(1)  # [b, N] each
+        path, n_acc, bonus = accept_greedy_device(tok, par, dep, drawn, self.d, live)
+        ids, nodes, _ = first_pass_rows(tok, path, n_acc, bonus)  # [b, D+1] each
+        # The first pass laid out as the late path stages it: request i's m_i = n_acc + 1
+        # rows back to back from qsl[i], padded tokens after the live ones (capture.pad).
+        m = torch.where(live, n_acc + 1, 0)  # [b]
+        ends = torch.cumsum(m, dim=0)  # [b]
+        fb.meta.query_start_loc[1:].copy_(ends)
+        fb.meta.query_start_loc[:1].zero_()
+        seq = torch.searchsorted(ends, self._tok[:b * q], right=True).clamp(max=b - 1)  # [T]
+        j = (self._tok[:b * q] - (ends - m)[seq]).clamp(0, q - 1)  # [T] row within its request
+        on = self._tok[:b * q] < ends[-1]  # [T] live token rows
+        at = seq * q + j  # [T] into the fixed [b, D+1] tables
+        fb.input_ids.copy_(torch.where(on, ids.reshape(-1)[at], 0))
+        fb.positions.copy_(torch.where(on, start[seq] + j, 0))
+        fb.meta.slot_mapping.copy_(torch.where(on, g64("slots", b * q)[at], -1))
+        fb.rows.copy_(torch.where(on, g64("row0", b)[seq] + nodes.reshape(-1)[at], 0))
+        fb.meta.seq_lens.copy_(torch.where(live, start + m, 0))
+        feed, for_logits = self.fp.fn(fb)  # [b, h] each: every request's last row
+        # The expansion's metadata from the device's root (TreeProposer._expand_rows' rule).
+        root = start + n_acc + 1  # [b]
+        pos = (root[None, :, None] + self._step[:, None, None]).expand(S, b, K)  # [S, b, K]
+        slot_pos = root[None, :, None] + self._step[:, None, None] * K + self._node  # [S, b, K]
+        col = (slot_pos // self.page).clamp(max=w - 1)
+        block = tables.long().gather(1, col.permute(1, 0, 2).reshape(b, S * K))  # [b, S*K]
+        block = block.view(b, S, K).permute(1, 0, 2)  # [S, b, K]
+        writes = (slot_pos < g64("covered", b)[None, :, None]) & live[None, :, None]
+        e_slots = torch.where(writes, block * self.page + slot_pos % self.page, -1)
+        eb.positions.copy_(torch.where(live[None, :, None], pos, 0).reshape(eb.positions.shape))
+        eb.meta.slot_mapping.copy_(e_slots.reshape(eb.meta.slot_mapping.shape))
+        lens = torch.where(live, root + self.f, 0)[None, :].expand(S, b)  # [S, b]
+        eb.meta.seq_lens.copy_(lens.reshape(eb.meta.seq_lens.shape))
+        eb.meta.query_start_loc.copy_(g32("eqsl", b + 1))
+        eb.extras["feed"].copy_(feed)
+        eb.extras["for_logits"].copy_(for_logits)
+        trees = self.ex.fn(eb)  # tokens, parents, depth [b, N], mask [b, N, N]
+        # The accepted nodes' target KV to the positions of their depths (the late path's
+        # host-made moves): accepted row j moves the slot of root + path[j] to root + j + 1.
+        # Every other row moves a slot onto itself, one no accepted node moves to (staged), so
+        # the destinations stay distinct; the draft above never reads the target's KV.
+        dst = g64("dslots", b * self.d).view(b, self.d)  # [b, D]
+        src = torch.where(self._depth[None, :] < n_acc[:, None],
+                          g64("tslots", b * self.n).view(b, self.n).gather(1, path), dst)
+        self.move_kv(torch.stack([src.reshape(-1), dst.reshape(-1)]))  # [2, b*D]
+        return trees
+
+    # ---- start-up ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture(self) -> None:
+        if not self.enabled:
+            return
+        capture_each(self.name, self.sizes, self.bucket, self._capture_one,
+                     self.capture_failures, self.strict)
+
+    def _capture_one(self, b: int) -> None:
+        # The dummy run writes no KV: first-pass slots -1, nothing covered for the expansion.
+        h64, h32, l64, l32, q = self.h64, self.h32, self.l64, self.l32, self.q
+        h64[:] = 0
+        h32[:] = 0
+        l64.seg(h64, "slots", b * q)[:] = -1
+        l32.seg(h32, "eqsl", b + 1)[:] = np.arange(b + 1) * self.k
+        l32.seg(h32, "live", b)[:] = 1
+        self._upload()
+        self.acc.zero_()
+        run = lambda: self._body(b)  # noqa: E731
+        self._graphs[b] = (emulate_graph(run, self.pool) if self.emulate
+                           else capture_graph(run, self.pool))
+
+    def _upload(self) -> None:
+        self.d64.copy_(self.t64, non_blocking=True)
+        self.d32.copy_(self.t32, non_blocking=True)
+
+    # ---- per step ----------------------------------------------------------------------------
+    @torch.inference_mode()  # writes the inference-tensor buffers (see __init__)
+    def stage(self, b: int, req_ids: list[int], starts: list[int]) -> str | None:
+        """Write the padded inputs of a graph of size ``b`` for requests whose trees are rows
+        0..n-1 of the verify (root at position ``starts[i]``, target rows i*N ..), as if every
+        node of depth <= D were accepted, and upload them. A reason when they do not fit."""
+        n, q, w, page = len(req_ids), self.q, self.max_blocks, self.page
+        tables = [self.allocator.tables[r] for r in req_ids]
+        if max(map(len, tables)) > w:
+            return "block_table_width"
+        if max(starts) + q > self.bucket or max(starts) + 1 + q + self.f > self.bucket:
+            return "max_seq_len"
+        slot = lambda t, p: t[p // page] * page + p % page  # noqa: E731
+        slots = [slot(t, p) for s, t in zip(starts, tables) for p in range(s, s + q)]
+        # Target-KV moves: each tree slot (a source), each depth's slot (a destination); the
+        # padded rows' self-moves on request 0's slot past its deepest possible destination.
+        noop = slot(tables[0], starts[0] + self.d + 1)
+        tslots = [slot(t, s + k) for s, t in zip(starts, tables) for k in range(self.n)]
+        dslots = [slot(t, s + j + 1) for s, t in zip(starts, tables) for j in range(self.d)]
+        h64, h32, l64, l32 = self.h64, self.h32, self.l64, self.l32
+        put(l64.seg(h64, "slots"), slots, b * q, -1)
+        put(l64.seg(h64, "row0"), range(0, n * self.n, self.n), b, 0)
+        put(l64.seg(h64, "start"), starts, b, 0)
+        put(l64.seg(h64, "covered"), [len(t) * page for t in tables], b, 0)
+        put(l64.seg(h64, "tslots"), tslots, b * self.n, noop)
+        put(l64.seg(h64, "dslots"), dslots, b * self.d, noop)
+        put(l32.seg(h32, "eqsl"), range(0, (n + 1) * self.k, self.k), b + 1, n * self.k)
+        put(l32.seg(h32, "live"), [1] * n, b, 0)
+        tab = l32.seg(h32, "tables", b * w).reshape(b, w)
+        tab[:] = 0
+        for i, t in enumerate(tables):
+            tab[i, :len(t)] = t
+        self._upload()
+        return None
+
+    @torch.inference_mode()
+    def replay(self, b: int, n: int, target_hidden: torch.Tensor | list[torch.Tensor]
+               ) -> tuple[torch.Tensor, ...]:
+        """After ``acc`` [:n] is written: the fc output into the first pass's row source, the
+        replay, and the trees (tokens, parents, depth [n, N], mask [n, N, N]) as graph memory,
+        valid until the pool's next replay (the next verify copies what it reads first)."""
+        hidden = self.prop.base.combine(target_hidden)  # [T_target, h], usually precombined
+        self.fp.buffers.extras["hidden"][:hidden.shape[0]].copy_(hidden)
+        graph, out = self._graphs[b]
+        graph.replay()
+        self.graph_replays += 1
+        self.padded_rows += b - n
+        return tuple(t[:n] for t in out) if b != n else tuple(out)
