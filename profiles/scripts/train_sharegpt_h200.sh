@@ -103,6 +103,15 @@ gen)
   # holding some of the data.jsonl.gz.part* files the data phase returned (val.jsonl.gz in
   # one of them): every file lands in ~/gen, and `data` joins the parts in name order.
   mkdir -p ~/gen && for g in .device/gen*; do cp "$g"/* ~/gen/; done
+  if ls ~/gen/data.jsonl.gz.part* > /dev/null 2>&1; then
+    cat ~/gen/data.jsonl.gz.part* > ~/gen/data.jsonl.gz && rm ~/gen/data.jsonl.gz.part*
+  fi
+  # `train` without a `data` call first reads them from $HEAD (reused as they are)
+  if [ "${UNPACK:-1}" = 1 ] && [ -f ~/gen/data.jsonl.gz ]; then
+    mkdir -p $HEAD && gunzip -c ~/gen/data.jsonl.gz > $HEAD/data.jsonl
+    [ -f ~/gen/val.jsonl.gz ] && gunzip -c ~/gen/val.jsonl.gz > $HEAD/val.jsonl
+    wc -l $HEAD/*.jsonl
+  fi
   ls -l ~/gen ;;
 speed)
   cp .device/q1/part1 ~/m/ && cp .device/data/* $D/
