@@ -110,3 +110,13 @@ def write_tiny_llama(d: Path, tokenizer, layers: int = 2, max_positions: int = 1
     m.save_pretrained(d)
     tokenizer.save_pretrained(d)
     return str(d)
+
+
+def give_attention(llm, seed: int = 0, scale: float = 0.3) -> None:
+    """Random o_proj weights in a loaded bigram target (whose attention is zeroed), so a wrong
+    KV write or move, tree mask or padded row shows in its output."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in llm.engine.model.model.layers:
+            w = layer.self_attn.o_proj.weight
+            w.copy_(torch.randn(w.shape, generator=gen) * scale)

@@ -17,6 +17,7 @@ from compiled_spec.engine.batch import Span
 from compiled_spec.spec.proposer import ProposeBatch
 from compiled_spec.spec.tree import accept_paths
 from compiled_spec.spec.tree_accept_device import accept_greedy_device, first_pass_rows
+from tests.spec_models import give_attention
 
 D, TOPK, N = 3, 2, 6
 TREE = dict(num_speculative_tokens=D, speculative_topk=TOPK, speculative_num_draft_tokens=N)
@@ -68,13 +69,7 @@ def _llm(pair, tok: str, draft: bool) -> LLM:
     extra = dict(draft=head, **TREE) if draft else {}
     llm = LLM(model=target, tokenizer=tok, max_model_len=96, max_num_seqs=4, page_size=4,
               num_kv_blocks=128, **extra)
-    # The bigram target ignores attention (o_proj = 0): give it some, so that a wrong KV move
-    # or draft row shows in the output (as tests/test_tree_compile.py).
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for layer in llm.engine.model.model.layers:
-            w = layer.self_attn.o_proj.weight
-            w.copy_(torch.randn(w.shape, generator=gen) * 0.3)
+    give_attention(llm)  # so that a wrong KV move or draft row shows in the output
     return llm
 
 

@@ -14,6 +14,7 @@ from capture import CapturePolicy
 from compiled_spec import LLM, SamplingParams
 from compiled_spec.compile import CompileConfig, capture_graphs, compile_models, use_compiled
 from compiled_spec.engine.graphs import EngineGraphs
+from tests.spec_models import give_attention
 from passes.graph_utils import is_op
 
 PROMPTS = [[3, 7, 1], [5], [9, 2, 4, 4, 8, 1, 2], [11, 12], [6, 6, 6, 1, 2, 30, 8, 8, 8, 1]]
@@ -29,13 +30,8 @@ def _llm(pair, tok: str, page: int = 16, draft: bool = True, attention: bool = F
     extra = dict(draft=head, **TREE) if draft else {}
     llm = LLM(model=target, tokenizer=tok, max_model_len=128, max_num_seqs=4, page_size=page,
               **extra, **kw)
-    if attention:  # the bigram target ignores attention (o_proj = 0): give it some, so that
-        # a wrong tree mask or padded row in the target's verify shows in the output
-        gen = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for layer in llm.engine.model.model.layers:
-                w = layer.self_attn.o_proj.weight
-                w.copy_(torch.randn(w.shape, generator=gen) * 0.3)
+    if attention:  # so that a wrong tree mask or padded row in the verify shows in the output
+        give_attention(llm)
     return llm
 
 

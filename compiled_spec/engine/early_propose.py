@@ -73,11 +73,11 @@ class HostCopy:
         return self.dst
 
 
-class EarlyPropose:
-    """The runner's early path: ``plan`` (after the verify is launched), ``accept`` (in place of
-    ``ModelRunner._accept``), ``finish`` (in place of ``ModelRunner.propose``)."""
+class EarlyPath:
+    """What the chain's and the tree's early paths share: the switch, the counters, the checks
+    every early step passes and the worst-case block growth."""
 
-    def __init__(self, runner: "ModelRunner", enabled: bool = True) -> None:
+    def __init__(self, runner: Any, enabled: bool = True) -> None:
         self.runner = runner
         self.enabled = enabled  # the switch (SpecConfig.early_propose); off: every step late
         self.may_pause = False  # the engine's adaptive policy may pause drafting after a step
@@ -90,9 +90,52 @@ class EarlyPropose:
         return None
 
     @property
-    def graph(self) -> "EarlyProposeGraphs | None":
+    def graph(self) -> Any:
         prop = self.runner.proposer
         return None if prop is None else getattr(prop, "early_graph", None)
+
+    def _size(self, reqs: list[Request], shape_why: str | None) -> int | str:
+        """The captured size an early step of ``reqs`` replays, or why it runs late
+        (``shape_why``: the path's own reason the step's shape does not fit, checked after
+        the switch, the graph and the policy)."""
+        if not self.enabled:
+            return "off"
+        g = self.graph
+        if g is None:
+            return "no_graph"
+        if self.may_pause:
+            return "adaptive_policy"
+        if shape_why is not None:
+            return shape_why
+        if not all(q.params.greedy for q in reqs):
+            return "sampling"
+        if any(q.params.logprobs is not None for q in reqs):
+            return "logprobs"
+        size = g.graph_size(len(reqs))
+        return "size" if size is None else size
+
+    def _grow(self, reqs: list[Request], wants: list[int]) -> bool:
+        """Every request's blocks grown to hold ``wants`` tokens (the worst case the graph
+        may write), or nothing grown and False when the pool is short."""
+        alloc = self.runner.allocator
+        need = sum(max(0, alloc.blocks_for(w) - len(alloc.tables.get(q.req_id, ())))
+                   for q, w in zip(reqs, wants))
+        if need > alloc.num_free:
+            return False
+        for q, w in zip(reqs, wants):
+            alloc.grow(q.req_id, w)
+        return True
+
+
+class EarlyPropose(EarlyPath):
+    """The runner's early path: ``plan`` (after the verify is launched), ``accept`` (in place of
+    ``ModelRunner._accept``), ``finish`` (in place of ``ModelRunner.propose``)."""
+
+    runner: "ModelRunner"
+
+    @property
+    def graph(self) -> "EarlyProposeGraphs | None":
+        return super().graph
 
     def plan(self, reqs: list[Request], num_new: list[int], num_draft: list[int],
              row_start: list[int]) -> EarlyStep | None:
@@ -101,38 +144,22 @@ class EarlyPropose:
         r = self.runner
         if r.proposer is None:
             return None
-        if not self.enabled:
-            return self._late("off")
-        g = self.graph
-        if g is None:
-            return self._late("no_graph")
-        if self.may_pause:
-            return self._late("adaptive_policy")
         k = r.k
-        if max(num_new) != 1 or min(num_draft) != k:
-            return self._late("not_chain")  # prefill rows, or a request verifying < k drafts
-        if not all(q.params.greedy for q in reqs):
-            return self._late("sampling")
-        if any(q.params.logprobs is not None for q in reqs):
-            return self._late("logprobs")
-        size = g.graph_size(len(reqs))
-        if size is None:
-            return self._late("size")
-        alloc = r.allocator
+        # prefill rows, or a request verifying < k drafts
+        size = self._size(reqs, "not_chain" if max(num_new) != 1 or min(num_draft) != k
+                          else None)
+        if isinstance(size, str):
+            return self._late(size)
         # Worst case: all k drafts accepted (n_tok = num_tokens + k + 1), then k more
         # positions for the next proposal, as ModelRunner.propose grows them.
-        wants = [min(q.num_tokens + 2 * k + 1, r._grow_cap(q)) for q in reqs]
-        need = sum(max(0, alloc.blocks_for(w) - len(alloc.tables.get(q.req_id, ())))
-                   for q, w in zip(reqs, wants))
-        if need > alloc.num_free:
+        if not self._grow(reqs, [min(q.num_tokens + 2 * k + 1, r._grow_cap(q)) for q in reqs]):
             return self._late("kv_exhausted")
-        for q, w in zip(reqs, wants):
-            alloc.grow(q.req_id, w)
         # Each request's k + 1 verified positions, staged as if all were accepted.
         spans = [Span(q.req_id, q.num_computed, k + 1) for q in reqs]
         draft_rows = [r._draft_row[q.req_id] for q in reqs]
-        why = g.stage(size, spans, row_start, draft_rows, [q.max_total_tokens for q in reqs],
-                      [q.seed for q in reqs], [q.params.temperature for q in reqs])
+        why = self.graph.stage(size, spans, row_start, draft_rows,
+                               [q.max_total_tokens for q in reqs], [q.seed for q in reqs],
+                               [q.params.temperature for q in reqs])
         if why is not None:
             return self._late(why)
         return EarlyStep(size=size, index={q.req_id: i for i, q in enumerate(reqs)},

@@ -38,7 +38,35 @@ if TYPE_CHECKING:
     from compiled_spec.engine.propose_graph import ProposeGraphs
 
 
-class EarlyProposeGraphs:
+class EarlyGraphSurface:
+    """The GraphRunner-compatible surface (``assert_captured``, stats) of an early graph, chain
+    or tree. Steps that could not take it ran the late graphs; the early path counts why, so
+    it reports no fallbacks of its own."""
+
+    _graphs: dict[int, tuple[Any, Any]]
+    sizes: list[int]
+    bucket: int
+    graph_replays: int
+    padded_rows: int
+    capture_failures: list[dict[str, Any]]
+
+    @property
+    def captured_sizes(self) -> list[int]:
+        return sorted(self._graphs)
+
+    def stats(self) -> dict[str, Any]:
+        return {"graph_replays": self.graph_replays, "padded_rows": self.padded_rows,
+                "eager_fallbacks": 0, "fallback_reasons": {},
+                "captured_sizes": self.captured_sizes,
+                "captured_graphs": [(b, self.bucket) for b in self.captured_sizes],
+                "capture_failures": list(self.capture_failures)}
+
+    def graph_size(self, n: int) -> int | None:
+        """The smallest captured size that holds ``n`` requests (None: none does)."""
+        return next((s for s in self.sizes if s >= n and s in self._graphs), None)
+
+
+class EarlyProposeGraphs(EarlyGraphSurface):
     name = "draft_propose_early"
 
     def __init__(self, base: "ProposeGraphs") -> None:
@@ -84,21 +112,6 @@ class EarlyProposeGraphs:
     @property
     def enabled(self) -> bool:
         return self.base.enabled
-
-    @property
-    def captured_sizes(self) -> list[int]:
-        return sorted(self._graphs)
-
-    def stats(self) -> dict[str, Any]:
-        # Steps that could not take this graph ran the late one: ModelRunner.early counts why.
-        return {"graph_replays": self.graph_replays, "padded_rows": self.padded_rows,
-                "eager_fallbacks": 0, "fallback_reasons": {},
-                "captured_sizes": self.captured_sizes,
-                "captured_graphs": [(b, self.bucket) for b in self.captured_sizes],
-                "capture_failures": list(self.capture_failures)}
-
-    def graph_size(self, n: int) -> int | None:
-        return next((s for s in self.sizes if s >= n and s in self._graphs), None)
 
     # ---- the captured computation ------------------------------------------------------------
     def _views(self, b: int) -> dict[str, Any]:

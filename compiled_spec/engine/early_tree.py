@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from compiled_spec.engine.early_propose import EarlyProposeStats, HostCopy
+from compiled_spec.engine.early_propose import EarlyPath, HostCopy
 from compiled_spec.engine.request import Request
 from compiled_spec.profile import phase
 from compiled_spec.spec.tree_proposer import DraftTree
@@ -41,26 +41,16 @@ class EarlyTreeStep:
     tree: DraftTree | None = None  # the next step's trees, as the graph wrote them
 
 
-class EarlyTree:
+class EarlyTree(EarlyPath):
     """The tree runner's early path: ``plan`` (before the verify's acceptance), ``launch``
     (after the verify: the argmax into the graph's input, its host copy issued, the replay),
     ``finish`` (in place of the late propose)."""
 
-    def __init__(self, runner: "TreeModelRunner", enabled: bool = True) -> None:
-        self.runner = runner
-        self.enabled = enabled
-        self.may_pause = False  # the engine's adaptive policy may pause drafting after a step
-        self.stats = EarlyProposeStats()
-        self._event = torch.cuda.Event() if runner.device.type == "cuda" else None
-
-    def _late(self, why: str) -> None:
-        self.stats.late += 1
-        self.stats.late_reasons[why] = self.stats.late_reasons.get(why, 0) + 1
-        return None
+    runner: "TreeModelRunner"
 
     @property
     def graph(self) -> "EarlyTreeGraphs | None":
-        return getattr(self.runner.proposer, "early_graph", None)
+        return super().graph
 
     def plan(self, reqs: list[Request], *_: object) -> None:
         """A tree engine's chain-path step (a prefill, or nothing to verify): it proposes late."""
@@ -71,23 +61,11 @@ class EarlyTree:
         """Whether this tree step proposes early (None: late, the reason counted); if so, its
         blocks are grown for the worst case and the graph's inputs staged and uploaded."""
         r = self.runner
-        if not self.enabled:
-            return self._late("off")
-        g = self.graph
-        if g is None:
-            return self._late("no_graph")
-        if self.may_pause:
-            return self._late("adaptive_policy")
-        if not all(in_tree):
-            return self._late("not_all_tree")  # one-node (plain) requests in the step
-        if not all(q.params.greedy for q in reqs):
-            return self._late("sampling")
-        if any(q.params.logprobs is not None for q in reqs):
-            return self._late("logprobs")
-        size = g.graph_size(len(reqs))
-        if size is None:
-            return self._late("size")
-        d, look, alloc = r.tree.num_steps, r.tree.lookahead, r.allocator
+        # one-node (plain) requests in the step
+        size = self._size(reqs, None if all(in_tree) else "not_all_tree")
+        if isinstance(size, str):
+            return self._late(size)
+        d, look = r.tree.num_steps, r.tree.lookahead
         # Whatever it accepts (up to D, then the bonus), each request must take a tree next
         # step (TreeModelRunner._takes_tree) with no cap on its acceptance: the graph's
         # acceptance has none, and it drafts for every request.
@@ -95,14 +73,9 @@ class EarlyTree:
                or q.num_tokens + d + 1 + look > r.max_model_len for q in reqs):
             return self._late("near_end")
         # The late path's grow (n_tok + lookahead) at the worst case n_tok = num_tokens + D + 1.
-        wants = [q.num_tokens + d + 1 + look for q in reqs]
-        need = sum(max(0, alloc.blocks_for(w) - len(alloc.tables.get(q.req_id, ())))
-                   for q, w in zip(reqs, wants))
-        if need > alloc.num_free:
+        if not self._grow(reqs, [q.num_tokens + d + 1 + look for q in reqs]):
             return self._late("kv_exhausted")
-        for q, w in zip(reqs, wants):
-            alloc.grow(q.req_id, w)
-        why = g.stage(size, [q.req_id for q in reqs], starts)
+        why = self.graph.stage(size, [q.req_id for q in reqs], starts)
         if why is not None:
             return self._late(why)
         return EarlyTreeStep(size=size, index={q.req_id: i for i, q in enumerate(reqs)},

@@ -40,6 +40,7 @@ import torch
 from capture.cuda_graphs import capture_each, capture_graph
 from capture.emulate import emulate_graph
 from capture.host_stage import put, staging
+from compiled_spec.engine.early_propose_graph import EarlyGraphSurface
 from compiled_spec.engine.propose_graph import _Layout
 from compiled_spec.spec.tree_accept_device import accept_greedy_device, first_pass_rows
 
@@ -49,7 +50,7 @@ if TYPE_CHECKING:
     from compiled_spec.spec.tree_proposer import TreeProposer
 
 
-class EarlyTreeGraphs:
+class EarlyTreeGraphs(EarlyGraphSurface):
     name = "tree_draft_early"
 
     def __init__(self, late: "TreeProposeGraphs", prop: "TreeProposer",
@@ -95,20 +96,6 @@ class EarlyTreeGraphs:
     def enabled(self) -> bool:
         return self.emulate or self.device.type == "cuda"
 
-    @property
-    def captured_sizes(self) -> list[int]:
-        return sorted(self._graphs)
-
-    def stats(self) -> dict[str, Any]:
-        # Steps that could not take this graph ran the late graphs: EarlyTree counts why.
-        return {"graph_replays": self.graph_replays, "padded_rows": self.padded_rows,
-                "eager_fallbacks": 0, "fallback_reasons": {},
-                "captured_sizes": self.captured_sizes,
-                "captured_graphs": [(b, self.bucket) for b in self.captured_sizes],
-                "capture_failures": list(self.capture_failures)}
-
-    def graph_size(self, n: int) -> int | None:
-        return next((s for s in self.sizes if s >= n and s in self._graphs), None)
 
     # ---- the captured computation ------------------------------------------------------------
     def _body(self, b: int) -> tuple[torch.Tensor, ...]:
