@@ -26,19 +26,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from capture.cuda_graphs import capture_each, capture_graph
+from capture.cuda_graphs import capture_graph
 from capture.emulate import emulate_graph
 from capture.host_stage import put, staging
 from capture.pad import LiveBatch
 from compiled_spec.attention_metadata import AttentionMetadata
 from compiled_spec.engine.batch import Span, span_rows
-from compiled_spec.engine.propose_graph import _Layout, stage_dummy, stage_tables
+from compiled_spec.engine.propose_graph import StepCapture, _Layout, stage_dummy, stage_tables
 
 if TYPE_CHECKING:
     from compiled_spec.engine.propose_graph import ProposeGraphs
 
 
-class EarlyGraphSurface:
+class EarlyGraphSurface(StepCapture):
     """The GraphRunner-compatible surface (``assert_captured``, stats) of an early graph, chain
     or tree. Steps that could not take it ran the late graphs; the early path counts why, so
     it reports no fallbacks of its own."""
@@ -113,6 +113,10 @@ class EarlyProposeGraphs(EarlyGraphSurface):
     def enabled(self) -> bool:
         return self.base.enabled
 
+    @property
+    def strict(self) -> bool:  # type: ignore[override]
+        return self.base.strict
+
     # ---- the captured computation ------------------------------------------------------------
     def _views(self, b: int) -> dict[str, Any]:
         t, w, tm, bm = b * self.q, self.max_blocks, self.sizes[-1] * self.q, self.sizes[-1]
@@ -176,13 +180,6 @@ class EarlyProposeGraphs(EarlyGraphSurface):
         return drafts, (torch.cat([pq[:, None], rest_q], dim=1) if p.sample_drafts else None)
 
     # ---- start-up ----------------------------------------------------------------------------
-    @torch.inference_mode()
-    def capture(self) -> None:
-        if not self.enabled:
-            return
-        capture_each(self.name, self.sizes, self.bucket, self._capture_one,
-                     self.capture_failures, self.base.strict)
-
     def _capture_one(self, b: int) -> None:
         h64, h32, l64, l32, q = self.h64, self.h32, self.l64, self.l32, self.q
         # max_total 0: no loop step is below its limit, so the loop writes nothing either.

@@ -86,7 +86,7 @@ class EarlyTree(EarlyPath):
                target_hidden: torch.Tensor | list[torch.Tensor]) -> HostCopy:
         """The graph's inputs, the step's one device-to-host copy (issued, not waited for),
         then the replay: the host reads the copy while the draft runs."""
-        g = self.runner.proposer.early_graph
+        g = self.graph
         n = drawn.shape[0]
         acc = g.acc[:n]  # [n, 4, N]
         acc[:, :3].copy_(tree_info.transpose(0, 1))
@@ -100,7 +100,7 @@ class EarlyTree(EarlyPath):
     def propose(self, size: int, n: int, target_hidden: torch.Tensor | list[torch.Tensor]
                 ) -> DraftTree:
         """The replay (its own method so the benchmark can time it as the step's propose)."""
-        return DraftTree(*self.runner.proposer.early_graph.replay(size, n, target_hidden))
+        return DraftTree(*self.graph.replay(size, n, target_hidden))
 
     def finish(self, step: EarlyTreeStep, reqs: list[Request], accepted: dict[int, int],
                draft: bool) -> None:

@@ -37,9 +37,9 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import torch
 
-from capture.cuda_graphs import capture_each, capture_graph
+from capture.cuda_graphs import capture_graph
 from capture.emulate import emulate_graph
-from capture.host_stage import put, staging
+from capture.host_stage import put, put_tables, staging
 from compiled_spec.engine.early_propose_graph import EarlyGraphSurface
 from compiled_spec.engine.propose_graph import _Layout
 from compiled_spec.spec.tree_accept_device import accept_greedy_device, first_pass_rows
@@ -95,7 +95,6 @@ class EarlyTreeGraphs(EarlyGraphSurface):
     @property
     def enabled(self) -> bool:
         return self.emulate or self.device.type == "cuda"
-
 
     # ---- the captured computation ------------------------------------------------------------
     def _body(self, b: int) -> tuple[torch.Tensor, ...]:
@@ -158,13 +157,6 @@ class EarlyTreeGraphs(EarlyGraphSurface):
         return trees
 
     # ---- start-up ----------------------------------------------------------------------------
-    @torch.inference_mode()
-    def capture(self) -> None:
-        if not self.enabled:
-            return
-        capture_each(self.name, self.sizes, self.bucket, self._capture_one,
-                     self.capture_failures, self.strict)
-
     def _capture_one(self, b: int) -> None:
         # The dummy run writes no KV: first-pass slots -1, nothing covered for the expansion.
         h64, h32, l64, l32, q = self.h64, self.h32, self.l64, self.l32, self.q
@@ -211,10 +203,7 @@ class EarlyTreeGraphs(EarlyGraphSurface):
         put(l64.seg(h64, "dslots"), dslots, b * self.d, noop)
         put(l32.seg(h32, "eqsl"), range(0, (n + 1) * self.k, self.k), b + 1, n * self.k)
         put(l32.seg(h32, "live"), [1] * n, b, 0)
-        tab = l32.seg(h32, "tables", b * w).reshape(b, w)
-        tab[:] = 0
-        for i, t in enumerate(tables):
-            tab[i, :len(t)] = t
+        put_tables(l32.seg(h32, "tables", b * w).reshape(b, w), tables)
         self._upload()
         return None
 

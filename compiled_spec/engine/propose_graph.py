@@ -74,7 +74,32 @@ def stage_tables(h32: Any, l32: _Layout, b: int, w: int, tables: list[list[int]]
     temp[len(temperature):] = 0.0
 
 
-class ProposeGraphs:
+class StepCapture:
+    """``capture()`` of a runner that captures a whole proposal step per batch size (the propose
+    graphs, late and early): every size's ``_capture_one`` under inference mode, as the engine
+    replays them, with progress and failures recorded (``capture_each``)."""
+
+    name: str
+    sizes: list[int]
+    bucket: int
+    strict: bool
+    capture_failures: list[dict[str, Any]]
+
+    @property
+    def enabled(self) -> bool:
+        raise NotImplementedError
+
+    def _capture_one(self, b: int) -> None:
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        if self.enabled:
+            capture_each(self.name, self.sizes, self.bucket, self._capture_one,
+                         self.capture_failures, self.strict)
+
+
+class ProposeGraphs(StepCapture):
     name = "draft_propose"
 
     def __init__(self, proposer: "EagleProposer", allocator: "BlockAllocator",
@@ -182,13 +207,6 @@ class ProposeGraphs:
         return drafts, (torch.cat([q[:, None], rest_q], dim=1) if p.sample_drafts else None)
 
     # ---- start-up ----------------------------------------------------------------------------
-    @torch.inference_mode()
-    def capture(self) -> None:
-        if not self.enabled:
-            return
-        capture_each(self.name, self.sizes, self.bucket, self._capture_one,
-                     self.capture_failures, self.strict)
-
     def _capture_one(self, b: int) -> None:
         h64, h32, l64, l32, q = self.h64, self.h32, self.l64, self.l32, self.q
         stage_dummy(h64, h32, l64, l32, b, q)

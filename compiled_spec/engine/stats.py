@@ -28,7 +28,7 @@ class EngineStats:
     host_wait_s: float = 0.0
     # speculation_policy="adaptive": its choices and estimates per batch bucket (.summary())
     policy: SpecPolicy | None = None
-    # Chain engines: steps that proposed before the host read their acceptance, and the late
-    # ones with why (engine/early_propose.py); None for vanilla and draft-tree engines.
+    # Speculative engines: steps that proposed before the host read their acceptance, and the
+    # late ones with why (engine/early_propose.py, early_tree.py); None for vanilla engines.
     early_propose: EarlyProposeStats | None = None
     spec: SpecStats = field(default_factory=SpecStats)

@@ -192,8 +192,20 @@ def compact_kv(caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer [bl
     and copied the whole pool for each layer's KV write (measured on the CPU, 2026-12-01)."""
     if not src:
         return
-    k0 = caches[0][0]
-    idx = torch.tensor([src, dst], dtype=torch.int64).to(k0.device, non_blocking=True)
+    move_slots(caches, _slot_pairs(caches, src, dst))
+
+
+def _slot_pairs(caches: list[tuple[torch.Tensor, torch.Tensor]], src: list[int],
+                dst: list[int]) -> torch.Tensor:
+    """[2, M] int64 source then destination slots, uploaded to the caches' device."""
+    return torch.tensor([src, dst], dtype=torch.int64).to(caches[0][0].device, non_blocking=True)
+
+
+def move_slots(caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer [blocks, page, H, D]
+               idx: torch.Tensor,  # [2, M] source then destination slots, on the device
+               ) -> None:
+    """``compact_kv`` with the slots on the device: per cache tensor a gather of every source,
+    then a scatter (all read before any write)."""
     for k_cache, v_cache in caches:
         for cache in (k_cache, v_cache):
             flat = cache.view(-1, *cache.shape[2:])  # [slots, H, D]
@@ -212,14 +224,8 @@ class KVCompactor:
 
     def __call__(self, caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (K, V)
                  src: list[int], dst: list[int]) -> None:
-        if not src:
-            return
-        k0 = caches[0][0]
-        if not (k0.is_cuda if self.use_kernel is None else self.use_kernel):
-            compact_kv(caches, src, dst)
-            return
-        idx = torch.tensor([src, dst], dtype=torch.int64).to(k0.device, non_blocking=True)
-        self.move(caches, idx)
+        if src:
+            self.move(caches, _slot_pairs(caches, src, dst))
 
     def move(self, caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (K, V)
              idx: torch.Tensor,  # [2, M] int64 source then destination slots, on the device
@@ -229,10 +235,7 @@ class KVCompactor:
         distinct, except self-moves of one slot (every copy writes the same value)."""
         k0 = caches[0][0]
         if not (k0.is_cuda if self.use_kernel is None else self.use_kernel):
-            for k_cache, v_cache in caches:  # compact_kv's gather-then-scatter
-                for cache in (k_cache, v_cache):
-                    flat = cache.view(-1, *cache.shape[2:])  # [slots, H, D]
-                    flat.index_copy_(0, idx[1], flat.index_select(0, idx[0]))
+            move_slots(caches, idx)
             return
         from kernels.move_kv_triton import cache_table, move_slots_triton
 
