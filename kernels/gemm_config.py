@@ -4,7 +4,8 @@
 Why skinny: at batch-1 decode / verify (M = 1..48 rows) SmolLM2's per-layer GEMMs read 0.7-3.5 MB
 of weights, 0.2-0.8 us at the H200's bandwidth, yet cuBLAS ran them at ~3.9 us with 64-wide N
 tiles: 9-48 CTAs on 132 SMs. So the policy is many CTAs of narrow N tiles, the whole M in one
-tile (every weight byte is read once), and split-K only where N alone cannot fill the GPU.
+tile (every weight byte is read once). Split-K (a second, reducing launch) is a benchmark
+candidate only: it lost on every H200 shape.
 
 Every distinct config is a separate Triton binary (per prologue and dtype too), and a binary
 first met inside serving costs a JIT compile, so the candidate list is deliberately short and
@@ -40,7 +41,7 @@ class GemmConfig:
     def name(self) -> str:
         kind = "dot" if self.use_dot else "fma"
         return (f"{kind} m{self.block_m} n{self.block_n} k{self.block_k} s{self.split_k} "
-                f"w{self.num_warps}")
+                f"w{self.num_warps} p{self.num_stages}")
 
 
 def block_m_for(m: int, use_dot: bool = True) -> int:
@@ -49,24 +50,17 @@ def block_m_for(m: int, use_dot: bool = True) -> int:
     return max(16, _next_pow2(m)) if use_dot else _next_pow2(m)
 
 
-def _split_for(tiles: int, k: int, block_k: int) -> int:
-    """Split K only where the N tiles leave most SMs idle and K is long enough that each split
-    still runs several iterations: the reducing launch costs ~1-2 us of dependent latency."""
-    if tiles >= SMS // 2 or k < 1024:
-        return 1
-    split = _next_pow2(_cdiv(SMS, tiles))
-    while split > 1 and _cdiv(k, block_k) < 4 * split:
-        split //= 2
-    return min(split, 4)
-
-
 def gemm_config(m: int, n: int, k: int) -> GemmConfig:
-    """The configuration the op launches for one call. Untuned beyond reasoning so far: the
-    H200 benchmark (``python -m kernels.bench_gemm``) prints which candidate wins per shape."""
-    block_n = 16 if n <= 4096 else 64  # narrow tiles for the layer GEMMs; lm_head has plenty
-    block_k = 64
-    split = _split_for(_cdiv(n, block_n), k, block_k)
-    return GemmConfig(block_m_for(m), block_n, block_k, split)
+    """The configuration the op launches for one call, from the H200 benchmark of the eleventh
+    session (``profiles/results/2026-12-02_h200_session11/gemm.md``, M = 1..48): for the layer
+    GEMMs (N <= 4096) 16-wide N tiles with 128-deep K steps in 4 stages and no split-K won every
+    shape (qkv 3.34 us vs cuBLAS 3.66, o_proj 3.30 vs 3.58, gate_up 4.09 vs 4.04, down 5.22 vs
+    5.00); the tenth session's 64-deep steps and split-K for down ran 4.5-5.7 us. Split-K lost
+    everywhere it was tried (its reducing launch), so the pick never splits; ``candidates`` keeps
+    it for the benchmark. lm_head: 64-wide tiles, 64-deep steps (15.9-16.5 us vs cuBLAS 16.4-17.0)."""
+    if n <= 4096:
+        return GemmConfig(block_m_for(m), 16, 128, num_stages=4)
+    return GemmConfig(block_m_for(m), 64, 64)
 
 
 def candidates(m: int, n: int, k: int) -> list[GemmConfig]:

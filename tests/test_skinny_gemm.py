@@ -135,7 +135,9 @@ def test_launch_policy() -> None:
             assert cands[0] == cfg and len(set(cands)) == len(cands) <= 16
             assert all(c.block_m >= m for c in cands)
             assert any(not c.use_dot for c in cands) == (m <= 8)
-    assert gemm_config(6, 576, 1536).split_k > 1  # down_proj: 36 N tiles, long K
+    # the H200's winner for every layer GEMM (session 11): no split-K, 128-deep K steps
+    assert gemm_config(6, 576, 1536) == GemmConfig(16, 16, 128, num_stages=4)
+    assert all(gemm_config(m, n, k).split_k == 1 for m in (1, 48) for k, n in shapes)
     assert {block_m_for(m) for m in range(1, MAX_M + 1)} == {16, 32, 64}  # few binaries
     with pytest.raises(ValueError, match="rows"):
         gemm_config(MAX_M + 1, 576, 576)
