@@ -5,18 +5,15 @@ once under ~/.cache/compiled_spec (keyed by the file's path, size and mtime) and
 """
 from __future__ import annotations
 
-import hashlib
-import os
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from compiled_spec.models.gguf_index import gguf_cache_dir
+
 
 def _cache_dir(gguf: Path) -> Path:
-    st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    root = Path(os.environ.get("COMPILED_SPEC_CACHE", Path.home() / ".cache" / "compiled_spec"))
-    return root / "tokenizers" / key
+    return gguf_cache_dir(gguf, "tokenizers")
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:

@@ -19,6 +19,7 @@ import torch
 from compiled_spec.models.config import ModelConfig
 from compiled_spec.models.decoder import CausalLM
 from compiled_spec.models.file_errors import reading
+from compiled_spec.models.gguf_index import read_index
 from compiled_spec.models.materialize import (build_meta_model, check_checkpoint, finalize_model,
                                               load_tensors)
 
@@ -141,12 +142,13 @@ def load_gguf(path: str, dtype: torch.dtype,
     if not p.is_file():
         raise FileNotFoundError(f"GGUF file does not exist: {path}")
     with reading(path, "GGUF file"):
-        reader = gguf.GGUFReader(str(p))  # memory-maps the file; tensors are read lazily
-        config = config_from_gguf(reader, path)
-
-    tensors = {hf_name(t.name): t for t in reader.tensors}
+        # The header's config and tensor table, parsed once per file and cached (gguf_index.py).
+        index = read_index(p, lambda reader: config_from_gguf(reader, path))
+        mm = np.memmap(p, mode="r")  # uint8 [file bytes]; tensors are read lazily
+    config = index.config
+    tensors = {hf_name(t.name): t for t in index.tensors}
     # GGUF shapes list the fastest-varying dim first; HF/PyTorch order is the reverse.
-    shapes = {name: tuple(int(d) for d in reversed(t.shape)) for name, t in tensors.items()}
+    shapes = {name: tuple(reversed(t.shape)) for name, t in tensors.items()}
     model = build_meta_model(config)
     to_load = check_checkpoint(model, shapes, path)
     permute_llama = config.architecture == "llama"
@@ -154,7 +156,8 @@ def load_gguf(path: str, dtype: torch.dtype,
     def get(name: str) -> torch.Tensor:
         t = tensors[name]
         # Dequantizes block formats (Q4_1, Q8_0, ...) to fp32; F32/F16/BF16 are reinterpreted.
-        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shapes[name])
+        w = gguf.quants.dequantize(t.view(mm), gguf.GGMLQuantizationType(t.tensor_type))
+        w = w.reshape(shapes[name])
         if permute_llama and name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
             w = unpermute_qk(w, config.num_attention_heads)
         elif permute_llama and name.endswith(("self_attn.k_proj.weight",
