@@ -5,14 +5,16 @@
 * ``capture.pad``: padding a live batch with inert rows (slot -1, q_len 0, seq_len 0, block 0)
   into preallocated ``StaticBuffers``.
 * ``capture.cuda_graphs``: ``GraphRunner`` (capture at start-up, padded replay, counted eager
-  fallbacks) and ``GraphRegistry.assert_captured`` (every component, the draft included, has
-  graphs).
+  fallbacks).
+* ``capture.registry``: ``GraphRegistry`` (the components on one pool) and ``assert_captured``
+  (every component, the draft included, has graphs).
 
 ``python -m capture.selfcheck_cuda`` checks replay == eager on a CUDA machine.
 """
-from capture.cuda_graphs import CaptureError, GraphRegistry, GraphRunner, assert_captured
+from capture.cuda_graphs import CaptureError, GraphRunner
 from capture.pad import (LiveBatch, StaticBuffers, pad_batch, pad_block_tables, pad_dim,
                          pad_metadata, pad_query_start_loc, stack_steps)
+from capture.registry import GraphRegistry, assert_captured
 from capture.policy import (CapturePolicy, bucket_max_seq_len, decode_sizes, default_batch_sizes,
                             draft_step_sizes, pad_to, padding_table, verify_sizes)
 

@@ -10,7 +10,7 @@ static buffers, replays the graph of the smallest captured size that fits and re
 the outputs sliced to the live rows. Anything that cannot replay runs ``fn`` directly (compiled,
 no graph) and is counted: a step that silently misses its graph is the bug class of vLLM's EAGLE-3
 draft that was never captured (seeds/003), so ``GraphRegistry.assert_captured`` checks at
-start-up that every named component has at least one graph.
+start-up that every named component has at least one graph (``capture.registry``).
 
 Outputs are static graph memory: valid until the next replay of ANY graph of the same pool
 (a later-captured graph may reuse a freed block of an earlier one as scratch). Consume or copy
@@ -42,7 +42,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from typing import Any, Callable, Literal, Mapping
+from typing import Any, Callable, Literal
 
 import torch
 from tqdm.auto import tqdm
@@ -288,52 +288,3 @@ class GraphRunner:
                 "captured_sizes": self.captured_sizes,
                 "captured_graphs": sorted(self._graphs),
                 "capture_failures": list(self.capture_failures)}
-
-
-def assert_captured(runners: Mapping[str, GraphRunner], *names: str) -> None:
-    """Raise CaptureError unless every named component (all registered ones when no names are
-    given) was registered and has at least one captured graph. Call it at start-up when CUDA
-    graphs are on; on the CPU nothing is captured, so it always raises there."""
-    for name in names or tuple(runners):
-        if name not in runners:
-            raise CaptureError(f"{name!r} was never registered for CUDA-graph capture: it would "
-                               f"run without graphs (registered: {sorted(runners)})")
-        r = runners[name]
-        if not r.captured_sizes:
-            why = "device is not CUDA" if not r.enabled else (
-                f"all {len(r.capture_failures)} captures failed: {r.capture_failures[:1]}"
-                if r.capture_failures else "capture() was never called (no dummy runs)")
-            raise CaptureError(f"{name!r} has zero captured CUDA graphs ({why})")
-
-
-class GraphRegistry:
-    """The engine's components and the one graph memory pool they share."""
-
-    def __init__(self, device: torch.device, strict: bool = False,
-                 runner_cls: type[GraphRunner] | None = None) -> None:
-        """``runner_cls``: the GraphRunner class to build (tests: ``EmulatedGraphRunner``)."""
-        self.device = torch.device(device)
-        self.strict = strict  # engine option: a failed capture raises instead of warning
-        # Off CUDA a token stands for the pool: emulated graphs of one registry share it.
-        self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else object()
-        self.runner_cls = runner_cls or GraphRunner
-        self.runners: dict[str, GraphRunner] = {}
-
-    def register(self, name: str, fn: GraphFn, sizes: list[int], buffers: StaticBuffers,
-                 **kwargs: Any) -> GraphRunner:
-        if name in self.runners:
-            raise ValueError(f"component {name!r} registered twice")
-        kwargs.setdefault("strict", self.strict)
-        runner = self.runner_cls(name, fn, sizes, buffers, pool=self.pool, **kwargs)
-        self.runners[name] = runner
-        return runner
-
-    def capture_all(self) -> None:
-        for runner in self.runners.values():
-            runner.capture()
-
-    def assert_captured(self, *names: str) -> None:
-        assert_captured(self.runners, *names)
-
-    def stats(self) -> dict[str, dict[str, Any]]:
-        return {name: r.stats() for name, r in self.runners.items()}

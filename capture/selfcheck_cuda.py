@@ -21,7 +21,8 @@ import time
 import torch
 
 import kernels.ops  # noqa: F401  (registers torch.ops.compiled_spec.*)
-from capture.cuda_graphs import GraphFn, GraphRegistry, GraphRunner
+from capture.cuda_graphs import GraphFn, GraphRunner
+from capture.registry import GraphRegistry
 from capture.host_stage import HostBatch
 from capture.pad import LiveBatch, StaticBuffers, stack_steps
 from capture.policy import CapturePolicy, decode_sizes, draft_step_sizes, verify_sizes
