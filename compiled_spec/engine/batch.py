@@ -1,4 +1,5 @@
-"""Host-side construction of flat token batches and their attention metadata.
+"""Host-side construction of flat token batches, their attention metadata and the per-row sampling
+parameters.
 
 Everything here is built from the engine's own Python state and moved to the device in one go;
 nothing reads back from the device.
@@ -13,7 +14,9 @@ import torch
 
 from capture.host_stage import HostBatch
 from compiled_spec.attention_metadata import AttentionMetadata
+from compiled_spec.engine.request import Request
 from compiled_spec.kv_cache import BlockAllocator
+from compiled_spec.sampler import SamplingTensors
 
 
 @dataclass
@@ -176,3 +179,28 @@ def build_loop_metadata(allocator: BlockAllocator, roots: list[Span], write_limi
 def to_device(values: list[int], device: torch.device) -> torch.Tensor:
     t = torch.from_numpy(np.array(values, dtype=np.int64))  # faster than torch.tensor(list)
     return t if device.type == "cpu" else t.to(device, non_blocking=True)
+
+
+def build_sampling_tensors(reqs: list[Request], device: torch.device,
+                           repeat: int | list[int] = 1) -> SamplingTensors:
+    """Per-row parameters; ``repeat`` copies each request's row for its verification slots (one
+    count for all, or one per request)."""
+    reps = [repeat] * len(reqs) if isinstance(repeat, int) else repeat
+    ps = [r.params for r, n in zip(reqs, reps) for _ in range(n)]
+    seeds = [r.seed for r, n in zip(reqs, reps) for _ in range(n)]
+
+    def t(vals: list, dtype: np.dtype) -> torch.Tensor:
+        # Through numpy: ~3x faster than torch.tensor(list) at a thousand rows per step; and
+        # not blocking (as to_device), so the host does not wait here for the step's forward.
+        return torch.from_numpy(np.array(vals, dtype=dtype)).to(device, non_blocking=True)
+
+    return SamplingTensors(
+        temperature=t([p.temperature for p in ps], np.float32),
+        top_k=t([p.top_k for p in ps], np.int64),
+        top_p=t([p.top_p for p in ps], np.float32),
+        min_p=t([p.min_p for p in ps], np.float32),
+        seeds=t(seeds, np.int64),
+        all_greedy=all(p.greedy for p in ps),
+        any_sorting=any(p.needs_sorting for p in ps),
+        any_min_p=any(p.min_p > 0 and not p.greedy for p in ps),
+    )

@@ -14,42 +14,17 @@ import numpy as np
 import torch
 
 from capture.host_stage import HostBatch
-from compiled_spec.engine.batch import (Span, build_host_batch, greedy_accept,
-                                        host_batch_to_device, to_device)
+from compiled_spec.engine.batch import (Span, build_host_batch, build_sampling_tensors,
+                                        greedy_accept, host_batch_to_device, to_device)
 from compiled_spec.engine.early_propose import EarlyPropose, EarlyStep, HostCopy
 from compiled_spec.engine.logprobs import gather_logprobs
 from compiled_spec.engine.request import Request
 from compiled_spec.kv_cache import BlockAllocator, KVCacheExhausted
 from compiled_spec.models.decoder import CausalLM
 from compiled_spec.profile import phase
-from compiled_spec.sampler import SamplingTensors, apply_filters
+from compiled_spec.sampler import apply_filters
 from compiled_spec.spec.proposer import EagleProposer, ProposeBatch
 from compiled_spec.spec.rejection import rejection_sample
-
-
-def build_sampling_tensors(reqs: list[Request], device: torch.device,
-                           repeat: int | list[int] = 1) -> SamplingTensors:
-    """Per-row parameters; ``repeat`` copies each request's row for its verification slots (one
-    count for all, or one per request)."""
-    reps = [repeat] * len(reqs) if isinstance(repeat, int) else repeat
-    ps = [r.params for r, n in zip(reqs, reps) for _ in range(n)]
-    seeds = [r.seed for r, n in zip(reqs, reps) for _ in range(n)]
-
-    def t(vals: list, dtype: np.dtype) -> torch.Tensor:
-        # Through numpy: ~3x faster than torch.tensor(list) at a thousand rows per step; and
-        # not blocking (as to_device), so the host does not wait here for the step's forward.
-        return torch.from_numpy(np.array(vals, dtype=dtype)).to(device, non_blocking=True)
-
-    return SamplingTensors(
-        temperature=t([p.temperature for p in ps], np.float32),
-        top_k=t([p.top_k for p in ps], np.int64),
-        top_p=t([p.top_p for p in ps], np.float32),
-        min_p=t([p.min_p for p in ps], np.float32),
-        seeds=t(seeds, np.int64),
-        all_greedy=all(p.greedy for p in ps),
-        any_sorting=any(p.needs_sorting for p in ps),
-        any_min_p=any(p.min_p > 0 and not p.greedy for p in ps),
-    )
 
 
 @dataclass

@@ -25,11 +25,11 @@ import numpy as np
 import torch
 
 from capture.host_stage import HostBatch
-from compiled_spec.engine.batch import Span, metadata_to_device, to_device
+from compiled_spec.engine.batch import (Span, build_sampling_tensors, metadata_to_device,
+                                        to_device)
 from compiled_spec.engine.early_tree import EarlyTree, EarlyTreeStep
 from compiled_spec.engine.logprobs import gather_logprobs
-from compiled_spec.engine.model_runner import (ModelRunner, StepOutput, _Pending,
-                                               build_sampling_tensors)
+from compiled_spec.engine.model_runner import ModelRunner, StepOutput, _Pending
 from compiled_spec.engine.request import Request
 from compiled_spec.profile import phase
 from compiled_spec.sampler import STREAM_TOKEN, apply_filters, position_keys, sample_from_probs
