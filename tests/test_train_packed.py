@@ -185,6 +185,44 @@ def test_copy_weight_reweights_the_loss_and_novel_accuracy_is_reported(target_an
         TrainConfig(target="t", prompts="p", out="o", copy_weight=0.5, ttt_impl="padded")
 
 
+def test_tail_weight_zero_trains_only_each_replys_head(target_and_head):
+    """--tail-after N --tail-weight 0: the loss is the loss with every reply cut to its first N
+    tokens (the tail's rows weigh nothing, the rest keep their relative weights); weights in
+    between move it; the logged per-step CE stays the plain mean."""
+    import dataclasses
+
+    target, path = target_and_head
+    seqs = _seqs([40, 33, 25], 48, seed=4)
+    batch = collate_packed(seqs, 128, "cpu", tail_after=5)
+    # reply spans of _seqs: (1, 4) + (6, n) or (2, n): tails begin 5 tokens into each span
+    expect = torch.zeros(128, dtype=torch.bool)
+    at = 0
+    for sq in seqs:
+        for a, b in sq.loss_spans():
+            expect[at + min(a + 5, b):at + b] = True
+        at += len(sq.input_ids)
+    assert torch.equal(batch.tail, expect) and batch.tail.sum() > 40
+    assert not collate_packed(seqs, 128, "cpu").tail.any()
+    cut = dataclasses.replace(batch, loss_mask=batch.loss_mask & ~batch.tail)
+    draft = load_draft(path, target, torch.float32, "cpu")
+    feats = TargetFeaturizer(target, draft.aux_layer_ids, torch.arange(48))
+    aux, final = feats.packed(batch)
+
+    def loss(b, **kw):
+        with torch.no_grad():
+            return packed_ttt_loss(draft, b, aux, final, feats.head, 3, 0.8, copy_weight=0.5, **kw)
+
+    zero, ref, half = loss(batch, tail_weight=0.0), loss(cut), loss(batch, tail_weight=0.5)
+    torch.testing.assert_close(zero.loss, ref.loss, rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(half.loss, ref.loss)
+    assert half.step_losses == loss(batch).step_losses
+    from compiled_spec.train.trainer import TrainConfig
+    with pytest.raises(ValueError, match="tail_weight"):
+        TrainConfig(target="t", prompts="p", out="o", tail_weight=0.5)  # no tail_after
+    with pytest.raises(ValueError, match="tail_after"):
+        TrainConfig(target="t", prompts="p", out="o", tail_after=0, tail_weight=0.5)
+
+
 def test_compiled_feature_forward_equals_eager(target_and_head):
     """--compile-features: the target's forward through torch.compile (our backend, Inductor's
     C++ code here) gives the eager features, across batches of different token counts (dynamic

@@ -35,6 +35,11 @@ def add_train_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentPars
     t.add_argument("--copy-weight", type=float, default=1.0,
                    help="loss weight (0..1) of positions a context lookup predicts (the "
                    "target's loops), relative to the rest")
+    t.add_argument("--tail-after", type=int, default=None,
+                   help="reply tokens past this many into their reply are its tail (see "
+                   "--tail-weight)")
+    t.add_argument("--tail-weight", type=float, default=1.0,
+                   help="loss weight (0..1) of reply tails (--tail-after), relative to the rest")
     t.add_argument("--compile-features", action="store_true",
                    help="run the target's feature forward through torch.compile (our backend)")
     t.add_argument("--batch-tokens", type=int, default=None,
@@ -126,7 +131,8 @@ def cmd_train(a: argparse.Namespace) -> int:
         init_from=a.init_from, sharegpt=a.sharegpt,
         sharegpt_conversations=a.sharegpt_conversations, max_turns=a.max_turns,
         batch_tokens=a.batch_tokens, ttt_impl=a.ttt_impl, ce_chunk=a.ce_chunk,
-        copy_weight=a.copy_weight, compile_features=a.compile_features,
+        copy_weight=a.copy_weight, tail_after=a.tail_after, tail_weight=a.tail_weight,
+        compile_features=a.compile_features,
         freeze_lm_head=not a.train_lm_head,
         time_limit_s=a.time_limit, lr_by_time=a.lr_by_time, export_dir=a.export_dir,
         export_max_shard_mb=a.export_max_shard_mb, gen_compile=a.gen_compile,

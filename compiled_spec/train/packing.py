@@ -27,12 +27,16 @@ class PackedBatch:
     positions: torch.Tensor  # [T] int64 position within its sequence (0 on the tail)
     loss_mask: torch.Tensor  # [T] bool: the target's own tokens (never the tail)
     copyable: torch.Tensor  # [T] bool: TrainSequence.copyable (a context lookup predicts it)
+    # [T] bool: loss tokens past the first ``tail_after`` of their reply span (collate_packed)
+    tail: torch.Tensor
     lengths: list[int]  # per sequence, on the host
     num_tokens: int  # sum(lengths)
 
 
-def collate_packed(seqs: list[TrainSequence], budget: int, device: torch.device | str
-                   ) -> PackedBatch:
+def collate_packed(seqs: list[TrainSequence], budget: int, device: torch.device | str,
+                   tail_after: int | None = None) -> PackedBatch:
+    """``tail_after``: mark each reply's tokens past its first ``tail_after`` as ``tail`` (the
+    long replies' loops; None marks none)."""
     lens = [len(s.input_ids) for s in seqs]
     used = sum(lens)
     if used > budget:
@@ -41,6 +45,7 @@ def collate_packed(seqs: list[TrainSequence], budget: int, device: torch.device 
     pos = torch.zeros(budget, dtype=torch.int64)
     mask = torch.zeros(budget, dtype=torch.bool)
     copy = torch.zeros(budget, dtype=torch.bool)
+    tail = torch.zeros(budget, dtype=torch.bool)
     at = 0
     for s, n in zip(seqs, lens):
         ids[at:at + n] = torch.tensor(s.input_ids, dtype=torch.int64)
@@ -48,6 +53,8 @@ def collate_packed(seqs: list[TrainSequence], budget: int, device: torch.device 
         copy[at:at + n] = torch.tensor(s.copyable(), dtype=torch.bool)
         for a, b in s.loss_spans():
             mask[at + a:at + b] = True
+            if tail_after is not None:
+                tail[at + min(a + tail_after, b):at + b] = True
         at += n
     return PackedBatch(ids.to(device), pos.to(device), mask.to(device),
-                       copy.to(device), lens, used)
+                       copy.to(device), tail.to(device), lens, used)

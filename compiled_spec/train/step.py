@@ -43,12 +43,12 @@ class TTTStep:
         """(the TTT loss of ``seqs`` as one batch, its real token count)."""
         cfg = self.cfg
         if self.packed:
-            batch = collate_packed(seqs, self.budget, self.device)
+            batch = collate_packed(seqs, self.budget, self.device, cfg.tail_after)
             aux, final = self.feats.packed(batch)  # [T, 3h], [T, h]
             with self.autocast:
                 res = packed_ttt_loss(draft, batch, aux, final, self.feats.head, cfg.ttt_steps,
                                       cfg.ttt_decay, self.flex, cfg.ce_chunk, self.compiled_ce,
-                                      cfg.copy_weight)
+                                      cfg.copy_weight, cfg.tail_weight)
             return res, batch.num_tokens
         batch = collate(seqs, self.device)
         aux, tlogits = self.feats(batch.input_ids, batch.lengths)  # [B,S,3h], [B,S,V_draft]

@@ -66,6 +66,12 @@ class TrainConfig:
     # Loss weight of positions a context lookup predicts (TrainSequence.copyable: the target's
     # loops, most of long chat replies) relative to the others' 1; packed only.
     copy_weight: float = 1.0
+    # Loss weight of reply tokens past the first tail_after of their reply (each assistant turn)
+    # relative to the others' 1; packed only. MT-bench scores replies of <= 256 tokens, while
+    # 44% of the held-out loss positions lie past reply token 256, mostly loops the head
+    # already predicts (0.98; results/2026-12-02_cpu_gap-probe/).
+    tail_after: int | None = None
+    tail_weight: float = 1.0
     compile_features: bool = False  # the target's feature forward through torch.compile
     freeze_lm_head: bool = True  # readout = the target's lm_head rows (not saved with the head)
     time_limit_s: float | None = None  # stop training here (saved, exported) and resume later
@@ -169,6 +175,14 @@ class TrainConfig:
                                               self.ttt_impl != "packed"):
             raise ValueError(f"TrainConfig.copy_weight={self.copy_weight!r}: in [0, 1], and "
                              "other than 1 only with ttt_impl='packed'")
+        if self.tail_after is not None and (isinstance(self.tail_after, bool) or not isinstance(
+                self.tail_after, int) or self.tail_after < 1):
+            raise ValueError(f"TrainConfig.tail_after={self.tail_after!r}: a positive integer "
+                             "or None")
+        if not 0 <= self.tail_weight <= 1 or (self.tail_weight != 1 and (
+                self.tail_after is None or self.ttt_impl != "packed")):
+            raise ValueError(f"TrainConfig.tail_weight={self.tail_weight!r}: in [0, 1], and "
+                             "other than 1 only with tail_after and ttt_impl='packed'")
         if self.schedule not in ("cosine", "linear", "constant"):
             raise ValueError(f"TrainConfig.schedule={self.schedule!r}: cosine|linear|constant")
         if self.aux_layer_ids is not None:

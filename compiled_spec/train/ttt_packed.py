@@ -182,9 +182,10 @@ def packed_ttt_loss(draft: EagleDraft, batch: PackedBatch,
                     target_head: torch.Tensor,  # [V_draft, target_h] its readout rows
                     num_steps: int, decay: float = 0.8, flex: bool = False,
                     chunk: int = 8192, compiled_ce: bool = False,
-                    copy_weight: float = 1.0) -> TTTOutput:
+                    copy_weight: float = 1.0, tail_weight: float = 1.0) -> TTTOutput:
     """``copy_weight``: loss weight of rows whose label a context lookup predicts
-    (``batch.copyable``; the target's loops), relative to the others' 1."""
+    (``batch.copyable``; the target's loops), relative to the others' 1; ``tail_weight``: of
+    rows whose label is in a reply's tail (``batch.tail``); the two multiply."""
     n_aux = len(draft.aux_layer_ids) or 1
     hidden = draft.combine_aux(list(aux.chunk(n_aux, dim=-1)))  # [T, h]
     outs = packed_ttt_forward(draft, batch, hidden, num_steps, flex)
@@ -192,7 +193,8 @@ def packed_ttt_loss(draft: EagleDraft, batch: PackedBatch,
     root = batch.positions[rows]  # [N] step s needs a chain root j - s + 1 >= 0
     label_h = target_final[rows + 1]  # [N, h]: the target's distribution for t_{j+2}
     copy = batch.copyable[rows + 2]  # [N] the label t_{j+2} is copyable
-    row_w = torch.where(copy, copy_weight, 1.0)  # [N]
+    row_w = (torch.where(copy, copy_weight, 1.0)
+             * torch.where(batch.tail[rows + 2], tail_weight, 1.0))  # [N]
     total = aux.new_zeros((), dtype=torch.float32)
     stats = []
     for step, (_, for_logits) in enumerate(outs, 1):

@@ -166,6 +166,13 @@ data)
   gzip -c $HEAD/data.jsonl | split -b 15M - "$OUT/data.jsonl.gz.part"
   ls -l "$OUT" ;;
 train)
+  # FRESH=1: a second run in the same session (another head, e.g. --num-layers 2): the first
+  # run's state, best/ and export go (its MT-bench lines are in the earlier call's eval.log);
+  # the data stay.
+  if [ "${FRESH:-0}" = 1 ]; then
+    find $HEAD -maxdepth 1 -mindepth 1 ! -name 'data.jsonl' ! -name 'val.jsonl' -exec rm -rf {} +
+    rm -rf ~/export "$OUT/head"
+  fi
   # --gen-time-limit: whatever the data phase left unanswered stays so (no generating here).
   ( time timeout ${LIMIT:-420} "${TRAIN[@]}" --time-limit ${TRAIN_LIMIT:-330} --lr-by-time \
       --gen-time-limit 0.001 --export-dir ~/export "${@:2}" ) > "$OUT/run.log" 2>&1
