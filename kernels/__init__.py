@@ -1,4 +1,4 @@
 """Kernels: Triton implementations for the GPU and their exact PyTorch references."""
-from kernels.ops import paged_attention, write_kv
+from kernels.ops import paged_attention, rope_write_kv, write_kv
 
-__all__ = ["paged_attention", "write_kv"]
+__all__ = ["paged_attention", "rope_write_kv", "write_kv"]

@@ -22,6 +22,25 @@ def write_kv_ref(
     v_flat.index_copy_(0, slots, value[valid].to(v_cache.dtype))
 
 
+def rope_write_kv_ref(
+    qk: torch.Tensor,  # [num_tokens, num_heads + num_kv_heads, head_dim], not yet roped
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
+    cos: torch.Tensor,  # [num_tokens, head_dim]
+    sin: torch.Tensor,  # [num_tokens, head_dim]
+    num_heads: int,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Neox rope of the queries and keys (the model's ``apply_rope``, in the inputs' dtype),
+    the roped keys and the values into the cache (``write_kv_ref``); returns the roped queries."""
+    half = qk.shape[-1] // 2
+    c, s = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+    roped = qk * c + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * s
+    write_kv_ref(roped[:, num_heads:], value, k_cache, v_cache, slot_mapping)
+    return roped[:, :num_heads].contiguous()
+
+
 def paged_attention_ref(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_heads, head_dim]

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention_ref import paged_attention_ref, paged_tree_attention_ref, write_kv_ref
+from kernels.attention_ref import (paged_attention_ref, paged_tree_attention_ref,
+                                   rope_write_kv_ref, write_kv_ref)
 from kernels.skinny_gemm_ref import linear_ref, rmsnorm_linear_ref, silu_mul_linear_ref
 
 
@@ -32,6 +33,33 @@ def write_kv(
 @write_kv.register_fake
 def _(key, value, k_cache, v_cache, slot_mapping) -> None:
     return None
+
+
+@torch.library.custom_op("compiled_spec::rope_write_kv", mutates_args=("k_cache", "v_cache"))
+def rope_write_kv(
+    qk: torch.Tensor,  # [num_tokens, num_heads + num_kv_heads, head_dim], not yet roped
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64; -1 rows are not written
+    cos: torch.Tensor,  # [num_tokens, head_dim]
+    sin: torch.Tensor,  # [num_tokens, head_dim]
+    num_heads: int,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] the roped queries
+    """Rope of q and k and ``write_kv`` of (roped k, v) as one op: one kernel on the GPU
+    (``kernels.rope_kv_triton``). k_cache, v_cache and slot_mapping sit where ``write_kv``
+    has them, so the passes that bind a layer's metadata read both alike."""
+    if _use_triton(qk):
+        from kernels.rope_kv_triton import rope_write_kv_triton
+
+        return rope_write_kv_triton(qk, value, k_cache, v_cache, slot_mapping, cos, sin,
+                                    num_heads)
+    return rope_write_kv_ref(qk, value, k_cache, v_cache, slot_mapping, cos, sin, num_heads)
+
+
+@rope_write_kv.register_fake
+def _(qk, value, k_cache, v_cache, slot_mapping, cos, sin, num_heads) -> torch.Tensor:
+    return qk.new_empty(qk.shape[0], num_heads, qk.shape[2])
 
 
 @torch.library.custom_op("compiled_spec::paged_attention", mutates_args=())

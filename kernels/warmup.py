@@ -1,4 +1,5 @@
-"""Compile, at start-up, every paged-attention binary an engine can launch (``kernels.launch``).
+"""Compile, at start-up, every paged-attention binary an engine can launch (``kernels.launch``)
+and its rope + KV-write kernel.
 
 CUDA-graph capture compiles what decode and verification use; an uncaptured prefill meets new
 (block_q, num_splits) classes as prompts vary, and each new one used to JIT-compile inside the
@@ -31,9 +32,8 @@ def warm_attention(k_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_head
     dev, dtype = k_cache.device, k_cache.dtype
     configs = reachable_configs(num_heads // num_kv_heads, num_kv_heads, max_query_len,
                                 max_seq_len, num_sms(k_cache) if sms is None else sms)
-    # q laid out as the decoder passes it: the q slice of one roped [T, q + k heads] tensor.
-    query = torch.zeros(1, num_heads + num_kv_heads, head_dim, dtype=dtype,
-                        device=dev)[:, :num_heads]  # [1, heads, head_dim]
+    # q laid out as the decoder passes it: rope_write_kv's (or apply_rope's) contiguous output.
+    query = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=dev)  # [1, heads, head_dim]
     tables = torch.zeros(1, 2, dtype=torch.int32, device=dev)
     seq_lens = torch.zeros(1, dtype=torch.int32, device=dev)
     qsl = torch.zeros(2, dtype=torch.int32, device=dev)  # one sequence, zero query tokens
@@ -41,6 +41,21 @@ def warm_attention(k_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_head
         _paged_attention(query, k_cache, v_cache, tables, seq_lens, qsl, block_q,
                          splits * BLOCK_N, 1.0, num_splits=splits)
     return configs
+
+
+def warm_rope_write_kv(k_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_heads, head_dim]
+                       v_cache: torch.Tensor, num_heads: int) -> None:
+    """Compile the rope + KV-write kernel for this cache (one token, slot -1: nothing written),
+    laid out as the decoder passes it: q/k and v as views of one fused qkv row."""
+    from kernels.rope_kv_triton import rope_write_kv_triton
+
+    _, _, kvh, d = k_cache.shape
+    qkv = torch.zeros(1, (num_heads + 2 * kvh) * d, dtype=k_cache.dtype, device=k_cache.device)
+    qk = qkv[:, :(num_heads + kvh) * d].view(1, num_heads + kvh, d)
+    v = qkv[:, (num_heads + kvh) * d:].view(1, kvh, d)
+    cs = torch.zeros(1, d, dtype=k_cache.dtype, device=k_cache.device)
+    slots = torch.full((1,), -1, dtype=torch.int64, device=k_cache.device)
+    rope_write_kv_triton(qk, v, k_cache, v_cache, slots, cs, cs, num_heads)
 
 
 def warm_model_attention(layers: list[torch.nn.Module], max_query_len: int, max_seq_len: int
@@ -57,6 +72,9 @@ def warm_model_attention(layers: list[torch.nn.Module], max_query_len: int, max_
             continue
         seen.add(key)
         n += len(warm_attention(k, v, attn.num_heads, max_query_len, max_seq_len))
+        if k.is_cuda:  # the rope + KV-write kernel too: one padding row (slot -1), cache untouched
+            warm_rope_write_kv(k, v, attn.num_heads)
+            n += 1
     if n and torch.cuda.is_available():
         torch.cuda.synchronize()
     return {"configs": n, "seconds": round(time.perf_counter() - t0, 3)}

@@ -8,9 +8,10 @@ that binding, and gives the same ability to models written the "global context" 
 
 Mechanics (on the Dynamo graph; aten graphs work too, minus source-based checks):
 
-1. Layers. ``paged_attention`` / ``write_kv`` nodes are grouped by the k_cache input they read
-   (traced through views to a placeholder / get_attr). A layer's name comes from the cache's
-   module path (``...layers.3.self_attn`` -> ``"layers.3"``), else ``"layers.<ordinal>"``.
+1. Layers. ``paged_attention`` / ``write_kv`` (or ``rope_write_kv``) nodes are grouped by the
+   k_cache input they read (traced through views to a placeholder / get_attr). A layer's name
+   comes from the cache's module path (``...layers.3.self_attn`` -> ``"layers.3"``), else
+   ``"layers.<ordinal>"``.
 2. Layout check. All layers' k/v caches must agree on page size, num_kv_heads, head_dim (dims
    1..3 of ``[num_blocks, page_size, kv_heads, head_dim]``), dtype and device, read from the
    nodes' fake values; a provable mismatch raises ValueError naming the layers and shapes (one
@@ -51,7 +52,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from passes.base import GraphPass
-from passes.graph_utils import (INPUT_SPEC_KEY, PAGED_ATTENTION, WRITE_KV, InputSpec, fresh_fake,
+from passes.graph_utils import (INPUT_SPEC_KEY, KV_WRITES, PAGED_ATTENTION, InputSpec, fresh_fake,
                                 get_arg, is_op, module_path, node_val, set_arg, source_name,
                                 trace_to_root)
 
@@ -83,7 +84,7 @@ def _layers(gm: fx.GraphModule) -> list[_Layer]:
     for node in gm.graph.nodes:
         if is_op(node, PAGED_ATTENTION):
             k, v, fields = get_arg(node, 1, "k_cache"), get_arg(node, 2, "v_cache"), _ATTN_FIELDS
-        elif is_op(node, WRITE_KV):
+        elif is_op(node, *KV_WRITES):
             k, v, fields = get_arg(node, 2, "k_cache"), get_arg(node, 3, "v_cache"), _WRITE_FIELDS
         else:
             continue

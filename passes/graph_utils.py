@@ -20,6 +20,9 @@ import kernels.ops  # noqa: F401  (registers torch.ops.compiled_spec.*)
 aten = torch.ops.aten
 PAGED_ATTENTION = torch.ops.compiled_spec.paged_attention
 WRITE_KV = torch.ops.compiled_spec.write_kv
+# write_kv with the rope of q and k inside (same k_cache / v_cache / slot_mapping positions)
+ROPE_WRITE_KV = torch.ops.compiled_spec.rope_write_kv
+KV_WRITES = (WRITE_KV, ROPE_WRITE_KV)
 
 # Placeholder meta key the backend uses to remember where each graph input comes from
 # (an ``InputSpec`` from passes.pipeline); passes copy it along when they move placeholders.

@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from passes.base import GraphPass
 from passes.bind_attn_metadata import BindPerLayerAttnMetadata
-from passes.graph_utils import (INPUT_SPEC_KEY, PAGED_ATTENTION, WRITE_KV, InputSpec, count_ops,
+from passes.graph_utils import (INPUT_SPEC_KEY, KV_WRITES, PAGED_ATTENTION, InputSpec, count_ops,
                                 fresh_fake, node_val, placeholders)
 from passes.hoist_fc import HOISTED_KEY, HoistEagle3Fc, HoistedPart
 from passes.noop_elim import NoOpElimination
@@ -67,7 +67,7 @@ class PassManager:
     def __call__(self, gm: fx.GraphModule) -> tuple[dict[str, int], dict[str, Any]]:
         counts: dict[str, int] = {}
         details: dict[str, Any] = {}
-        expect = (count_ops(gm, PAGED_ATTENTION), count_ops(gm, WRITE_KV))
+        expect = (count_ops(gm, PAGED_ATTENTION), count_ops(gm, *KV_WRITES))
         for p in self.passes:
             p(gm)
             counts[p.name] = counts.get(p.name, 0) + p.match_count
@@ -75,7 +75,7 @@ class PassManager:
                 details[p.name] = p.details()
             # Attention must stay one opaque custom-op node per layer, in the compiled graph:
             # a pass that drops, duplicates or hoists it would silently change the model.
-            got = (count_ops(gm, PAGED_ATTENTION), count_ops(gm, WRITE_KV))
+            got = (count_ops(gm, PAGED_ATTENTION), count_ops(gm, *KV_WRITES))
             if got != expect:
                 raise AssertionError(f"pass {p.name} changed the (paged_attention, write_kv) "
                                      f"node counts from {expect} to {got}")

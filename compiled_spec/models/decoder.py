@@ -54,17 +54,14 @@ class Attention(nn.Module):
              cos: torch.Tensor, sin: torch.Tensor,  # [T, head_dim]
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, heads, head_dim] and k, v [T, kv_heads, head_dim], q and k roped (and normed
-        for Qwen3). Fused layout: q and k are roped as one [T, heads + kv_heads, head_dim] tensor,
-        one elementwise kernel instead of two; the outputs are strided views, which the
-        attention and KV-write kernels read as they are."""
+        for Qwen3): the path of unfused projections and of Qwen3's fused ones (fused q/k/v
+        without norms rope inside ``rope_write_kv``, see ``forward``). The outputs may be
+        strided views, which the attention and KV-write kernels read as they are."""
         num_tokens = hidden.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_proj is not None:
             qkv = self.qkv_proj(hidden)  # [T, (heads + 2 * kv_heads) * head_dim]
             v = qkv[:, (h + kvh) * d:].view(num_tokens, kvh, d)
-            if self.q_norm is None:
-                qk = apply_rope(qkv[:, :(h + kvh) * d].view(num_tokens, h + kvh, d), cos, sin)
-                return qk[:, :h], qk[:, h:], v
             q = qkv[:, :h * d].view(num_tokens, h, d)
             k = qkv[:, h * d:(h + kvh) * d].view(num_tokens, kvh, d)
         else:
@@ -88,11 +85,22 @@ class Attention(nn.Module):
                 f"layer {self.layer_idx}: KV cache not bound; call CausalLM.bind_kv_cache() "
                 "before forward"
             )
-        q, k, v = self._qkv(hidden, cos, sin)
         num_tokens = hidden.shape[0]
-        # Write this step's keys/values first so each token attends to itself and to the other
-        # new tokens of its sequence through the cache, exactly like earlier context.
-        torch.ops.compiled_spec.write_kv(k, v, self.k_cache, self.v_cache, attn_meta.slot_mapping)
+        # This step's keys/values go into the cache first, so each token attends to itself and
+        # to the other new tokens of its sequence through the cache, exactly like earlier context.
+        if self.qkv_proj is not None and self.q_norm is None:
+            # Fused q/k/v: rope and the KV write are one op (one kernel on the GPU instead of
+            # Inductor's rope and the write), which returns the roped queries.
+            h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+            qkv = self.qkv_proj(hidden)  # [T, (heads + 2 * kv_heads) * head_dim]
+            q = torch.ops.compiled_spec.rope_write_kv(
+                qkv[:, :(h + kvh) * d].view(num_tokens, h + kvh, d),
+                qkv[:, (h + kvh) * d:].view(num_tokens, kvh, d), self.k_cache, self.v_cache,
+                attn_meta.slot_mapping, cos, sin, h)  # [T, heads, head_dim]
+        else:
+            q, k, v = self._qkv(hidden, cos, sin)
+            torch.ops.compiled_spec.write_kv(k, v, self.k_cache, self.v_cache,
+                                             attn_meta.slot_mapping)
         if attn_meta.tree_mask is not None:  # draft-tree nodes: ancestors-only attention
             out = torch.ops.compiled_spec.paged_tree_attention(
                 q, self.k_cache, self.v_cache, attn_meta.block_tables, attn_meta.tree_start,
