@@ -181,6 +181,34 @@ def test_paged_forward_matches_transformers(tiny_checkpoint, page_size):
         hook.remove()
 
 
+def test_rope_folded_into_the_kv_write_changes_nothing(tiny_checkpoint, monkeypatch):
+    """Fused q/k/v without q/k norms rope inside ``rope_write_kv`` (one kernel on the GPU);
+    ``COMPILED_SPEC_ROPE_KV=0`` (``decoder.ROPE_KV``) gives the separate rope and write_kv:
+    the same logits and aux states, bit for bit, on the CPU."""
+    import kernels.ops as ops
+    from compiled_spec.models import decoder
+
+    from compiled_spec.models.fuse import fuse_projections
+
+    case, path, _ = tiny_checkpoint
+    model, cfg = load_model(path, torch.float32, "cpu")
+    fuse_projections(model)  # as the engine does
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in LENS]
+    calls = []
+    ref = ops.rope_write_kv_ref
+    monkeypatch.setattr(ops, "rope_write_kv_ref", lambda *a: calls.append(1) or ref(*a))
+    fused, fused_aux = run_paged(model, seqs, SCHEDULE, 16, AUX, pad_tokens=2)
+    # every layer of every step, except Qwen3's (its q/k norms come before the rope)
+    assert len(calls) == (0 if cfg.qk_norm else cfg.num_hidden_layers * len(SCHEDULE))
+    monkeypatch.setattr(decoder, "ROPE_KV", False)
+    plain, plain_aux = run_paged(model, seqs, SCHEDULE, 16, AUX, pad_tokens=2)
+    assert len(calls) == (0 if cfg.qk_norm else cfg.num_hidden_layers * len(SCHEDULE))
+    for a, b in zip(fused + [t for x in fused_aux for t in x],
+                    plain + [t for x in plain_aux for t in x]):
+        assert torch.equal(a, b)
+
+
 def test_forward_requires_bound_cache(tiny_checkpoint):
     _, path, _ = tiny_checkpoint
     model, _ = load_model(path, torch.float32, "cpu")

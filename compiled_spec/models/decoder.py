@@ -9,6 +9,8 @@ Attention goes through ``torch.ops.compiled_spec.*`` so torch.compile sees opaqu
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -16,6 +18,11 @@ import kernels.ops  # noqa: F401  (registers torch.ops.compiled_spec.*)
 from compiled_spec.attention_metadata import AttentionMetadata
 from compiled_spec.models.config import ModelConfig
 from compiled_spec.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
+
+
+# Rope folded into the KV write (compiled_spec::rope_write_kv) for fused q/k/v; 0 restores the
+# separate rope and write_kv ops (read at import: it decides what torch.compile traces).
+ROPE_KV = os.environ.get("COMPILED_SPEC_ROPE_KV", "1") != "0"
 
 
 class Attention(nn.Module):
@@ -54,14 +61,18 @@ class Attention(nn.Module):
              cos: torch.Tensor, sin: torch.Tensor,  # [T, head_dim]
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, heads, head_dim] and k, v [T, kv_heads, head_dim], q and k roped (and normed
-        for Qwen3): the path of unfused projections and of Qwen3's fused ones (fused q/k/v
-        without norms rope inside ``rope_write_kv``, see ``forward``). The outputs may be
-        strided views, which the attention and KV-write kernels read as they are."""
+        for Qwen3): the path of unfused projections, of Qwen3's fused ones and of
+        ``COMPILED_SPEC_ROPE_KV=0`` (fused q/k/v without norms otherwise rope inside
+        ``rope_write_kv``, see ``forward``). The outputs may be strided views, which the
+        attention and KV-write kernels read as they are."""
         num_tokens = hidden.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_proj is not None:
             qkv = self.qkv_proj(hidden)  # [T, (heads + 2 * kv_heads) * head_dim]
             v = qkv[:, (h + kvh) * d:].view(num_tokens, kvh, d)
+            if self.q_norm is None:  # COMPILED_SPEC_ROPE_KV=0: q and k roped as one tensor
+                qk = apply_rope(qkv[:, :(h + kvh) * d].view(num_tokens, h + kvh, d), cos, sin)
+                return qk[:, :h], qk[:, h:], v
             q = qkv[:, :h * d].view(num_tokens, h, d)
             k = qkv[:, h * d:(h + kvh) * d].view(num_tokens, kvh, d)
         else:
@@ -88,7 +99,7 @@ class Attention(nn.Module):
         num_tokens = hidden.shape[0]
         # This step's keys/values go into the cache first, so each token attends to itself and
         # to the other new tokens of its sequence through the cache, exactly like earlier context.
-        if self.qkv_proj is not None and self.q_norm is None:
+        if self.qkv_proj is not None and self.q_norm is None and ROPE_KV:
             # Fused q/k/v: rope and the KV write are one op (one kernel on the GPU instead of
             # Inductor's rope and the write), which returns the roped queries.
             h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
