@@ -72,7 +72,9 @@ def test_op_dispatches_to_the_reference_on_cpu_and_compiles() -> None:
     assert torch.equal(got, want * 2) and torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
 
 
-def _worker() -> None:
+def _worker(device: str = "cpu") -> None:
+    """Under TRITON_INTERPRET=1 (the tests), or ``python tests/test_rope_kv.py --cuda`` on a GPU:
+    the compiled kernel against the reference, before a device session relies on it."""
     import json
 
     from kernels.rope_kv_triton import rope_write_kv_triton
@@ -80,7 +82,8 @@ def _worker() -> None:
     results = {}
     for case in CASES:
         heads, kvh, d, page, dt = case
-        qk, v, kc, vc, slots, cos, sin = _inputs(heads, kvh, d, page, getattr(torch, dt))
+        qk, v, kc, vc, slots, cos, sin = (t.to(device) for t in _inputs(heads, kvh, d, page,
+                                                                         getattr(torch, dt)))
         tk, tv = kc.clone(), vc.clone()
         want = rope_write_kv_ref(qk.float(), v.float(), kc.float(), vc.float(), slots,
                                  cos.float(), sin.float(), heads)
@@ -114,3 +117,5 @@ def test_triton_kernel_matches_reference(triton_results: dict, case) -> None:
 
 if __name__ == "__main__" and "--worker" in sys.argv:
     _worker()
+elif __name__ == "__main__" and "--cuda" in sys.argv:
+    _worker("cuda")
