@@ -87,6 +87,9 @@ setup0)
   python3 -m pip install -q --no-index --no-deps --target ~/site .device/whl/*.whl
   nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv | tee "$OUT/gpu.txt"
   python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/gpu.txt"
+  # The rope + KV-write kernel compiled for the GPU against its reference (first run in the
+  # twelfth session): if it fails, the session runs with COMPILED_SPEC_ROPE_KV=0.
+  timeout 120 python3 tests/test_rope_kv.py --cuda > "$OUT/rope_kv.log" 2>&1; tail -c 800 "$OUT/rope_kv.log"
   [ "${SPEED:-1}" = 1 ] || exit 0  # SPEED=0: setup only
   timeout ${LIMIT:-330} python3 profiles/scripts/train_speed_h200.py --tokenizer ~/tok \
     --sections ${SPEED_SECTIONS:-check train} --impl packed --batch-tokens ${SPEED_BT:-32768 65536} \
