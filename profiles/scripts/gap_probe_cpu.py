@@ -38,26 +38,7 @@ from compiled_spec.data import mt_bench_path  # noqa: E402
 from compiled_spec.train.data import TrainSequence, save_sequences  # noqa: E402
 from compiled_spec.train.features import TargetFeaturizer  # noqa: E402
 from compiled_spec.train.ttt import ttt_forward  # noqa: E402
-
-VAL = "/work/main/.device/gen/val.jsonl.gz"
-
-
-def hook(llm: LLM) -> dict[int, list]:
-    runner = llm.engine.runner
-    log: dict[int, list] = defaultdict(list)
-    orig = runner.execute
-
-    def execute(reqs, num_new):
-        pre = [(r.req_id, r.num_tokens, runner._draft_row.get(r.req_id)) for r in reqs]
-        drafts = None if runner._drafts is None else runner._drafts.clone()
-        out = orig(reqs, num_new)
-        for (rid, p, row), k_d, toks in zip(pre, out.num_draft, out.new_tokens):
-            if k_d > 0:
-                log[rid].append((p, len(toks) - 1, drafts[row, :k_d].tolist()))
-        return out
-
-    runner.execute = execute
-    return log
+from profiles.scripts.head_gap_cpu import hook_drafting_steps  # noqa: E402
 
 
 class TF:
@@ -203,13 +184,15 @@ def main() -> int:
     ap.add_argument("--head", default="smollm2-eagle3")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--val", default=".device/gen/val.jsonl.gz",
+                    help="held-out sequences (gzipped jsonl) for --set val / val_tf")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     t0 = time.perf_counter()
     res: dict = {"set": a.set, "k": a.k, "head": a.head}
     val_rows = None
     if a.set != "mt_bench":
-        val_rows = [json.loads(l) for l in gzip.open(VAL, "rt")]
+        val_rows = [json.loads(l) for l in gzip.open(a.val, "rt")]
         pick = torch.randperm(len(val_rows), generator=torch.Generator().manual_seed(0))
         val_rows = [val_rows[i] for i in sorted(pick[a.skip:a.skip + a.num_prompts].tolist())]
     llm = LLM(model=None, draft=a.head, num_speculative_tokens=a.k, device="cpu",
@@ -232,7 +215,7 @@ def main() -> int:
             prompts = mt_bench_prompts(llm, texts)
         else:  # the held-out sequences' first-turn prompts, answered greedily
             prompts = [r["input_ids"][:r["spans"][0][0]] for r in val_rows]
-        log = hook(llm)
+        log = hook_drafting_steps(llm)
         outs = llm.generate(prompts, SamplingParams(max_tokens=a.max_tokens, temperature=0.0))
         st = llm.stats.spec
         res["engine"] = {"tau": st.mean_acceptance_length,
@@ -256,7 +239,7 @@ def main() -> int:
             seqs.append(TrainSequence(f"{a.set}{rid}", seq, n_p, None, "prose"))
             r = analyse_positions(tf, tok, seq, [(n_p, len(seq))], out, True)
             pred = r["pred"]
-            for p, n_acc, ds in log[rid]:
+            for p, n_acc, _, _, ds in log[rid]:
                 k_d = len(ds)
                 n_rep = 0
                 for s in range(k_d):
