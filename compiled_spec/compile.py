@@ -28,6 +28,7 @@ from capture import CapturePolicy
 from compiled_spec.engine.graphs import EngineGraphs
 from compiled_spec.engine.model_runner import ModelRunner
 from compiled_spec.precompile import PrecompiledModule, PrecompileStats, cache_key, precompile_dir
+from compiled_spec.spec.tree_accept_device import early_tree_stage
 from passes import make_backend
 
 
@@ -163,6 +164,11 @@ def compile_models(runner: ModelRunner, cfg: CompileConfig) -> CompiledModels:
                 compiled[name] = compile_callable(fn, backends[name], cfg)
             eager.update(tree_head=prop.head_fn, tree_step=prop.expand_step_fn,
                          tree_finish=prop.finish_fn)
+            # an early tree step's staging between verify and draft (compiled on first use)
+            backends["tree_early_stage"] = backend(hoist_fc=False)
+            compiled["tree_early_stage"] = compile_callable(
+                early_tree_stage, backends["tree_early_stage"], cfg)
+            eager["tree_early_stage"] = early_tree_stage
         if hasattr(prop, "step_and_pick"):  # chain drafting: step + pick as one graph
             eager["step_pick"] = prop.step_pick_fn
             backends["draft_step_pick"] = backend(hoist_fc=False)
@@ -201,6 +207,7 @@ def use_compiled(runner: ModelRunner, models: CompiledModels, on: bool) -> None:
             prop = runner.proposer
             prop.head_fn, prop.expand_step_fn, prop.finish_fn = (
                 fns["tree_head"], fns["tree_step"], fns["tree_finish"])
+            prop.early_stage_fn = fns["tree_early_stage"]
     _route(runner, models, on)
     models.active = on
 

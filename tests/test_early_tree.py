@@ -64,6 +64,36 @@ def test_device_acceptance_equals_accept_paths(b):
     assert dead.tolist() == [0] * b
 
 
+def test_early_stage_compiled_by_inductor_equals_eager():
+    """The early tree step's device staging (spec.tree_accept_device.early_tree_stage) compiled
+    by Inductor (as compile=True runs it inside the early graph) equals its eager run, with
+    padded rows and requests whose tables end early."""
+    from passes import make_backend
+    from compiled_spec.spec.tree_accept_device import early_tree_stage
+
+    rng = np.random.default_rng(7)
+    b, n, d, q, topk, steps, page, w = 4, 12, 4, 5, 3, 3, 4, 6
+    tok, par, dep, drawn = (torch.from_numpy(a).long() for a in _random_trees(rng, b, n, d))
+    acc = torch.stack([tok, par, dep, drawn], dim=1)  # [b, 4, N]
+    live = torch.tensor([1, 1, 0, 1], dtype=torch.int32)
+    start = torch.tensor([5, 17, 0, 9])
+    slots = torch.from_numpy(rng.integers(0, 90, b * q))
+    row0 = torch.tensor([0, 7, 0, 14])
+    tables = torch.from_numpy(rng.permutation(40)[:b * w].reshape(b, w)).int()
+    covered = torch.tensor([24, 40, 0, 12])  # request 3's expansion runs past its table
+    tslots = torch.from_numpy(rng.integers(0, 90, (b, n)))
+    dslots = torch.from_numpy(rng.integers(0, 90, (b, d)))
+    args = (acc, live, start, slots, row0, tables, covered, tslots, dslots, d, q, topk, steps,
+            page, 2)
+    want = early_tree_stage(*args)
+    fn = torch.compile(early_tree_stage, backend=make_backend(hoist_fc=False), fullgraph=True)
+    got = fn(*args)
+    assert len(got) == len(want) == 10
+    for g, e in zip(got, want):
+        assert torch.equal(g, e)
+    assert want[9].shape == (2, b * d) and (want[7] == -1).any() and (want[7] >= 0).any()
+
+
 def _llm(pair, tok: str, draft: bool) -> LLM:
     target, head = pair
     extra = dict(draft=head, **TREE) if draft else {}

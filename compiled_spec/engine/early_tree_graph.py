@@ -42,7 +42,6 @@ from capture.emulate import emulate_graph
 from capture.host_stage import put, put_tables, staging
 from compiled_spec.engine.early_propose_graph import EarlyGraphSurface
 from compiled_spec.engine.propose_graph import _Layout
-from compiled_spec.spec.tree_accept_device import accept_greedy_device, first_pass_rows
 
 if TYPE_CHECKING:
     from compiled_spec.engine.tree_graphs import TreeProposeGraphs
@@ -82,10 +81,6 @@ class EarlyTreeGraphs(EarlyGraphSurface):
             # target's argmax at each node; written after the verify, read by the replay, and
             # the step's one copy to the host (the host's acceptance reads the same numbers).
             self.acc = torch.zeros(bm, 4, self.n, dtype=torch.int64, device=self.device)
-            self._tok = torch.arange(tm, device=self.device)  # [bm*(D+1)] first-pass rows
-            self._step = torch.arange(self.s, device=self.device)  # [S]
-            self._node = torch.arange(self.k, device=self.device)  # [K]
-            self._depth = torch.arange(self.d, device=self.device)  # [D]
         self.acc_host, _ = staging(bm * 4 * self.n, torch.int64, self.device)
         self._graphs: dict[int, tuple[Any, Any]] = {}
         self.capture_failures: list[dict[str, Any]] = []
@@ -108,52 +103,29 @@ class EarlyTreeGraphs(EarlyGraphSurface):
         tables = g32("tables", b * w).view(b, w)  # [b, W]
         fb.meta.block_tables.copy_(tables)
         eb.meta.block_tables.copy_(tables)
-        live = g32("live", b) != 0  # [b]
-        start = g64("start", b)  # [b]
-        tok, par, dep, drawn = self.acc[:b].unbind(1)  # [b, N] each
-        path, n_acc, bonus = accept_greedy_device(tok, par, dep, drawn, self.d, live)
-        ids, nodes, _ = first_pass_rows(tok, path, n_acc, bonus)  # [b, D+1] each
-        # The first pass laid out as the late path stages it: request i's m_i = n_acc + 1
-        # rows back to back from qsl[i], padded tokens after the live ones (capture.pad).
-        m = torch.where(live, n_acc + 1, 0)  # [b]
-        ends = torch.cumsum(m, dim=0)  # [b]
-        fb.meta.query_start_loc[1:].copy_(ends)
-        fb.meta.query_start_loc[:1].zero_()
-        seq = torch.searchsorted(ends, self._tok[:b * q], right=True).clamp(max=b - 1)  # [T]
-        j = (self._tok[:b * q] - (ends - m)[seq]).clamp(0, q - 1)  # [T] row within its request
-        on = self._tok[:b * q] < ends[-1]  # [T] live token rows
-        at = seq * q + j  # [T] into the fixed [b, D+1] tables
-        fb.input_ids.copy_(torch.where(on, ids.reshape(-1)[at], 0))
-        fb.positions.copy_(torch.where(on, start[seq] + j, 0))
-        fb.meta.slot_mapping.copy_(torch.where(on, g64("slots", b * q)[at], -1))
-        fb.rows.copy_(torch.where(on, g64("row0", b)[seq] + nodes.reshape(-1)[at], 0))
-        fb.meta.seq_lens.copy_(torch.where(live, start + m, 0))
+        # Acceptance, both layouts and the KV moves: one compiled function (compile=True).
+        (fp_ids, fp_pos, fp_slots, fp_rows, fp_lens, qsl, ex_pos, ex_slots, ex_lens,
+         moves) = self.prop.early_stage_fn(
+            self.acc[:b], g32("live", b), g64("start", b), g64("slots", b * q), g64("row0", b),
+            tables, g64("covered", b), g64("tslots", b * self.n).view(b, self.n),
+            g64("dslots", b * self.d).view(b, self.d), self.d, q, K, S, self.page, self.f)
+        fb.input_ids.copy_(fp_ids)
+        fb.positions.copy_(fp_pos)
+        fb.meta.slot_mapping.copy_(fp_slots)
+        fb.rows.copy_(fp_rows)
+        fb.meta.seq_lens.copy_(fp_lens)
+        fb.meta.query_start_loc.copy_(qsl)
         feed, for_logits = self.fp.fn(fb)  # [b, h] each: every request's last row
-        # The expansion's metadata from the device's root (TreeProposer._expand_rows' rule).
-        root = start + n_acc + 1  # [b]
-        pos = (root[None, :, None] + self._step[:, None, None]).expand(S, b, K)  # [S, b, K]
-        slot_pos = root[None, :, None] + self._step[:, None, None] * K + self._node  # [S, b, K]
-        col = (slot_pos // self.page).clamp(max=w - 1)
-        block = tables.long().gather(1, col.permute(1, 0, 2).reshape(b, S * K))  # [b, S*K]
-        block = block.view(b, S, K).permute(1, 0, 2)  # [S, b, K]
-        writes = (slot_pos < g64("covered", b)[None, :, None]) & live[None, :, None]
-        e_slots = torch.where(writes, block * self.page + slot_pos % self.page, -1)
-        eb.positions.copy_(torch.where(live[None, :, None], pos, 0).reshape(eb.positions.shape))
-        eb.meta.slot_mapping.copy_(e_slots.reshape(eb.meta.slot_mapping.shape))
-        lens = torch.where(live, root + self.f, 0)[None, :].expand(S, b)  # [S, b]
-        eb.meta.seq_lens.copy_(lens.reshape(eb.meta.seq_lens.shape))
+        eb.positions.copy_(ex_pos.reshape(eb.positions.shape))
+        eb.meta.slot_mapping.copy_(ex_slots.reshape(eb.meta.slot_mapping.shape))
+        eb.meta.seq_lens.copy_(ex_lens.reshape(eb.meta.seq_lens.shape))
         eb.meta.query_start_loc.copy_(g32("eqsl", b + 1))
         eb.extras["feed"].copy_(feed)
         eb.extras["for_logits"].copy_(for_logits)
         trees = self.ex.fn(eb)  # tokens, parents, depth [b, N], mask [b, N, N]
         # The accepted nodes' target KV to the positions of their depths (the late path's
-        # host-made moves): accepted row j moves the slot of root + path[j] to root + j + 1.
-        # Every other row moves a slot onto itself, one no accepted node moves to (staged), so
-        # the destinations stay distinct; the draft above never reads the target's KV.
-        dst = g64("dslots", b * self.d).view(b, self.d)  # [b, D]
-        src = torch.where(self._depth[None, :] < n_acc[:, None],
-                          g64("tslots", b * self.n).view(b, self.n).gather(1, path), dst)
-        self.move_kv(torch.stack([src.reshape(-1), dst.reshape(-1)]))  # [2, b*D]
+        # host-made moves); the draft above never reads the target's KV.
+        self.move_kv(moves)  # [2, b*D]
         return trees
 
     # ---- start-up ----------------------------------------------------------------------------

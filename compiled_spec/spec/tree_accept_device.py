@@ -68,3 +68,60 @@ def first_pass_rows(tokens: torch.Tensor,  # [B, N]
     zero = torch.zeros(b, 1, dtype=path.dtype, device=path.device)
     nodes = torch.where(live, torch.cat([zero, path], dim=1), 0)  # [B, D+1]
     return ids, nodes, live
+
+
+def early_tree_stage(acc: torch.Tensor,  # [b, 4, N] tokens, parents, depth, drawn per node
+                     live32: torch.Tensor,  # [b] int32, 0 = padded row
+                     start: torch.Tensor,  # [b] int64 each request's root position
+                     slots: torch.Tensor,  # [b*q] int64 first-pass slots, fixed stride q
+                     row0: torch.Tensor,  # [b] int64 the root's row in the target states
+                     tables: torch.Tensor,  # [b, W] int32 block tables
+                     covered: torch.Tensor,  # [b] int64 positions the tables cover
+                     tslots: torch.Tensor,  # [b, N] int64 each node's tree slot
+                     dslots: torch.Tensor,  # [b, D] int64 each depth's final slot
+                     max_depth: int, q: int, topk: int, steps: int, page: int, forwarded: int,
+                     ) -> tuple[torch.Tensor, ...]:
+    """Everything an early tree step (engine/early_tree_graph.py) computes on the device between
+    the verify and the draft: the acceptance, the first pass's rows laid out as the late path
+    stages them (request i's n_acc + 1 rows back to back, padding after), the expansion's
+    positions / slots / lengths from the device's roots (``TreeProposer._expand_rows``' rule),
+    and the accepted nodes' target-KV moves. One function so that ``compile=True`` makes it a
+    few fused kernels inside the graph instead of ~100 eager ones (H200 trace, eleventh session).
+    -> (first pass: ids, positions, slots, rows [b*q], seq_lens [b], query_start_loc [b+1];
+    expansion: positions, slots [S, b, K], seq_lens [S, b]; moves [2, b*D])."""
+    b, dev = acc.shape[0], acc.device
+    w = tables.shape[1]
+    live = live32 != 0  # [b]
+    tok, par, dep, drawn = acc.unbind(1)  # [b, N] each
+    path, n_acc, bonus = accept_greedy_device(tok, par, dep, drawn, max_depth, live)
+    ids, nodes, _ = first_pass_rows(tok, path, n_acc, bonus)  # [b, D+1] each
+    m = torch.where(live, n_acc + 1, 0)  # [b] first-pass rows per request
+    ends = torch.cumsum(m, dim=0)  # [b]
+    qsl = torch.cat([ends.new_zeros(1), ends])  # [b+1]
+    t = torch.arange(b * q, device=dev)  # [T] token rows
+    seq = torch.searchsorted(ends, t, right=True).clamp(max=b - 1)  # [T] its request
+    j = (t - (ends - m)[seq]).clamp(0, q - 1)  # [T] row within its request
+    on = t < ends[-1]  # [T] live token rows
+    at = seq * q + j  # [T] into the fixed [b, D+1] tables
+    fp_ids = torch.where(on, ids.reshape(-1)[at], 0)
+    fp_pos = torch.where(on, start[seq] + j, 0)
+    fp_slots = torch.where(on, slots[at], -1)
+    fp_rows = torch.where(on, row0[seq] + nodes.reshape(-1)[at], 0)
+    fp_lens = torch.where(live, start + m, 0)
+    root = start + n_acc + 1  # [b] the expansion's first position
+    step = torch.arange(steps, device=dev)[:, None, None]  # [S, 1, 1]
+    pos = (root[None, :, None] + step).expand(steps, b, topk)  # [S, b, K]
+    slot_pos = root[None, :, None] + step * topk + torch.arange(topk, device=dev)  # [S, b, K]
+    col = (slot_pos // page).clamp(max=w - 1)
+    block = tables.long().gather(1, col.permute(1, 0, 2).reshape(b, steps * topk))  # [b, S*K]
+    block = block.view(b, steps, topk).permute(1, 0, 2)  # [S, b, K]
+    writes = (slot_pos < covered[None, :, None]) & live[None, :, None]
+    ex_slots = torch.where(writes, block * page + slot_pos % page, -1)
+    ex_pos = torch.where(live[None, :, None], pos, 0)
+    ex_lens = torch.where(live, root + forwarded, 0)[None, :].expand(steps, b)  # [S, b]
+    # Accepted row j moves the slot of root + path[j] to root + j + 1; every other row moves a
+    # slot onto itself, one no accepted node moves to (staged), so destinations stay distinct.
+    depth = torch.arange(max_depth, device=dev)  # [D]
+    src = torch.where(depth[None, :] < n_acc[:, None], tslots.gather(1, path), dslots)
+    moves = torch.stack([src.reshape(-1), dslots.reshape(-1)])  # [2, b*D]
+    return fp_ids, fp_pos, fp_slots, fp_rows, fp_lens, qsl, ex_pos, ex_slots, ex_lens, moves

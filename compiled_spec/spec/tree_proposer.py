@@ -27,6 +27,7 @@ from compiled_spec.engine.batch import (build_host_batch, host_batch_to_device,
                                           metadata_to_device, to_device)
 from compiled_spec.spec.proposer import EagleProposer, ProposeBatch
 from compiled_spec.spec.tree import TreeConfig, ancestor_mask, select_nodes
+from compiled_spec.spec.tree_accept_device import early_tree_stage
 import kernels.ops  # noqa: F401  (registers torch.ops.compiled_spec.row_topk)
 
 if TYPE_CHECKING:
@@ -55,6 +56,8 @@ class TreeProposer:
         # ``expand``'s parts; compile.use_compiled swaps in their compiled versions.
         self.head_fn, self.expand_step_fn, self.finish_fn = (self.tree_head, self.expand_step,
                                                              self.finish)
+        # An early tree step's device-side staging (engine/early_tree_graph.py), also swapped.
+        self.early_stage_fn = early_tree_stage
         # Expansion s's nodes see their own tree slots (s-2)K .. (s-1)K - 1: constants made here,
         # on the device, and not inside a graph capture (where nothing runs until a replay).
         K, F = cfg.topk, max(cfg.num_forwarded, 1)
