@@ -174,9 +174,15 @@ def compile_models(runner: ModelRunner, cfg: CompileConfig) -> CompiledModels:
             backends["draft_step_pick"] = backend(hoist_fc=False)
             compiled["step_pick"] = compile_callable(prop.step_and_pick, backends["draft_step_pick"],
                                              cfg)
+            # an early step's pick + loop metadata (compiled on first use)
+            eager["pick_plan"] = prop.pick_plan_fn
+            backends["draft_pick_plan"] = backend(hoist_fc=False)
+            compiled["pick_plan"] = compile_callable(prop.pick_and_plan,
+                                                     backends["draft_pick_plan"], cfg)
     if stats is not None:
         stats.traced.update({n: "a proposer method: Dynamo's guard pickler fails on its state"
-                             for n in compiled if n.startswith(("step_pick", "tree_"))})
+                             for n in compiled
+                             if n.startswith(("step_pick", "pick_plan", "tree_"))})
     return CompiledModels(eager=eager, compiled=compiled, backends=backends, precompile=stats)
 
 
@@ -203,6 +209,7 @@ def use_compiled(runner: ModelRunner, models: CompiledModels, on: bool) -> None:
         runner.proposer.step_fn = fns["step"]
         if "step_pick" in fns:
             runner.proposer.step_pick_fn = fns["step_pick"]
+            runner.proposer.pick_plan_fn = fns["pick_plan"]
         if "tree_step" in fns:
             prop = runner.proposer
             prop.head_fn, prop.expand_step_fn, prop.finish_fn = (

@@ -168,3 +168,36 @@ def test_early_and_late_graphs_share_the_draft_compiles(engines):
     engines  # noqa: B018  (the fixture captures and records the counts)
     counts = AFTER_CAPTURE
     assert counts["draft_step"] == 2 and counts["draft_step_pick"] == 2, counts
+
+
+def test_pick_and_plan_compiled_by_inductor_equals_eager(engines):
+    """An early step's pick + loop metadata (EagleProposer.pick_and_plan) compiled by Inductor,
+    as compile=True runs it inside the early graph, equals its eager run: padded rows, a
+    request at its budget (every loop position inert) and one whose table ends early."""
+    from passes import make_backend
+
+    prop = engines[0].engine.runner.proposer
+    g = torch.Generator().manual_seed(3)
+    b, q, h = 3, prop.k + 1, prop.draft.config.hidden_size
+    with torch.inference_mode():
+        for_logits = torch.randn(b * q, h, generator=g)
+        feed = torch.randn(b * q, h, generator=g)
+        positions = torch.arange(b * q) + 4
+        last = torch.tensor([0, q + 2, 2 * q])
+        temp, seeds = torch.zeros(b), torch.arange(b)
+        start, live = torch.tensor([4, 20, 0]), torch.tensor([1, 1, 0], dtype=torch.int32)
+        m = torch.tensor([1, 3, 1])
+        max_total = torch.tensor([40, 24, 0])
+        tables = torch.randperm(30, generator=g)[:b * 4].view(b, 4).int()
+        args = (for_logits, positions, last, feed, temp, seeds, start, live, m, max_total,
+                tables, 4, 4)
+        want = prop.pick_and_plan(*args)
+        fn = torch.compile(prop.pick_and_plan, backend=make_backend(hoist_fc=False),
+                           fullgraph=True)
+        got = fn(*args)
+    assert len(got) == len(want) == 6 and got[1] is None and want[1] is None
+    for a, e in zip(got, want):
+        if e is not None:
+            assert torch.equal(a, e)
+    slots = want[4]
+    assert (slots[:, 2] == -1).all() and (slots[:, 0] >= 0).any() and (slots[:, 1] == -1).any()

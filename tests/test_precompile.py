@@ -53,7 +53,7 @@ def test_warm_start_loads_the_target_instead_of_tracing(tmp_path, bigram_eagle3,
     # warm: all of them loaded and used, nothing traced for the target
     assert second["loaded"] == first["compiled"] == second["hits"], second
     assert second["compiled"] == 0 and second["fallbacks"] == [], second
-    assert set(second["traced"]) == {"first_pass", "step", "step_pick"}  # said, not silent
+    assert set(second["traced"]) == {"first_pass", "step", "step_pick", "pick_plan"}  # said
     assert cold["pre"]["ids"] == cold["traced"]["ids"] == warm["pre"]["ids"]
     files = list((tmp_path / "cache").rglob("precompiled/target-*.bin"))
     assert len(files) == 1

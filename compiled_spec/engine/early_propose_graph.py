@@ -93,7 +93,6 @@ class EarlyProposeGraphs(EarlyGraphSurface):
             # the k drafts it verified; written before the replay, read by it, copied to host.
             self.acc = torch.zeros(bm, 2 * k + 1, dtype=torch.int64, device=self.device)
             self._j = torch.arange(self.q, device=self.device)  # [k+1] row in a request's stride
-            self._s = torch.arange(1, max(self.steps, 0) + 1, device=self.device)  # [k-1] steps
             self._row0 = torch.arange(bm, device=self.device) * self.q  # [bm] first row each
             self._neg1 = torch.full((), -1, dtype=torch.int64, device=self.device)
             # What the graph computes for the draft callables is written (out=) at offset >= 2
@@ -153,29 +152,24 @@ class EarlyProposeGraphs(EarlyGraphSurface):
         feed, for_logits = p.step_fn(target.reshape(-1), hidden, v["positions"],
                                      {n: meta for n in p.layer_names})  # [b*(k+1), h] each
         last = self._row0[:b] + m - 1  # [b] the row each request's chain continues from
-        tok, pq = p._pick(p.draft.compute_logits(for_logits[last]), v["temperature"],
-                          v["seeds"], v["positions"][last] + 2)
         if self.steps == 0:
+            tok, pq = p._pick(p.draft.compute_logits(for_logits[last]), v["temperature"],
+                              v["seeds"], v["positions"][last] + 2)
             return tok[:, None], (pq[:, None] if p.sample_drafts else None)
-        start, live = v["start"], v["live"] != 0  # [b]
-        n_tok = start + 1 + m
-        k_next = torch.clamp(torch.clamp(v["max_total"] - n_tok - 1, max=k), min=0)
-        limit = n_tok - 2 + k_next  # [b] positions >= this are inert in the loop
-        pos = (start + m - 1)[None, :] + self._s[:, None]  # [k-1, b]
-        writes = (pos < limit[None, :]) & live[None, :]
-        pos = torch.clamp(torch.where(pos < limit[None, :], pos, (limit - 1)[None, :]), min=0,
-                          out=v["loop_pos"])
-        col = (pos // self.page).clamp(max=self.max_blocks - 1)  # [k-1, b]
-        block = tables.gather(1, col.t()).t().long()  # [k-1, b]
-        slots = torch.where(writes, block * self.page + pos % self.page, self._neg1,
-                            out=v["loop_slots"])
-        lens = v["loop_lens"].copy_(torch.where(live[None, :], pos + 1, 0))  # [k-1, b] int32
+        # The pick and the loop's metadata: one compiled callable (compile=True); the loop's
+        # buffers are the graph's own (the step graphs were compiled for them).
+        tok, pq, feed_last, pos, slots, lens = p.pick_plan_fn(
+            for_logits, v["positions"], last, feed, v["temperature"], v["seeds"], v["start"],
+            v["live"], m, v["max_total"], tables, self.page, self.max_blocks)
+        pos = v["loop_pos"].copy_(pos)  # [k-1, b]
+        slots = v["loop_slots"].copy_(slots)
+        lens = v["loop_lens"].copy_(lens)  # int32
         rest, rest_q = p.run_loop(LiveBatch(
             input_ids=tok, positions=pos,
             meta=AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=lens,
                                    query_start_loc=v["loop_qsl"], max_query_len=1,
                                    max_seq_len=self.bucket),
-            extras={"feed": feed[last], "temperature": v["temperature"], "seeds": v["seeds"]}))
+            extras={"feed": feed_last, "temperature": v["temperature"], "seeds": v["seeds"]}))
         drafts = torch.cat([tok[:, None], rest], dim=1)  # [b, k]
         return drafts, (torch.cat([pq[:, None], rest_q], dim=1) if p.sample_drafts else None)
 

@@ -52,6 +52,8 @@ class EagleProposer:
         # the logits' fp32 cast, the argmax (or sampling) and the draft->target id map become
         # a few fused kernels after the lm_head instead of a string of eager ATen kernels.
         self.step_pick_fn = self.step_and_pick
+        # An early step's pick and loop metadata (engine/early_propose_graph.py), also swapped.
+        self.pick_plan_fn = self.pick_and_plan
         # When set (compiled mode on CUDA), the whole propose replays as one CUDA graph per
         # batch size; calls it cannot take run the path below (and are counted there).
         self.graph: "ProposeGraphs | None" = None
@@ -122,6 +124,38 @@ class EagleProposer:
         tok, q = self._pick(self.draft.compute_logits(for_logits), temperature, seeds,
                             positions + 2)
         return feed, tok, q
+
+    def pick_and_plan(self, for_logits: torch.Tensor,  # [R, h] the first pass's rows
+                      positions: torch.Tensor,  # [R] their positions
+                      last: torch.Tensor,  # [B] each request's row its chain continues from
+                      feed: torch.Tensor,  # [R, h] the first pass's hidden states
+                      temperature: torch.Tensor, seeds: torch.Tensor,  # [B]
+                      start: torch.Tensor,  # [B] int64 each request's first verified position
+                      live32: torch.Tensor,  # [B] int32, 0 = padded row
+                      m: torch.Tensor,  # [B] accepted target positions (n_acc + 1)
+                      max_total: torch.Tensor,  # [B] each request's token budget
+                      tables: torch.Tensor,  # [B, W] int32
+                      page: int, max_blocks: int) -> tuple[torch.Tensor, ...]:
+        """An early step's first drafts and the metadata of steps 2..k, from the device's
+        acceptance (engine/early_propose_graph.py): one callable, so that compile=True makes
+        the pick and the ~40 small ops of the loop's positions, slots and lengths a few fused
+        kernels (H200 trace, eleventh session). -> (tok [B], q [B, V] or None, feed [B, h],
+        positions, slots, seq_lens [k-1, B]; positions >= a request's limit are inert)."""
+        tok, pq = self._pick(self.draft.compute_logits(for_logits[last]), temperature, seeds,
+                             positions[last] + 2)
+        live = live32 != 0
+        n_tok = start + 1 + m
+        k_next = torch.clamp(torch.clamp(max_total - n_tok - 1, max=self.k), min=0)
+        limit = n_tok - 2 + k_next  # [B] positions >= this are inert in the loop
+        s = torch.arange(1, self.k, device=start.device)  # [k-1] steps 2..k
+        pos = (start + m - 1)[None, :] + s[:, None]  # [k-1, B]
+        writes = (pos < limit[None, :]) & live[None, :]
+        pos = torch.clamp(torch.where(pos < limit[None, :], pos, (limit - 1)[None, :]), min=0)
+        col = (pos // page).clamp(max=max_blocks - 1)  # [k-1, B]
+        block = tables.gather(1, col.t()).t().long()  # [k-1, B]
+        slots = torch.where(writes, block * page + pos % page, -1)
+        lens = torch.where(live[None, :], pos + 1, 0)
+        return tok, pq, feed[last], pos, slots, lens
 
     def run_loop(self, b: LiveBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft steps 2..k: ``b.input_ids`` [B] the first drafts, extras ``feed`` [B, h] (their
