@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MAX_M = 64  # rows one launch handles; larger M goes to cuBLAS (prefill)
-SMS = 132  # H200 multiprocessors: the CTA count the policy aims to cover
 
 
 def _next_pow2(n: int) -> int:

@@ -42,14 +42,13 @@ def test_reference_equals_rope_then_write(case) -> None:
 
     heads, kvh, d, page, dt = case
     qk, v, kc, vc, slots, cos, sin = _inputs(heads, kvh, d, page, getattr(torch, dt))
-    kc2, vc2 = kc.clone(), vc.clone()
+    kc0, kc2, vc2 = kc.clone(), kc.clone(), vc.clone()
     q = rope_write_kv_ref(qk, v, kc, vc, slots, cos, sin, heads)
     roped = apply_rope(qk, cos, sin)
     write_kv_ref(roped[:, heads:], v, kc2, vc2, slots)
     assert torch.equal(q, roped[:, :heads]) and q.is_contiguous()
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
     # the padding rows wrote nothing: every slot not in the mapping holds its old value
-    _, _, kc0, vc0, _, _, _ = _inputs(heads, kvh, d, page, getattr(torch, dt))
     live = slots[slots >= 0]
     untouched = torch.ones(kc.shape[0] * kc.shape[1], dtype=torch.bool)
     untouched[live] = False

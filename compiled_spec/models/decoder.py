@@ -61,20 +61,16 @@ class Attention(nn.Module):
              cos: torch.Tensor, sin: torch.Tensor,  # [T, head_dim]
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, heads, head_dim] and k, v [T, kv_heads, head_dim], q and k roped (and normed
-        for Qwen3): the path of unfused projections, of Qwen3's fused ones and of
-        ``COMPILED_SPEC_ROPE_KV=0`` (fused q/k/v without norms otherwise rope inside
-        ``rope_write_kv``, see ``forward``). The outputs may be strided views, which the
+        for Qwen3): unfused projections, or Qwen3's fused ones (fused q/k/v without norms go
+        through ``_write_qkv``'s own path). The outputs may be strided views, which the
         attention and KV-write kernels read as they are."""
         num_tokens = hidden.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_proj is not None:
             qkv = self.qkv_proj(hidden)  # [T, (heads + 2 * kv_heads) * head_dim]
-            v = qkv[:, (h + kvh) * d:].view(num_tokens, kvh, d)
-            if self.q_norm is None:  # COMPILED_SPEC_ROPE_KV=0: q and k roped as one tensor
-                qk = apply_rope(qkv[:, :(h + kvh) * d].view(num_tokens, h + kvh, d), cos, sin)
-                return qk[:, :h], qk[:, h:], v
             q = qkv[:, :h * d].view(num_tokens, h, d)
             k = qkv[:, h * d:(h + kvh) * d].view(num_tokens, kvh, d)
+            v = qkv[:, (h + kvh) * d:].view(num_tokens, kvh, d)
         else:
             q = self.q_proj(hidden).view(num_tokens, h, d)
             k = self.k_proj(hidden).view(num_tokens, kvh, d)
@@ -83,6 +79,31 @@ class Attention(nn.Module):
             q = self.q_norm(q)
             k = self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def _write_qkv(self, hidden: torch.Tensor,  # [T, in_features]
+                   cos: torch.Tensor, sin: torch.Tensor,  # [T, head_dim]
+                   slot_mapping: torch.Tensor,  # [T]
+                   ) -> torch.Tensor:  # [T, heads, head_dim] the roped queries
+        """This step's roped keys and values into the cache (first, so each token attends to
+        itself and to the other new tokens of its sequence through the cache, exactly like
+        earlier context); returns the roped queries."""
+        if self.qkv_proj is None or self.q_norm is not None:
+            q, k, v = self._qkv(hidden, cos, sin)
+            torch.ops.compiled_spec.write_kv(k, v, self.k_cache, self.v_cache, slot_mapping)
+            return q
+        num_tokens = hidden.shape[0]
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(hidden)  # [T, (heads + 2 * kv_heads) * head_dim]
+        qk = qkv[:, :(h + kvh) * d].view(num_tokens, h + kvh, d)
+        v = qkv[:, (h + kvh) * d:].view(num_tokens, kvh, d)
+        if ROPE_KV:
+            # Rope and the KV write as one op (one kernel on the GPU instead of Inductor's
+            # rope and the write), which returns the roped queries.
+            return torch.ops.compiled_spec.rope_write_kv(qk, v, self.k_cache, self.v_cache,
+                                                         slot_mapping, cos, sin, h)
+        qk = apply_rope(qk, cos, sin)  # q and k roped as one tensor: one elementwise kernel
+        torch.ops.compiled_spec.write_kv(qk[:, h:], v, self.k_cache, self.v_cache, slot_mapping)
+        return qk[:, :h]
 
     def forward(
         self,
@@ -97,21 +118,7 @@ class Attention(nn.Module):
                 "before forward"
             )
         num_tokens = hidden.shape[0]
-        # This step's keys/values go into the cache first, so each token attends to itself and
-        # to the other new tokens of its sequence through the cache, exactly like earlier context.
-        if self.qkv_proj is not None and self.q_norm is None and ROPE_KV:
-            # Fused q/k/v: rope and the KV write are one op (one kernel on the GPU instead of
-            # Inductor's rope and the write), which returns the roped queries.
-            h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
-            qkv = self.qkv_proj(hidden)  # [T, (heads + 2 * kv_heads) * head_dim]
-            q = torch.ops.compiled_spec.rope_write_kv(
-                qkv[:, :(h + kvh) * d].view(num_tokens, h + kvh, d),
-                qkv[:, (h + kvh) * d:].view(num_tokens, kvh, d), self.k_cache, self.v_cache,
-                attn_meta.slot_mapping, cos, sin, h)  # [T, heads, head_dim]
-        else:
-            q, k, v = self._qkv(hidden, cos, sin)
-            torch.ops.compiled_spec.write_kv(k, v, self.k_cache, self.v_cache,
-                                             attn_meta.slot_mapping)
+        q = self._write_qkv(hidden, cos, sin, attn_meta.slot_mapping)  # [T, heads, head_dim]
         if attn_meta.tree_mask is not None:  # draft-tree nodes: ancestors-only attention
             out = torch.ops.compiled_spec.paged_tree_attention(
                 q, self.k_cache, self.v_cache, attn_meta.block_tables, attn_meta.tree_start,

@@ -59,7 +59,7 @@ class GGUFIndex:
     cached: bool  # True: read from index.json, the file's header was not parsed
 
 
-def _from_reader(reader: Any, config: ModelConfig) -> list[TensorEntry]:
+def _from_reader(reader: Any) -> list[TensorEntry]:
     return [TensorEntry(t.name, int(t.tensor_type), tuple(int(d) for d in t.shape),
                         int(t.data_offset), t.data.dtype.str, tuple(int(d) for d in t.data.shape))
             for t in reader.tensors]
@@ -103,6 +103,6 @@ def read_index(gguf_path: Path, parse_config: Callable[[Any], ModelConfig]) -> G
         return hit
     reader = gguf.GGUFReader(str(gguf_path))  # memory-maps the file; tensors are read lazily
     config = parse_config(reader)
-    index = GGUFIndex(config, _from_reader(reader, config), cached=False)
+    index = GGUFIndex(config, _from_reader(reader), cached=False)
     _save(cache, index)
     return index
