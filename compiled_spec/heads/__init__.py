@@ -20,8 +20,8 @@ SHIPPED: dict[str, str] = {"smollm2-eagle3": "smollm2-135m-instruct-eagle3"}
 # figures the docs quote cannot silently belong to weights that were never committed (the
 # seventh session's head was reported shipped but not committed; eighth session's correction).
 SHIPPED_WEIGHTS: dict[str, tuple[str, str]] = {
-    "smollm2-eagle3": ("88845e668c085c0530d70700b27dc9cfaf61bbff4466b8ee723cf7a8ad517b8d",
-                       "profiles/results/2026-12-02_h200_session11/"),
+    "smollm2-eagle3": ("79838527a049898a9cfacfbe75cbf345d2baa32e975608b5fe73a76e69c096f0",
+                       "profiles/results/2026-12-02_h200_session12/"),
 }
 
 
