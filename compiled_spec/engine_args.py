@@ -41,6 +41,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skinny-gemm", action="store_true",
                    help="with --compile: the target's RMSNorm / SiLU-and-mul / residual fused "
                    "into Triton GEMMs for few rows (passes.skinny_gemm; CUDA, M <= 64)")
+    p.add_argument("--pdl", action="store_true",
+                   help="with --compile: Inductor's Triton kernels use programmatic dependent "
+                   "launch (Hopper and newer; shortens the gaps between kernels)")
     p.add_argument("--precompile", action="store_true",
                    help="with --compile: save the target's compiled result (torch's aot_compile) "
                    "in the compile cache and load it on later starts instead of tracing")
@@ -83,11 +86,12 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
     autotune = getattr(a, "autotune_gemm", False)
     skinny = getattr(a, "skinny_gemm", False)
     pre = getattr(a, "precompile", False)
-    if a.compile_cache_dir is not None or sizes or autotune or skinny or pre:
+    pdl = getattr(a, "pdl", False)
+    if a.compile_cache_dir is not None or sizes or autotune or skinny or pre or pdl:
         from compiled_spec.compile import CompileConfig
 
         kw["compile_config"] = CompileConfig(cache_dir=a.compile_cache_dir,
                                              capture_batch_sizes=tuple(sizes or ()),
                                              autotune_gemm=autotune, skinny_gemm=skinny,
-                                             precompile=pre)
+                                             precompile=pre, pdl=pdl)
     return kw

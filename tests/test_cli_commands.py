@@ -118,3 +118,9 @@ def test_autotune_gemm_reaches_the_compile_config():
     assert cfg.skinny_gemm is False
     assert engine_kwargs(p.parse_args(["--precompile"]))["compile_config"].precompile is True
     assert cfg.precompile is False
+    # --pdl: Inductor's programmatic dependent launch, as a config patch, off unless asked for
+    pdl = engine_kwargs(p.parse_args(["--pdl"]))["compile_config"]
+    assert pdl.pdl is True and cfg.pdl is False
+    assert inductor_config(pdl) == {"triton.enable_pdl": True}
+    with pytest.raises(ValueError, match="pdl"):
+        CompileConfig(pdl=1)  # type: ignore[arg-type]

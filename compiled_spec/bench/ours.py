@@ -45,12 +45,13 @@ def build_engine(v: Variant, kw: dict[str, Any], prompts: list[list[int]],
     autotune = kw.pop("autotune_gemm", False)  # compiled engines only
     skinny = kw.pop("skinny_gemm", False)
     pre = kw.pop("precompile", False)
+    pdl = kw.pop("pdl", False)
     top = max(batch_sizes)
     kw.update(draft=v.draft, compile=v.compile, max_num_seqs=top)
     if v.compile:
         kw["compile_config"] = CompileConfig(capture_batch_sizes=tuple(sorted(batch_sizes)),
                                              autotune_gemm=autotune, skinny_gemm=skinny,
-                                             precompile=pre)
+                                             precompile=pre, pdl=pdl)
     if v.draft is None:
         kw.pop("num_speculative_tokens", None)
     if v.tree is not None:

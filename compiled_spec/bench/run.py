@@ -126,7 +126,7 @@ def run_bench(a: argparse.Namespace) -> int:
               num_speculative_tokens=k, draft_sampling=a.draft_sampling,
               autotune_gemm=getattr(a, "autotune_gemm", False),
               skinny_gemm=getattr(a, "skinny_gemm", False),
-              precompile=getattr(a, "precompile", False))
+              precompile=getattr(a, "precompile", False), pdl=getattr(a, "pdl", False))
     batch_sizes = sorted(set(a.batch_sizes))
 
     merged = [json.loads(Path(p).read_text()) for p in a.merge or []]

@@ -5,7 +5,7 @@
 Alpaca and CodeAlpaca prompts; bf16, one layer, 32768-token draft vocabulary whose readout is
 the target's own lm_head rows (``lm_head_from_target``: rebuilt at load from ``d2t``, not stored).
 How it was trained and what it accepts: profiles/results/2026-12-01_h200_packed-ttt/ (first
-training), then continued on fresh data in the third to sixth and the ninth sessions
+training), then continued on fresh data in the third to sixth and the ninth to twelfth sessions
 (``SHIPPED_WEIGHTS`` names the result folder of the current weights; profiles/results/HISTORY.md
 has the rest).
 """

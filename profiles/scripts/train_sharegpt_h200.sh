@@ -51,6 +51,8 @@
 #                         LAUNCH=1: first graph_launch_h200.py (host cost of a graph replay per node)
 #                         AUTOTUNE=1 (bench, trees): --autotune-gemm (Inductor's GEMM autotuning)
 #                         SKINNY=1 (bench, trees): --skinny-gemm (our fused Triton GEMMs for few rows)
+#                         PDL=1 (bench, trees): --pdl (programmatic dependent launch for Inductor's
+#                         Triton kernels; setup0's gpu.txt says whether the torch there has it)
 #                         PRECOMPILE=1 (bench, trees): --precompile (the target loaded, not traced, on a
 #                         warm start; torch 2.11 unverified: compile_cache['precompile'] says)
 #   bash profiles/scripts/train_sharegpt_h200.sh gemm     # kernels/bench_gemm.py: cuBLAS vs our skinny
@@ -87,6 +89,7 @@ setup0)
   python3 -m pip install -q --no-index --no-deps --target ~/site .device/whl/*.whl
   nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv | tee "$OUT/gpu.txt"
   python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/gpu.txt"
+  python3 -c "import torch._inductor.config as c; print('inductor triton.enable_pdl:', hasattr(c.triton, 'enable_pdl'))" | tee -a "$OUT/gpu.txt"
   # The rope + KV-write kernel compiled for the GPU against its reference (first run in the
   # twelfth session): if it fails, the session runs with COMPILED_SPEC_ROPE_KV=0.
   timeout 120 python3 tests/test_rope_kv.py --cuda > "$OUT/rope_kv.log" 2>&1; tail -c 800 "$OUT/rope_kv.log"
@@ -199,7 +202,7 @@ bench)
     --dtype ${DTYPE:-bfloat16} --prompts $D/question.jsonl --num-prompts 5 --max-tokens 256 \
     --batch-sizes ${BATCHES:-1} --draft "${DRAFT:-$(cat ~/best_head 2>/dev/null || echo smollm2-eagle3)}" -k ${K:-5} \
     --variants ${VARIANTS:-ours_vanilla_compiled ours_eagle_compiled} --out-dir ~/bench "${@:2}" \
-    ${AUTOTUNE:+--autotune-gemm} ${SKINNY:+--skinny-gemm} ${PRECOMPILE:+--precompile} \
+    ${AUTOTUNE:+--autotune-gemm} ${SKINNY:+--skinny-gemm} ${PRECOMPILE:+--precompile} ${PDL:+--pdl} \
     > "$OUT/bench.log" 2>&1
   cp ~/bench/BENCHMARKS.md ~/bench/benchmarks.json "$OUT/"
   grep -vE "Warning|warn\(|^\s*$|tokeniz|Loading weights" "$OUT/bench.log" | tail -30 ;;
@@ -216,7 +219,7 @@ trees)
     --dtype ${DTYPE:-bfloat16} --prompts $D/question.jsonl \
     --batch-sizes ${BATCHES:-1} --draft "${DRAFT:-$(cat ~/best_head 2>/dev/null || echo smollm2-eagle3)}" \
     -k ${K:-5} --variants ${VARIANTS:-ours_eagle_compiled} --trees ${TREES:-4:16 8:32} --out-dir ~/bench_trees \
-    ${AUTOTUNE:+--autotune-gemm} ${SKINNY:+--skinny-gemm} ${PRECOMPILE:+--precompile} \
+    ${AUTOTUNE:+--autotune-gemm} ${SKINNY:+--skinny-gemm} ${PRECOMPILE:+--precompile} ${PDL:+--pdl} \
     --num-prompts ${NUM_PROMPTS:-5} --max-tokens ${MAX_TOKENS:-256} --trace-dir ~/traces \
     > "$OUT/trees.log" 2>&1
   cp ~/bench_trees/BENCHMARKS.md "$OUT/trees.md"; cp ~/bench_trees/benchmarks.json "$OUT/trees.json"
