@@ -30,22 +30,22 @@ def _seqs(lengths: list[int], vocab: int, seed: int = 0) -> list[TrainSequence]:
     return out
 
 
-@pytest.mark.parametrize("chunk", [5, 64, 1000])
+@pytest.mark.parametrize("chunk,temp", [(5, 1.0), (64, 1.0), (1000, 1.0), (5, 0.5), (64, 0.25)])
 @pytest.mark.parametrize("train_w", [False, True])
-def test_soft_ce_equals_unfused_loss_and_gradients(chunk, train_w):
+def test_soft_ce_equals_unfused_loss_and_gradients(chunk, temp, train_w):
     g = torch.Generator().manual_seed(1)
     n, h, v = 37, 16, 50
     x = torch.randn(n, h, generator=g, requires_grad=True)
     w = torch.randn(v, h, generator=g, requires_grad=train_w)
     th, tw = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g)
     weight = torch.rand(n, generator=g) * (torch.rand(n, generator=g) > 0.3)
-    loss, ce, hits = soft_cross_entropy(x, w, th, tw, weight, chunk)
+    loss, ce, hits = soft_cross_entropy(x, w, th, tw, weight, chunk, label_temperature=temp)
     (loss * 3).backward()
     grads = (x.grad.clone(), w.grad.clone() if train_w else None)
     x.grad = None
     w.grad = None
     ld, lt = x @ w.t(), th @ tw.t()
-    ref_ce = -(torch.softmax(lt, -1) * torch.log_softmax(ld, -1)).sum(-1)
+    ref_ce = -(torch.softmax(lt / temp, -1) * torch.log_softmax(ld, -1)).sum(-1)
     ref = (ref_ce * weight).sum()
     (ref * 3).backward()
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
@@ -55,6 +55,32 @@ def test_soft_ce_equals_unfused_loss_and_gradients(chunk, train_w):
     if train_w:
         torch.testing.assert_close(grads[1], w.grad, rtol=1e-5, atol=1e-6)
     assert not ce.requires_grad and not hits.requires_grad
+
+
+def test_a_cold_label_temperature_is_the_hard_label_loss():
+    """--label-temperature -> 0: the labels become the target's argmax, so the loss is the
+    plain cross-entropy against it; a temperature of 0 or below, or with the padded path, is
+    refused by name."""
+    g = torch.Generator().manual_seed(2)
+    n, h, v = 29, 16, 40
+    x, w = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g)
+    th, tw = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g)
+    weight = torch.ones(n)
+    _, ce, _ = soft_cross_entropy(x, w, th, tw, weight, 8, label_temperature=1e-4)
+    hard = torch.nn.functional.cross_entropy(x @ w.t(), (th @ tw.t()).argmax(-1), reduction="none")
+    torch.testing.assert_close(ce, hard, rtol=1e-5, atol=1e-5)
+    _, soft, _ = soft_cross_entropy(x, w, th, tw, weight, 8)
+    assert not torch.allclose(soft, hard, atol=1e-2)
+    with pytest.raises(ValueError, match="label_temperature"):
+        soft_cross_entropy(x, w, th, tw, weight, 8, label_temperature=0.0)
+    from compiled_spec.train.trainer import TrainConfig
+    assert TrainConfig(target="t", prompts="p", out="o", label_temperature=0.5
+                       ).label_temperature == 0.5
+    for bad in (0, -1.0, True):
+        with pytest.raises(ValueError, match="label_temperature"):
+            TrainConfig(target="t", prompts="p", out="o", label_temperature=bad)
+    with pytest.raises(ValueError, match="label_temperature"):
+        TrainConfig(target="t", prompts="p", out="o", label_temperature=0.5, ttt_impl="padded")
 
 
 def test_pack_batches_cover_each_sequence_once_within_the_budget():
@@ -180,6 +206,9 @@ def test_copy_weight_reweights_the_loss_and_novel_accuracy_is_reported(target_an
     assert a.step_losses == b.step_losses  # the logged per-step CE is the plain mean
     assert a.step_accuracy_novel == b.step_accuracy_novel
     assert not torch.allclose(a.loss, b.loss)  # weight 0: only the novel rows count
+    with torch.no_grad():  # sharper labels: another loss, the same argmax hits
+        c = packed_ttt_loss(draft, batch, aux, final, feats.head, 2, 0.8, label_temperature=0.5)
+    assert not torch.allclose(a.loss, c.loss) and a.step_accuracy == c.step_accuracy
     with pytest.raises(ValueError, match="copy_weight"):
         from compiled_spec.train.trainer import TrainConfig
         TrainConfig(target="t", prompts="p", out="o", copy_weight=0.5, ttt_impl="padded")

@@ -40,6 +40,9 @@ def add_train_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentPars
                    "--tail-weight)")
     t.add_argument("--tail-weight", type=float, default=1.0,
                    help="loss weight (0..1) of reply tails (--tail-after), relative to the rest")
+    t.add_argument("--label-temperature", type=float, default=1.0,
+                   help="the head learns softmax(target logits / this); < 1 sharpens the labels "
+                   "toward the target's argmax (what greedy verification accepts)")
     t.add_argument("--compile-features", action="store_true",
                    help="run the target's feature forward through torch.compile (our backend)")
     t.add_argument("--batch-tokens", type=int, default=None,
@@ -132,6 +135,7 @@ def cmd_train(a: argparse.Namespace) -> int:
         sharegpt_conversations=a.sharegpt_conversations, max_turns=a.max_turns,
         batch_tokens=a.batch_tokens, ttt_impl=a.ttt_impl, ce_chunk=a.ce_chunk,
         copy_weight=a.copy_weight, tail_after=a.tail_after, tail_weight=a.tail_weight,
+        label_temperature=a.label_temperature,
         compile_features=a.compile_features,
         freeze_lm_head=not a.train_lm_head,
         time_limit_s=a.time_limit, lr_by_time=a.lr_by_time, export_dir=a.export_dir,

@@ -21,10 +21,11 @@ def _chunk(h: torch.Tensor,  # [c, H] draft hidden for the readout, compute dtyp
            th: torch.Tensor,  # [c, H] target final hidden (its label rows)
            tw: torch.Tensor,  # [V, H] target readout at the draft vocabulary
            weight: torch.Tensor,  # [c] fp32 loss weight per row (0: not trained)
+           inv_temp: float = 1.0,  # 1 / the label temperature (see soft_cross_entropy)
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(ce [c], hits [c], grad_h [c, H], grad_logits [c, V] in the compute dtype)."""
     ld = (h @ w.t()).float()  # [c, V]
-    lt = (th @ tw.t()).float()  # [c, V]
+    lt = (th @ tw.t()).float() * inv_temp  # [c, V]
     lse = torch.logsumexp(ld, dim=-1)  # [c]
     p = torch.softmax(lt, dim=-1)  # [c, V]
     # sum_v p_v = 1, so -sum_v p_v log_softmax(ld)_v = lse - sum_v p_v ld_v.
@@ -50,7 +51,7 @@ def chunk_fn(compiled: bool) -> ChunkFn:
 class _SoftCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor, w: torch.Tensor, th: torch.Tensor, tw: torch.Tensor,
-                weight: torch.Tensor, chunk: int, fn: ChunkFn
+                weight: torch.Tensor, chunk: int, fn: ChunkFn, inv_temp: float
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n, cd = h.shape[0], th.dtype
         wc, twc = w.to(cd), tw.to(cd)
@@ -63,7 +64,7 @@ class _SoftCE(torch.autograd.Function):
         grad_w = torch.zeros_like(w, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         for a in range(0, n + pad, chunk):
             hc = hp[a:a + chunk]
-            ce, hit, gh, g = fn(hc, wc, thp[a:a + chunk], twc, wp[a:a + chunk])
+            ce, hit, gh, g = fn(hc, wc, thp[a:a + chunk], twc, wp[a:a + chunk], inv_temp)
             ces.append(ce)
             hits.append(hit)
             grads.append(gh)
@@ -83,7 +84,7 @@ class _SoftCE(torch.autograd.Function):
     def backward(ctx, g_loss: torch.Tensor, *_):
         grad_h, grad_w = ctx.saved_tensors
         gw = (grad_w * g_loss).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None
-        return grad_h * g_loss, gw, None, None, None, None, None
+        return grad_h * g_loss, gw, None, None, None, None, None, None
 
 
 def soft_cross_entropy(h: torch.Tensor,  # [N, H] draft hidden for the readout
@@ -92,12 +93,18 @@ def soft_cross_entropy(h: torch.Tensor,  # [N, H] draft hidden for the readout
                        tw: torch.Tensor,  # [V, H] target readout rows of the draft vocabulary
                        weight: torch.Tensor,  # [N] loss weight per row
                        chunk: int = 8192, compiled: bool = False,
+                       label_temperature: float = 1.0,
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sum_i weight_i * CE_i, CE [N] detached, hits [N] bool: draft argmax == target argmax).
 
-    CE_i = -sum_v softmax(th_i tw^T)_v log_softmax(h_i w^T)_v; logits are formed in the target
-    hidden's dtype (bf16 on the GPU, as autocast would) and reduced in fp32."""
+    CE_i = -sum_v softmax(th_i tw^T / T)_v log_softmax(h_i w^T)_v, T = ``label_temperature``;
+    logits are formed in the target hidden's dtype (bf16 on the GPU, as autocast would) and
+    reduced in fp32. T < 1 sharpens the labels toward the target's argmax (T -> 0: the
+    hard-label CE), the token greedy verification accepts; T = 1 learns the distribution that
+    sampled verification accepts from."""
     if chunk < 1:
         raise ValueError(f"chunk={chunk}: must be >= 1")
+    if not label_temperature > 0:
+        raise ValueError(f"label_temperature={label_temperature!r}: must be > 0")
     return _SoftCE.apply(h, w, th.detach(), tw.detach(), weight.detach(), chunk,
-                         chunk_fn(compiled))
+                         chunk_fn(compiled), 1.0 / label_temperature)

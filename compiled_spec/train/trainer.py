@@ -72,6 +72,9 @@ class TrainConfig:
     # already predicts (0.98; results/2026-12-02_cpu_gap-probe/).
     tail_after: int | None = None
     tail_weight: float = 1.0
+    # The labels are softmax(target logits / label_temperature); < 1 sharpens them toward the
+    # target's argmax, the token greedy verification (MT-bench's tau) accepts; packed only.
+    label_temperature: float = 1.0
     compile_features: bool = False  # the target's feature forward through torch.compile
     freeze_lm_head: bool = True  # readout = the target's lm_head rows (not saved with the head)
     time_limit_s: float | None = None  # stop training here (saved, exported) and resume later
@@ -183,6 +186,12 @@ class TrainConfig:
                 self.tail_after is None or self.ttt_impl != "packed")):
             raise ValueError(f"TrainConfig.tail_weight={self.tail_weight!r}: in [0, 1], and "
                              "other than 1 only with tail_after and ttt_impl='packed'")
+        if isinstance(self.label_temperature, bool) or not isinstance(
+                self.label_temperature, (int, float)) or not self.label_temperature > 0 or (
+                self.label_temperature != 1 and self.ttt_impl != "packed"):
+            raise ValueError(f"TrainConfig.label_temperature={self.label_temperature!r}: > 0, "
+                             "and other than 1 only with ttt_impl='packed'")
+        self.label_temperature = float(self.label_temperature)
         if self.schedule not in ("cosine", "linear", "constant"):
             raise ValueError(f"TrainConfig.schedule={self.schedule!r}: cosine|linear|constant")
         if self.aux_layer_ids is not None:

@@ -182,10 +182,12 @@ def packed_ttt_loss(draft: EagleDraft, batch: PackedBatch,
                     target_head: torch.Tensor,  # [V_draft, target_h] its readout rows
                     num_steps: int, decay: float = 0.8, flex: bool = False,
                     chunk: int = 8192, compiled_ce: bool = False,
-                    copy_weight: float = 1.0, tail_weight: float = 1.0) -> TTTOutput:
+                    copy_weight: float = 1.0, tail_weight: float = 1.0,
+                    label_temperature: float = 1.0) -> TTTOutput:
     """``copy_weight``: loss weight of rows whose label a context lookup predicts
     (``batch.copyable``; the target's loops), relative to the others' 1; ``tail_weight``: of
-    rows whose label is in a reply's tail (``batch.tail``); the two multiply."""
+    rows whose label is in a reply's tail (``batch.tail``); the two multiply.
+    ``label_temperature``: the labels are softmax(target logits / it) (``soft_cross_entropy``)."""
     n_aux = len(draft.aux_layer_ids) or 1
     hidden = draft.combine_aux(list(aux.chunk(n_aux, dim=-1)))  # [T, h]
     outs = packed_ttt_forward(draft, batch, hidden, num_steps, flex)
@@ -203,7 +205,8 @@ def packed_ttt_loss(draft: EagleDraft, batch: PackedBatch,
         w = m.float() * row_w
         weight = w / w.sum().clamp(min=1e-9)
         loss, ce, hits = soft_cross_entropy(for_logits[rows], draft.lm_head.weight, label_h,
-                                            target_head, weight, chunk, compiled_ce)
+                                            target_head, weight, chunk, compiled_ce,
+                                            label_temperature)
         total = total + decay ** (step - 1) * loss
         # the step's plain mean CE (the loss is the weighted one) and its hit counts
         mean_ce = torch.where(m, ce, 0.0).sum() / n.clamp(min=1)
