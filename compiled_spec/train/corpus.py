@@ -24,7 +24,7 @@ from compiled_spec.train.vocab import count_tokens, select_draft_vocab
 
 if TYPE_CHECKING:
     from compiled_spec.models.decoder import CausalLM
-    from compiled_spec.train.trainer import TrainConfig
+    from compiled_spec.train.config import TrainConfig
 
 DATA_FILE = "data.jsonl"
 VAL_FILE = "val.jsonl"

@@ -20,10 +20,9 @@ from compiled_spec.train.packing import collate_packed, packed_budget
 from compiled_spec.train.ttt import TTTOutput, ttt_loss
 from compiled_spec.train.ttt_packed import packed_ttt_loss
 
-if TYPE_CHECKING:
-    from compiled_spec.train.trainer import TrainConfig
 
-TTT_IMPLS = ("packed", "padded")
+if TYPE_CHECKING:
+    from compiled_spec.train.config import TrainConfig
 
 
 class TTTStep:
