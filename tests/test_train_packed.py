@@ -182,6 +182,41 @@ def test_packed_loss_and_gradients_equal_the_padded_reference(target_and_head, s
         torch.testing.assert_close(ga[n], gb[n], rtol=1e-4, atol=1e-6)
 
 
+def test_compiled_ttt_step_equals_eager(target_and_head):
+    """--compile-ttt: the TTT step's dense pieces through torch.compile (Inductor's C++ code
+    here) give the eager loss, per-step figures and gradients, over a 2-layer head (layer 0,
+    EAGLE-3's first, and a plain layer: two graph classes) and 3 steps, twice (the second call
+    reuses the compiles); a padded run is refused by name."""
+    from compiled_spec.train.config import TrainConfig
+
+    target, path = target_and_head
+    seqs = _seqs([13, 7, 20, 3, 31, 2], 48, seed=5)
+    batch = collate_packed(seqs, 128, "cpu")
+    results = []
+    for compiled in (False, True, True):
+        draft = load_draft(path, target, torch.float32, "cpu")
+        for p in draft.parameters():
+            p.requires_grad_(True)
+        feats = TargetFeaturizer(target, draft.aux_layer_ids, torch.arange(48))
+        aux, final = feats.packed(batch)
+        res = packed_ttt_loss(draft, batch, aux, final, feats.head, 3, 0.8, chunk=16,
+                              compiled=compiled)
+        res.loss.backward()
+        results.append((res, {n: p.grad.clone() for n, p in draft.named_parameters()
+                              if p.grad is not None}))
+    (a, ga), *rest = results
+    for b, gb in rest:
+        torch.testing.assert_close(a.loss, b.loss, rtol=1e-5, atol=1e-6)
+        assert a.step_counts == b.step_counts
+        for x, y in zip(a.step_losses + a.step_accuracy, b.step_losses + b.step_accuracy):
+            assert x == pytest.approx(y, rel=1e-5, abs=1e-6)
+        assert ga.keys() == gb.keys() and "layers.1.mlp.down_proj.weight" in ga
+        for n in ga:
+            torch.testing.assert_close(ga[n], gb[n], rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="compile_ttt"):
+        TrainConfig(target="t", prompts="p", out="o", compile_ttt=True, ttt_impl="padded")
+
+
 def test_copyable_marks_tokens_a_context_lookup_predicts():
     s = TrainSequence("x", [5, 6, 7, 5, 6, 7, 5, 6, 9, 5, 6, 9], 0)
     #               positions: 0  1  2  3  4  5  6  7  8  9 10 11

@@ -45,6 +45,9 @@ def add_train_parser(sub: "argparse._SubParsersAction") -> argparse.ArgumentPars
                    "toward the target's argmax (what greedy verification accepts)")
     t.add_argument("--compile-features", action="store_true",
                    help="run the target's feature forward through torch.compile (our backend)")
+    t.add_argument("--compile-ttt", action="store_true",
+                   help="run the draft's training-time-test step (norms, rope, MLP around the "
+                   "attention) through torch.compile, forward and backward (packed only)")
     t.add_argument("--batch-tokens", type=int, default=None,
                    help="tokens per batch (overrides --batch-size for training): the packed "
                         "budget, or with --ttt-impl padded the padded B*S of length-grouped "
@@ -136,7 +139,7 @@ def cmd_train(a: argparse.Namespace) -> int:
         batch_tokens=a.batch_tokens, ttt_impl=a.ttt_impl, ce_chunk=a.ce_chunk,
         copy_weight=a.copy_weight, tail_after=a.tail_after, tail_weight=a.tail_weight,
         label_temperature=a.label_temperature,
-        compile_features=a.compile_features,
+        compile_features=a.compile_features, compile_ttt=a.compile_ttt,
         freeze_lm_head=not a.train_lm_head,
         time_limit_s=a.time_limit, lr_by_time=a.lr_by_time, export_dir=a.export_dir,
         export_max_shard_mb=a.export_max_shard_mb, gen_compile=a.gen_compile,

@@ -51,6 +51,9 @@ class TrainConfig:
     # target's argmax, the token greedy verification (MT-bench's tau) accepts; packed only.
     label_temperature: float = 1.0
     compile_features: bool = False  # the target's feature forward through torch.compile
+    # The draft's TTT step (norms, rope, MLP, residuals around the attention) through
+    # torch.compile, forward and backward; packed only (train/ttt_packed._pieces).
+    compile_ttt: bool = False
     freeze_lm_head: bool = True  # readout = the target's lm_head rows (not saved with the head)
     time_limit_s: float | None = None  # stop training here (saved, exported) and resume later
     export_dir: str | None = None  # at the end: the head (best/ if any) in bf16 shards here
@@ -167,6 +170,10 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.label_temperature={self.label_temperature!r}: > 0, "
                              "and other than 1 only with ttt_impl='packed'")
         self.label_temperature = float(self.label_temperature)
+        if not isinstance(self.compile_ttt, bool) or (self.compile_ttt
+                                                      and self.ttt_impl != "packed"):
+            raise ValueError(f"TrainConfig.compile_ttt={self.compile_ttt!r}: a bool, True only "
+                             "with ttt_impl='packed'")
         if self.schedule not in ("cosine", "linear", "constant"):
             raise ValueError(f"TrainConfig.schedule={self.schedule!r}: cosine|linear|constant")
         if self.aux_layer_ids is not None:

@@ -48,7 +48,7 @@ class TTTStep:
                 res = packed_ttt_loss(draft, batch, aux, final, self.feats.head, cfg.ttt_steps,
                                       cfg.ttt_decay, self.flex, cfg.ce_chunk, self.compiled_ce,
                                       cfg.copy_weight, cfg.tail_weight,
-                                      cfg.label_temperature)
+                                      cfg.label_temperature, cfg.compile_ttt)
             return res, batch.num_tokens
         batch = collate(seqs, self.device)
         aux, tlogits = self.feats(batch.input_ids, batch.lengths)  # [B,S,3h], [B,S,V_draft]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from compiled_spec.draft.model import EagleDraft, project_qkv
+from compiled_spec.draft.model import DraftLayer, EagleDraft, project_qkv
 from compiled_spec.models.decoder import Attention
 from compiled_spec.train.packing import ALIGN, PackedBatch
 from compiled_spec.train.soft_ce import soft_cross_entropy
@@ -121,13 +121,46 @@ def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return num, idx.to(torch.int32)
 
 
-def _attention(attn: Attention, x: torch.Tensor,  # [1, T, in_features]
-               cos: torch.Tensor, sin: torch.Tensor,  # [T, head_dim]
-               kv: list[tuple[torch.Tensor, torch.Tensor]], step: int,
-               mask: PackedTTTMask) -> torch.Tensor:  # [1, T, h]
-    _, t, _ = x.shape
-    q, k, v = project_qkv(attn, x, cos, sin)  # [1, heads, T, d], [1, kv_heads, T, d] x2
-    kv.append((k, v))
+def _layer_in(layer: DraftLayer, x: torch.Tensor,  # [1, T, h] stream entering the layer
+              embeds: torch.Tensor,  # [1, T, h]
+              cos: torch.Tensor, sin: torch.Tensor,  # [T, head_dim]
+              ) -> tuple[torch.Tensor, ...]:  # q [1, heads, T, d], k, v [1, kv_heads, T, d], residual
+    attn_in, residual = layer.attn_input(x, embeds)
+    return (*project_qkv(layer.self_attn, attn_in, cos, sin), residual)
+
+
+def _layer_out(layer: DraftLayer, attn: torch.Tensor,  # [1, T, heads * head_dim]
+               residual: torch.Tensor) -> torch.Tensor:  # [1, T, h]
+    return layer.finish(layer.self_attn.o_proj(attn), residual)
+
+
+def _readout(draft: EagleDraft, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return draft._outputs(x)
+
+
+_PIECES: dict[str, object] = {}
+
+
+def _pieces(compiled: bool) -> tuple:
+    """(layer_in, layer_out, readout): the dense parts of a TTT step around the attention.
+    Compiled (``TrainConfig.compile_ttt``), each is one Inductor graph forward and backward:
+    eagerly their norms, rope, SiLU-mul, residual adds and autocast casts are ~30 elementwise
+    kernels per layer and step over [T, h], most of a training step's non-GEMM GPU time and
+    of its host launches (H200 profile, results/2026-12-01_h200_packed-ttt/). The batch is
+    packed to one token budget, so each compiles once (dynamic=False)."""
+    fns = (_layer_in, _layer_out, _readout)
+    if not compiled:
+        return fns
+    if "fns" not in _PIECES:
+        _PIECES["fns"] = tuple(torch.compile(f, dynamic=False) for f in fns)
+    return _PIECES["fns"]
+
+
+def _attend(attn: Attention, q: torch.Tensor,  # [1, heads, T, d]
+            kv: list[tuple[torch.Tensor, torch.Tensor]], step: int,
+            mask: PackedTTTMask) -> torch.Tensor:  # [1, T, heads * d]
+    t = q.shape[2]
+    k = kv[-1][0]
     if mask.flex:
         zeros = [torch.zeros_like(k)] * (mask.num_steps - len(kv))
         keys = torch.cat([kk for kk, _ in kv] + zeros, dim=2)  # [1, kv_heads, steps*T, d]
@@ -140,12 +173,12 @@ def _attention(attn: Attention, x: torch.Tensor,  # [1, T, in_features]
         values = torch.cat([vv for _, vv in kv], dim=2).repeat_interleave(group, dim=1)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.dense(step),
                                              scale=attn.scale)
-    return attn.o_proj(out.transpose(1, 2).reshape(1, t, attn.num_heads * attn.head_dim))
+    return out.transpose(1, 2).reshape(1, t, attn.num_heads * attn.head_dim)
 
 
 def packed_ttt_forward(draft: EagleDraft, batch: PackedBatch,
                        hidden: torch.Tensor,  # [T, h] step-1 hidden: combine_aux(aux_j)
-                       num_steps: int, flex: bool,
+                       num_steps: int, flex: bool, compiled: bool = False,
                        ) -> list[tuple[torch.Tensor, torch.Tensor]]:  # per step, each [T, h]
     if num_steps < 1:
         raise ValueError(f"num_steps={num_steps} must be >= 1")
@@ -155,14 +188,15 @@ def packed_ttt_forward(draft: EagleDraft, batch: PackedBatch,
     mask = PackedTTTMask(batch.positions, num_steps, flex)
     kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in draft.layers]
     hidden = hidden[None]  # [1, T, h]
+    layer_in, layer_out, readout = _pieces(compiled)
     outs = []
     for step in range(1, num_steps + 1):
         x = draft._prologue(embeds, hidden)
         for layer, layer_kv in zip(draft.layers, kv):
-            attn_in, residual = layer.attn_input(x, embeds)
-            x = layer.finish(_attention(layer.self_attn, attn_in, cos, sin, layer_kv, step, mask),
-                             residual)
-        feed, for_logits = draft._outputs(x)
+            q, k, v, residual = layer_in(layer, x, embeds, cos, sin)
+            layer_kv.append((k, v))
+            x = layer_out(layer, _attend(layer.self_attn, q, layer_kv, step, mask), residual)
+        feed, for_logits = readout(draft, x)
         outs.append((feed[0], for_logits[0]))
         hidden = F.pad(feed[:, :-1], (0, 0, 1, 0))  # step s+1 at j reads step s's feed at j-1
     return outs
@@ -183,14 +217,15 @@ def packed_ttt_loss(draft: EagleDraft, batch: PackedBatch,
                     num_steps: int, decay: float = 0.8, flex: bool = False,
                     chunk: int = 8192, compiled_ce: bool = False,
                     copy_weight: float = 1.0, tail_weight: float = 1.0,
-                    label_temperature: float = 1.0) -> TTTOutput:
+                    label_temperature: float = 1.0, compiled: bool = False) -> TTTOutput:
     """``copy_weight``: loss weight of rows whose label a context lookup predicts
     (``batch.copyable``; the target's loops), relative to the others' 1; ``tail_weight``: of
     rows whose label is in a reply's tail (``batch.tail``); the two multiply.
-    ``label_temperature``: the labels are softmax(target logits / it) (``soft_cross_entropy``)."""
+    ``label_temperature``: the labels are softmax(target logits / it) (``soft_cross_entropy``);
+    ``compiled``: the step's dense pieces through torch.compile (``_pieces``)."""
     n_aux = len(draft.aux_layer_ids) or 1
     hidden = draft.combine_aux(list(aux.chunk(n_aux, dim=-1)))  # [T, h]
-    outs = packed_ttt_forward(draft, batch, hidden, num_steps, flex)
+    outs = packed_ttt_forward(draft, batch, hidden, num_steps, flex, compiled)
     rows = packed_trainable_rows(batch)  # [N]
     root = batch.positions[rows]  # [N] step s needs a chain root j - s + 1 >= 0
     label_h = target_final[rows + 1]  # [N, h]: the target's distribution for t_{j+2}

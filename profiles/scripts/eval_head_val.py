@@ -59,7 +59,7 @@ def main() -> int:
     cfg = SimpleNamespace(batch_size=a.batch_size, ttt_steps=a.ttt_steps, ttt_decay=0.8,
                           ttt_impl=impl, batch_tokens=a.batch_tokens, max_seq_len=2048,
                           ce_chunk=8192, copy_weight=1.0, tail_after=None, tail_weight=1.0,
-                          label_temperature=1.0)
+                          label_temperature=1.0, compile_ttt=False)
     ev = evaluate(draft, TTTStep(feats, cfg), seqs)
     print(json.dumps({"head": a.head, "val": a.val, "sequences": len(seqs), "impl": impl,
                       "val_loss": round(ev.loss, 4), "val_acc": [round(x, 4) for x in ev.accuracy],

@@ -4,7 +4,8 @@
 # back to back on the warm machine (the GGUF travels in three parts, see .device/ below):
 #   bash profiles/scripts/train_sharegpt_h200.sh setup0   # carry .device/q0 .device/whl .device/tok
 #                         [.device/gen]: packed-vs-padded check, train tokens/s, kernel table
-#                         (random weights; SPEED=0: setup only)
+#                         (random weights; SPEED=0: setup only; COMPILE_TTT=1: also the
+#                         compiled TTT step, --compile-ttt, with its own kernel table)
 #   bash profiles/scripts/train_sharegpt_h200.sh gen      # carry .device/gen (the data of earlier
 #                         sessions, too large for setup0 since the tenth session; see `gen`)
 #   bash profiles/scripts/train_sharegpt_h200.sh speed    # carry .device/q1 .device/data (gen tokens/s
@@ -96,7 +97,7 @@ setup0)
   [ "${SPEED:-1}" = 1 ] || exit 0  # SPEED=0: setup only
   timeout ${LIMIT:-330} python3 profiles/scripts/train_speed_h200.py --tokenizer ~/tok \
     --sections ${SPEED_SECTIONS:-check train} --impl packed --batch-tokens ${SPEED_BT:-32768 65536} \
-    --train-steps 8 --limit 150 --compile-features \
+    --train-steps 8 --limit 150 --compile-features ${COMPILE_TTT:+--compile-ttt} \
     --profile "$OUT/prof_train.txt" --out "$OUT/speed_train.json" > "$OUT/speed_train.log" 2>&1
   [ "${PADDED:-1}" = 1 ] && timeout 90 python3 profiles/scripts/train_speed_h200.py --tokenizer ~/tok --sections train \
     --impl padded --batch-tokens 32768 --train-steps 6 --limit 80 \

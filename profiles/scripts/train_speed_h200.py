@@ -114,7 +114,8 @@ def _seqs(lengths: list[int]):
 
 def train_section(model: str, batch_tokens: int, vocab: int, ttt_steps: int, steps: int,
                   impl: str, device: str, lengths: list[int],
-                  profile_to: str | None = None, compile_features: bool = False) -> dict:
+                  profile_to: str | None = None, compile_features: bool = False,
+                  compile_ttt: bool = False) -> dict:
     """Training tokens/s of the trainer's own step (``TTTStep``) with the target's features
     computed in it, split into the phases of a step."""
     from compiled_spec.train.data import Batches
@@ -122,7 +123,8 @@ def train_section(model: str, batch_tokens: int, vocab: int, ttt_steps: int, ste
     dev = torch.device(device)
     target, draft, ttt, cfg = _setup(model, vocab, device, ttt_steps=ttt_steps,
                                      batch_tokens=batch_tokens, ttt_impl=impl,
-                                     compile_features=compile_features)
+                                     compile_features=compile_features,
+                                     compile_ttt=compile_ttt)
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95))
     seqs = _seqs(lengths)
@@ -169,7 +171,7 @@ def train_section(model: str, batch_tokens: int, vocab: int, ttt_steps: int, ste
         done = k - 1
     dt = time.perf_counter() - t_start
     row = {"section": "train", "impl": impl, "budget": ttt.budget if ttt.packed else None,
-           "compile_features": compile_features, "step_ms": step_ms,
+           "compile_features": compile_features, "compile_ttt": compile_ttt, "step_ms": step_ms,
            "graphs_compiled_while_timed": counters["stats"]["unique_graphs"] - graphs_at_start,
            "batch_tokens": batch_tokens, "draft_vocab": vocab, "ttt_steps": ttt_steps,
            "steps": done, "tokens_per_s": round(tokens / dt), "warmup_s": round(warm_s, 1),
@@ -228,6 +230,9 @@ def main() -> int:
     ap.add_argument("--impl", nargs="+", default=["packed"], choices=["packed", "padded"])
     ap.add_argument("--compile-features", action="store_true",
                     help="also time the first --batch-tokens with the compiled feature forward")
+    ap.add_argument("--compile-ttt", action="store_true",
+                    help="also time the first --batch-tokens with the compiled TTT step "
+                    "(and the compiled feature forward), and profile it when --profile is given")
     ap.add_argument("--profile", default=None, metavar="FILE",
                     help="kernel table of one training step (first --batch-tokens value)")
     a = ap.parse_args()
@@ -255,6 +260,11 @@ def main() -> int:
                 jobs.append(lambda impl=impl: train_section(
                     model, a.batch_tokens[0], a.vocab, 5, a.train_steps, impl, a.device,
                     lengths, compile_features=True))
+            if a.compile_ttt and impl == "packed":
+                jobs.append(lambda impl=impl: train_section(
+                    model, a.batch_tokens[0], a.vocab, 5, a.train_steps, impl, a.device,
+                    lengths, f"{a.profile}.compiled" if a.profile else None,
+                    compile_features=True, compile_ttt=True))
     rows = []
     for job in jobs:
         try:
