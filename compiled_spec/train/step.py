@@ -20,7 +20,6 @@ from compiled_spec.train.packing import collate_packed, packed_budget
 from compiled_spec.train.ttt import TTTOutput, ttt_loss
 from compiled_spec.train.ttt_packed import packed_ttt_loss
 
-
 if TYPE_CHECKING:
     from compiled_spec.train.config import TrainConfig
 

@@ -134,21 +134,17 @@ def _layer_out(layer: DraftLayer, attn: torch.Tensor,  # [1, T, heads * head_dim
     return layer.finish(layer.self_attn.o_proj(attn), residual)
 
 
-def _readout(draft: EagleDraft, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return draft._outputs(x)
-
-
 _PIECES: dict[str, object] = {}
 
 
 def _pieces(compiled: bool) -> tuple:
-    """(layer_in, layer_out, readout): the dense parts of a TTT step around the attention.
+    """(layer_in, layer_out, readout (``EagleDraft._outputs``)): the dense parts of a TTT step around the attention.
     Compiled (``TrainConfig.compile_ttt``), each is one Inductor graph forward and backward:
     eagerly their norms, rope, SiLU-mul, residual adds and autocast casts are ~30 elementwise
     kernels per layer and step over [T, h], most of a training step's non-GEMM GPU time and
     of its host launches (H200 profile, results/2026-12-01_h200_packed-ttt/). The batch is
     packed to one token budget, so each compiles once (dynamic=False)."""
-    fns = (_layer_in, _layer_out, _readout)
+    fns = (_layer_in, _layer_out, EagleDraft._outputs)
     if not compiled:
         return fns
     if "fns" not in _PIECES:

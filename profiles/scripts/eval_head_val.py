@@ -14,7 +14,6 @@ import json
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -23,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from compiled_spec.draft.loader import load_draft  # noqa: E402
 from compiled_spec.heads import resolve_draft  # noqa: E402
 from compiled_spec.models.loader import load_model  # noqa: E402
+from compiled_spec.train.config import TrainConfig  # noqa: E402
 from compiled_spec.train.data import load_sequences  # noqa: E402
 from compiled_spec.train.features import TargetFeaturizer  # noqa: E402
 from compiled_spec.train.heldout import evaluate  # noqa: E402
@@ -56,10 +56,11 @@ def main() -> int:
         pick = torch.randperm(len(seqs), generator=torch.Generator().manual_seed(0))[:a.sample]
         seqs = [seqs[i] for i in sorted(pick.tolist())]
     impl = a.impl or ("packed" if dev.type == "cuda" else "padded")
-    cfg = SimpleNamespace(batch_size=a.batch_size, ttt_steps=a.ttt_steps, ttt_decay=0.8,
-                          ttt_impl=impl, batch_tokens=a.batch_tokens, max_seq_len=2048,
-                          ce_chunk=8192, copy_weight=1.0, tail_after=None, tail_weight=1.0,
-                          label_temperature=1.0, compile_ttt=False)
+    # The trainer's own config with its defaults (plain weights, labels at T = 1): every head
+    # is scored alike whatever options trained it, and new TTT options need no mirror here.
+    cfg = TrainConfig(target=a.model, prompts="-", out="-", batch_size=a.batch_size,
+                      ttt_steps=a.ttt_steps, ttt_impl=impl, batch_tokens=a.batch_tokens,
+                      max_seq_len=2048)
     ev = evaluate(draft, TTTStep(feats, cfg), seqs)
     print(json.dumps({"head": a.head, "val": a.val, "sequences": len(seqs), "impl": impl,
                       "val_loss": round(ev.loss, 4), "val_acc": [round(x, 4) for x in ev.accuracy],
