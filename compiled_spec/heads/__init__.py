@@ -20,8 +20,8 @@ SHIPPED: dict[str, str] = {"smollm2-eagle3": "smollm2-135m-instruct-eagle3"}
 # figures the docs quote cannot silently belong to weights that were never committed (the
 # seventh session's head was reported shipped but not committed; eighth session's correction).
 SHIPPED_WEIGHTS: dict[str, tuple[str, str]] = {
-    "smollm2-eagle3": ("79838527a049898a9cfacfbe75cbf345d2baa32e975608b5fe73a76e69c096f0",
-                       "profiles/results/2026-12-02_h200_session12/"),
+    "smollm2-eagle3": ("4b4895ea42f4a87d6f76cb3809ac34636867de543cd451dbec32e5fdb6c99381",
+                       "profiles/results/2026-12-02_h200_session13/"),
 }
 
 
