@@ -5,8 +5,10 @@ block of its query tokens and one KV head, and processes every query head of tha
 group at once: the rows of its score tile are (token, head-in-group) pairs, so each K/V tile is
 loaded once per group instead of once per query head and repeated K/V are never materialised.
 When the batch has too few programs to fill the GPU (small-batch decode / verification), the KV
-range is additionally split across programs and the partial results are merged by a second small
-kernel (flash-decoding). Every loop bound comes from device tensors or host ints: no host syncs.
+range is additionally split across programs (flash-decoding) and the partial results are merged
+by the split that finishes last, found with a per-tile atomic counter: one kernel per attention,
+not two (a merge kernel per layer was 30 launches and ~60 us per H200 verify step). Every loop
+bound comes from device tensors or host ints: no host syncs.
 """
 from __future__ import annotations
 
@@ -17,16 +19,18 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention_merge_triton import (COUNTER_SLOTS, FUSED_MERGE, _merge_splits_kernel,
+                                            split_counters)
 from kernels.launch import BLOCK_N, attention_launch
 from kernels.write_kv_triton import write_kv_triton  # noqa: F401  (re-exported)
 
 
 # Per-call integers kept off the specialisation key (kernels.launch): a new value class would
 # otherwise compile a new binary mid-serving. All are scalar offsets (no vectorised access).
-@triton.jit(do_not_specialize=["stride_bt", "stride_ls", "kv_chunk"])
+@triton.jit(do_not_specialize=["stride_bt", "stride_ls", "kv_chunk", "num_seqs", "num_tokens"])
 def _paged_attn_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
-    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, lse_ptr, counter_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, num_seqs, num_tokens,
     tree_start_ptr, tree_mask_ptr, stride_mt, num_tree,  # tree attention (TREE) only
     stride_qt, stride_qh,  # query may be a strided view (q and k roped as one tensor)
     stride_ot, stride_oh,  # out is allocated contiguous
@@ -38,12 +42,29 @@ def _paged_attn_kernel(
     head_dim, page_size, kv_chunk,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    DOT_FP32: tl.constexpr, TREE: tl.constexpr,
+    DOT_FP32: tl.constexpr, TREE: tl.constexpr, FUSED_MERGE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_block = tl.program_id(1) // NUM_SPLITS
     split = tl.program_id(1) % NUM_SPLITS
     kv_head = tl.program_id(2)
+    # Rows are (token, head-in-group) pairs; GROUP_PAD rounds the group to a power of two.
+    rows = tl.arange(0, BLOCK_Q * GROUP_PAD)  # [M]
+    in_group = rows % GROUP_PAD < GROUP
+    head = kv_head * GROUP + rows % GROUP_PAD  # [M] query head
+    d = tl.arange(0, DIM_PAD)  # [D]
+    d_ok = d < head_dim
+
+    # Tokens past the last sequence's (the padding rows of a captured batch) belong to no
+    # program; the first program of each KV head zeroes them for its heads, as the reference
+    # does, so `out` needs no fill kernel. (The unfused split path's merge kernel does it there.)
+    if (NUM_SPLITS == 1 or FUSED_MERGE) and tl.program_id(0) == 0 and tl.program_id(1) == 0:
+        for t0 in range(tl.load(query_start_loc_ptr + num_seqs), num_tokens, BLOCK_Q):
+            z_tok = (t0 + rows // GROUP_PAD).to(tl.int64)  # [M]
+            z_ok = (z_tok < num_tokens) & in_group
+            tl.store(out_ptr + z_tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                     tl.zeros([BLOCK_Q * GROUP_PAD, DIM_PAD], out_ptr.dtype.element_ty),
+                     mask=z_ok[:, None] & d_ok[None, :])
 
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -51,15 +72,9 @@ def _paged_attn_kernel(
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx_len = seq_len - q_len  # absolute position of this sequence's first query token
-
-    # Rows are (token, head-in-group) pairs; GROUP_PAD rounds the group to a power of two.
-    rows = tl.arange(0, BLOCK_Q * GROUP_PAD)  # [M]
     tok = q_block * BLOCK_Q + rows // GROUP_PAD  # [M] token index within the sequence
-    head = kv_head * GROUP + rows % GROUP_PAD  # [M] query head
-    row_ok = (tok < q_len) & (rows % GROUP_PAD < GROUP)
+    row_ok = (tok < q_len) & in_group
     q_pos = ctx_len + tok  # [M] absolute position of each row's token
-    d = tl.arange(0, DIM_PAD)  # [D]
-    d_ok = d < head_dim
     t64 = (q_start + tok).to(tl.int64)
     q_off = t64[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [M, D]
@@ -122,46 +137,44 @@ def _paged_attn_kernel(
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
     store_mask = row_ok[:, None] & d_ok[None, :]
+    o_off = t64[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]  # [M, D]
     if NUM_SPLITS == 1:
-        o_off = t64[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=store_mask)
     else:
-        p_off = split * stride_ps + t64[:, None] * stride_pt + head[:, None] * stride_ph + d[None, :]
-        tl.store(out_ptr + p_off, out, mask=store_mask)
+        p_row = t64[:, None] * stride_pt + head[:, None] * stride_ph + d[None, :]  # [M, D]
+        tl.store(part_ptr + split * stride_ps + p_row, out, mask=store_mask)
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))  # base-2 log-sum-exp
-        tl.store(lse_ptr + split * stride_ls + t64 * stride_lt + head, lse, mask=row_ok)
-
-
-@triton.jit(do_not_specialize=["num_seqs", "stride_ls"])
-def _merge_splits_kernel(
-    part_ptr, lse_ptr, out_ptr, query_start_loc_ptr, num_seqs,
-    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
-    head_dim,
-    NUM_SPLITS: tl.constexpr, DIM_PAD: tl.constexpr,
-):
-    tok = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    s = tl.arange(0, NUM_SPLITS)  # [S]
-    d = tl.arange(0, DIM_PAD)  # [D]
-    d_ok = d < head_dim
-    # Tokens past the last sequence's (padding rows of a captured batch) belong to no program of
-    # the attention kernel, so their lse was never written (lse is allocated uninitialised: no
-    # fill kernel per layer); they get zeros, like the reference. Every owned token has an lse
-    # from every split (-inf for an empty one).
-    if tok >= tl.load(query_start_loc_ptr + num_seqs):
-        tl.store(out_ptr + tok * stride_ot + head * stride_oh + d,
-                 tl.zeros([DIM_PAD], tl.float32).to(out_ptr.dtype.element_ty), mask=d_ok)
-        return
-    lse = tl.load(lse_ptr + s * stride_ls + tok * stride_lt + head)  # [S]
-    m = tl.max(lse, 0)
-    m_safe = tl.where(m > float("-inf"), m, 0.0)
-    w = tl.where(lse > float("-inf"), tl.exp2(lse - m_safe), 0.0)  # [S]
-    part = tl.load(part_ptr + s[:, None] * stride_ps + tok * stride_pt + head * stride_ph
-                   + d[None, :], mask=(w > 0.0)[:, None] & d_ok[None, :], other=0.0)  # [S, D]
-    w_sum = tl.sum(w, 0)
-    out = tl.sum(part * w[:, None], 0) / tl.where(w_sum > 0.0, w_sum, 1.0)  # unowned -> 0
-    tl.store(out_ptr + tok * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
-             mask=d_ok)
+        l_row = t64 * stride_lt + head  # [M]
+        tl.store(lse_ptr + split * stride_ls + l_row, lse, mask=row_ok)
+        if FUSED_MERGE:
+            # Count this tile's finished splits; the one that makes it NUM_SPLITS merges. The
+            # barrier orders every thread's partial stores before the (gpu-scope, release)
+            # count; the merging split reads through L2 (.cg) after its acquire. The tile's
+            # counter goes back to 0 for the next launch (and the next CUDA-graph replay).
+            tile = (seq * (tl.num_programs(1) // NUM_SPLITS) + q_block) * tl.num_programs(2) \
+                + kv_head
+            tl.debug_barrier()
+            if tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+                m_all = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
+                for s in range(NUM_SPLITS):
+                    m_all = tl.maximum(m_all, tl.load(lse_ptr + s * stride_ls + l_row,
+                                                      mask=row_ok, other=float("-inf"),
+                                                      cache_modifier=".cg"))
+                m_all = tl.where(m_all > float("-inf"), m_all, 0.0)
+                w_sum = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
+                merged = tl.zeros([BLOCK_Q * GROUP_PAD, DIM_PAD], tl.float32)
+                for s in range(NUM_SPLITS):  # fixed order: the result is deterministic
+                    lse_s = tl.load(lse_ptr + s * stride_ls + l_row, mask=row_ok,
+                                    other=float("-inf"), cache_modifier=".cg")
+                    w = tl.where(lse_s > float("-inf"), tl.exp2(lse_s - m_all), 0.0)  # [M]
+                    part = tl.load(part_ptr + s * stride_ps + p_row,
+                                   mask=store_mask & (w > 0.0)[:, None], other=0.0,
+                                   cache_modifier=".cg")  # [M, D]
+                    merged += part * w[:, None]
+                    w_sum += w
+                merged = merged / tl.where(w_sum > 0.0, w_sum, 1.0)[:, None]
+                tl.store(out_ptr + o_off, merged.to(out_ptr.dtype.element_ty), mask=store_mask)
+                tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
 def _dot_in_fp32(dtype: torch.dtype) -> bool:
@@ -198,6 +211,8 @@ def _paged_attention(
     num_splits: int | None,  # None = heuristic; must be a power of two otherwise
     tree_start: torch.Tensor | None = None,  # [num_seqs] int32: tree attention when given
     tree_mask: torch.Tensor | None = None,  # [num_tokens, num_tree] bool
+    fused_merge: bool | None = None,  # None = FUSED_MERGE (tests force either)
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]; every row is written
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
@@ -215,24 +230,26 @@ def _paged_attention(
     block_q, block_n, q_blocks = cfg.block_q, BLOCK_N, cfg.q_blocks
     num_splits, kv_chunk = cfg.num_splits, cfg.kv_chunk
     grid = (num_seqs, q_blocks * num_splits, num_kv_heads)
+    fused = (FUSED_MERGE if fused_merge is None else fused_merge) and num_splits > 1 \
+        and num_seqs * q_blocks * num_kv_heads <= COUNTER_SLOTS
 
-    if num_splits == 1:
-        # Tokens owned by no sequence are never visited by the kernel; the reference yields zeros.
-        out = torch.zeros(query.shape, dtype=query.dtype, device=query.device)
-        part, lse = out, out  # unused placeholders
-    else:
+    if out is None:  # uninitialised: the kernel writes every row, unowned ones with zeros
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    part, lse, counters = out, out, out  # placeholders where unused
+    if num_splits > 1:
         part = torch.empty((num_splits, num_tokens, num_heads, head_dim), dtype=torch.float32,
                            device=query.device)  # [splits, num_tokens, num_heads, head_dim]
         lse = torch.empty((num_splits, num_tokens, num_heads), dtype=torch.float32,
                           device=query.device)  # [splits, num_tokens, num_heads]
+    if fused:
+        counters = split_counters(query.device)
     tree = tree_mask is not None
     if tree:  # uint8 bits; keys run to the end of each sequence's tree (seq_lens)
         mask_u8 = tree_mask.contiguous().view(torch.uint8)
         num_tree = tree_mask.shape[1]
     _paged_attn_kernel[grid](
-        query, k_cache, v_cache, part if num_splits > 1 else out, lse,
-        block_tables, seq_lens, query_start_loc,
+        query, k_cache, v_cache, out, part, lse, counters,
+        block_tables, seq_lens, query_start_loc, num_seqs, num_tokens,
         tree_start if tree else seq_lens, mask_u8 if tree else seq_lens,
         mask_u8.stride(0) if tree else 0, num_tree if tree else 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
@@ -242,9 +259,9 @@ def _paged_attention(
         scale * 1.4426950408889634,  # log2(e)
         head_dim, page_size, kv_chunk,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n, DIM_PAD=dim_pad,
-        NUM_SPLITS=num_splits, DOT_FP32=_dot_in_fp32(query.dtype), TREE=tree,
+        NUM_SPLITS=num_splits, DOT_FP32=_dot_in_fp32(query.dtype), TREE=tree, FUSED_MERGE=fused,
     )
-    if num_splits > 1:
+    if num_splits > 1 and not fused:
         _merge_splits_kernel[(num_tokens, num_heads)](
             part, lse, out, query_start_loc, num_seqs,
             part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),

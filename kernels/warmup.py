@@ -4,7 +4,7 @@ and its rope + KV-write kernel.
 CUDA-graph capture compiles what decode and verification use; an uncaptured prefill meets new
 (block_q, num_splits) classes as prompts vary, and each new one used to JIT-compile inside the
 request that met it. Here each reachable configuration is launched once on a batch whose only
-sequence has no query tokens: the kernel (and, for splits, the merge kernel) is compiled for the
+sequence has no query tokens: the kernel (with its fused split merge) is compiled for the
 engine's real cache tensors, dtypes and strides, returns at once, and writes nothing the engine
 reads.
 """

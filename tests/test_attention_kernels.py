@@ -216,7 +216,9 @@ def _triton_worker() -> None:
         write_kv_triton(batch.new_k, batch.new_v, tri_k, tri_v, batch.slot_mapping)
         write_ok = torch.equal(tri_k, ref_k) and torch.equal(tri_v, ref_v)
         ref = paged_attention_ref(*batch.attn_args(ref_k, ref_v)).float()
-        tri = _paged_attention(*batch.attn_args(tri_k, tri_v), num_splits=splits)
+        # `out` starts as NaN: every row, the unowned ones included, must be written.
+        nan_out = torch.full(batch.query.shape, float("nan"), dtype=dtype)
+        tri = _paged_attention(*batch.attn_args(tri_k, tri_v), num_splits=splits, out=nan_out)
         results[name] = {
             "write_ok": write_ok,
             "dtype_ok": tri.dtype == dtype and tri.shape == batch.query.shape,
@@ -224,6 +226,15 @@ def _triton_worker() -> None:
             "err_vs_naive": (tri.double() - naive_attention(batch)).abs().max().item(),
             "unowned_max": tri[-NUM_UNOWNED_TOKENS:].float().abs().max().item(),
         }
+        if splits:  # the split's merge: fused (last split merges) against the merge kernel
+            from kernels.attention_triton import split_counters
+
+            fused, unfused = (_paged_attention(*batch.attn_args(tri_k, tri_v), num_splits=splits,
+                                               fused_merge=f, out=nan_out.clone())
+                              for f in (True, False))
+            results[name]["fused_vs_unfused"] = (fused.float() - unfused.float()).abs().max().item()
+            results[name]["fused_unowned_max"] = fused[-NUM_UNOWNED_TOKENS:].float().abs().max().item()
+            results[name]["counters_zero"] = bool((split_counters(fused.device) == 0).all())
     from kernels.attention_ref import paged_tree_attention_ref
 
     for name, page_size, splits in TREE_CASES:
@@ -261,6 +272,20 @@ def test_triton_kernels_match_reference(triton_results: dict, case: str) -> None
     assert r["err_vs_ref"] < tol, r
     assert r["err_vs_naive"] < tol, r
     assert r["unowned_max"] == 0, r
+
+
+SPLIT_CASES = [c[0] for c in TRITON_CASES if c[5]]
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES)
+def test_fused_split_merge_equals_merge_kernel(triton_results: dict, case: str) -> None:
+    """The last split to finish merges (one kernel): the same rows as the separate merge
+    kernel up to fp32 summation order, padding rows zeroed, and every tile counter back at 0
+    for the next launch (a counter left at 1 would merge too early on the next call)."""
+    r = triton_results[case]
+    assert r["fused_vs_unfused"] < 1e-5, r
+    assert r["fused_unowned_max"] == 0, r
+    assert r["counters_zero"], r
 
 
 @pytest.mark.parametrize("case", [c[0] for c in TREE_CASES])

@@ -1,0 +1,61 @@
+"""Merging the KV splits of the paged-attention kernel (``kernels.attention_triton``).
+
+The kernel's default: the split that finishes a tile last merges it, found through a per-tile
+counter kept here (one kernel per attention). The separate merge kernel below is the other way,
+kept for A/B runs (``COMPILED_SPEC_FUSED_MERGE=0``) and for a forced split count past the
+counters.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Per device, one counter per (sequence, q block, KV head) tile of a split launch; every counter is
+# back to 0 when a launch ends. A split launch has fewer programs than the GPU has SMs
+# (``kernels.launch.splits_for``), so this many tiles cover every heuristic launch; a forced split
+# count (tests, benchmarks) beyond it takes the separate merge kernel. Kept per device rather than
+# allocated per call: zeroing a fresh buffer would be the extra kernel the fused merge removes.
+COUNTER_SLOTS = 4096
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+FUSED_MERGE = os.environ.get("COMPILED_SPEC_FUSED_MERGE", "1") != "0"  # 0: A/B against 2 kernels
+
+
+def split_counters(device: torch.device) -> torch.Tensor:  # [COUNTER_SLOTS] int32
+    if device not in _COUNTERS:
+        _COUNTERS[device] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
+
+
+@triton.jit(do_not_specialize=["num_seqs", "stride_ls"])
+def _merge_splits_kernel(
+    part_ptr, lse_ptr, out_ptr, query_start_loc_ptr, num_seqs,
+    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
+    head_dim,
+    NUM_SPLITS: tl.constexpr, DIM_PAD: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    s = tl.arange(0, NUM_SPLITS)  # [S]
+    d = tl.arange(0, DIM_PAD)  # [D]
+    d_ok = d < head_dim
+    # Tokens past the last sequence's (padding rows of a captured batch) belong to no program of
+    # the attention kernel, so their lse was never written (lse is allocated uninitialised: no
+    # fill kernel per layer); they get zeros, like the reference. Every owned token has an lse
+    # from every split (-inf for an empty one).
+    if tok >= tl.load(query_start_loc_ptr + num_seqs):
+        tl.store(out_ptr + tok * stride_ot + head * stride_oh + d,
+                 tl.zeros([DIM_PAD], tl.float32).to(out_ptr.dtype.element_ty), mask=d_ok)
+        return
+    lse = tl.load(lse_ptr + s * stride_ls + tok * stride_lt + head)  # [S]
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m > float("-inf"), m, 0.0)
+    w = tl.where(lse > float("-inf"), tl.exp2(lse - m_safe), 0.0)  # [S]
+    part = tl.load(part_ptr + s[:, None] * stride_ps + tok * stride_pt + head * stride_ph
+                   + d[None, :], mask=(w > 0.0)[:, None] & d_ok[None, :], other=0.0)  # [S, D]
+    w_sum = tl.sum(w, 0)
+    out = tl.sum(part * w[:, None], 0) / tl.where(w_sum > 0.0, w_sum, 1.0)  # unowned -> 0
+    tl.store(out_ptr + tok * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+             mask=d_ok)
