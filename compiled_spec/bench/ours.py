@@ -27,6 +27,7 @@ class Variant:
     tree: tuple[int, int] | None = None  # EAGLE-2 draft tree: (topk, verified tokens incl. root)
     policy: str = "always"  # speculation_policy
     early_propose: bool = True  # False: every proposal launched after the acceptance is read
+    pdl: bool | None = None  # programmatic dependent launch; None: the run's --pdl
 
 
 def _kv_blocks(prompts: list[list[int]], batch: int, max_tokens: int, k: int, page: int) -> int:
@@ -46,6 +47,8 @@ def build_engine(v: Variant, kw: dict[str, Any], prompts: list[list[int]],
     skinny = kw.pop("skinny_gemm", False)
     pre = kw.pop("precompile", False)
     pdl = kw.pop("pdl", False)
+    if v.pdl is not None:  # one of --pdl-ab's pair
+        pdl = v.pdl
     top = max(batch_sizes)
     kw.update(draft=v.draft, compile=v.compile, max_num_seqs=top)
     if v.compile:

@@ -53,7 +53,8 @@
 #                         AUTOTUNE=1 (bench, trees): --autotune-gemm (Inductor's GEMM autotuning)
 #                         SKINNY=1 (bench, trees): --skinny-gemm (our fused Triton GEMMs for few rows)
 #                         PDL=1 (bench, trees): --pdl (programmatic dependent launch for Inductor's
-#                         Triton kernels; setup0's gpu.txt says whether the torch there has it)
+#                         Triton kernels; setup0's gpu.txt says whether the torch there has it);
+#                         PDL_AB=1: --pdl-ab (every compiled engine without, then with PDL)
 #                         PRECOMPILE=1 (bench, trees): --precompile (the target loaded, not traced, on a
 #                         warm start; torch 2.11 unverified: compile_cache['precompile'] says)
 #   bash profiles/scripts/train_sharegpt_h200.sh gemm     # kernels/bench_gemm.py: cuBLAS vs our skinny
@@ -207,7 +208,7 @@ bench)
     --dtype ${DTYPE:-bfloat16} --prompts $D/question.jsonl --num-prompts 5 --max-tokens 256 \
     --batch-sizes ${BATCHES:-1} --draft "${DRAFT:-$(cat ~/best_head 2>/dev/null || echo smollm2-eagle3)}" -k ${K:-5} \
     --variants ${VARIANTS:-ours_vanilla_compiled ours_eagle_compiled} --out-dir ~/bench "${@:2}" \
-    ${AUTOTUNE:+--autotune-gemm} ${SKINNY:+--skinny-gemm} ${PRECOMPILE:+--precompile} ${PDL:+--pdl} \
+    ${AUTOTUNE:+--autotune-gemm} ${SKINNY:+--skinny-gemm} ${PRECOMPILE:+--precompile} ${PDL:+--pdl} ${PDL_AB:+--pdl-ab} \
     > "$OUT/bench.log" 2>&1
   cp ~/bench/BENCHMARKS.md ~/bench/benchmarks.json "$OUT/"
   grep -vE "Warning|warn\(|^\s*$|tokeniz|Loading weights" "$OUT/bench.log" | tail -30 ;;
@@ -224,7 +225,7 @@ trees)
     --dtype ${DTYPE:-bfloat16} --prompts $D/question.jsonl \
     --batch-sizes ${BATCHES:-1} --draft "${DRAFT:-$(cat ~/best_head 2>/dev/null || echo smollm2-eagle3)}" \
     -k ${K:-5} --variants ${VARIANTS:-ours_eagle_compiled} --trees ${TREES:-4:16 8:32} --out-dir ~/bench_trees \
-    ${AUTOTUNE:+--autotune-gemm} ${SKINNY:+--skinny-gemm} ${PRECOMPILE:+--precompile} ${PDL:+--pdl} \
+    ${AUTOTUNE:+--autotune-gemm} ${SKINNY:+--skinny-gemm} ${PRECOMPILE:+--precompile} ${PDL:+--pdl} ${PDL_AB:+--pdl-ab} \
     --num-prompts ${NUM_PROMPTS:-5} --max-tokens ${MAX_TOKENS:-256} --trace-dir ~/traces \
     > "$OUT/trees.log" 2>&1
   cp ~/bench_trees/BENCHMARKS.md "$OUT/trees.md"; cp ~/bench_trees/benchmarks.json "$OUT/trees.json"
