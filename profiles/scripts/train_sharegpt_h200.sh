@@ -180,8 +180,10 @@ data)
 train)
   # FRESH=1: a second run in the same session (another head, e.g. --num-layers 2): the first
   # run's state, best/ and export go (its MT-bench lines are in the earlier call's eval.log);
-  # the data stay.
+  # the data stay. Its export is kept as /root/prev first, so a second call can continue it
+  # (`--init-from /root/prev`): a session's training can span calls.
   if [ "${FRESH:-0}" = 1 ]; then
+    if [ -d ~/export ]; then rm -rf ~/prev && cp -r ~/export ~/prev; fi
     find $HEAD -maxdepth 1 -mindepth 1 ! -name 'data.jsonl' ! -name 'val.jsonl' -exec rm -rf {} +
     rm -rf ~/export "$OUT/head"
   fi
@@ -191,7 +193,10 @@ train)
   tail -c 1500 "$OUT/run.log"
   cp -r ~/export "$OUT/head"
   cp $HEAD/train_log.jsonl $HEAD/vocab.json "$OUT/" 2>/dev/null
-  for H in ~/export smollm2-eagle3; do
+  # EVAL=0: training only (a call whose head the next call continues: more of the call's time
+  # trains); EVAL_HEADS: the heads scored (default: this run's and the shipped one).
+  [ "${EVAL:-1}" = 1 ] || exit 0
+  for H in ${EVAL_HEADS:-~/export smollm2-eagle3}; do
     echo "== MT-bench $H" >> "$OUT/eval.log"
     timeout 150 "${ACC[@]}" --draft "$H" --k-list 3 5 >> "$OUT/eval.log" 2>&1
     echo "== held out $H" >> "$OUT/eval.log"
