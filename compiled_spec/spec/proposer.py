@@ -20,6 +20,7 @@ from compiled_spec.attention_metadata import AttentionMetadata
 from compiled_spec.draft.model import EagleDraft
 from compiled_spec.engine.batch import Span, build_loop_metadata, build_metadata, to_device
 from compiled_spec.kv_cache import BlockAllocator
+from compiled_spec.spec.argmax import rowwise_argmax
 from compiled_spec.spec.rejection import sample_draft
 
 if TYPE_CHECKING:
@@ -100,12 +101,12 @@ class EagleProposer:
               positions: torch.Tensor,  # [B] position of the token being drafted
               ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> ([B] target-vocab draft ids, [B, target_vocab] q or None). On-device only."""
-        if not self.sample_drafts:
-            return self.draft.draft_to_target(logits.argmax(dim=-1)), None
+        if not self.sample_drafts:  # two-stage argmax: wide enough to fill the GPU (argmax.py)
+            return self.draft.draft_to_target(rowwise_argmax(logits)), None
         greedy = temperature == 0
         temp = torch.where(greedy, torch.ones_like(temperature), temperature)
         q = torch.softmax(logits / temp[:, None], dim=-1)  # [B, draft_vocab]
-        one_hot = torch.zeros_like(q).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+        one_hot = torch.zeros_like(q).scatter_(1, rowwise_argmax(logits)[:, None], 1.0)
         q = torch.where(greedy[:, None], one_hot, q)
         tok = sample_draft(q, seeds, positions)
         q_target = self.draft.draft_vocab_to_target_probs(q, self.target_vocab_size)

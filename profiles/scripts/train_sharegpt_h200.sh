@@ -98,7 +98,10 @@ setup0)
   # The paged-attention kernel against its reference, the fused split merge (the last split
   # merges, thirteenth session) under repeated eager and graph launches, and its timing against
   # the separate merge kernel. If attn.log says FAIL, run with COMPILED_SPEC_FUSED_MERGE=0.
-  timeout 200 python3 -m kernels.bench_attention > "$OUT/attn.log" 2>&1; tail -c 2500 "$OUT/attn.log"
+  # Then the draft's two-stage greedy pick (compiled_spec/spec/argmax.py) against torch.argmax.
+  ( timeout 200 python3 -m kernels.bench_attention; echo "== argmax";
+    timeout 120 python3 tests/test_argmax.py --cuda ) > "$OUT/attn.log" 2>&1
+  tail -c 2500 "$OUT/attn.log"
   [ "${SPEED:-1}" = 1 ] || exit 0  # SPEED=0: setup only
   timeout ${LIMIT:-330} python3 profiles/scripts/train_speed_h200.py --tokenizer ~/tok \
     --sections ${SPEED_SECTIONS:-check train} --impl packed --batch-tokens ${SPEED_BT:-32768 65536} \
