@@ -93,10 +93,15 @@ def _select_by_stable_sorts(scores, depth, n):
     return torch.gather(by_depth, 1, torch.argsort(-s_sorted, dim=1, stable=True))[:, :n]
 
 
-def test_select_nodes_key_ranks_exactly_as_the_stable_sorts():
-    """The one top-k over packed int64 keys picks the same set as the two stable sorts, on
-    scores full of ties (few distinct values, zeros of both signs, -inf) and on continuous
-    ones; returned by depth, then candidate id."""
+@pytest.mark.parametrize("rank_max", [1024, 0])  # ranks by pairs; the top-k + sort path
+def test_select_nodes_key_ranks_exactly_as_the_stable_sorts(monkeypatch, rank_max):
+    """Selection by the packed int64 keys (pairwise ranks up to RANK_SELECT_MAX candidates,
+    a top-k above) picks the same set as the two stable sorts, on scores full of ties (few
+    distinct values, zeros of both signs, -inf) and on continuous ones; returned by depth,
+    then candidate id."""
+    import compiled_spec.spec.tree as tree_mod
+
+    monkeypatch.setattr(tree_mod, "RANK_SELECT_MAX", rank_max)
     g = torch.Generator().manual_seed(0)
     for trial in range(200):
         b, c = 3, int(torch.randint(2, 300, (1,), generator=g))
@@ -115,6 +120,31 @@ def test_select_nodes_key_ranks_exactly_as_the_stable_sorts():
         assert torch.equal(keys, keys.sort(dim=1).values)
     with pytest.raises(ValueError, match="65536 candidates"):
         TreeConfig(topk=64, num_steps=20, num_draft_tokens=8)
+
+
+def test_select_nodes_ranks_equal_the_top_k_path(monkeypatch):
+    """Both selection paths give the same chosen ids, parents (tree indices) and depths, on
+    random ancestor-closed candidate sets (children score at most their parent), eager and
+    compiled."""
+    import compiled_spec.spec.tree as tree_mod
+
+    g = torch.Generator().manual_seed(1)
+    b, k, steps = 4, 4, 4
+    scores, depth, parent = [-torch.rand(b, k, generator=g)], [torch.ones(b, k, dtype=torch.long)], \
+        [torch.full((b, k), -1)]
+    for s in range(1, steps):  # k^2 children of the previous level's k candidates
+        prev = torch.randint(0, k, (b, k * k), generator=g) + sum(x.shape[1] for x in scores[:-1])
+        par_score = torch.gather(torch.cat(scores, 1), 1, prev)
+        scores.append(par_score - torch.rand(b, k * k, generator=g))
+        depth.append(torch.full((b, k * k), s + 1))
+        parent.append(prev)
+    sc, dp, pa = torch.cat(scores, 1), torch.cat(depth, 1), torch.cat(parent, 1)
+    ranked = select_nodes(sc, dp, pa, 15)
+    compiled = torch.compile(select_nodes, dynamic=False)(sc, dp, pa, 15)
+    monkeypatch.setattr(tree_mod, "RANK_SELECT_MAX", 0)
+    by_topk = select_nodes(sc, dp, pa, 15)
+    for x, y, z in zip(ranked, by_topk, compiled):
+        assert torch.equal(x, y) and torch.equal(x, z)
 
 
 def test_ancestor_mask_equals_walking_each_node_to_the_root():
