@@ -242,6 +242,12 @@ trees)
   # and the chain's (profiles/scripts/trace_gaps.py reads either: GPU idle per step and why)
   C=$(ls -t ~/traces/*/*.pt.trace.json 2>/dev/null | grep -v tree | head -1)
   [ -n "$C" ] && gzip -c "$C" > "$OUT/chain_step.pt.trace.json.gz"
+  if [ -n "${PDL_AB:-}" ]; then  # the newest traces are the '+ PDL' rows': the pair's others too
+    T=$(ls -t ~/traces/*tree*/*.pt.trace.json 2>/dev/null | grep -v PDL | head -1)
+    [ -n "$T" ] && gzip -c "$T" > "$OUT/tree_step_nopdl.pt.trace.json.gz"
+    C=$(ls -t ~/traces/*/*.pt.trace.json 2>/dev/null | grep -v tree | grep -v PDL | head -1)
+    [ -n "$C" ] && gzip -c "$C" > "$OUT/chain_step_nopdl.pt.trace.json.gz"
+  fi
   grep -vE "Warning|warn\(|^\s*$|tokeniz|Loading weights|capture " "$OUT/trees.log" | tail -40 ;;
 gemm)
   # Issue 16: the layer GEMMs at M = 1..48 rows (gemm.md: the tables; gemm.json). Sections
