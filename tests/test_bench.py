@@ -115,31 +115,42 @@ def test_bench_runs_draft_trees_beside_chains(tiny_hf_dir, mt_bench_path, tmp_pa
         main(["bench", "--trees", "8x32"])
 
 
-def test_pdl_ab_runs_each_compiled_engine_without_then_with_pdl() -> None:
+def test_ab_runs_each_compiled_engine_with_the_flag_off_then_on() -> None:
     from compiled_spec.bench.run import _variants
 
     vs = _variants(["ours_vanilla_eager", "ours_vanilla_compiled", "ours_eagle_compiled"],
-                   "head", 5, trees=[(8, 32)], pdl_ab=True)
-    assert [(v.name, v.pdl) for v in vs] == [
-        ("ours vanilla eager", None),  # eager: no Inductor kernels, nothing to compare
-        ("ours vanilla compiled + graphs", False),
-        ("ours vanilla compiled + graphs + PDL", True),
-        ("ours EAGLE k=5 compiled + graphs", False),
-        ("ours EAGLE k=5 compiled + graphs + PDL", True),
-        ("ours EAGLE tree topk 8, 32 tokens, depth 5 compiled + graphs", False),
-        ("ours EAGLE tree topk 8, 32 tokens, depth 5 compiled + graphs + PDL", True)]
+                   "head", 5, trees=[(8, 32)], ab="pdl")
+    assert [(v.name, v.flags) for v in vs] == [
+        ("ours vanilla eager", {}),  # eager: no Inductor kernels, nothing to compare
+        ("ours vanilla compiled + graphs", {"pdl": False}),
+        ("ours vanilla compiled + graphs + PDL", {"pdl": True}),
+        ("ours EAGLE k=5 compiled + graphs", {"pdl": False}),
+        ("ours EAGLE k=5 compiled + graphs + PDL", {"pdl": True}),
+        ("ours EAGLE tree topk 8, 32 tokens, depth 5 compiled + graphs", {"pdl": False}),
+        ("ours EAGLE tree topk 8, 32 tokens, depth 5 compiled + graphs + PDL", {"pdl": True})]
     assert vs[6].tree == (8, 32) and vs[6].draft == "head"
-    assert all(v.pdl is None for v in _variants(["ours_eagle_compiled"], "head", 5))
+    assert all(v.flags == {} for v in _variants(["ours_eagle_compiled"], "head", 5))
+    skinny = _variants(["ours_eagle_compiled"], "head", 5, ab="skinny_gemm")
+    assert [(v.name, v.flags) for v in skinny] == [
+        ("ours EAGLE k=5 compiled + graphs", {"skinny_gemm": False}),
+        ("ours EAGLE k=5 compiled + graphs + skinny GEMMs", {"skinny_gemm": True})]
+    with pytest.raises(SystemExit):
+        main(["bench", "--ab", "fast_mode"])
 
 
-def test_build_engine_takes_the_variants_pdl(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_build_engine_takes_the_variants_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A variant's flags override the run's (--pdl and the like), the rest stay the run's."""
     import compiled_spec
     from compiled_spec.bench.ours import Variant, build_engine
 
     seen = []
     monkeypatch.setattr(compiled_spec, "LLM", lambda **kw: seen.append(kw) or object())
-    kw = dict(model="m", pdl=False, page_size=16)
-    for pdl in (None, False, True):
-        build_engine(Variant("v", None, True, pdl=pdl), dict(kw), [[1, 2]], [1], 4)
+    kw = dict(model="m", pdl=False, skinny_gemm=True, page_size=16)
+    for flags in ({}, {"pdl": False}, {"pdl": True}):
+        build_engine(Variant("v", None, True, flags=flags), dict(kw), [[1, 2]], [1], 4)
     build_engine(Variant("v", None, True), dict(kw, pdl=True), [[1, 2]], [1], 4)
-    assert [s["compile_config"].pdl for s in seen] == [False, False, True, True]
+    build_engine(Variant("v", None, True, flags={"skinny_gemm": False}), dict(kw), [[1, 2]],
+                 [1], 4)
+    cfgs = [s["compile_config"] for s in seen]
+    assert [c.pdl for c in cfgs] == [False, False, True, True, False]
+    assert [c.skinny_gemm for c in cfgs] == [True, True, True, True, False]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,8 @@ class Variant:
     tree: tuple[int, int] | None = None  # EAGLE-2 draft tree: (topk, verified tokens incl. root)
     policy: str = "always"  # speculation_policy
     early_propose: bool = True  # False: every proposal launched after the acceptance is read
-    pdl: bool | None = None  # programmatic dependent launch; None: the run's --pdl
+    # CompileConfig flags this variant sets over the run's own (bench --ab: one of a pair)
+    flags: dict[str, bool] = field(default_factory=dict)
 
 
 def _kv_blocks(prompts: list[list[int]], batch: int, max_tokens: int, k: int, page: int) -> int:
@@ -47,14 +48,12 @@ def build_engine(v: Variant, kw: dict[str, Any], prompts: list[list[int]],
     skinny = kw.pop("skinny_gemm", False)
     pre = kw.pop("precompile", False)
     pdl = kw.pop("pdl", False)
-    if v.pdl is not None:  # one of --pdl-ab's pair
-        pdl = v.pdl
     top = max(batch_sizes)
     kw.update(draft=v.draft, compile=v.compile, max_num_seqs=top)
     if v.compile:
+        flags = dict(autotune_gemm=autotune, skinny_gemm=skinny, precompile=pre, pdl=pdl)
         kw["compile_config"] = CompileConfig(capture_batch_sizes=tuple(sorted(batch_sizes)),
-                                             autotune_gemm=autotune, skinny_gemm=skinny,
-                                             precompile=pre, pdl=pdl)
+                                             **(flags | v.flags))
     if v.draft is None:
         kw.pop("num_speculative_tokens", None)
     if v.tree is not None:

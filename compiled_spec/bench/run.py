@@ -21,6 +21,8 @@ from compiled_spec.bench.timing import Row
 OURS = ("ours_vanilla_eager", "ours_vanilla_compiled", "ours_eagle_eager", "ours_eagle_compiled")
 ALL_VARIANTS = (*hf.KINDS, *OURS)
 PROJECTED_TAUS = (2.0, 3.0, 4.0)
+# CompileConfig flags `--ab` can compare, with the label of their "on" rows
+AB_FLAGS = {"pdl": "PDL", "skinny_gemm": "skinny GEMMs", "autotune_gemm": "GEMM autotuning"}
 LLAMA8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
            "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
            "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 131072,
@@ -35,14 +37,15 @@ TINY = dict(LLAMA8B, vocab_size=49152, hidden_size=64, intermediate_size=128,
 
 def _variants(names: list[str], draft: str | None, k: int,
               trees: list[tuple[int, int]] = (), adaptive: bool = False,
-              late_propose: bool = False, pdl_ab: bool = False) -> list[Variant]:
+              late_propose: bool = False, ab: str | None = None) -> list[Variant]:
     """Our engines to run; each EAGLE variant also runs once per draft tree of ``trees``
     ((topk, tokens): EAGLE-2 trees of depth k), with ``adaptive`` once more as a chain under
     speculation_policy="adaptive", and with ``late_propose`` once more as a chain whose
     proposals all launch after the acceptance is read (early_propose=False), in the same
-    compile mode. With ``pdl_ab`` every compiled engine runs twice in a row, without and with
-    programmatic dependent launch ("+ PDL"): an A/B in one process on one GPU, where two
-    device calls differ by more than the effect (vanilla 771-871 tok/s between sessions)."""
+    compile mode. With ``ab`` (a CompileConfig flag of ``AB_FLAGS``) every compiled engine
+    runs twice in a row, with the flag off and on (rows named "+ <label>"): an A/B in one
+    process on one GPU, where two device calls differ by more than the effects measured
+    (vanilla 771-871 tok/s between sessions)."""
     out = []
     for n in names:
         if n not in OURS:
@@ -62,10 +65,11 @@ def _variants(names: list[str], draft: str | None, k: int,
         for topk, tokens in trees if spec else ():
             out.append(Variant(f"ours EAGLE tree topk {topk}, {tokens} tokens, depth {k}" + mode,
                                draft, n.endswith("compiled"), (topk, tokens)))
-    if pdl_ab:
-        out = [w for v in out for w in ([replace(v, pdl=False), replace(v, name=v.name + " + PDL",
-                                                                        pdl=True)]
-                                        if v.compile else [v])]
+    if ab is not None:
+        out = [w for v in out for w in (
+            [replace(v, flags={ab: False}),
+             replace(v, name=f"{v.name} + {AB_FLAGS[ab]}", flags={ab: True})]
+            if v.compile else [v])]
     return out
 
 
@@ -141,7 +145,7 @@ def run_bench(a: argparse.Namespace) -> int:
     prompts = encode_chat(load_tokenizer(a.tokenizer or model), texts)
     rows, outs = bench_ours(_variants(names, draft, k, a.trees, a.adaptive,
                                       getattr(a, "late_propose", False),
-                                      getattr(a, "pdl_ab", False)), kw, prompts, batch_sizes,
+                                      getattr(a, "ab", None)), kw, prompts, batch_sizes,
                             a.max_tokens, Path(a.trace_dir) if a.trace_dir else None)
     # The reference for "same output": our vanilla eager batch-1 outputs, from this run or a
     # merged one (a device call is capped at 10 minutes, so a full run spans several calls).
@@ -226,9 +230,9 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--late-propose", action="store_true",
                    help="also run each EAGLE chain with early_propose=False (every proposal "
                    "launched after the host reads the step's acceptance), to compare")
-    b.add_argument("--pdl-ab", action="store_true",
-                   help="run every compiled engine of ours twice in a row, without and with "
-                   "--pdl (rows named '+ PDL'), to compare in one process")
+    b.add_argument("--ab", choices=sorted(AB_FLAGS), default=None,
+                   help="run every compiled engine of ours twice in a row, with this compile "
+                   "option off, then on (rows named '+ ...'), to compare in one process")
     b.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64],
                    help="batch sizes for our engines (transformers runs batch 1)")
     b.add_argument("--tokenizer", default=None)

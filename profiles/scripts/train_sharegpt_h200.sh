@@ -54,7 +54,8 @@
 #                         SKINNY=1 (bench, trees): --skinny-gemm (our fused Triton GEMMs for few rows)
 #                         PDL=1 (bench, trees): --pdl (programmatic dependent launch for Inductor's
 #                         Triton kernels; setup0's gpu.txt says whether the torch there has it);
-#                         PDL_AB=1: --pdl-ab (every compiled engine without, then with PDL)
+#                         AB=pdl (or skinny_gemm, autotune_gemm; bench, trees): --ab, every compiled
+#                         engine with that option off, then on, in one process
 #                         PRECOMPILE=1 (bench, trees): --precompile (the target loaded, not traced, on a
 #                         warm start; torch 2.11 unverified: compile_cache['precompile'] says)
 #   bash profiles/scripts/train_sharegpt_h200.sh gemm     # kernels/bench_gemm.py: cuBLAS vs our skinny
@@ -216,7 +217,7 @@ bench)
     --dtype ${DTYPE:-bfloat16} --prompts $D/question.jsonl --num-prompts 5 --max-tokens 256 \
     --batch-sizes ${BATCHES:-1} --draft "${DRAFT:-$(cat ~/best_head 2>/dev/null || echo smollm2-eagle3)}" -k ${K:-5} \
     --variants ${VARIANTS:-ours_vanilla_compiled ours_eagle_compiled} --out-dir ~/bench "${@:2}" \
-    ${AUTOTUNE:+--autotune-gemm} ${SKINNY:+--skinny-gemm} ${PRECOMPILE:+--precompile} ${PDL:+--pdl} ${PDL_AB:+--pdl-ab} \
+    ${AUTOTUNE:+--autotune-gemm} ${SKINNY:+--skinny-gemm} ${PRECOMPILE:+--precompile} ${PDL:+--pdl} ${AB:+--ab $AB} \
     > "$OUT/bench.log" 2>&1
   cp ~/bench/BENCHMARKS.md ~/bench/benchmarks.json "$OUT/"
   grep -vE "Warning|warn\(|^\s*$|tokeniz|Loading weights" "$OUT/bench.log" | tail -30 ;;
@@ -233,7 +234,7 @@ trees)
     --dtype ${DTYPE:-bfloat16} --prompts $D/question.jsonl \
     --batch-sizes ${BATCHES:-1} --draft "${DRAFT:-$(cat ~/best_head 2>/dev/null || echo smollm2-eagle3)}" \
     -k ${K:-5} --variants ${VARIANTS:-ours_eagle_compiled} --trees ${TREES:-4:16 8:32} --out-dir ~/bench_trees \
-    ${AUTOTUNE:+--autotune-gemm} ${SKINNY:+--skinny-gemm} ${PRECOMPILE:+--precompile} ${PDL:+--pdl} ${PDL_AB:+--pdl-ab} \
+    ${AUTOTUNE:+--autotune-gemm} ${SKINNY:+--skinny-gemm} ${PRECOMPILE:+--precompile} ${PDL:+--pdl} ${AB:+--ab $AB} \
     --num-prompts ${NUM_PROMPTS:-5} --max-tokens ${MAX_TOKENS:-256} --trace-dir ~/traces \
     > "$OUT/trees.log" 2>&1
   cp ~/bench_trees/BENCHMARKS.md "$OUT/trees.md"; cp ~/bench_trees/benchmarks.json "$OUT/trees.json"
@@ -242,11 +243,12 @@ trees)
   # and the chain's (profiles/scripts/trace_gaps.py reads either: GPU idle per step and why)
   C=$(ls -t ~/traces/*/*.pt.trace.json 2>/dev/null | grep -v tree | head -1)
   [ -n "$C" ] && gzip -c "$C" > "$OUT/chain_step.pt.trace.json.gz"
-  if [ -n "${PDL_AB:-}" ]; then  # the newest traces are the '+ PDL' rows': the pair's others too
-    T=$(ls -t ~/traces/*tree*/*.pt.trace.json 2>/dev/null | grep -v PDL | head -1)
-    [ -n "$T" ] && gzip -c "$T" > "$OUT/tree_step_nopdl.pt.trace.json.gz"
-    C=$(ls -t ~/traces/*/*.pt.trace.json 2>/dev/null | grep -v tree | grep -v PDL | head -1)
-    [ -n "$C" ] && gzip -c "$C" > "$OUT/chain_step_nopdl.pt.trace.json.gz"
+  if [ -n "${AB:-}" ]; then  # the newest traces are the option-on rows': the pair's others too
+    # (trace directories are the row names, "+ PDL" / "+ skinny GEMMs" ... as "__PDL" ...)
+    T=$(ls -t ~/traces/*tree*/*.pt.trace.json 2>/dev/null | grep -vE "__(PDL|skinny|GEMM)" | head -1)
+    [ -n "$T" ] && gzip -c "$T" > "$OUT/tree_step_off.pt.trace.json.gz"
+    C=$(ls -t ~/traces/*/*.pt.trace.json 2>/dev/null | grep -v tree | grep -vE "__(PDL|skinny|GEMM)" | head -1)
+    [ -n "$C" ] && gzip -c "$C" > "$OUT/chain_step_off.pt.trace.json.gz"
   fi
   grep -vE "Warning|warn\(|^\s*$|tokeniz|Loading weights|capture " "$OUT/trees.log" | tail -40 ;;
 gemm)
