@@ -6,7 +6,10 @@ multi-block radix select of ~8 kernels and ~35 us, five times in every tree prop
 (results/2026-12-01_h200_session7/trees.log). Here: stage 1, one program per (row, chunk of
 BLOCK) keeps its chunk's k best by k rounds of max + smallest matching index; stage 2, one
 program per row, the same over the chunks' winners (their original indices break ties). Two
-launches; one when a row fits a single chunk.
+launches; one when a row fits a single chunk. With ``kernels.attention_merge_triton``'s
+fused merge on (the default), stage 2 runs in stage 1's launch: the chunk program that finishes
+a row last (a per-row atomic counter, as the attention kernel's split merge) selects over the
+row's chunk winners. One launch per top-k instead of two (7 top-k per 8/32 tree proposal).
 """
 from __future__ import annotations
 
@@ -14,12 +17,27 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention_merge_triton import COUNTER_SLOTS, FUSED_MERGE, split_counters
+
 _BIG = tl.constexpr(2**31 - 1)  # the index of "no element": loses every tie
 
 
 @triton.jit
+def _select(x, ix, taken, val_ptr, idx_ptr, base, K: tl.constexpr):
+    """The K best of ``x`` not yet ``taken`` (ties to the smaller ``ix``), stored from ``base``."""
+    for j in tl.static_range(K):
+        m = tl.max(tl.where(taken, -float("inf"), x), 0)
+        i = tl.min(tl.where((~taken) & (x == m), ix, _BIG), 0)
+        tl.store(val_ptr + base + j, m)
+        tl.store(idx_ptr + base + j, i.to(tl.int64))
+        taken = taken | (ix == i)
+
+
+@triton.jit
 def _chunk_topk(x_ptr, val_ptr, idx_ptr, n, stride_x, out_stride,
-                K: tl.constexpr, BLOCK: tl.constexpr, HAS_IDX: tl.constexpr, idx_in_ptr):
+                K: tl.constexpr, BLOCK: tl.constexpr, HAS_IDX: tl.constexpr, idx_in_ptr,
+                fin_val_ptr, fin_idx_ptr, counter_ptr,
+                MERGE: tl.constexpr, BLOCK2: tl.constexpr):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     offs = chunk * BLOCK + tl.arange(0, BLOCK)
@@ -29,18 +47,28 @@ def _chunk_topk(x_ptr, val_ptr, idx_ptr, n, stride_x, out_stride,
         ix = tl.load(idx_in_ptr + row * stride_x + offs, mask=valid, other=_BIG).to(tl.int32)
     else:
         ix = tl.where(valid, offs, _BIG)
-    taken = offs >= n
-    base = row * out_stride + chunk * K
-    for j in tl.static_range(K):
-        m = tl.max(tl.where(taken, -float("inf"), x), 0)
-        i = tl.min(tl.where((~taken) & (x == m), ix, _BIG), 0)
-        tl.store(val_ptr + base + j, m)
-        tl.store(idx_ptr + base + j, i.to(tl.int64))
-        taken = taken | (ix == i)
+    _select(x, ix, offs >= n, val_ptr, idx_ptr, row * out_stride + chunk * K, K)
+    if MERGE:
+        # Stage 2 by the row's last chunk to finish: the barrier orders every thread's stores
+        # before the (gpu-scope, release) count, the winners are read through L2 (.cg) after
+        # its acquire, and the row's counter goes back to 0 for the next launch.
+        tl.debug_barrier()
+        if tl.atomic_add(counter_ptr + row, 1, sem="acq_rel", scope="gpu") \
+                == tl.num_programs(1) - 1:
+            m_n = tl.num_programs(1) * K
+            offs2 = tl.arange(0, BLOCK2)
+            ok2 = offs2 < m_n
+            x2 = tl.load(val_ptr + row * out_stride + offs2, mask=ok2, other=-float("inf"),
+                         cache_modifier=".cg")
+            ix2 = tl.load(idx_ptr + row * out_stride + offs2, mask=ok2, other=_BIG,
+                          cache_modifier=".cg").to(tl.int32)
+            _select(x2, ix2, offs2 >= m_n, fin_val_ptr, fin_idx_ptr, row * K, K)
+            tl.atomic_xchg(counter_ptr + row, 0, sem="relaxed", scope="gpu")
 
 
 def row_topk_triton(x: torch.Tensor,  # [R, N] float, N >= k
-                    k: int, block: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+                    k: int, block: int = 1024, fused: bool | None = None,  # None: FUSED_MERGE
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """(values [R, k] float32 descending, indices [R, k] int64)."""
     r, n = x.shape
     if x.stride(1) != 1:
@@ -51,15 +79,20 @@ def row_topk_triton(x: torch.Tensor,  # [R, N] float, N >= k
         return vals, idx
     block = min(block, triton.next_power_of_2(n))
     chunks = triton.cdiv(n, block)
+    unused = dict(fin_val_ptr=vals, fin_idx_ptr=idx, counter_ptr=idx, MERGE=False, BLOCK2=1)
     if chunks == 1:  # one chunk per row: its winners are the answer
         _chunk_topk[(r, 1)](x, vals, idx, n, x.stride(0), k, K=k, BLOCK=block,
-                            HAS_IDX=False, idx_in_ptr=x)
+                            HAS_IDX=False, idx_in_ptr=x, **unused)
         return vals, idx
-    v1 = torch.empty(r, chunks * k, dtype=torch.float32, device=x.device)
-    i1 = torch.empty(r, chunks * k, dtype=torch.int64, device=x.device)
-    _chunk_topk[(r, chunks)](x, v1, i1, n, x.stride(0), chunks * k, K=k, BLOCK=block,
-                             HAS_IDX=False, idx_in_ptr=x)
     m = chunks * k
-    _chunk_topk[(r, 1)](v1, vals, idx, m, m, k, K=k, BLOCK=triton.next_power_of_2(m),
-                        HAS_IDX=True, idx_in_ptr=i1)
+    v1 = torch.empty(r, m, dtype=torch.float32, device=x.device)
+    i1 = torch.empty(r, m, dtype=torch.int64, device=x.device)
+    merge = (FUSED_MERGE if fused is None else fused) and r <= COUNTER_SLOTS
+    _chunk_topk[(r, chunks)](x, v1, i1, n, x.stride(0), m, K=k, BLOCK=block,
+                             HAS_IDX=False, idx_in_ptr=x, fin_val_ptr=vals, fin_idx_ptr=idx,
+                             counter_ptr=split_counters(x.device) if merge else idx,
+                             MERGE=merge, BLOCK2=triton.next_power_of_2(m))
+    if not merge:
+        _chunk_topk[(r, 1)](v1, vals, idx, m, m, k, K=k, BLOCK=triton.next_power_of_2(m),
+                            HAS_IDX=True, idx_in_ptr=i1, **unused)
     return vals, idx

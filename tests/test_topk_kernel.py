@@ -1,22 +1,27 @@
 """``compiled_spec::row_topk``: the draft tree's top-k with a fixed tie rule. The Triton kernel
-(``kernels.topk_triton``, two launches) runs under TRITON_INTERPRET=1 in a subprocess (the
+(``kernels.topk_triton``, one launch or two) runs under TRITON_INTERPRET=1 in a subprocess (the
 interpreter must be chosen before triton is imported) and must equal the reference, a stable
 descending sort, bit for bit: on ties, -inf, single- and multi-chunk rows."""
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from tests.triton_interpret import run_interpreted
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script (--cuda)
+from tests.triton_interpret import run_interpreted  # noqa: E402
 
 CASES = [(1, 5, 1, 1024), (3, 64, 8, 1024), (8, 1000, 8, 256), (2, 32768, 8, 1024),
          (4, 300, 16, 64), (2, 7, 7, 1024)]  # rows, row length, k, chunk size
 
 
-def _worker() -> None:
+def _worker(device: str = "cpu", repeats: int = 1) -> None:
+    """Under the interpreter (``device`` cpu); ``--cuda`` on a GPU, where the fused stage 2
+    relies on memory ordering the interpreter cannot exercise: there each fused call repeats
+    ``repeats`` times and must give the reference every time."""
     from kernels.ops import row_topk_ref
     from kernels.topk_triton import row_topk_triton
 
@@ -29,15 +34,24 @@ def _worker() -> None:
                 x = levels[torch.randint(0, len(levels), (r, n), generator=g)]
             else:
                 x = torch.randn(r, n, generator=g)
-            v, i = row_topk_triton(x, k, block=block)
             rv, ri = row_topk_ref(x, k)
-            out[f"{r}x{n}_k{k}_b{block}_{kind}"] = torch.equal(i, ri) and torch.equal(v, rv)
+            x, rv, ri = x.to(device), rv.to(device), ri.to(device)
+            # stage 2 in stage 1's launch (by each row's last chunk), and as a launch of its own
+            for fused in (True, False):
+                ok = True
+                for _ in range(repeats if fused else 1):
+                    v, i = row_topk_triton(x, k, block=block, fused=fused)
+                    ok &= torch.equal(i, ri) and torch.equal(v, rv)
+                out[f"{r}x{n}_k{k}_b{block}_{kind}_fused{int(fused)}"] = ok
+    from kernels.attention_merge_triton import split_counters
+
+    out["counters_back_at_0"] = bool((split_counters(torch.device(device)) == 0).all())
     print("RESULTS " + json.dumps(out))
 
 
 def test_triton_row_topk_equals_the_stable_sort() -> None:
     res = run_interpreted(__file__)
-    assert res == {k: True for k in res} and len(res) == 2 * len(CASES), res
+    assert res == {k: True for k in res} and len(res) == 4 * len(CASES) + 1, res
 
 
 def test_row_topk_op_ties_go_to_the_smaller_index_and_k_is_checked() -> None:
@@ -71,3 +85,5 @@ def test_a_wrong_topk_kernel_is_caught_on_first_use(monkeypatch) -> None:
 
 if __name__ == "__main__" and "--worker" in sys.argv:
     _worker()
+elif __name__ == "__main__" and "--cuda" in sys.argv:
+    _worker("cuda", repeats=200)
