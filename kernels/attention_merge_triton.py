@@ -3,7 +3,8 @@
 The kernel's default: the split that finishes a tile last merges it, found through a per-tile
 counter kept here (one kernel per attention). The separate merge kernel below is the other way,
 kept for A/B runs (``COMPILED_SPEC_FUSED_MERGE=0``) and for a forced split count past the
-counters.
+counters. The counters and their protocol (``last_to_arrive``, ``reset_counter``) also serve the
+row top-k's one-launch stage 2 (``kernels.topk_triton``).
 """
 from __future__ import annotations
 
@@ -27,6 +28,22 @@ def split_counters(device: torch.device) -> torch.Tensor:  # [COUNTER_SLOTS] int
     if device not in _COUNTERS:
         _COUNTERS[device] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
     return _COUNTERS[device]
+
+
+# The two halves of "the last program to finish a piece of work completes it" (the attention
+# split merge, the row top-k's stage 2), CUTLASS's semaphore pattern: every thread's stores
+# are ordered by a CTA barrier before one gpu-scope release count; the program that makes the
+# count ``arrivals`` acquires, and must then read the others' results through L2
+# (``cache_modifier=".cg"``); it resets the counter for the next launch (and graph replay).
+@triton.jit
+def last_to_arrive(counter_ptr, arrivals):
+    tl.debug_barrier()
+    return tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == arrivals - 1
+
+
+@triton.jit
+def reset_counter(counter_ptr):
+    tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit(do_not_specialize=["num_seqs", "stride_ls"])

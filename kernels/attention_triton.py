@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention_merge_triton import (COUNTER_SLOTS, FUSED_MERGE, _merge_splits_kernel,
-                                            split_counters)
+                                            last_to_arrive, reset_counter, split_counters)
 from kernels.launch import BLOCK_N, attention_launch
 from kernels.write_kv_triton import write_kv_triton  # noqa: F401  (re-exported)
 
@@ -146,15 +146,10 @@ def _paged_attn_kernel(
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))  # base-2 log-sum-exp
         l_row = t64 * stride_lt + head  # [M]
         tl.store(lse_ptr + split * stride_ls + l_row, lse, mask=row_ok)
-        if FUSED_MERGE:
-            # Count this tile's finished splits; the one that makes it NUM_SPLITS merges. The
-            # barrier orders every thread's partial stores before the (gpu-scope, release)
-            # count; the merging split reads through L2 (.cg) after its acquire. The tile's
-            # counter goes back to 0 for the next launch (and the next CUDA-graph replay).
+        if FUSED_MERGE:  # the tile's last split to finish merges (last_to_arrive)
             tile = (seq * (tl.num_programs(1) // NUM_SPLITS) + q_block) * tl.num_programs(2) \
                 + kv_head
-            tl.debug_barrier()
-            if tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+            if last_to_arrive(counter_ptr + tile, NUM_SPLITS):
                 m_all = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
                 for s in range(NUM_SPLITS):
                     m_all = tl.maximum(m_all, tl.load(lse_ptr + s * stride_ls + l_row,
@@ -174,7 +169,7 @@ def _paged_attn_kernel(
                     w_sum += w
                 merged = merged / tl.where(w_sum > 0.0, w_sum, 1.0)[:, None]
                 tl.store(out_ptr + o_off, merged.to(out_ptr.dtype.element_ty), mask=store_mask)
-                tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")
+                reset_counter(counter_ptr + tile)
 
 
 def _dot_in_fp32(dtype: torch.dtype) -> bool:

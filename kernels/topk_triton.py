@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_merge_triton import COUNTER_SLOTS, FUSED_MERGE, split_counters
+from kernels.attention_merge_triton import (COUNTER_SLOTS, FUSED_MERGE, last_to_arrive,
+                                            reset_counter, split_counters)
 
 _BIG = tl.constexpr(2**31 - 1)  # the index of "no element": loses every tie
 
@@ -48,13 +49,8 @@ def _chunk_topk(x_ptr, val_ptr, idx_ptr, n, stride_x, out_stride,
     else:
         ix = tl.where(valid, offs, _BIG)
     _select(x, ix, offs >= n, val_ptr, idx_ptr, row * out_stride + chunk * K, K)
-    if MERGE:
-        # Stage 2 by the row's last chunk to finish: the barrier orders every thread's stores
-        # before the (gpu-scope, release) count, the winners are read through L2 (.cg) after
-        # its acquire, and the row's counter goes back to 0 for the next launch.
-        tl.debug_barrier()
-        if tl.atomic_add(counter_ptr + row, 1, sem="acq_rel", scope="gpu") \
-                == tl.num_programs(1) - 1:
+    if MERGE:  # stage 2 by the row's last chunk to finish (last_to_arrive)
+        if last_to_arrive(counter_ptr + row, tl.num_programs(1)):
             m_n = tl.num_programs(1) * K
             offs2 = tl.arange(0, BLOCK2)
             ok2 = offs2 < m_n
@@ -63,7 +59,7 @@ def _chunk_topk(x_ptr, val_ptr, idx_ptr, n, stride_x, out_stride,
             ix2 = tl.load(idx_ptr + row * out_stride + offs2, mask=ok2, other=_BIG,
                           cache_modifier=".cg").to(tl.int32)
             _select(x2, ix2, offs2 >= m_n, fin_val_ptr, fin_idx_ptr, row * K, K)
-            tl.atomic_xchg(counter_ptr + row, 0, sem="relaxed", scope="gpu")
+            reset_counter(counter_ptr + row)
 
 
 def row_topk_triton(x: torch.Tensor,  # [R, N] float, N >= k

@@ -62,4 +62,5 @@ def test_the_maximum_in_a_later_chunk() -> None:
 if __name__ == "__main__" and "--cuda" in sys.argv:
     r = check("cuda")
     print("RESULTS " + json.dumps(r))
-    print("all equal" if all(r.values()) else "MISMATCH: " + str([k for k, v in r.items() if not v]))
+    bad = [k for k, ok in r.items() if not ok]
+    print("all equal" if not bad else f"MISMATCH: {bad}")

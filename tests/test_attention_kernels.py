@@ -232,9 +232,10 @@ def _triton_worker() -> None:
             fused, unfused = (_paged_attention(*batch.attn_args(tri_k, tri_v), num_splits=splits,
                                                fused_merge=f, out=nan_out.clone())
                               for f in (True, False))
-            results[name]["fused_vs_unfused"] = (fused.float() - unfused.float()).abs().max().item()
-            results[name]["fused_unowned_max"] = fused[-NUM_UNOWNED_TOKENS:].float().abs().max().item()
-            results[name]["counters_zero"] = bool((split_counters(fused.device) == 0).all())
+            results[name].update(
+                fused_vs_unfused=(fused.float() - unfused.float()).abs().max().item(),
+                fused_unowned_max=fused[-NUM_UNOWNED_TOKENS:].float().abs().max().item(),
+                counters_zero=bool((split_counters(fused.device) == 0).all()))
     from kernels.attention_ref import paged_tree_attention_ref
 
     for name, page_size, splits in TREE_CASES:

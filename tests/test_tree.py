@@ -130,8 +130,8 @@ def test_select_nodes_ranks_equal_the_top_k_path(monkeypatch):
 
     g = torch.Generator().manual_seed(1)
     b, k, steps = 4, 4, 4
-    scores, depth, parent = [-torch.rand(b, k, generator=g)], [torch.ones(b, k, dtype=torch.long)], \
-        [torch.full((b, k), -1)]
+    scores = [-torch.rand(b, k, generator=g)]
+    depth, parent = [torch.ones(b, k, dtype=torch.long)], [torch.full((b, k), -1)]
     for s in range(1, steps):  # k^2 children of the previous level's k candidates
         prev = torch.randint(0, k, (b, k * k), generator=g) + sum(x.shape[1] for x in scores[:-1])
         par_score = torch.gather(torch.cat(scores, 1), 1, prev)

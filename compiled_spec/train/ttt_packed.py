@@ -16,6 +16,8 @@ row of step s attends step-t keys only at positions >= t-1 of its own sequence).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -124,7 +126,7 @@ def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _layer_in(layer: DraftLayer, x: torch.Tensor,  # [1, T, h] stream entering the layer
               embeds: torch.Tensor,  # [1, T, h]
               cos: torch.Tensor, sin: torch.Tensor,  # [T, head_dim]
-              ) -> tuple[torch.Tensor, ...]:  # q [1, heads, T, d], k, v [1, kv_heads, T, d], residual
+              ) -> tuple[torch.Tensor, ...]:  # q, k, v (project_qkv), residual [1, T, h]
     attn_in, residual = layer.attn_input(x, embeds)
     return (*project_qkv(layer.self_attn, attn_in, cos, sin), residual)
 
@@ -134,22 +136,23 @@ def _layer_out(layer: DraftLayer, attn: torch.Tensor,  # [1, T, heads * head_dim
     return layer.finish(layer.self_attn.o_proj(attn), residual)
 
 
-_PIECES: dict[str, object] = {}
+_PIECES = (_layer_in, _layer_out, EagleDraft._outputs)
+
+
+@functools.cache
+def _compiled_pieces() -> tuple:
+    return tuple(torch.compile(f, dynamic=False) for f in _PIECES)
 
 
 def _pieces(compiled: bool) -> tuple:
-    """(layer_in, layer_out, readout (``EagleDraft._outputs``)): the dense parts of a TTT step around the attention.
-    Compiled (``TrainConfig.compile_ttt``), each is one Inductor graph forward and backward:
-    eagerly their norms, rope, SiLU-mul, residual adds and autocast casts are ~30 elementwise
-    kernels per layer and step over [T, h], most of a training step's non-GEMM GPU time and
-    of its host launches (H200 profile, results/2026-12-01_h200_packed-ttt/). The batch is
-    packed to one token budget, so each compiles once (dynamic=False)."""
-    fns = (_layer_in, _layer_out, EagleDraft._outputs)
-    if not compiled:
-        return fns
-    if "fns" not in _PIECES:
-        _PIECES["fns"] = tuple(torch.compile(f, dynamic=False) for f in fns)
-    return _PIECES["fns"]
+    """(layer_in, layer_out, readout (``EagleDraft._outputs``)): the dense parts of a TTT step
+    around the attention. Compiled (``TrainConfig.compile_ttt``), each is one Inductor graph
+    forward and backward: eagerly their norms, rope, SiLU-mul, residual adds and autocast casts
+    are ~30 elementwise kernels per layer and step over [T, h], most of a training step's
+    non-GEMM GPU time and of its host launches (H200 profile,
+    results/2026-12-01_h200_packed-ttt/). The batch is packed to one token budget, so each
+    compiles once (dynamic=False), once per process."""
+    return _compiled_pieces() if compiled else _PIECES
 
 
 def _attend(attn: Attention, q: torch.Tensor,  # [1, heads, T, d]

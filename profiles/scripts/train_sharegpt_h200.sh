@@ -101,10 +101,11 @@ setup0)
   # the separate merge kernel. If attn.log says FAIL, run with COMPILED_SPEC_FUSED_MERGE=0.
   # Then the draft's two-stage greedy pick (compiled_spec/spec/argmax.py) against torch.argmax,
   # and the tree's row top-k with stage 2 fused into stage 1's launch (all true, repeated).
-  ( timeout 200 python3 -m kernels.bench_attention; echo "== argmax";
+  # KERNEL_CHECKS=0 skips this (~1-2 min) once a session has seen it pass on the GPU.
+  [ "${KERNEL_CHECKS:-1}" = 1 ] && ( timeout 200 python3 -m kernels.bench_attention; echo "== argmax";
     timeout 120 python3 tests/test_argmax.py --cuda; echo "== row top-k (fused stage 2)";
     timeout 120 python3 tests/test_topk_kernel.py --cuda ) > "$OUT/attn.log" 2>&1
-  tail -c 2500 "$OUT/attn.log"
+  [ -f "$OUT/attn.log" ] && tail -c 2500 "$OUT/attn.log"
   [ "${SPEED:-1}" = 1 ] || exit 0  # SPEED=0: setup only
   timeout ${LIMIT:-330} python3 profiles/scripts/train_speed_h200.py --tokenizer ~/tok \
     --sections ${SPEED_SECTIONS:-check train} --impl packed --batch-tokens ${SPEED_BT:-32768 65536} \
