@@ -1,9 +1,9 @@
 """Merging the KV splits of the paged-attention kernel (``kernels.attention_triton``).
 
-The kernel's default: the split that finishes a tile last merges it, found through a per-tile
-counter kept here (one kernel per attention). The separate merge kernel below is the other way,
-kept for A/B runs (``COMPILED_SPEC_FUSED_MERGE=0``) and for a forced split count past the
-counters. The counters and their protocol (``last_to_arrive``, ``reset_counter``) also serve the
+The default is the separate merge kernel below. ``COMPILED_SPEC_FUSED_MERGE=1``: the split that
+finishes a tile last merges it, found through a per-tile counter kept here (one kernel per
+attention); off until timed on the GPU in its current form (see ``kernels.attention_triton``).
+A forced split count past the counters always takes the merge kernel. The counters and their protocol (``last_to_arrive``, ``reset_counter``) also serve the
 row top-k's one-launch stage 2 (``kernels.topk_triton``).
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import triton.language as tl
 # allocated per call: zeroing a fresh buffer would be the extra kernel the fused merge removes.
 COUNTER_SLOTS = 4096
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
-FUSED_MERGE = os.environ.get("COMPILED_SPEC_FUSED_MERGE", "1") != "0"  # 0: A/B against 2 kernels
+FUSED_MERGE = os.environ.get("COMPILED_SPEC_FUSED_MERGE", "0") == "1"  # see the docstring
 
 
 def split_counters(device: torch.device) -> torch.Tensor:  # [COUNTER_SLOTS] int32

@@ -122,9 +122,9 @@ def time_graph(fn, reps: int = 20, iters: int = 10) -> float:
 
 def bench() -> None:
     print("\ndecode (q_len 1, page 16, bf16); us per call from CUDA-graph replay")
-    print("(triton: heuristic splits merged by the last split; +merge: the same splits and a "
-          "separate merge kernel)")
-    print(f"{'shape':8s} {'batch':>5s} {'q':>3s} {'ctx':>5s} {'triton':>8s} {'+merge':>8s} "
+    print("(triton: the default, heuristic splits and the separate merge kernel; fused: the "
+          "same splits merged by the last split, COMPILED_SPEC_FUSED_MERGE=1)")
+    print(f"{'shape':8s} {'batch':>5s} {'q':>3s} {'ctx':>5s} {'triton':>8s} {'fused':>8s} "
           f"{'1-split':>8s} {'ref':>8s} {'KV GB/s':>8s}")
     for name, (h, kvh, d) in SHAPES.items():
         for batch, q_len in ((1, 1), (1, 6), (1, 32), (16, 1)):
@@ -133,7 +133,7 @@ def bench() -> None:
                 args = attn_args(b)
                 t_tri = time_graph(lambda: paged_attention_triton(*args))
                 t_two = time_graph(lambda: _paged_attention(*args, num_splits=None,
-                                                            fused_merge=False))
+                                                            fused_merge=True))
                 t_one = time_graph(lambda: _paged_attention(*args, num_splits=1))
                 try:  # the reference is plain PyTorch; capture is not its design goal
                     t_ref = time_graph(lambda: paged_attention_ref(*args), reps=2, iters=3)

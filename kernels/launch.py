@@ -71,6 +71,13 @@ def attention_launch(group: int, num_kv_heads: int, num_seqs: int, max_query_len
     return AttnLaunch(block_q, num_splits, q_blocks, kv_chunk)
 
 
+def merge_chunk_for(rows: int, dim_pad: int, num_splits: int, budget: int = 8192) -> int:
+    """Splits merged per unrolled step by the fused merge: as many [rows, dim_pad] fp32 tiles
+    as fit ``budget`` elements (64 registers a thread at 4 warps), so the loads of a step are
+    issued together. All arguments are powers of two, and so is the result."""
+    return max(1, min(num_splits, budget // (rows * dim_pad)))
+
+
 def reachable_configs(group: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
                       sms: int | None) -> list[tuple[int, int]]:
     """Every (block_q, num_splits) an engine can launch with query lengths 1..``max_query_len``

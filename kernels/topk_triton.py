@@ -6,10 +6,11 @@ multi-block radix select of ~8 kernels and ~35 us, five times in every tree prop
 (results/2026-12-01_h200_session7/trees.log). Here: stage 1, one program per (row, chunk of
 BLOCK) keeps its chunk's k best by k rounds of max + smallest matching index; stage 2, one
 program per row, the same over the chunks' winners (their original indices break ties). Two
-launches; one when a row fits a single chunk. With ``kernels.attention_merge_triton``'s
-fused merge on (the default), stage 2 runs in stage 1's launch: the chunk program that finishes
-a row last (a per-row atomic counter, as the attention kernel's split merge) selects over the
-row's chunk winners. One launch per top-k instead of two (7 top-k per 8/32 tree proposal).
+launches; one when a row fits a single chunk. By default (``COMPILED_SPEC_FUSED_TOPK=0``
+turns it off) stage 2 runs in stage 1's launch: the chunk program that finishes a row last (a
+per-row atomic counter, ``kernels.attention_merge_triton``'s protocol) selects over the row's
+chunk winners. One launch per top-k instead of two: on the H200 (fourteenth session) 9 launches
+at 5.3 us per 8/32 tree proposal against 14 at 3.3 us, the same GPU time in 5 fewer launches.
 """
 from __future__ import annotations
 
@@ -17,8 +18,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_merge_triton import (COUNTER_SLOTS, FUSED_MERGE, last_to_arrive,
-                                            reset_counter, split_counters)
+import os
+
+from kernels.attention_merge_triton import (COUNTER_SLOTS, last_to_arrive, reset_counter,
+                                            split_counters)
+
+FUSED_TOPK = os.environ.get("COMPILED_SPEC_FUSED_TOPK", "1") != "0"
 
 _BIG = tl.constexpr(2**31 - 1)  # the index of "no element": loses every tie
 
@@ -63,7 +68,7 @@ def _chunk_topk(x_ptr, val_ptr, idx_ptr, n, stride_x, out_stride,
 
 
 def row_topk_triton(x: torch.Tensor,  # [R, N] float, N >= k
-                    k: int, block: int = 1024, fused: bool | None = None,  # None: FUSED_MERGE
+                    k: int, block: int = 1024, fused: bool | None = None,  # None: FUSED_TOPK
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """(values [R, k] float32 descending, indices [R, k] int64)."""
     r, n = x.shape
@@ -83,7 +88,7 @@ def row_topk_triton(x: torch.Tensor,  # [R, N] float, N >= k
     m = chunks * k
     v1 = torch.empty(r, m, dtype=torch.float32, device=x.device)
     i1 = torch.empty(r, m, dtype=torch.int64, device=x.device)
-    merge = (FUSED_MERGE if fused is None else fused) and r <= COUNTER_SLOTS
+    merge = (FUSED_TOPK if fused is None else fused) and r <= COUNTER_SLOTS
     _chunk_topk[(r, chunks)](x, v1, i1, n, x.stride(0), m, K=k, BLOCK=block,
                              HAS_IDX=False, idx_in_ptr=x, fin_val_ptr=vals, fin_idx_ptr=idx,
                              counter_ptr=split_counters(x.device) if merge else idx,

@@ -29,6 +29,8 @@ from tests.triton_interpret import run_interpreted  # noqa: E402
 # sequence (q_len 0), verification of k+1 = 4 and 8 tokens, and a long-ish prefill.
 MIXED_BATCH: list[tuple[int, int]] = [(0, 13), (7, 20), (30, 1), (0, 1), (5, 0), (11, 4),
                                       (40, 8), (0, 37)]
+# Contexts long enough that every forced KV split has keys (MIXED_BATCH's 48 fit the first).
+LONG_BATCH: list[tuple[int, int]] = [(505, 1), (290, 6), (0, 1), (150, 32)]
 NUM_UNOWNED_TOKENS = 2  # trailing query rows no sequence owns (CUDA-graph padding): output 0
 
 
@@ -166,6 +168,10 @@ TRITON_CASES = [
     ("p16_gqa_fp32", 16, (9, 3), 64, "float32", None),
     ("p3_mha_fp32", 3, (4, 4), 32, "float32", None),
     ("p16_gqa_fp32_split4", 16, (9, 3), 32, "float32", 4),
+    # LONG_BATCH: every split has keys; 8 splits of [64 rows, 32] tiles are merged (fused) in
+    # two chunks of 4
+    ("p16_gqa_fp32_long_split8", 16, (9, 3), 32, "float32", 8),
+    ("p5_gqa_bf16_long_split4", 5, (6, 2), 64, "bfloat16", 4),
     ("p3_mha_fp32_split2", 3, (4, 4), 32, "float32", 2),
     ("p16_gqa_fp16", 16, (9, 3), 32, "float16", None),
     ("p5_gqa_bf16_split2", 5, (6, 2), 128, "bfloat16", 2),
@@ -174,20 +180,25 @@ TRITON_CASES = [
     ("p4_gqa_fp32_strided_q_split4", 4, (9, 3), 32, "float32", 4),
 ]
 TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 6e-2}
-# Tree attention: (name, page_size, forced KV splits or None); fp32, GQA 9/3, head_dim 32.
-TREE_CASES = [("tree_p1", 1, None), ("tree_p4_split2", 4, 2), ("tree_p16", 16, None)]
+# Tree attention: (name, page_size, forced KV splits or None, longer prefix); fp32, GQA 9/3,
+# head_dim 32. A 21-token prefix puts every key in the first split; 600 tokens fill all 16
+# splits of the last case (the fused merge then takes two chunks of 8 live splits).
+TREE_CASES = [("tree_p1", 1, None, 21), ("tree_p4_split2", 4, 2, 21), ("tree_p16", 16, None, 21),
+              ("tree_p4_long_split4", 4, 4, 300), ("tree_p4_long_split16", 4, 16, 600)]
 
 
-def _tree_batch(page_size: int, seed: int):
-    """Two sequences (prefixes of 7 and 21 tokens) with random 6-node trees over a paged cache."""
+def _tree_batch(page_size: int, seed: int, prefix: int = 21):
+    """Two sequences (prefixes of 7 and ``prefix`` tokens) with random 6-node trees over a paged
+    cache."""
     from compiled_spec.spec.tree import ancestor_mask
 
     g = torch.Generator().manual_seed(seed)
-    n, blocks = 6, 64
+    n = 6
+    width = (prefix + n) // page_size + 1
+    blocks = max(64, 2 * width)
     k = torch.randn(blocks, page_size, 3, 32, generator=g)
     v = torch.randn(blocks, page_size, 3, 32, generator=g)
-    starts = torch.tensor([7, 21], dtype=torch.int32)
-    width = (21 + n) // page_size + 1
+    starts = torch.tensor([7, prefix], dtype=torch.int32)
     tables = torch.randperm(blocks, generator=g)[:2 * width].view(2, width).int()
     parents = torch.tensor([[-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in
                                     range(1, n)] for _ in range(2)])
@@ -203,8 +214,8 @@ def _triton_worker() -> None:
     results = {}
     for name, page_size, heads, head_dim, dtype_name, splits in TRITON_CASES:
         dtype = getattr(torch, dtype_name)
-        batch = make_batch(MIXED_BATCH, *heads, head_dim=head_dim, page_size=page_size,
-                           dtype=dtype, seed=len(results))
+        batch = make_batch(LONG_BATCH if "_long" in name else MIXED_BATCH, *heads,
+                           head_dim=head_dim, page_size=page_size, dtype=dtype, seed=len(results))
         if "strided_q" in name:  # same values, row stride (heads + kv_heads) * head_dim
             q = batch.query
             wide = torch.cat([q, torch.randn(q.shape[0], heads[1], head_dim).to(dtype)], dim=1)
@@ -238,12 +249,14 @@ def _triton_worker() -> None:
                 counters_zero=bool((split_counters(fused.device) == 0).all()))
     from kernels.attention_ref import paged_tree_attention_ref
 
-    for name, page_size, splits in TREE_CASES:
-        q, k, v, tables, starts, mask, qsl, n = _tree_batch(page_size, len(results))
-        ref = paged_tree_attention_ref(q, k, v, tables, starts, mask, qsl, n, n, 21 + n, 0.2)
-        tri = _paged_attention(q, k, v, tables, starts + n, qsl, n, 21 + n, 0.2, num_splits=splits,
-                               tree_start=starts, tree_mask=mask)
-        results[name] = {"err_vs_ref": (tri - ref).abs().max().item()}
+    for name, page_size, splits, prefix in TREE_CASES:
+        q, k, v, tables, starts, mask, qsl, n = _tree_batch(page_size, len(results), prefix)
+        ref = paged_tree_attention_ref(q, k, v, tables, starts, mask, qsl, n, n, prefix + n, 0.2)
+        errs = [(_paged_attention(q, k, v, tables, starts + n, qsl, n, prefix + n, 0.2,
+                                  num_splits=splits, tree_start=starts, tree_mask=mask,
+                                  fused_merge=fused) - ref).abs().max().item()
+                for fused in ((False, True) if splits else (False,))]
+        results[name] = {"err_vs_ref": max(errs), "runs": len(errs)}
     # Start-up warm-up: every reachable launch configuration, on the engine's own caches.
     from kernels.launch import reachable_configs
     from kernels.warmup import warm_attention
@@ -291,7 +304,10 @@ def test_fused_split_merge_equals_merge_kernel(triton_results: dict, case: str) 
 
 @pytest.mark.parametrize("case", [c[0] for c in TREE_CASES])
 def test_triton_tree_attention_matches_reference(triton_results: dict, case: str) -> None:
-    assert triton_results[case]["err_vs_ref"] < 1e-4, triton_results[case]
+    """Split cases run both merges (the merge kernel and the last split's)."""
+    r = triton_results[case]
+    assert r["err_vs_ref"] < 1e-4, r
+    assert r["runs"] == (2 if next(c[2] for c in TREE_CASES if c[0] == case) else 1), r
 
 
 # ---------------------------------------------------------------------------------------------

@@ -46,3 +46,20 @@ def test_launch_policy_values():
     assert attention_launch(3, 3, 1, 1, 64, 132).key == (4, 1)  # one key block: no split
     assert reachable_configs(3, 3, 2048, 2048, None) == [(4, 1), (8, 1), (16, 1)]
     assert reachable_configs(3, 3, 1, 2048, 132) == [(4, s) for s in (1, 2, 4, 8, 16, 32)]
+
+
+def test_merge_chunk_policy():
+    """The fused merge's splits per unrolled step: as many [rows, dim] fp32 tiles as fit 8192
+    elements, never more than the splits, never 0, and a power of two that divides them."""
+    from kernels.launch import merge_chunk_for
+
+    assert merge_chunk_for(16, 64, 32) == 8  # SmolLM2 batch-1 decode at 2048 keys: 4 steps
+    assert merge_chunk_for(64, 64, 8) == 2  # an 8/32 tree's q block
+    assert merge_chunk_for(16, 64, 4) == 4  # fewer splits than the budget allows
+    assert merge_chunk_for(64, 256, 8) == 1  # a tile past the budget: one split per step
+    for rows in (16, 32, 64, 128):
+        for dim in (16, 32, 64, 128, 256):
+            for splits in (2, 4, 8, 16, 32, 64):
+                c = merge_chunk_for(rows, dim, splits)
+                assert 1 <= c <= splits and splits % c == 0 and c & (c - 1) == 0
+                assert c == 1 or c * rows * dim <= 8192

@@ -98,7 +98,9 @@ setup0)
   timeout 120 python3 tests/test_rope_kv.py --cuda > "$OUT/rope_kv.log" 2>&1; tail -c 800 "$OUT/rope_kv.log"
   # The paged-attention kernel against its reference, the fused split merge (the last split
   # merges, thirteenth session) under repeated eager and graph launches, and its timing against
-  # the separate merge kernel. If attn.log says FAIL, run with COMPILED_SPEC_FUSED_MERGE=0.
+  # the separate merge kernel (the fused merge is opt-in, COMPILED_SPEC_FUSED_MERGE=1: the
+  # table's `triton` column is it, `+merge` the default). If attn.log says FAIL, add
+  # COMPILED_SPEC_FUSED_TOPK=0 to later commands (the row top-k's one-launch stage 2).
   # Then the draft's two-stage greedy pick (compiled_spec/spec/argmax.py) against torch.argmax,
   # and the tree's row top-k with stage 2 fused into stage 1's launch (all true, repeated).
   # KERNEL_CHECKS=0 skips this (~1-2 min) once a session has seen it pass on the GPU.
