@@ -103,6 +103,13 @@ class HostStage:
         self._tables = self.h32[s * b + b + 1:].reshape(b, bufs.max_blocks)
         # (padded tokens, padded seqs) -> the two uploads' (device, host) views
         self._uploads: dict[tuple[int, int], tuple[tuple[torch.Tensor, torch.Tensor], ...]] = {}
+        # Recorded after the uploads: the next fill waits for it before rewriting the pinned
+        # mirrors. An engine step's own device-to-host read usually orders them already
+        # (``staging``), but a step launched ahead of that read (vanilla decode ahead,
+        # compiled_spec/engine/verify_ahead.py) is staged after it; then this wait is what
+        # keeps the next fill off a copy the GPU has not run yet (it runs first in the stream
+        # once the host has read the step, so the wait is short).
+        self._uploaded = torch.cuda.Event() if bufs.device.type == "cuda" else None
 
     def fill(self, hb: HostBatch, padded_tokens: int, padded_seqs: int, max_query_len: int,
              max_seq_len: int, drafts_flat: torch.Tensor | None,
@@ -128,6 +135,8 @@ class HostStage:
         if len(hb.rows) != (t if self._rows is not None else 0):
             raise ValueError(f"host batch has {len(hb.rows)} rows for {t} tokens; buffers' row "
                              f"sources: {sorted(bufs.sources)}")
+        if self._uploaded is not None:
+            self._uploaded.synchronize()  # the last uploads from these mirrors have run
         put(self._ids, hb.input_ids, padded_tokens, 0)
         if self._rows is not None:  # padded tokens read row 0 of every source: a valid row
             put(self._rows, hb.rows, padded_tokens, 0)
@@ -150,6 +159,8 @@ class HostStage:
                 (bufs.flat64[:end64], self.t64[:end64]), (bufs.flat32[:end32], self.t32[:end32]))
         for dst, src in up:
             dst.copy_(src, non_blocking=True)
+        if self._uploaded is not None:
+            self._uploaded.record()
         if n_d:
             if drafts_flat is None:
                 raise ValueError("host batch has draft rows but no drafts were given")

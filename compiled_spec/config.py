@@ -130,6 +130,11 @@ class SpecConfig:
                              f"(speculative_topk={t}): use 'always' or a chain (topk 1)")
 
 
+def verify_ahead_default() -> bool:
+    """SpecConfig.verify_ahead when not given: off unless COMPILED_SPEC_VERIFY_AHEAD=1."""
+    return os.environ.get("COMPILED_SPEC_VERIFY_AHEAD", "0") == "1"
+
+
 def early_propose_default() -> bool:
     """SpecConfig.early_propose when not given: on unless COMPILED_SPEC_EARLY_PROPOSE=0."""
     return os.environ.get("COMPILED_SPEC_EARLY_PROPOSE", "1") != "0"
@@ -145,6 +150,11 @@ class EngineConfig:
     scheduler: SchedulerConfig
     seed: int = 0  # seeds the per-request seeds of requests that give none
     spec: SpecConfig | None = None
+    # A step launches the next one's target forward before the engine's bookkeeping: greedy
+    # decode steps from the device argmax, early chain steps from their drafts
+    # (compiled_spec/engine/verify_ahead.py). Off until an H200 A/B (`bench --ab
+    # verify_ahead`) shows it pays.
+    verify_ahead: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_model_len, int) or self.max_model_len < 2:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from compiled_spec.config import (CacheConfig, EngineConfig, SchedulerConfig, SpecConfig,
-                                  early_propose_default,
+                                  early_propose_default, verify_ahead_default,
                                   resolve_device, resolve_dtype)
 from capture import CapturePolicy
 from compiled_spec.compile_cache import CacheStats, activate as activate_compile_cache
@@ -57,7 +57,10 @@ class LLM:
     and acceptance say plain decoding is faster (``llm.stats.policy.summary()`` reports it).
     ``early_propose=False`` launches each proposal after the host read the step's acceptance
     (default: before it where the step allows, ``llm.stats.early_propose`` counts both; None
-    reads COMPILED_SPEC_EARLY_PROPOSE, 0 = off).
+    reads COMPILED_SPEC_EARLY_PROPOSE, 0 = off). ``verify_ahead=True``: greedy decode steps
+    and early chain steps launch the next step's target forward before the engine's
+    bookkeeping (``llm.stats.verify_ahead``; None reads COMPILED_SPEC_VERIFY_AHEAD, 1 = on; off
+    by default until measured on the H200).
     """
 
     def __init__(
@@ -85,6 +88,7 @@ class LLM:
         speculative_num_draft_tokens: int | None = None,
         speculation_policy: str = "always",
         early_propose: bool | None = None,
+        verify_ahead: bool | None = None,
         compile: bool = False,
         compile_config: CompileConfig | None = None,
         tensor_parallel_size: int = 1,
@@ -147,6 +151,7 @@ class LLM:
                 speculation_policy=speculation_policy,
                 early_propose=early_propose_default() if early_propose is None
                 else early_propose),
+            verify_ahead=verify_ahead_default() if verify_ahead is None else verify_ahead,
         )
         draft_model = None
         if draft is not None:

@@ -134,6 +134,14 @@ def test_ab_runs_each_compiled_engine_with_the_flag_off_then_on() -> None:
     assert [(v.name, v.flags) for v in skinny] == [
         ("ours EAGLE k=5 compiled + graphs", {"skinny_gemm": False}),
         ("ours EAGLE k=5 compiled + graphs + skinny GEMMs", {"skinny_gemm": True})]
+    ahead = _variants(["ours_vanilla_compiled", "ours_eagle_compiled"], "head", 5,
+                      trees=[(8, 32)], ab="verify_ahead")
+    assert [(v.name, v.verify_ahead, v.flags) for v in ahead] == [
+        ("ours vanilla compiled + graphs", False, {}),
+        ("ours vanilla compiled + graphs + verify ahead", True, {}),
+        ("ours EAGLE k=5 compiled + graphs", False, {}),
+        ("ours EAGLE k=5 compiled + graphs + verify ahead", True, {}),
+        ("ours EAGLE tree topk 8, 32 tokens, depth 5 compiled + graphs", None, {})]  # no ahead
     with pytest.raises(SystemExit):
         main(["bench", "--ab", "fast_mode"])
 

@@ -27,6 +27,7 @@ class Variant:
     tree: tuple[int, int] | None = None  # EAGLE-2 draft tree: (topk, verified tokens incl. root)
     policy: str = "always"  # speculation_policy
     early_propose: bool = True  # False: every proposal launched after the acceptance is read
+    verify_ahead: bool | None = None  # SpecConfig.verify_ahead; None: the LLM's default
     # CompileConfig flags this variant sets over the run's own (bench --ab: one of a pair)
     flags: dict[str, bool] = field(default_factory=dict)
 
@@ -62,6 +63,8 @@ def build_engine(v: Variant, kw: dict[str, Any], prompts: list[list[int]],
         kw["speculation_policy"] = v.policy
     if v.draft is not None:
         kw["early_propose"] = v.early_propose
+    if v.verify_ahead is not None:
+        kw["verify_ahead"] = v.verify_ahead
     # Size the KV pool from the prompts, so the reported peak memory is this run's need (a
     # tree writes every node's KV at its own slot past the last token).
     k = (v.tree[1] if v.tree else kw.get("num_speculative_tokens", 0)) if v.draft else 0
@@ -114,6 +117,7 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
         d0, a0 = spec.num_drafting_steps, spec.num_accepted_tokens
         n0, s0, w0 = es.num_steps, es.step_s, es.host_wait_s
         ep0 = es.early_propose.as_dict() if es.early_propose is not None else None
+        va0 = es.verify_ahead.as_dict() if es.verify_ahead is not None else None
         sync(dev)
         t0 = time.perf_counter()
         if b == 1:
@@ -140,6 +144,12 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
                 "late_reasons": {r: n - ep0["late_reasons"].get(r, 0)
                                  for r, n in ep["late_reasons"].items()
                                  if n > ep0["late_reasons"].get(r, 0)}}
+        if va0 is not None and es.verify_ahead.launched > va0["launched"]:
+            va = es.verify_ahead.as_dict()
+            row.extra["verify_ahead"] = {
+                k: va[k] - va0[k] for k in ("launched", "taken", "taken_subset")} | {
+                k: {r: n - va0[k].get(r, 0) for r, n in va[k].items() if n > va0[k].get(r, 0)}
+                for k in ("discarded", "skipped")}
         if llm.stats.policy is not None:  # what the adaptive policy chose at this batch
             from compiled_spec.spec.policy import bucket_of
 

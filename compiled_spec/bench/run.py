@@ -22,7 +22,8 @@ OURS = ("ours_vanilla_eager", "ours_vanilla_compiled", "ours_eagle_eager", "ours
 ALL_VARIANTS = (*hf.KINDS, *OURS)
 PROJECTED_TAUS = (2.0, 3.0, 4.0)
 # CompileConfig flags `--ab` can compare, with the label of their "on" rows
-AB_FLAGS = {"pdl": "PDL", "skinny_gemm": "skinny GEMMs", "autotune_gemm": "GEMM autotuning"}
+AB_FLAGS = {"pdl": "PDL", "skinny_gemm": "skinny GEMMs", "autotune_gemm": "GEMM autotuning",
+            "verify_ahead": "verify ahead"}  # the last an engine option (vanilla, chains)
 LLAMA8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
            "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
            "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 131072,
@@ -65,7 +66,12 @@ def _variants(names: list[str], draft: str | None, k: int,
         for topk, tokens in trees if spec else ():
             out.append(Variant(f"ours EAGLE tree topk {topk}, {tokens} tokens, depth {k}" + mode,
                                draft, n.endswith("compiled"), (topk, tokens)))
-    if ab is not None:
+    if ab == "verify_ahead":  # vanilla and chains (trees never launch ahead)
+        out = [w for v in out for w in (
+            [replace(v, verify_ahead=False),
+             replace(v, name=f"{v.name} + {AB_FLAGS[ab]}", verify_ahead=True)]
+            if v.compile and v.tree is None else [v])]
+    elif ab is not None:
         out = [w for v in out for w in (
             [replace(v, flags={ab: False}),
              replace(v, name=f"{v.name} + {AB_FLAGS[ab]}", flags={ab: True})]
@@ -232,7 +238,8 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
                    "launched after the host reads the step's acceptance), to compare")
     b.add_argument("--ab", choices=sorted(AB_FLAGS), default=None,
                    help="run every compiled engine of ours twice in a row, with this compile "
-                   "option off, then on (rows named '+ ...'), to compare in one process")
+                   "option off, then on (rows named '+ ...'), to compare in one process "
+                   "(verify_ahead: vanilla and EAGLE chains, not trees)")
     b.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64],
                    help="batch sizes for our engines (transformers runs batch 1)")
     b.add_argument("--tokenizer", default=None)

@@ -84,6 +84,11 @@ class LLMEngine:
             # The policy picks a step's mode after its acceptance: such steps propose late.
             early.may_pause = self.stats.policy is not None
             self.stats.early_propose = early.stats
+        # Vanilla greedy decode and early chain steps (not trees) launch the next step ahead.
+        self.runner.ahead.enabled = cfg.verify_ahead and (
+            cfg.spec is None or (cfg.spec.early_propose and tree is None
+                                 and cfg.spec.speculation_policy == "always"))
+        self.stats.verify_ahead = self.runner.ahead.stats
         self._mode_prev = SPEC  # the last proposal's mode: what this step verifies
         self._obs: tuple[int, str, float] | None = None  # this step, if steady: (B, mode, tau)
 
@@ -161,6 +166,8 @@ class LLMEngine:
         stats.num_preemptions = self.scheduler.num_preemptions
         if batch.empty:
             return finished
+        # A next-step verify launched early assumes this batch again (engine/verify_ahead.py).
+        self.runner.ahead.admitting = bool(self.scheduler.waiting)
         try:
             self._run(batch.requests, batch.num_new_tokens, finished)
         except Exception as e:  # noqa: BLE001 - any fault of one step is contained here

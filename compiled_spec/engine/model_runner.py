@@ -19,6 +19,7 @@ from compiled_spec.engine.batch import (Span, build_host_batch, build_sampling_t
 from compiled_spec.engine.early_propose import EarlyPropose, EarlyStep, HostCopy
 from compiled_spec.engine.logprobs import gather_logprobs
 from compiled_spec.engine.request import Request
+from compiled_spec.engine.verify_ahead import VerifyAhead
 from compiled_spec.kv_cache import BlockAllocator, KVCacheExhausted
 from compiled_spec.models.decoder import CausalLM
 from compiled_spec.profile import phase
@@ -66,6 +67,8 @@ class ModelRunner:
         self._pending: _Pending | None = None
         # Chain steps propose before the host reads their acceptance (engine/early_propose.py).
         self.early: EarlyPropose | None = EarlyPropose(self)
+        # Early steps may launch the next step's verify before the bookkeeping (verify_ahead.py).
+        self.ahead = VerifyAhead(self)
         self._early_step: EarlyStep | None = None  # this step's, until ``propose`` takes it
         # Seconds the host spent blocked in the step's device-to-host copy, i.e. waiting for
         # the GPU: a step whose wait is a small share of its time is host-bound (stats).
@@ -88,6 +91,7 @@ class ModelRunner:
         were aborted mid-step): the next step verifies no drafts, which stays exact."""
         self._drafts = self._draft_probs = self._pending = self._early_step = None
         self._draft_row = {}
+        self.ahead.clear()
 
     def num_drafts_for(self, req: Request) -> int:
         """Drafts to verify this step: what was proposed, capped so nothing passes the request's
@@ -98,24 +102,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, reqs: list[Request], num_new: list[int]) -> StepOutput:
-        with phase("prepare"):
-            hb, spans, num_draft = self._prepare(reqs, num_new)
-        with phase("verify"):
-            drafts = None if self._drafts is None else self._drafts.reshape(-1)
-            run_host = getattr(self.target_fn, "run_host", None)
-            if run_host is not None:  # CUDA graphs: staged straight into the static buffers
-                hidden, aux = run_host(hb, drafts, self.aux_layer_ids)
-            else:
-                input_ids, positions, meta = host_batch_to_device(hb, self.device, drafts)
-                hidden, aux = self.target_fn(input_ids, positions, meta, self.aux_layer_ids)
-            logits, row_start = self._logits(hidden, spans, num_draft)
-            # Decoding with a graphed propose to follow: its fc issued before the acceptance's
-            # host wait (the O(batch) check only where there are graphs).
-            if (self.aux_layer_ids and self.proposer is not None
-                    and self.proposer.graph is not None
-                    and max(s.length for s in spans) <= self.k + 1):
-                self.proposer.precombine(aux)
-        target_hidden = aux if self.aux_layer_ids else hidden
+        # The verify an early step launched for this batch (engine/verify_ahead.py), if it fits.
+        ahead = self.ahead.take(reqs, num_new)
+        if ahead is not None:
+            spans, num_draft = ahead.spans, ahead.num_draft
+            logits, row_start, target_hidden = ahead.logits, ahead.row_start, ahead.target_hidden
+        else:
+            with phase("prepare"):
+                hb, spans, num_draft = self._prepare(reqs, num_new)
+            with phase("verify"):
+                drafts = None if self._drafts is None else self._drafts.reshape(-1)
+                logits, row_start, target_hidden = self._verify(hb, spans, num_draft, drafts)
         # Staged while the verify runs; None: this step proposes late (the reason counted).
         early = None if self.early is None else self.early.plan(reqs, num_new, num_draft,
                                                                 row_start)
@@ -123,7 +120,9 @@ class ModelRunner:
             if early is not None:
                 new_tokens = self.early.accept(early, logits, target_hidden)
             else:
-                new_tokens = self._accept(reqs, logits, num_draft)
+                new_tokens = self._accept(reqs, logits, num_draft, num_new)
+        if early is not None:  # the next verify, before the engine's bookkeeping
+            self.ahead.launch(reqs, early, new_tokens)
         self._early_step = early
         self._pending = None if early is not None else _Pending(
             hidden=target_hidden, spans=spans, row_start=row_start, num_draft=num_draft)
@@ -131,6 +130,25 @@ class ModelRunner:
         if any(r.params.logprobs is not None for r in reqs):
             lp = gather_logprobs(list(logits), new_tokens, [r.params.logprobs for r in reqs])
         return StepOutput(new_tokens=new_tokens, num_draft=num_draft, logprobs=lp)
+
+    def _verify(self, hb: HostBatch, spans: list[Span], num_draft: list[int],
+                drafts: torch.Tensor | None,  # [B_prev * k] the last proposal's, flat
+                ) -> tuple[torch.Tensor, list[int], torch.Tensor | list[torch.Tensor]]:
+        """The target forward over ``hb``: (logits [B, K+1, V], row_start, target hidden)."""
+        run_host = getattr(self.target_fn, "run_host", None)
+        if run_host is not None:  # CUDA graphs: staged straight into the static buffers
+            hidden, aux = run_host(hb, drafts, self.aux_layer_ids)
+        else:
+            input_ids, positions, meta = host_batch_to_device(hb, self.device, drafts)
+            hidden, aux = self.target_fn(input_ids, positions, meta, self.aux_layer_ids)
+        logits, row_start = self._logits(hidden, spans, num_draft)
+        # Decoding with a graphed propose to follow: its fc issued before the acceptance's
+        # host wait (the O(batch) check only where there are graphs).
+        if (self.aux_layer_ids and self.proposer is not None
+                and self.proposer.graph is not None
+                and max(s.length for s in spans) <= self.k + 1):
+            self.proposer.precombine(aux)
+        return logits, row_start, aux if self.aux_layer_ids else hidden
 
     def _prepare(self, reqs: list[Request], num_new: list[int]
                  ) -> tuple[HostBatch, list[Span], list[int]]:
@@ -191,13 +209,19 @@ class ModelRunner:
             logits = logits[to_device(pad_idx, self.device)]
         return logits.view(len(spans), kmax + 1, -1), row_start
 
-    def _accept(self, reqs: list[Request], logits: torch.Tensor, num_draft: list[int]) -> list[list[int]]:
+    def _accept(self, reqs: list[Request], logits: torch.Tensor, num_draft: list[int],
+                num_new: list[int]) -> list[list[int]]:
         """Greedy or rejection sampling; one device-to-host copy of the results."""
         B, K1, V = logits.shape
         kmax = K1 - 1
         greedy = all(r.params.greedy for r in reqs)  # host-known: no sampling tensors needed
         if greedy and kmax == 0:  # vanilla greedy decode: the argmax is the whole step
-            return [[t] for t in self.to_host(logits[:, 0].argmax(dim=-1))]
+            tok = logits[:, 0].argmax(dim=-1)  # [B]
+            if self.k == 0 and self.ahead.enabled:  # the next decode launched from it first
+                return [[t] for t in self.to_host(self.ahead.decode(reqs, num_new, tok))]
+            return [[t] for t in self.to_host(tok)]
+        if self.k == 0 and self.ahead.enabled:
+            self.ahead.skip("sampling")
         if greedy:
             return self._greedy_accept_host(reqs, logits.argmax(dim=-1), num_draft)
         k_t = to_device(num_draft, self.device)  # [B]

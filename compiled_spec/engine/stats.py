@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from compiled_spec.engine.early_propose import EarlyProposeStats
+from compiled_spec.engine.verify_ahead import VerifyAheadStats
 from compiled_spec.spec.metrics import SpecStats
 from compiled_spec.spec.policy import SpecPolicy
 
@@ -31,4 +32,7 @@ class EngineStats:
     # Speculative engines: steps that proposed before the host read their acceptance, and the
     # late ones with why (engine/early_propose.py, early_tree.py); None for vanilla engines.
     early_propose: EarlyProposeStats | None = None
+    # Next-step target forwards launched before the bookkeeping (vanilla decode, chains),
+    # taken or discarded and why (engine/verify_ahead.py).
+    verify_ahead: VerifyAheadStats | None = None
     spec: SpecStats = field(default_factory=SpecStats)

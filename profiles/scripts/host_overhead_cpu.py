@@ -200,6 +200,8 @@ def measure(name: str, llm: LLM, k: int, batch: int, tokens: int, ops: bool,
     row["without_graph"] = st["without_graph"]
     if eng.stats.early_propose is not None:  # cumulative, the warm-up run included
         row["early_propose"] = eng.stats.early_propose.as_dict()
+    if eng.stats.verify_ahead is not None and eng.stats.verify_ahead.launched:
+        row["verify_ahead"] = eng.stats.verify_ahead.as_dict()
     if ops:
         row["aten_ops_per_step"] = round(sum(counter.ops.values()) / steps, 1)
         row["top_ops"] = {o: round(n / steps, 2) for o, n in counter.ops.most_common(40)}
@@ -235,7 +237,12 @@ def main() -> None:
     for batch in a.batch:
         # eagle3_k5: chain steps propose before the acceptance is read (early_propose, the
         # default); eagle3_k5_late: after it, as before issue 16.
-        variants = [("vanilla", None, 0, {}), ("eagle3_k5", head, 5, {}),
+        # eagle3_k5_ahead: early steps also launch the next verify before the bookkeeping
+        # (engine/verify_ahead.py).
+        variants = [("vanilla", None, 0, {"verify_ahead": False}),
+                    ("vanilla_ahead", None, 0, {"verify_ahead": True}),
+                    ("eagle3_k5", head, 5, {"verify_ahead": False}),
+                    ("eagle3_k5_ahead", head, 5, {"verify_ahead": True}),
                     ("eagle3_k5_late", head, 5, {"early_propose": False})]
         if a.trees:  # issue 15: a tree step's host work against the chain's
             variants += [("tree_topk4_16", head, 5, {"speculative_topk": 4,
@@ -245,7 +252,7 @@ def main() -> None:
         for name, draft, k, extra in variants:
             if a.only is not None and name not in a.only:
                 continue
-            spec = {"draft": draft, "num_speculative_tokens": k, **extra} if draft else {}
+            spec = {"draft": draft, "num_speculative_tokens": k, **extra} if draft else extra
             llm = LLM(model=target, tokenizer=tok, max_model_len=256, max_num_seqs=batch,
                       num_kv_blocks=20 * batch + 8, dtype="float32", **spec)
             prof = cProfile.Profile() if a.cprofile else None

@@ -1,0 +1,239 @@
+"""Verify ahead (issues 14/16): a step launches the NEXT step's target forward before the engine's
+bookkeeping and scheduling: an early chain step as soon as the host has read its acceptance, a
+greedy decode step (vanilla) before the host even reads its token.
+
+With early propose (engine/early_propose.py) a chain step runs: verify -> acceptance copy ->
+proposal (on the GPU) while the host waits for the copy, then does the step's bookkeeping,
+schedules, stages and launches the next verify. On the H200 (fourteenth session, chain k=5,
+batch 1) a step took 1.83 ms against 0.40 ms of propose and 1.16 ms of verify: the GPU idled
+~0.27 ms a step waiting for that host work once the proposal was done.
+
+Here the host stages the next verify right after the copy, assuming every request of the step
+goes on (its span starts after its accepted tokens, the target's token first, then the k
+drafts still on the device) and launches it behind the proposal; the GPU never waits for the
+bookkeeping. The next step takes the launched verify if its batch is that batch or a subset of
+it in the same order (requests that finished are dropped rows: their outputs are not read),
+each request at the staged position with k drafts to verify. Anything else discards it and
+runs the step as usual, counted by reason (``VerifyAheadStats``), never silently:
+
+* a discarded verify wrote the target KV of positions its requests would write next anyway
+  (the same tokens at the same positions: a request going on rewrites identical values) or of
+  finished requests, in blocks they still own, in stream order before anything reuses them;
+* its outputs are graph memory that the next replay overwrites, and nothing reads them.
+
+Not launched when requests wait for admission (the next batch would change), when a request
+would verify fewer than k drafts next step, or over ``max_batch`` requests.
+
+Vanilla greedy decoding (k = 0) goes one step further: nothing is queued on the GPU while the
+host reads a decode step's token (on the H200 a SmolLM2 decode step took 1.153 ms against
+0.914 ms of forward), so the next decode is launched from the device argmax itself (a
+device-to-device copy into the graph's token buffer), before the host waits; the host then
+reads step N's token while step N+1 runs. Launched when every request decodes one token next
+at a known position (prompts fully computed, greedy, no logprobs, not at its budget), with the
+next position's KV block grown now.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from compiled_spec.engine.batch import Span, build_host_batch, to_device
+from compiled_spec.engine.early_propose import HostCopy
+from compiled_spec.engine.request import Request
+from compiled_spec.profile import phase
+
+if TYPE_CHECKING:
+    from compiled_spec.engine.early_propose import EarlyStep
+    from compiled_spec.engine.model_runner import ModelRunner
+
+
+@dataclass
+class VerifyAheadStats:
+    launched: int = 0  # verifications launched before the step's bookkeeping
+    taken: int = 0  # ... and used by the next step as launched
+    taken_subset: int = 0  # ... used for the requests that went on (others had finished)
+    discarded: dict[str, int] = field(default_factory=dict)  # launched, not used: why
+    skipped: dict[str, int] = field(default_factory=dict)  # early steps not launching: why
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"launched": self.launched, "taken": self.taken,
+                "taken_subset": self.taken_subset, "discarded": dict(self.discarded),
+                "skipped": dict(self.skipped)}
+
+
+@dataclass
+class _Launched:
+    req_ids: list[int]
+    starts: list[int]  # per request: its first verified position (its last token's)
+    spans: list[Span]
+    logits: torch.Tensor  # [n, k+1, V]
+    target_hidden: torch.Tensor | list[torch.Tensor]  # [n * (k+1), h] (per aux layer)
+
+
+@dataclass
+class Ahead:
+    """What ``ModelRunner.execute`` needs in place of its own prepare and verify."""
+
+    spans: list[Span]
+    num_draft: list[int]
+    logits: torch.Tensor  # [n, k+1, V]
+    row_start: list[int]
+    target_hidden: torch.Tensor | list[torch.Tensor]
+
+
+def _count(d: dict[str, int], why: str) -> None:
+    d[why] = d.get(why, 0) + 1
+
+
+class VerifyAhead:
+    def __init__(self, runner: "ModelRunner", enabled: bool = False, max_batch: int = 64) -> None:
+        self.runner = runner
+        self.enabled = enabled  # SpecConfig.verify_ahead
+        self.max_batch = max_batch
+        self.admitting = False  # set by the engine each step: requests wait for admission
+        self.stats = VerifyAheadStats()
+        self._launched: _Launched | None = None
+        self._host: torch.Tensor | None = None  # pinned: the decode tokens' copy
+        self._event = torch.cuda.Event() if runner.device.type == "cuda" else None
+
+    def skip(self, why: str) -> None:
+        _count(self.stats.skipped, why)
+
+    def clear(self) -> None:
+        """Forget a launched verify (the runner was reset: a fault, or requests aborted)."""
+        if self._launched is not None:
+            _count(self.stats.discarded, "reset")
+        self._launched = None
+
+    def _why_not(self, reqs: list[Request], new_tokens: list[list[int]]) -> str | None:
+        if not self.enabled:
+            return "off"
+        if self.admitting:
+            return "admitting"
+        if len(reqs) > self.max_batch:
+            return "batch"
+        k = self.runner.k
+        for q, toks in zip(reqs, new_tokens):
+            if not q.spec_enabled:
+                return "not_spec"
+            if q.max_total_tokens - (q.num_tokens + len(toks)) - 1 < k:
+                return "short"  # fewer than k drafts next step (or the request ends)
+        return None
+
+    def launch(self, reqs: list[Request], step: "EarlyStep", new_tokens: list[list[int]]) -> None:
+        """After an early step's acceptance is read, before the engine's bookkeeping: the next
+        step's verification of the drafts ``step`` proposed, every request assumed to go on."""
+        self._launched = None
+        why = self._why_not(reqs, new_tokens)
+        if why is not None:
+            _count(self.stats.skipped, why)
+            return
+        r, k = self.runner, self.runner.k
+        spans: list[Span] = []
+        host_ids: list[int] = []
+        dst: list[int] = []
+        src: list[int] = []
+        for i, (q, toks) in enumerate(zip(reqs, new_tokens)):
+            # This step verified from q.num_computed (one query token, then k drafts) and
+            # emitted len(toks); the next starts at its last emitted token.
+            start = q.num_computed + len(toks)
+            off = len(host_ids)
+            host_ids.append(toks[-1])
+            host_ids.extend([0] * k)  # filled from the drafts on the device
+            dst.extend(range(off + 1, off + 1 + k))
+            src.extend(range(i * k, (i + 1) * k))  # row i of the step's proposal
+            spans.append(Span(q.req_id, start, k + 1))
+        hb = build_host_batch(r.allocator, spans, host_ids, dst, src)
+        with phase("verify"):
+            logits, _, hidden = r._verify(hb, spans, [k] * len(reqs), step.drafts.reshape(-1))
+        self._launched = _Launched([q.req_id for q in reqs], [s.start for s in spans], spans,
+                                   logits, hidden)
+        self.stats.launched += 1
+
+    def decode(self, reqs: list[Request], num_new: list[int],
+               tok: torch.Tensor,  # [B] this step's greedy tokens, on the device
+               ) -> HostCopy:
+        """Vanilla greedy decoding: ``tok``'s copy to the host issued, then the next decode step
+        launched behind it (a copy issued after the launch would wait for that step)."""
+        n = tok.shape[0]
+        if self._host is None or self._host.numel() < n:
+            self._host = torch.empty(max(n, 64), dtype=torch.int64,
+                                     pin_memory=tok.device.type == "cuda")
+        copy = HostCopy(tok, self._host[:n], self._event)
+        self.launch_decode(reqs, num_new, tok)
+        return copy
+
+    def launch_decode(self, reqs: list[Request], num_new: list[int],
+                      tok: torch.Tensor) -> None:  # [B] this step's greedy tokens, on device
+        """The next decode step of every request, its token taken from ``tok`` on the device."""
+        self._launched = None
+        why = self._why_not_decode(reqs, num_new)
+        if why is not None:
+            _count(self.stats.skipped, why)
+            return
+        r = self.runner
+        n = len(reqs)
+        # Its KV slot: this step's requests hold blocks up to their last computed position.
+        if not r.early._grow(reqs, [q.num_computed + m + 1 for q, m in zip(reqs, num_new)]):
+            _count(self.stats.skipped, "kv_exhausted")
+            return
+        spans = [Span(q.req_id, q.num_computed + m, 1) for q, m in zip(reqs, num_new)]
+        hb = build_host_batch(r.allocator, spans, [0] * n, list(range(n)), list(range(n)))
+        with phase("verify"):
+            logits, _, hidden = r._verify(hb, spans, [0] * n, tok)
+        self._launched = _Launched([q.req_id for q in reqs], [s.start for s in spans], spans,
+                                   logits, hidden)
+        self.stats.launched += 1
+
+    def _why_not_decode(self, reqs: list[Request], num_new: list[int]) -> str | None:
+        if not self.enabled:
+            return "off"
+        if self.admitting:
+            return "admitting"
+        if len(reqs) > self.max_batch:
+            return "batch"
+        for q, m in zip(reqs, num_new):
+            if q.num_computed + m != q.num_tokens:
+                return "prefill"  # a chunked prompt goes on next step
+            if q.num_tokens + 1 >= q.max_total_tokens:
+                return "short"  # this step's token is its last
+            if not q.params.greedy or q.params.logprobs is not None:
+                return "sampling"
+        return None
+
+    def take(self, reqs: list[Request], num_new: list[int]) -> Ahead | None:
+        """The launched verify for this step's batch, or None (it is discarded, counted)."""
+        a, self._launched = self._launched, None
+        if a is None:
+            return None
+        r, k = self.runner, self.runner.k
+        pos = {rid: i for i, rid in enumerate(a.req_ids)}
+        keep = [pos.get(q.req_id, -1) for q in reqs]
+        if max(num_new) != 1 or -1 in keep or keep != sorted(keep):
+            _count(self.stats.discarded, "batch")
+            return None
+        for q, i in zip(reqs, keep):
+            if (q.num_computed != a.starts[i] or r.num_drafts_for(q) != k
+                    or (k > 0 and r._draft_row.get(q.req_id) != i)):
+                _count(self.stats.discarded, "state")
+                return None
+        logits, hidden, spans = a.logits, a.target_hidden, a.spans
+        if len(keep) < len(a.req_ids):  # finished requests' rows dropped
+            k1 = k + 1
+            idx = to_device(keep, r.device)
+            rows = to_device([i * k1 + j for i in keep for j in range(k1)], r.device)
+            logits = logits.index_select(0, idx)
+            if r.proposer is not None:  # vanilla reads no hidden states
+                hidden = ([h.index_select(0, rows) for h in hidden] if isinstance(hidden, list)
+                          else hidden.index_select(0, rows))
+            spans = [a.spans[i] for i in keep]
+            if r.aux_layer_ids and r.proposer is not None and r.proposer.graph is not None:
+                r.proposer.precombine(hidden)  # its fc over the kept rows
+            self.stats.taken_subset += 1
+        else:
+            self.stats.taken += 1
+        n = len(spans)
+        return Ahead(spans=spans, num_draft=[k] * n, logits=logits,
+                     row_start=[i * (k + 1) for i in range(n)], target_hidden=hidden)

@@ -1,0 +1,173 @@
+"""Verify ahead (compiled_spec/engine/verify_ahead.py) on the CPU through emulated graphs: an
+early chain step launches the next step's verify before the engine's bookkeeping. Greedy output
+must equal vanilla decoding and the same engine without it, acceptance must not change, the
+launched verifies must actually be taken (no pass by always discarding), and every discard or
+skip is counted by reason: requests finishing mid-batch (the rest taken as a subset), requests
+waiting for admission, requests near their budget, a reset after an abort."""
+from __future__ import annotations
+
+import pytest
+
+from capture import CapturePolicy
+from compiled_spec import LLM, SamplingParams
+from compiled_spec.compile import CompileConfig, capture_graphs, compile_models
+
+K = 3
+PROMPTS = [[3, 7, 1], [5], [9, 2, 4, 4, 8, 1, 2], [11, 12], [6, 6, 6, 1, 2], [4, 4]]
+
+
+def _graphed(llm: LLM, k: int) -> LLM:
+    models = compile_models(llm.engine.runner, CompileConfig(inductor=False))
+    llm._compiled = models
+    policy = CapturePolicy(max_batch_size=4, num_speculative_tokens=k, max_model_len=128,
+                           batch_sizes=(1, 2, 4), seq_len_buckets=(128,))
+    capture_graphs(llm.engine.runner, models, policy, 4, emulate=True)
+    return llm
+
+
+KW: dict = dict(max_model_len=128, max_num_seqs=4, page_size=4, num_kv_blocks=128)
+
+
+@pytest.fixture(scope="module")
+def engines(trained_eagle3_pair, smollm2_gguf_path):
+    """(speculative LLM with emulated graphs and verify ahead on; vanilla eager LLM)."""
+    target, head = trained_eagle3_pair
+    kw = dict(model=target, tokenizer=smollm2_gguf_path, **KW)
+    spec = _graphed(LLM(draft=head, num_speculative_tokens=K, verify_ahead=True, **kw), K)
+    return spec, LLM(**kw)
+
+
+@pytest.fixture(scope="module")
+def vanilla_ahead(trained_eagle3_pair, smollm2_gguf_path):
+    """A vanilla LLM with emulated graphs whose decode steps launch the next one ahead."""
+    return _graphed(LLM(model=trained_eagle3_pair[0], tokenizer=smollm2_gguf_path,
+                        verify_ahead=True, **KW), 0)
+
+
+def _gen(llm: LLM, prompts, sps, batch: int) -> list[list[int]]:
+    out = []
+    for i in range(0, len(prompts), batch):
+        res = llm.generate(prompts[i:i + batch], sps[i:i + batch], use_tqdm=False)
+        out += [o.outputs[0].token_ids for o in res]
+    return out
+
+
+def _run(spec: LLM, on: bool, prompts, sps, batch: int) -> tuple[list[list[int]], int, dict]:
+    """(outputs, accepted drafts, verify-ahead counters of this run) with the switch set."""
+    ahead, st = spec.engine.runner.ahead, spec.stats
+    ahead.enabled = on
+    acc0, before = st.spec.num_accepted_tokens, st.verify_ahead.as_dict()
+    try:
+        out = _gen(spec, prompts, sps, batch)
+    finally:
+        ahead.enabled = True
+    after = st.verify_ahead.as_dict()
+    diff = {k: after[k] - before[k] for k in ("launched", "taken", "taken_subset")}
+    for k in ("discarded", "skipped"):
+        diff[k] = {r: n - before[k].get(r, 0) for r, n in after[k].items()
+                   if n > before[k].get(r, 0)}
+    return out, st.spec.num_accepted_tokens - acc0, diff
+
+
+def _sps(max_tokens: list[int], **kw) -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, **kw)
+            for m in max_tokens]
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_verify_ahead_equals_vanilla_and_off(engines, batch):
+    """Requests of different lengths in one batch, each verifying fewer than k drafts near its
+    budget (no launch then: the next step is no chain step)."""
+    spec, vanilla = engines
+    sps = _sps([9, 30, 14, 22, 17, 26])
+    ref = _gen(vanilla, PROMPTS, sps, 1)
+    off, off_acc, off_st = _run(spec, False, PROMPTS, sps, batch)
+    on, on_acc, on_st = _run(spec, True, PROMPTS, sps, batch)
+    assert off == ref and on == ref
+    assert off_st["launched"] == 0 and off_st["skipped"].get("off", 0) > 0, off_st
+    assert on_st["launched"] > 0 and on_st["taken"] > 0, on_st  # no pass by falling back
+    assert on_acc == off_acc > 0  # acceptance unchanged
+    # Near each budget a request verifies fewer than k drafts: no launch, counted.
+    assert on_st["skipped"].get("short", 0) > 0, on_st
+    used = on_st["taken"] + on_st["taken_subset"] + sum(on_st["discarded"].values())
+    assert used == on_st["launched"], on_st  # every launch is taken or discarded, once
+
+
+def test_request_stopping_mid_batch_leaves_a_subset(engines):
+    """A stop token ends one request of three well before its budget: the verify launched
+    for all three is taken for the two that go on (their rows gathered, the fc redone)."""
+    spec, vanilla = engines
+    prompts = PROMPTS[:3]
+    free = _sps([30, 30, 30])
+    ref = _gen(vanilla, prompts, free, 1)
+    stop_tok = ref[1][8]
+    sps = [free[0], _sps([30], stop_token_ids=[stop_tok])[0], free[2]]
+    ref = _gen(vanilla, prompts, sps, 1)
+    assert len(ref[1]) <= 9 and ref[1][-1] == stop_tok
+    out, _, st = _run(spec, True, prompts, sps, 3)
+    assert out == ref
+    assert st["taken_subset"] > 0 and st["taken"] > 0, st
+
+
+def test_stop_token_mid_batch_and_waiting_requests(engines):
+    """A stop token ends a request the launch assumed would go on; more requests than the engine
+    runs at once wait for admission (no launch while they do). Output stays vanilla's."""
+    spec, vanilla = engines
+    free = _sps([12, 20, 16, 18, 15, 21])
+    ref = _gen(vanilla, PROMPTS, free, 1)
+    stop_tok = ref[1][8]
+    sps = free[:1] + _sps([20], stop_token_ids=[stop_tok]) + free[2:]
+    ref = _gen(vanilla, PROMPTS, sps, 1)
+    assert len(ref[1]) <= 9 and ref[1][-1] == stop_tok
+    out, _, st = _run(spec, True, PROMPTS, sps, 6)  # 6 requests, 4 run at a time
+    assert out == ref
+    assert st["skipped"].get("admitting", 0) > 0, st
+    assert st["taken"] + st["taken_subset"] > 0, st
+
+
+def test_abort_discards_the_launched_verify(engines):
+    """An abort between steps resets the runner: a launched verify is dropped, counted, and the
+    engine goes on exactly."""
+    spec, vanilla = engines
+    sps = _sps([24, 24])
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    ref = _gen(vanilla, prompts, sps, 2)
+    eng = spec.engine
+    before = dict(eng.stats.verify_ahead.discarded)
+    ids = [eng.add_request(p, s) for p, s in zip(prompts, sps)]
+    extra = eng.add_request(PROMPTS[3], _sps([40])[0])
+    for _ in range(4):
+        eng.step()
+    assert eng.runner.ahead._launched is not None  # a verify is in flight for the next step
+    eng.abort({extra}, "test")
+    done = {}
+    while eng.has_unfinished():
+        for req in eng.step():
+            done[req.req_id] = req.output_token_ids
+    assert [done[i] for i in ids] == ref
+    assert eng.stats.verify_ahead.discarded.get("reset", 0) > before.get("reset", 0)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_vanilla_decode_ahead_equals_vanilla(engines, vanilla_ahead, batch):
+    """Greedy decoding whose next step is launched from the device argmax before the host reads
+    it: the same tokens as plain decoding, with requests stopping mid-batch (a stop token,
+    different budgets: the rest taken as a subset) and a sampled request (no launch, said so)."""
+    _, vanilla = engines
+    free = _sps([9, 30, 14, 22, 17, 26])
+    ref = _gen(vanilla, PROMPTS, free, 1)
+    stop_tok = ref[1][8]
+    sps = free[:1] + _sps([30], stop_token_ids=[stop_tok]) + free[2:]
+    ref = _gen(vanilla, PROMPTS, sps, 1)
+    out, _, st = _run(vanilla_ahead, True, PROMPTS, sps, batch)
+    assert out == ref
+    assert st["launched"] > 0 and st["taken"] > 0, st
+    assert st["skipped"].get("short", 0) > 0, st  # a request's last token: no next step
+    if batch > 1:
+        assert st["taken_subset"] > 0, st
+    off, _, off_st = _run(vanilla_ahead, False, PROMPTS, sps, batch)
+    assert off == ref and off_st["launched"] == 0
+    sampled = [SamplingParams(max_tokens=12, temperature=0.8, seed=3)]
+    out, _, st = _run(vanilla_ahead, True, PROMPTS[:1], sampled, 1)
+    ref = _gen(vanilla, PROMPTS[:1], sampled, 1)
+    assert out == ref and st["launched"] == 0 and st["skipped"].get("sampling", 0) > 0, st
