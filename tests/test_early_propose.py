@@ -14,6 +14,7 @@ from compiled_spec import LLM, SamplingParams
 from compiled_spec.compile import CompileConfig, capture_graphs, compile_models
 from compiled_spec.engine.batch import Span
 from compiled_spec.spec.proposer import ProposeBatch
+from tests.engine_runs import generate_in_batches as _gen
 
 K = 3
 PROMPTS = [[3, 7, 1], [5], [9, 2, 4, 4, 8, 1, 2], [11, 12], [6, 6, 6, 1, 2]]
@@ -36,15 +37,6 @@ def engines(trained_eagle3_pair, smollm2_gguf_path):
     AFTER_CAPTURE.update({n: b["graphs"] for n, b in spec.compile_stats.items()
                           if isinstance(b, dict) and "graphs" in b})
     return spec, LLM(**kw)
-
-
-def _gen(llm: LLM, prompts: list[list[int]], sps: list[SamplingParams], batch: int
-         ) -> list[list[int]]:
-    out = []
-    for i in range(0, len(prompts), batch):
-        res = llm.generate(prompts[i:i + batch], sps[i:i + batch], use_tqdm=False)
-        out += [o.outputs[0].token_ids for o in res]
-    return out
 
 
 def _run(spec: LLM, early: bool, prompts, sps, batch: int) -> tuple[list[list[int]], int, dict]:

@@ -17,6 +17,7 @@ from compiled_spec.engine.batch import Span
 from compiled_spec.spec.proposer import ProposeBatch
 from compiled_spec.spec.tree import accept_paths
 from compiled_spec.spec.tree_accept_device import accept_greedy_device, first_pass_rows
+from tests.engine_runs import generate_in_batches as _gen
 from tests.spec_models import give_attention
 
 D, TOPK, N = 3, 2, 6
@@ -115,14 +116,6 @@ def engines(trained_eagle3_pair, smollm2_gguf_path):
     AFTER_CAPTURE.update({n: b["graphs"] for n, b in spec.compile_stats.items()
                           if isinstance(b, dict) and "graphs" in b})
     return spec, _llm(trained_eagle3_pair, smollm2_gguf_path, False)
-
-
-def _gen(llm: LLM, prompts, sps, batch: int) -> list[list[int]]:
-    out = []
-    for i in range(0, len(prompts), batch):
-        res = llm.generate(prompts[i:i + batch], sps[i:i + batch], use_tqdm=False)
-        out += [o.outputs[0].token_ids for o in res]
-    return out
 
 
 def _run(spec: LLM, early: bool, prompts, sps, batch: int) -> tuple[list, int, dict]:

@@ -11,6 +11,7 @@ import pytest
 from capture import CapturePolicy
 from compiled_spec import LLM, SamplingParams
 from compiled_spec.compile import CompileConfig, capture_graphs, compile_models
+from tests.engine_runs import generate_in_batches as _gen
 
 K = 3
 PROMPTS = [[3, 7, 1], [5], [9, 2, 4, 4, 8, 1, 2], [11, 12], [6, 6, 6, 1, 2], [4, 4]]
@@ -44,14 +45,6 @@ def vanilla_ahead(trained_eagle3_pair, smollm2_gguf_path):
                         verify_ahead=True, **KW), 0)
 
 
-def _gen(llm: LLM, prompts, sps, batch: int) -> list[list[int]]:
-    out = []
-    for i in range(0, len(prompts), batch):
-        res = llm.generate(prompts[i:i + batch], sps[i:i + batch], use_tqdm=False)
-        out += [o.outputs[0].token_ids for o in res]
-    return out
-
-
 def _run(spec: LLM, on: bool, prompts, sps, batch: int) -> tuple[list[list[int]], int, dict]:
     """(outputs, accepted drafts, verify-ahead counters of this run) with the switch set."""
     ahead, st = spec.engine.runner.ahead, spec.stats
@@ -72,6 +65,18 @@ def _run(spec: LLM, on: bool, prompts, sps, batch: int) -> tuple[list[list[int]]
 def _sps(max_tokens: list[int], **kw) -> list[SamplingParams]:
     return [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, **kw)
             for m in max_tokens]
+
+
+def _stop_mid_batch(vanilla: LLM, prompts, budgets: list[int]
+                    ) -> tuple[list[SamplingParams], list[list[int]]]:
+    """Greedy requests with ``budgets``, request 1 stopped by the 9th token vanilla gives it
+    (a stop the engine cannot foresee): (sampling params, vanilla's outputs)."""
+    free = _sps(budgets)
+    stop_tok = _gen(vanilla, prompts[1:2], free[1:2], 1)[0][8]
+    sps = free[:1] + _sps(budgets[1:2], stop_token_ids=[stop_tok]) + free[2:]
+    ref = _gen(vanilla, prompts, sps, 1)
+    assert len(ref[1]) <= 9 and ref[1][-1] == stop_tok
+    return sps, ref
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -98,12 +103,7 @@ def test_request_stopping_mid_batch_leaves_a_subset(engines):
     for all three is taken for the two that go on (their rows gathered, the fc redone)."""
     spec, vanilla = engines
     prompts = PROMPTS[:3]
-    free = _sps([30, 30, 30])
-    ref = _gen(vanilla, prompts, free, 1)
-    stop_tok = ref[1][8]
-    sps = [free[0], _sps([30], stop_token_ids=[stop_tok])[0], free[2]]
-    ref = _gen(vanilla, prompts, sps, 1)
-    assert len(ref[1]) <= 9 and ref[1][-1] == stop_tok
+    sps, ref = _stop_mid_batch(vanilla, prompts, [30, 30, 30])
     out, _, st = _run(spec, True, prompts, sps, 3)
     assert out == ref
     assert st["taken_subset"] > 0 and st["taken"] > 0, st
@@ -113,12 +113,7 @@ def test_stop_token_mid_batch_and_waiting_requests(engines):
     """A stop token ends a request the launch assumed would go on; more requests than the engine
     runs at once wait for admission (no launch while they do). Output stays vanilla's."""
     spec, vanilla = engines
-    free = _sps([12, 20, 16, 18, 15, 21])
-    ref = _gen(vanilla, PROMPTS, free, 1)
-    stop_tok = ref[1][8]
-    sps = free[:1] + _sps([20], stop_token_ids=[stop_tok]) + free[2:]
-    ref = _gen(vanilla, PROMPTS, sps, 1)
-    assert len(ref[1]) <= 9 and ref[1][-1] == stop_tok
+    sps, ref = _stop_mid_batch(vanilla, PROMPTS, [12, 20, 16, 18, 15, 21])
     out, _, st = _run(spec, True, PROMPTS, sps, 6)  # 6 requests, 4 run at a time
     assert out == ref
     assert st["skipped"].get("admitting", 0) > 0, st
@@ -154,11 +149,7 @@ def test_vanilla_decode_ahead_equals_vanilla(engines, vanilla_ahead, batch):
     it: the same tokens as plain decoding, with requests stopping mid-batch (a stop token,
     different budgets: the rest taken as a subset) and a sampled request (no launch, said so)."""
     _, vanilla = engines
-    free = _sps([9, 30, 14, 22, 17, 26])
-    ref = _gen(vanilla, PROMPTS, free, 1)
-    stop_tok = ref[1][8]
-    sps = free[:1] + _sps([30], stop_token_ids=[stop_tok]) + free[2:]
-    ref = _gen(vanilla, PROMPTS, sps, 1)
+    sps, ref = _stop_mid_batch(vanilla, PROMPTS, [9, 30, 14, 22, 17, 26])
     out, _, st = _run(vanilla_ahead, True, PROMPTS, sps, batch)
     assert out == ref
     assert st["launched"] > 0 and st["taken"] > 0, st

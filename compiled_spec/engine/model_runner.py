@@ -67,7 +67,7 @@ class ModelRunner:
         self._pending: _Pending | None = None
         # Chain steps propose before the host reads their acceptance (engine/early_propose.py).
         self.early: EarlyPropose | None = EarlyPropose(self)
-        # Early steps may launch the next step's verify before the bookkeeping (verify_ahead.py).
+        # A step may launch the next one's target forward before the bookkeeping (verify_ahead.py).
         self.ahead = VerifyAhead(self)
         self._early_step: EarlyStep | None = None  # this step's, until ``propose`` takes it
         # Seconds the host spent blocked in the step's device-to-host copy, i.e. waiting for

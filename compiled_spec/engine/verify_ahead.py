@@ -107,13 +107,18 @@ class VerifyAhead:
             _count(self.stats.discarded, "reset")
         self._launched = None
 
-    def _why_not(self, reqs: list[Request], new_tokens: list[list[int]]) -> str | None:
+    def _why_not_batch(self, reqs: list[Request]) -> str | None:
+        """Why no step of ``reqs`` launches ahead whatever its requests (None: it may)."""
         if not self.enabled:
             return "off"
         if self.admitting:
             return "admitting"
-        if len(reqs) > self.max_batch:
-            return "batch"
+        return "batch" if len(reqs) > self.max_batch else None
+
+    def _why_not(self, reqs: list[Request], new_tokens: list[list[int]]) -> str | None:
+        why = self._why_not_batch(reqs)
+        if why is not None:
+            return why
         k = self.runner.k
         for q, toks in zip(reqs, new_tokens):
             if not q.spec_enabled:
@@ -188,12 +193,9 @@ class VerifyAhead:
         self.stats.launched += 1
 
     def _why_not_decode(self, reqs: list[Request], num_new: list[int]) -> str | None:
-        if not self.enabled:
-            return "off"
-        if self.admitting:
-            return "admitting"
-        if len(reqs) > self.max_batch:
-            return "batch"
+        why = self._why_not_batch(reqs)
+        if why is not None:
+            return why
         for q, m in zip(reqs, num_new):
             if q.num_computed + m != q.num_tokens:
                 return "prefill"  # a chunked prompt goes on next step

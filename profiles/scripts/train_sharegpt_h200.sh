@@ -255,10 +255,10 @@ trees)
   C=$(ls -t ~/traces/*/*.pt.trace.json 2>/dev/null | grep -v tree | head -1)
   [ -n "$C" ] && gzip -c "$C" > "$OUT/chain_step.pt.trace.json.gz"
   if [ -n "${AB:-}" ]; then  # the newest traces are the option-on rows': the pair's others too
-    # (trace directories are the row names, "+ PDL" / "+ skinny GEMMs" ... as "__PDL" ...)
-    T=$(ls -t ~/traces/*tree*/*.pt.trace.json 2>/dev/null | grep -vE "__(PDL|skinny|GEMM)" | head -1)
+    # (trace directories are the row names, "+ PDL" / "+ verify ahead" ... as "__PDL" ...)
+    T=$(ls -t ~/traces/*tree*/*.pt.trace.json 2>/dev/null | grep -vE "__(PDL|skinny|GEMM|verify)" | head -1)
     [ -n "$T" ] && gzip -c "$T" > "$OUT/tree_step_off.pt.trace.json.gz"
-    C=$(ls -t ~/traces/*/*.pt.trace.json 2>/dev/null | grep -v tree | grep -vE "__(PDL|skinny|GEMM)" | head -1)
+    C=$(ls -t ~/traces/*/*.pt.trace.json 2>/dev/null | grep -v tree | grep -vE "__(PDL|skinny|GEMM|verify)" | head -1)
     [ -n "$C" ] && gzip -c "$C" > "$OUT/chain_step_off.pt.trace.json.gz"
   fi
   grep -vE "Warning|warn\(|^\s*$|tokeniz|Loading weights|capture " "$OUT/trees.log" | tail -40 ;;
