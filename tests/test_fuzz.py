@@ -65,3 +65,36 @@ def test_fuzz_requests_keep_the_engine_usable(engine, bigram_eagle3, smollm2_ggu
     assert refused > 3 and aborted >= 1 and served > 20, (refused, aborted, served)
     assert llm.generate([probe[0]], probe[1])[0].token_ids == want  # same engine, same answer
     _idle_and_full(llm)
+
+
+def test_fuzz_vanilla_decode_ahead_matches_plain(bigram_eagle3, smollm2_gguf_path):
+    """Vanilla decoding that launches each next decode from the device argmax before the host
+    reads it (engine/verify_ahead.py) against the same engine without it, on the same random
+    requests and injected faults: identical outputs and finish reasons, the engine idle after
+    every call, and launches actually taken (greedy batches) or skipped by reason."""
+    kw = dict(model=bigram_eagle3[0], tokenizer=smollm2_gguf_path, max_model_len=MAX_LEN,
+              page_size=4, max_num_seqs=4, num_kv_blocks=40, enable_prefix_caching=True)
+    llms = [LLM(verify_ahead=on, **kw) for on in (False, True)]
+    for llm in llms:
+        inject_faults(llm)
+    rng = random.Random("fuzz-ahead")
+    compared = 0
+    for _ in range(40):
+        reqs = [random_request(rng, VOCAB, MAX_LEN) for _ in range(rng.randint(1, 6))]
+        reqs = [r for r in reqs if not r.bad]
+        if not reqs:
+            continue
+        if rng.random() < 0.6:  # mostly greedy batches: where decode ahead launches
+            for r in reqs:
+                r.params.temperature = 0.0
+        outs = [llm.generate([r.prompt for r in reqs], [r.params for r in reqs])
+                for llm in llms]
+        for a, b in zip(*outs):
+            assert [(c.token_ids, c.finish_reason) for c in a.outputs] == \
+                [(c.token_ids, c.finish_reason) for c in b.outputs]
+            compared += 1
+        for llm in llms:
+            _idle_and_full(llm)
+    st = llms[1].stats.verify_ahead
+    assert compared > 40 and st.launched > 0 and st.taken > 0, (compared, st.as_dict())
+    assert llms[0].stats.verify_ahead.launched == 0
