@@ -1,7 +1,9 @@
 """Helpers shared by the engine tests that compare generation paths token for token."""
 from __future__ import annotations
 
+from capture import CapturePolicy
 from compiled_spec import LLM, SamplingParams
+from compiled_spec.compile import CompileConfig, capture_graphs, compile_models
 
 
 def generate_in_batches(llm: LLM, prompts: list[list[int]], sps: list[SamplingParams],
@@ -12,3 +14,15 @@ def generate_in_batches(llm: LLM, prompts: list[list[int]], sps: list[SamplingPa
         res = llm.generate(prompts[i:i + batch], sps[i:i + batch], use_tqdm=False)
         out += [o.outputs[0].token_ids for o in res]
     return out
+
+
+def with_emulated_graphs(llm: LLM, k: int, max_model_len: int = 128) -> LLM:
+    """``llm`` compiled (our passes, no Inductor) with CPU stand-ins for its CUDA graphs at
+    batch sizes 1, 2, 4: the engine's graph paths (early propose, verify ahead) on the CPU."""
+    models = compile_models(llm.engine.runner, CompileConfig(inductor=False))
+    llm._compiled = models
+    policy = CapturePolicy(max_batch_size=4, num_speculative_tokens=k,
+                           max_model_len=max_model_len, batch_sizes=(1, 2, 4),
+                           seq_len_buckets=(max_model_len,))
+    capture_graphs(llm.engine.runner, models, policy, 4, emulate=True)
+    return llm

@@ -7,6 +7,7 @@ import random
 import pytest
 
 from compiled_spec import LLM, SamplingParams
+from tests.engine_runs import with_emulated_graphs
 from tests.fuzz_requests import inject_faults, random_request
 
 VOCAB, MAX_LEN = 64, 48
@@ -67,17 +68,24 @@ def test_fuzz_requests_keep_the_engine_usable(engine, bigram_eagle3, smollm2_ggu
     _idle_and_full(llm)
 
 
-def test_fuzz_vanilla_decode_ahead_matches_plain(bigram_eagle3, smollm2_gguf_path):
-    """Vanilla decoding that launches each next decode from the device argmax before the host
-    reads it (engine/verify_ahead.py) against the same engine without it, on the same random
+@pytest.mark.parametrize("engine", ["vanilla", "eagle3"])
+def test_fuzz_verify_ahead_matches_plain(engine, bigram_eagle3, smollm2_gguf_path):
+    """Engines that launch each next step's target forward before the bookkeeping
+    (engine/verify_ahead.py: vanilla from the device argmax, EAGLE-3 chains from their early
+    steps, through emulated graphs) against the same engine without it, on the same random
     requests and injected faults: identical outputs and finish reasons, the engine idle after
     every call, and launches actually taken (greedy batches) or skipped by reason."""
-    kw = dict(model=bigram_eagle3[0], tokenizer=smollm2_gguf_path, max_model_len=MAX_LEN,
-              page_size=4, max_num_seqs=4, num_kv_blocks=40, enable_prefix_caching=True)
+    target, head = bigram_eagle3
+    kw = dict(model=target, tokenizer=smollm2_gguf_path, max_model_len=MAX_LEN,
+              page_size=4, max_num_seqs=4, num_kv_blocks=60, enable_prefix_caching=True)
+    if engine == "eagle3":
+        kw.update(draft=head, num_speculative_tokens=3)
     llms = [LLM(verify_ahead=on, **kw) for on in (False, True)]
+    if engine == "eagle3":
+        llms = [with_emulated_graphs(llm, 3, MAX_LEN) for llm in llms]
     for llm in llms:
         inject_faults(llm)
-    rng = random.Random("fuzz-ahead")
+    rng = random.Random(f"fuzz-ahead-{engine}")
     compared = 0
     for _ in range(40):
         reqs = [random_request(rng, VOCAB, MAX_LEN) for _ in range(rng.randint(1, 6))]

@@ -8,22 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-from capture import CapturePolicy
 from compiled_spec import LLM, SamplingParams
-from compiled_spec.compile import CompileConfig, capture_graphs, compile_models
 from tests.engine_runs import generate_in_batches as _gen
+from tests.engine_runs import with_emulated_graphs
 
 K = 3
 PROMPTS = [[3, 7, 1], [5], [9, 2, 4, 4, 8, 1, 2], [11, 12], [6, 6, 6, 1, 2], [4, 4]]
-
-
-def _graphed(llm: LLM, k: int) -> LLM:
-    models = compile_models(llm.engine.runner, CompileConfig(inductor=False))
-    llm._compiled = models
-    policy = CapturePolicy(max_batch_size=4, num_speculative_tokens=k, max_model_len=128,
-                           batch_sizes=(1, 2, 4), seq_len_buckets=(128,))
-    capture_graphs(llm.engine.runner, models, policy, 4, emulate=True)
-    return llm
 
 
 KW: dict = dict(max_model_len=128, max_num_seqs=4, page_size=4, num_kv_blocks=128)
@@ -34,14 +24,14 @@ def engines(trained_eagle3_pair, smollm2_gguf_path):
     """(speculative LLM with emulated graphs and verify ahead on; vanilla eager LLM)."""
     target, head = trained_eagle3_pair
     kw = dict(model=target, tokenizer=smollm2_gguf_path, **KW)
-    spec = _graphed(LLM(draft=head, num_speculative_tokens=K, verify_ahead=True, **kw), K)
+    spec = with_emulated_graphs(LLM(draft=head, num_speculative_tokens=K, verify_ahead=True, **kw), K)
     return spec, LLM(**kw)
 
 
 @pytest.fixture(scope="module")
 def vanilla_ahead(trained_eagle3_pair, smollm2_gguf_path):
     """A vanilla LLM with emulated graphs whose decode steps launch the next one ahead."""
-    return _graphed(LLM(model=trained_eagle3_pair[0], tokenizer=smollm2_gguf_path,
+    return with_emulated_graphs(LLM(model=trained_eagle3_pair[0], tokenizer=smollm2_gguf_path,
                         verify_ahead=True, **KW), 0)
 
 
