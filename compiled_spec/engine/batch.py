@@ -7,7 +7,8 @@ nothing reads back from the device.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import chain
+from itertools import accumulate, chain
+from typing import Callable
 
 import numpy as np
 import torch
@@ -204,3 +205,34 @@ def build_sampling_tensors(reqs: list[Request], device: torch.device,
         any_sorting=any(p.needs_sorting for p in ps),
         any_min_p=any(p.min_p > 0 and not p.greedy for p in ps),
     )
+
+
+def verify_logits(compute_logits: Callable[[torch.Tensor], torch.Tensor],
+                  hidden: torch.Tensor,  # [T, h] the step's target rows
+                  spans: list[Span], num_draft: list[int], device: torch.device,
+                  ) -> tuple[torch.Tensor, list[int]]:
+    """Target logits for each request's last k_i + 1 query tokens, padded: ([B, K+1, V], the
+    first flat row of each request)."""
+    kmax = max(num_draft)
+    lengths = [s.length for s in spans]
+    row_start = list(accumulate(lengths[:-1], initial=0))
+    # Decode and full verification (every row wanted, every request verifying kmax drafts)
+    # need no gathers: no index lists, copies or kernels on the step's host-bound path.
+    every_row = lengths == [k_i + 1 for k_i in num_draft]
+    same_k = num_draft.count(kmax) == len(num_draft)
+    if every_row and same_k:
+        return compute_logits(hidden).view(len(spans), kmax + 1, -1), row_start
+    if not every_row:  # prefill rows in the batch: keep each request's last k_i + 1
+        rows: list[int] = []
+        for n, k_i, r0 in zip(lengths, num_draft, row_start):
+            rows.extend(range(r0 + n - k_i - 1, r0 + n))
+        hidden = hidden[to_device(rows, device)]
+    logits = compute_logits(hidden)  # [R, V]
+    if not same_k:  # fewer drafts for some requests: repeat their last row up to kmax + 1
+        pad_idx: list[int] = []
+        base = 0  # first of the request's k_i + 1 rows in logits
+        for k_i in num_draft:
+            pad_idx.extend(base + min(j, k_i) for j in range(kmax + 1))
+            base += k_i + 1
+        logits = logits[to_device(pad_idx, device)]
+    return logits.view(len(spans), kmax + 1, -1), row_start

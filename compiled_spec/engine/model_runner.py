@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from itertools import accumulate
 
 import numpy as np
 import torch
 
 from capture.host_stage import HostBatch
 from compiled_spec.engine.batch import (Span, build_host_batch, build_sampling_tensors,
-                                        greedy_accept, host_batch_to_device, to_device)
+                                        greedy_accept, host_batch_to_device, to_device,
+                                        verify_logits)
 from compiled_spec.engine.early_propose import EarlyPropose, EarlyStep, HostCopy
 from compiled_spec.engine.logprobs import gather_logprobs
 from compiled_spec.engine.request import Request
@@ -141,7 +141,8 @@ class ModelRunner:
         else:
             input_ids, positions, meta = host_batch_to_device(hb, self.device, drafts)
             hidden, aux = self.target_fn(input_ids, positions, meta, self.aux_layer_ids)
-        logits, row_start = self._logits(hidden, spans, num_draft)
+        logits, row_start = verify_logits(self.model.compute_logits, hidden, spans, num_draft,
+                                          self.device)
         # Decoding with a graphed propose to follow: its fc issued before the acceptance's
         # host wait (the O(batch) check only where there are graphs).
         if (self.aux_layer_ids and self.proposer is not None
@@ -181,33 +182,6 @@ class ModelRunner:
             host_ids.extend(r.tokens(r.num_computed, r.num_computed + n))
             spans.append(Span(r.req_id, r.num_computed, n))
         return build_host_batch(self.allocator, spans, host_ids), spans, [0] * len(reqs)
-
-    def _logits(self, hidden: torch.Tensor, spans: list[Span], num_draft: list[int]
-                ) -> tuple[torch.Tensor, list[int]]:
-        """Target logits for each request's last k_i + 1 query tokens, padded: [B, K+1, V]."""
-        kmax = max(num_draft)
-        lengths = [s.length for s in spans]
-        row_start = list(accumulate(lengths[:-1], initial=0))
-        # Decode and full verification (every row wanted, every request verifying kmax drafts)
-        # need no gathers: no index lists, copies or kernels on the step's host-bound path.
-        every_row = lengths == [k_i + 1 for k_i in num_draft]
-        same_k = num_draft.count(kmax) == len(num_draft)
-        if every_row and same_k:
-            return self.model.compute_logits(hidden).view(len(spans), kmax + 1, -1), row_start
-        if not every_row:  # prefill rows in the batch: keep each request's last k_i + 1
-            rows: list[int] = []
-            for n, k_i, r0 in zip(lengths, num_draft, row_start):
-                rows.extend(range(r0 + n - k_i - 1, r0 + n))
-            hidden = hidden[to_device(rows, self.device)]
-        logits = self.model.compute_logits(hidden)  # [R, V]
-        if not same_k:  # fewer drafts for some requests: repeat their last row up to kmax + 1
-            pad_idx: list[int] = []
-            base = 0  # first of the request's k_i + 1 rows in logits
-            for k_i in num_draft:
-                pad_idx.extend(base + min(j, k_i) for j in range(kmax + 1))
-                base += k_i + 1
-            logits = logits[to_device(pad_idx, self.device)]
-        return logits.view(len(spans), kmax + 1, -1), row_start
 
     def _accept(self, reqs: list[Request], logits: torch.Tensor, num_draft: list[int],
                 num_new: list[int]) -> list[list[int]]:
