@@ -4,7 +4,7 @@ greedy decode step (vanilla) before the host even reads its token.
 
 With early propose (engine/early_propose.py) a chain step runs: verify -> acceptance copy ->
 proposal (on the GPU) while the host waits for the copy, then does the step's bookkeeping,
-schedules, stages and launches the next verify. On the H200 (fourteenth session, chain k=5,
+schedules, stages and launches the next verify. On the H200 (thirteenth session, chain k=5,
 batch 1) a step took 1.83 ms against 0.40 ms of propose and 1.16 ms of verify: the GPU idled
 ~0.27 ms a step waiting for that host work once the proposal was done.
 
@@ -25,10 +25,10 @@ Not launched when requests wait for admission (the next batch would change), whe
 would verify fewer than k drafts next step, or over ``max_batch`` requests.
 
 Vanilla greedy decoding (k = 0) goes one step further: nothing is queued on the GPU while the
-host reads a decode step's token (on the H200 a SmolLM2 decode step took 1.153 ms against
-0.914 ms of forward), so the next decode is launched from the device argmax itself (a
-device-to-device copy into the graph's token buffer), before the host waits; the host then
-reads step N's token while step N+1 runs. Launched when every request decodes one token next
+host reads a decode step's token (on the H200, thirteenth session, a SmolLM2 decode step took
+1.153 ms against 0.914 ms of forward), so the next decode is launched from the device argmax
+itself (a device-to-device copy into the graph's token buffer), before the host waits; the
+host then reads step N's token while step N+1 runs. Launched when every request decodes one token next
 at a known position (prompts fully computed, greedy, no logprobs, not at its budget), with the
 next position's KV block grown now.
 """
