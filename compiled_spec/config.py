@@ -131,7 +131,7 @@ class SpecConfig:
 
 
 def verify_ahead_default() -> bool:
-    """SpecConfig.verify_ahead when not given: off unless COMPILED_SPEC_VERIFY_AHEAD=1."""
+    """EngineConfig.verify_ahead when not given: off unless COMPILED_SPEC_VERIFY_AHEAD=1."""
     return os.environ.get("COMPILED_SPEC_VERIFY_AHEAD", "0") == "1"
 
 

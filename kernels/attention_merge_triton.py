@@ -3,8 +3,9 @@
 The default is the separate merge kernel below. ``COMPILED_SPEC_FUSED_MERGE=1``: the split that
 finishes a tile last merges it, found through a per-tile counter kept here (one kernel per
 attention); off until timed on the GPU in its current form (see ``kernels.attention_triton``).
-A forced split count past the counters always takes the merge kernel. The counters and their protocol (``last_to_arrive``, ``reset_counter``) also serve the
-row top-k's one-launch stage 2 (``kernels.topk_triton``).
+A forced split count past the counters always takes the merge kernel. The counters and their
+protocol (``last_to_arrive``, ``reset_counter``) also serve the row top-k's one-launch stage 2
+(``kernels.topk_triton``).
 """
 from __future__ import annotations
 

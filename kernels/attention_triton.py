@@ -164,8 +164,7 @@ def _paged_attn_kernel(
                                   cache_modifier=".cg")  # [S, M]
                 m_all = tl.max(lse_all, 0)  # [M]
                 m_all = tl.where(m_all > float("-inf"), m_all, 0.0)
-                w_all = tl.where(lse_all > float("-inf"), tl.exp2(lse_all - m_all[None, :]), 0.0)
-                w_sum = tl.sum(w_all, 0)  # [M]
+                w_sum = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
                 merged = tl.zeros([BLOCK_Q * GROUP_PAD, DIM_PAD], tl.float32)
                 for c in tl.static_range(0, NUM_SPLITS, MERGE_CHUNK):  # fixed order
                     sc = c + tl.arange(0, MERGE_CHUNK)  # [C]
@@ -177,6 +176,7 @@ def _paged_attn_kernel(
                                    mask=store_mask[None, :, :] & (w_c > 0.0)[:, :, None],
                                    other=0.0, cache_modifier=".cg")  # [C, M, D]
                     merged += tl.sum(part * w_c[:, :, None], 0)
+                    w_sum += tl.sum(w_c, 0)
                 merged = merged / tl.where(w_sum > 0.0, w_sum, 1.0)[:, None]
                 tl.store(out_ptr + o_off, merged.to(out_ptr.dtype.element_ty), mask=store_mask)
                 reset_counter(counter_ptr + tile)

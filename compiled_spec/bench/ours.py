@@ -27,7 +27,7 @@ class Variant:
     tree: tuple[int, int] | None = None  # EAGLE-2 draft tree: (topk, verified tokens incl. root)
     policy: str = "always"  # speculation_policy
     early_propose: bool = True  # False: every proposal launched after the acceptance is read
-    verify_ahead: bool | None = None  # SpecConfig.verify_ahead; None: the LLM's default
+    verify_ahead: bool | None = None  # EngineConfig.verify_ahead; None: the LLM's default
     # CompileConfig flags this variant sets over the run's own (bench --ab: one of a pair)
     flags: dict[str, bool] = field(default_factory=dict)
 

@@ -21,9 +21,10 @@ from compiled_spec.bench.timing import Row
 OURS = ("ours_vanilla_eager", "ours_vanilla_compiled", "ours_eagle_eager", "ours_eagle_compiled")
 ALL_VARIANTS = (*hf.KINDS, *OURS)
 PROJECTED_TAUS = (2.0, 3.0, 4.0)
-# CompileConfig flags `--ab` can compare, with the label of their "on" rows
+# What `--ab` can compare, with the label of their "on" rows: CompileConfig flags, and the
+# engine option verify_ahead (vanilla and chains only)
 AB_FLAGS = {"pdl": "PDL", "skinny_gemm": "skinny GEMMs", "autotune_gemm": "GEMM autotuning",
-            "verify_ahead": "verify ahead"}  # the last an engine option (vanilla, chains)
+            "verify_ahead": "verify ahead"}
 LLAMA8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
            "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
            "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 131072,
@@ -43,7 +44,7 @@ def _variants(names: list[str], draft: str | None, k: int,
     ((topk, tokens): EAGLE-2 trees of depth k), with ``adaptive`` once more as a chain under
     speculation_policy="adaptive", and with ``late_propose`` once more as a chain whose
     proposals all launch after the acceptance is read (early_propose=False), in the same
-    compile mode. With ``ab`` (a CompileConfig flag of ``AB_FLAGS``) every compiled engine
+    compile mode. With ``ab`` (a key of ``AB_FLAGS``) every compiled engine
     runs twice in a row, with the flag off and on (rows named "+ <label>"): an A/B in one
     process on one GPU, where two device calls differ by more than the effects measured
     (vanilla 771-871 tok/s between sessions)."""

@@ -28,9 +28,9 @@ Vanilla greedy decoding (k = 0) goes one step further: nothing is queued on the 
 host reads a decode step's token (on the H200, thirteenth session, a SmolLM2 decode step took
 1.153 ms against 0.914 ms of forward), so the next decode is launched from the device argmax
 itself (a device-to-device copy into the graph's token buffer), before the host waits; the
-host then reads step N's token while step N+1 runs. Launched when every request decodes one token next
-at a known position (prompts fully computed, greedy, no logprobs, not at its budget), with the
-next position's KV block grown now.
+host then reads step N's token while step N+1 runs. Launched when every request decodes one
+token next at a known position (prompts fully computed, greedy, no logprobs, not at its
+budget), with the next position's KV block grown now.
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from capture.host_stage import HostBatch
 from compiled_spec.engine.batch import Span, build_host_batch, to_device
 from compiled_spec.engine.early_propose import HostCopy
 from compiled_spec.engine.request import Request
@@ -65,9 +66,7 @@ class VerifyAheadStats:
 
 @dataclass
 class _Launched:
-    req_ids: list[int]
-    starts: list[int]  # per request: its first verified position (its last token's)
-    spans: list[Span]
+    spans: list[Span]  # per request: its verified span (start: its last token's position)
     logits: torch.Tensor  # [n, k+1, V]
     target_hidden: torch.Tensor | list[torch.Tensor]  # [n * (k+1), h] (per aux layer)
 
@@ -90,7 +89,7 @@ def _count(d: dict[str, int], why: str) -> None:
 class VerifyAhead:
     def __init__(self, runner: "ModelRunner", enabled: bool = False, max_batch: int = 64) -> None:
         self.runner = runner
-        self.enabled = enabled  # SpecConfig.verify_ahead
+        self.enabled = enabled  # EngineConfig.verify_ahead
         self.max_batch = max_batch
         self.admitting = False  # set by the engine each step: requests wait for admission
         self.stats = VerifyAheadStats()
@@ -150,11 +149,16 @@ class VerifyAhead:
             dst.extend(range(off + 1, off + 1 + k))
             src.extend(range(i * k, (i + 1) * k))  # row i of the step's proposal
             spans.append(Span(q.req_id, start, k + 1))
-        hb = build_host_batch(r.allocator, spans, host_ids, dst, src)
+        self._launch(build_host_batch(r.allocator, spans, host_ids, dst, src), spans, k,
+                     step.drafts.reshape(-1))
+
+    def _launch(self, hb: HostBatch, spans: list[Span], k: int,
+                drafts: torch.Tensor) -> None:  # [n * k] (chain) or [n] (decode), flat
+        """The target forward over ``hb`` (its draft rows read from ``drafts``), kept for the
+        next step."""
         with phase("verify"):
-            logits, _, hidden = r._verify(hb, spans, [k] * len(reqs), step.drafts.reshape(-1))
-        self._launched = _Launched([q.req_id for q in reqs], [s.start for s in spans], spans,
-                                   logits, hidden)
+            logits, _, hidden = self.runner._verify(hb, spans, [k] * len(spans), drafts)
+        self._launched = _Launched(spans, logits, hidden)
         self.stats.launched += 1
 
     def decode(self, reqs: list[Request], num_new: list[int],
@@ -185,12 +189,8 @@ class VerifyAhead:
             _count(self.stats.skipped, "kv_exhausted")
             return
         spans = [Span(q.req_id, q.num_computed + m, 1) for q, m in zip(reqs, num_new)]
-        hb = build_host_batch(r.allocator, spans, [0] * n, list(range(n)), list(range(n)))
-        with phase("verify"):
-            logits, _, hidden = r._verify(hb, spans, [0] * n, tok)
-        self._launched = _Launched([q.req_id for q in reqs], [s.start for s in spans], spans,
-                                   logits, hidden)
-        self.stats.launched += 1
+        self._launch(build_host_batch(r.allocator, spans, [0] * n, list(range(n)),
+                                      list(range(n))), spans, 0, tok)
 
     def _why_not_decode(self, reqs: list[Request], num_new: list[int]) -> str | None:
         why = self._why_not_batch(reqs)
@@ -211,18 +211,18 @@ class VerifyAhead:
         if a is None:
             return None
         r, k = self.runner, self.runner.k
-        pos = {rid: i for i, rid in enumerate(a.req_ids)}
+        pos = {s.req_id: i for i, s in enumerate(a.spans)}
         keep = [pos.get(q.req_id, -1) for q in reqs]
         if max(num_new) != 1 or -1 in keep or keep != sorted(keep):
             _count(self.stats.discarded, "batch")
             return None
         for q, i in zip(reqs, keep):
-            if (q.num_computed != a.starts[i] or r.num_drafts_for(q) != k
+            if (q.num_computed != a.spans[i].start or r.num_drafts_for(q) != k
                     or (k > 0 and r._draft_row.get(q.req_id) != i)):
                 _count(self.stats.discarded, "state")
                 return None
         logits, hidden, spans = a.logits, a.target_hidden, a.spans
-        if len(keep) < len(a.req_ids):  # finished requests' rows dropped
+        if len(keep) < len(a.spans):  # finished requests' rows dropped
             k1 = k + 1
             idx = to_device(keep, r.device)
             rows = to_device([i * k1 + j for i in keep for j in range(k1)], r.device)
