@@ -57,10 +57,9 @@ class LLM:
     and acceptance say plain decoding is faster (``llm.stats.policy.summary()`` reports it).
     ``early_propose=False`` launches each proposal after the host read the step's acceptance
     (default: before it where the step allows, ``llm.stats.early_propose`` counts both; None
-    reads COMPILED_SPEC_EARLY_PROPOSE, 0 = off). ``verify_ahead=True``: greedy decode steps
-    and early chain steps launch the next step's target forward before the engine's
-    bookkeeping (``llm.stats.verify_ahead``; None reads COMPILED_SPEC_VERIFY_AHEAD, 1 = on; off
-    by default until measured on the H200).
+    reads COMPILED_SPEC_EARLY_PROPOSE, 0 = off). ``verify_ahead``: greedy decode steps and
+    early chain steps launch the next step's target forward before the engine's bookkeeping
+    (``llm.stats.verify_ahead``; None: COMPILED_SPEC_VERIFY_AHEAD if set, else on for CUDA).
     """
 
     def __init__(
@@ -151,7 +150,7 @@ class LLM:
                 speculation_policy=speculation_policy,
                 early_propose=early_propose_default() if early_propose is None
                 else early_propose),
-            verify_ahead=verify_ahead_default() if verify_ahead is None else verify_ahead,
+            verify_ahead=verify_ahead_default(dev) if verify_ahead is None else verify_ahead,
         )
         draft_model = None
         if draft is not None:

@@ -141,7 +141,9 @@ def test_ab_runs_each_compiled_engine_with_the_flag_off_then_on() -> None:
         ("ours vanilla compiled + graphs + verify ahead", True, {}),
         ("ours EAGLE k=5 compiled + graphs", False, {}),
         ("ours EAGLE k=5 compiled + graphs + verify ahead", True, {}),
-        ("ours EAGLE tree topk 8, 32 tokens, depth 5 compiled + graphs", None, {})]  # no ahead
+        ("ours EAGLE tree topk 8, 32 tokens, depth 5 compiled + graphs", False, {}),
+        ("ours EAGLE tree topk 8, 32 tokens, depth 5 compiled + graphs + verify ahead", True,
+         {})]
     with pytest.raises(SystemExit):
         main(["bench", "--ab", "fast_mode"])
 

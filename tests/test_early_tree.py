@@ -152,6 +152,39 @@ def test_early_tree_equals_vanilla_and_late(engines, batch):
     assert late_acc > 0 and early_acc == late_acc  # the device's acceptance is the host's
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_tree_verify_ahead_equals_vanilla(engines, batch):
+    """Verify ahead for trees (engine/verify_ahead_tree.py): each early tree step launches the
+    next trees' verify from its acceptance. Greedy output must equal vanilla decoding with the
+    same acceptance as without it; launches must be taken (no pass by always discarding), and
+    requests ending mid-batch (budgets, a stop token) must discard with a reason."""
+    spec, vanilla = engines
+    sps = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
+           for m in (21, 24, 30, 9, 25)]  # 2 stops while 0 and 1 go on
+    ref = _gen(vanilla, PROMPTS, sps, 1)
+    sps[2] = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True,
+                            stop_token_ids=[ref[2][12]])
+    ref = _gen(vanilla, PROMPTS, sps, 1)
+    ahead, st = spec.engine.runner.ahead, spec.stats
+    plain, plain_acc, _ = _run(spec, True, PROMPTS, sps, batch)
+    before, faults = ahead.stats.as_dict(), st.num_step_faults
+    ahead.enabled = True
+    try:
+        out, acc, early_st = _run(spec, True, PROMPTS, sps, batch)
+    finally:
+        ahead.enabled = False
+    after = ahead.stats.as_dict()
+    assert plain == ref and out == ref
+    assert acc == plain_acc > 0 and early_st["early"] > 0
+    launched, taken = (after[k] - before[k] for k in ("launched", "taken"))
+    discarded = sum(after["discarded"].values()) - sum(before["discarded"].values())
+    assert taken > 0 and launched == taken + discarded, (before, after)
+    assert discarded > 0, after  # requests end: their launched verifies are dropped, counted
+    assert st.verify_ahead is ahead.stats
+    # No step recovered from a fault (a recovery would recompute and hide a wrong input).
+    assert st.num_step_faults == faults
+
+
 def test_early_tree_graph_writes_what_the_late_graphs_write(engines):
     """Three requests accepting 0, 2 and all D nodes of random trees (one off the first
     branch): the early graph, given the trees and the argmax, must draft the trees the late

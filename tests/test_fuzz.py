@@ -68,20 +68,22 @@ def test_fuzz_requests_keep_the_engine_usable(engine, bigram_eagle3, smollm2_ggu
     _idle_and_full(llm)
 
 
-@pytest.mark.parametrize("engine", ["vanilla", "eagle3"])
+@pytest.mark.parametrize("engine", ["vanilla", "eagle3", "eagle3_tree"])
 def test_fuzz_verify_ahead_matches_plain(engine, bigram_eagle3, smollm2_gguf_path):
     """Engines that launch each next step's target forward before the bookkeeping
-    (engine/verify_ahead.py: vanilla from the device argmax, EAGLE-3 chains from their early
-    steps, through emulated graphs) against the same engine without it, on the same random
+    (engine/verify_ahead.py: vanilla from the device argmax, EAGLE-3 chains and trees from their
+    early steps, through emulated graphs) against the same engine without it, on the same random
     requests and injected faults: identical outputs and finish reasons, the engine idle after
     every call, and launches actually taken (greedy batches) or skipped by reason."""
     target, head = bigram_eagle3
     kw = dict(model=target, tokenizer=smollm2_gguf_path, max_model_len=MAX_LEN,
               page_size=4, max_num_seqs=4, num_kv_blocks=60, enable_prefix_caching=True)
-    if engine == "eagle3":
+    if engine != "vanilla":
         kw.update(draft=head, num_speculative_tokens=3)
+    if engine == "eagle3_tree":
+        kw.update(speculative_topk=2, speculative_num_draft_tokens=6)
     llms = [LLM(verify_ahead=on, **kw) for on in (False, True)]
-    if engine == "eagle3":
+    if engine != "vanilla":
         llms = [with_emulated_graphs(llm, 3, MAX_LEN) for llm in llms]
     for llm in llms:
         inject_faults(llm)

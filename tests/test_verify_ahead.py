@@ -152,3 +152,18 @@ def test_vanilla_decode_ahead_equals_vanilla(engines, vanilla_ahead, batch):
     out, _, st = _run(vanilla_ahead, True, PROMPTS[:1], sampled, 1)
     ref = _gen(vanilla, PROMPTS[:1], sampled, 1)
     assert out == ref and st["launched"] == 0 and st["skipped"].get("sampling", 0) > 0, st
+
+
+def test_default_on_for_cuda_only(monkeypatch):
+    """Unset: on for CUDA (it overlaps the host's turnaround), off on the CPU (ops run as issued:
+    nothing to overlap); COMPILED_SPEC_VERIFY_AHEAD overrides both ways."""
+    import torch
+
+    from compiled_spec.config import verify_ahead_default
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.delenv("COMPILED_SPEC_VERIFY_AHEAD", raising=False)
+    assert (verify_ahead_default(cpu), verify_ahead_default(cuda)) == (False, True)
+    monkeypatch.setenv("COMPILED_SPEC_VERIFY_AHEAD", "1")
+    assert (verify_ahead_default(cpu), verify_ahead_default(cuda)) == (True, True)
+    monkeypatch.setenv("COMPILED_SPEC_VERIFY_AHEAD", "0")
+    assert (verify_ahead_default(cpu), verify_ahead_default(cuda)) == (False, False)

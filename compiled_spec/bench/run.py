@@ -22,7 +22,7 @@ OURS = ("ours_vanilla_eager", "ours_vanilla_compiled", "ours_eagle_eager", "ours
 ALL_VARIANTS = (*hf.KINDS, *OURS)
 PROJECTED_TAUS = (2.0, 3.0, 4.0)
 # What `--ab` can compare, with the label of their "on" rows: CompileConfig flags, and the
-# engine option verify_ahead (vanilla and chains only)
+# engine option verify_ahead
 AB_FLAGS = {"pdl": "PDL", "skinny_gemm": "skinny GEMMs", "autotune_gemm": "GEMM autotuning",
             "verify_ahead": "verify ahead"}
 LLAMA8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
@@ -67,15 +67,11 @@ def _variants(names: list[str], draft: str | None, k: int,
         for topk, tokens in trees if spec else ():
             out.append(Variant(f"ours EAGLE tree topk {topk}, {tokens} tokens, depth {k}" + mode,
                                draft, n.endswith("compiled"), (topk, tokens)))
-    if ab == "verify_ahead":  # vanilla and chains (trees never launch ahead)
+    if ab is not None:  # verify_ahead is an engine option, the rest CompileConfig flags
+        off, on = (({"verify_ahead": False}, {"verify_ahead": True}) if ab == "verify_ahead"
+                   else ({"flags": {ab: False}}, {"flags": {ab: True}}))
         out = [w for v in out for w in (
-            [replace(v, verify_ahead=False),
-             replace(v, name=f"{v.name} + {AB_FLAGS[ab]}", verify_ahead=True)]
-            if v.compile and v.tree is None else [v])]
-    elif ab is not None:
-        out = [w for v in out for w in (
-            [replace(v, flags={ab: False}),
-             replace(v, name=f"{v.name} + {AB_FLAGS[ab]}", flags={ab: True})]
+            [replace(v, **off), replace(v, name=f"{v.name} + {AB_FLAGS[ab]}", **on)]
             if v.compile else [v])]
     return out
 
@@ -239,8 +235,7 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
                    "launched after the host reads the step's acceptance), to compare")
     b.add_argument("--ab", choices=sorted(AB_FLAGS), default=None,
                    help="run every compiled engine of ours twice in a row, with this compile "
-                   "option off, then on (rows named '+ ...'), to compare in one process "
-                   "(verify_ahead: vanilla and EAGLE chains, not trees)")
+                   "option off, then on (rows named '+ ...'), to compare in one process")
     b.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64],
                    help="batch sizes for our engines (transformers runs batch 1)")
     b.add_argument("--tokenizer", default=None)

@@ -84,9 +84,9 @@ class LLMEngine:
             # The policy picks a step's mode after its acceptance: such steps propose late.
             early.may_pause = self.stats.policy is not None
             self.stats.early_propose = early.stats
-        # Vanilla greedy decode and early chain steps (not trees) launch the next step ahead.
+        # Vanilla greedy decode and early chain and tree steps launch the next step ahead.
         self.runner.ahead.enabled = cfg.verify_ahead and (
-            cfg.spec is None or (cfg.spec.early_propose and tree is None
+            cfg.spec is None or (cfg.spec.early_propose
                                  and cfg.spec.speculation_policy == "always"))
         self.stats.verify_ahead = self.runner.ahead.stats
         self._mode_prev = SPEC  # the last proposal's mode: what this step verifies

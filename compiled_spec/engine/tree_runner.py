@@ -13,24 +13,24 @@ A step verifies trees only when every request in it is decoding (one new token):
 also prefills runs the chain path with no drafts, and the requests re-propose after it. Requests
 that cannot take a tree this step (too near their end for the tree's slots, or not speculating)
 decode plainly inside the tree step as one-node trees. Greedy all-tree steps with graphs launch
-the next trees before the host reads the acceptance (``engine.early_tree``). With compile=True the verify forward
-runs through ``target_fn`` (compiled; on CUDA a tree-verify graph per batch size, see
-``engine.tree_graphs``) and the proposer's draft forwards through the compiled draft.
+the next trees before the host reads the acceptance (``engine.early_tree``), then the next
+trees' verify before the engine's bookkeeping (``engine.verify_ahead_tree``). The verify's
+staging is ``engine.tree_verify``; with compile=True its forward runs through ``target_fn``
+(compiled; on CUDA a tree-verify graph per batch size, see ``engine.tree_graphs``) and the
+proposer's draft forwards through the compiled draft.
 """
 from __future__ import annotations
-
-from dataclasses import replace
 
 import numpy as np
 import torch
 
-from capture.host_stage import HostBatch
-from compiled_spec.engine.batch import (Span, build_sampling_tensors, metadata_to_device,
-                                        to_device)
+from compiled_spec.engine.batch import Span, build_sampling_tensors, to_device
 from compiled_spec.engine.early_tree import EarlyTree, EarlyTreeStep
 from compiled_spec.engine.logprobs import gather_logprobs
 from compiled_spec.engine.model_runner import ModelRunner, StepOutput, _Pending
 from compiled_spec.engine.request import Request
+from compiled_spec.engine.tree_verify import stage_and_verify
+from compiled_spec.engine.verify_ahead_tree import TreeVerifyAhead
 from compiled_spec.profile import phase
 from compiled_spec.sampler import STREAM_TOKEN, apply_filters, position_keys, sample_from_probs
 from compiled_spec.spec.proposer import ProposeBatch
@@ -47,6 +47,8 @@ class TreeModelRunner(ModelRunner):
         self.lookahead = tree.lookahead
         # Greedy tree steps propose before the host reads their acceptance (early_tree.py).
         self.early = EarlyTree(self)  # type: ignore[assignment]
+        # ... and launch the next trees' verify once it is read (verify_ahead_tree.py).
+        self.ahead = TreeVerifyAhead(self)
         self._early_tree: EarlyTreeStep | None = None  # this step's, until ``propose``
         self._tree: DraftTree | None = None
         self._tree_row: dict[int, int] = {}
@@ -95,10 +97,18 @@ class TreeModelRunner(ModelRunner):
         return rows
 
     def _takes_tree(self, req: Request) -> bool:
-        """Room for at least one draft, and the tree's slots inside max_model_len. Slots may
-        pass the request's own budget (they are scratch); acceptance is capped to the budget."""
-        return (req.spec_enabled and req.max_total_tokens - req.num_tokens >= 2
-                and req.num_tokens - 1 + self.lookahead <= self.max_model_len)
+        return self.takes_tree_at(req, req.num_tokens)
+
+    def takes_tree_at(self, req: Request, num_tokens: int) -> bool:
+        """Whether ``req`` with ``num_tokens`` tokens may verify a tree: room for at least one
+        draft, and the tree's slots inside max_model_len. Slots may pass the request's own
+        budget (they are scratch); acceptance is capped to the budget."""
+        return (req.spec_enabled and req.max_total_tokens - num_tokens >= 2
+                and num_tokens - 1 + self.lookahead <= self.max_model_len)
+
+    def covered(self, req: Request) -> int:
+        """Positions the blocks ``req`` holds cover."""
+        return len(self.allocator.tables.get(req.req_id, ())) * self.allocator.page_size
 
     def _grow_cap(self, req: Request) -> int:
         return self.max_model_len
@@ -106,8 +116,7 @@ class TreeModelRunner(ModelRunner):
     def num_drafts_for(self, req: Request) -> int:
         if req.req_id not in self._tree_row or req.num_computed != req.num_tokens - 1:
             return 0
-        covered = len(self.allocator.tables.get(req.req_id, ())) * self.allocator.page_size
-        if not self._takes_tree(req) or covered < req.num_tokens - 1 + self.lookahead:
+        if not self._takes_tree(req) or self.covered(req) < req.num_tokens - 1 + self.lookahead:
             return 0  # e.g. the pool could not grow this request's tree slots
         return self.tree.num_draft_tokens - 1
 
@@ -122,83 +131,11 @@ class TreeModelRunner(ModelRunner):
 
     def _execute_tree(self, reqs: list[Request]) -> StepOutput:
         n_nodes, dev, alloc = self.tree.num_draft_tokens, self.device, self.allocator
-        page = alloc.page_size
-        with phase("prepare"):
-            in_tree = [self.num_drafts_for(r) > 0 for r in reqs]
-            host_ids, base, slots, qsl, tables, starts = [], [], [], [0], [], []
-            node_dst, tree_rows = [], []
-            for r, t in zip(reqs, in_tree):
-                root = r.num_computed  # position L-1 of the last token
-                n = n_nodes if t else 1
-                host_ids.append(r.token_ids[root])
-                host_ids.extend([0] * (n - 1))
-                base.extend([root] * n)
-                table = alloc.tables[r.req_id]  # the slots inlined: 32 calls a tree otherwise
-                slots.extend([table[p // page] * page + p % page for p in range(root, root + n)])
-                if t:
-                    node_dst.append(qsl[-1])
-                    tree_rows.append(self._tree_row[r.req_id])
-                qsl.append(qsl[-1] + n)
-                tables.append(table)
-                starts.append(root)
-            tree = self._tree
-            all_tree = all(in_tree)
-            # The trees' rows in this step's order; as proposed (no gathers) when unchanged.
-            if tree_rows == list(range(tree.tokens.shape[0])):
-                t_tok, t_par, t_depth, t_mask = tree.tokens, tree.parents, tree.depth, tree.mask
-            else:
-                rows_t = to_device(tree_rows, dev)
-                t_tok, t_par = tree.tokens[rows_t], tree.parents[rows_t]
-                t_depth, t_mask = tree.depth[rows_t], tree.mask[rows_t]  # [B_t, N], [B_t, N, N]
-            # CUDA graphs (or their CPU emulation): the host lists go straight into the verify
-            # graph's buffers, the drafted nodes' ids gathered there from the trees.
-            use_host = all_tree and hasattr(self.target_fn, "run_tree_host")
-            if use_host:
-                dst, tok, mask = None, t_tok, t_mask  # the roots come from the host lists
-                hb = HostBatch(
-                    input_ids=host_ids, positions=base, slots=slots,
-                    seq_lens=[r + n_nodes for r in starts], query_start_loc=qsl, tables=tables,
-                    max_query_len=n_nodes, max_seq_len=max(starts) + n_nodes,
-                    **self._draft_rows(tree_rows))
-            elif all_tree:  # every request verifies a tree: its rows are the batch as they are
-                dst = None
-                tok = t_tok.clone()  # [B, N]
-                tok[:, 0] = to_device(host_ids[::n_nodes], dev)  # the roots
-                input_ids = tok.view(-1)  # [T]
-                depth, mask = t_depth.reshape(-1), t_mask.reshape(-1, n_nodes)
-            else:  # trees and one-node (plain) requests mixed: trees scattered into place
-                dst = (to_device(node_dst, dev)[:, None]
-                       + torch.arange(n_nodes, device=dev)).reshape(-1)
-                input_ids = to_device(host_ids, dev)  # [T]
-                tok = t_tok.clone()  # [B_t, N]
-                tok[:, 0] = input_ids[dst.view(-1, n_nodes)[:, 0]]  # the roots
-                input_ids[dst] = tok.reshape(-1)
-                depth = torch.zeros(len(host_ids), dtype=torch.int64, device=dev)
-                depth[dst] = t_depth.reshape(-1)
-                mask = torch.zeros(len(host_ids), n_nodes, dtype=torch.bool, device=dev)
-                mask[:, 0] = True  # every node (and every one-node tree) sees its root
-                mask[dst] = t_mask.reshape(-1, n_nodes)
-            # What acceptance reads after the verify, copied before it: the trees are graph
-            # outputs of the proposer, valid only until the verify's replay (capture.emulate).
-            tree_info = torch.stack([tok, t_par, t_depth])  # [3, B_t, N]
-            if not use_host:
-                base_t, meta = metadata_to_device(dev, base, slots,
-                                                  [s + n_nodes for s in starts], qsl, tables,
-                                                  n_nodes, max(starts) + n_nodes)
-                positions = base_t + depth  # rope position L-1 + depth
-                # Every sequence's context is its prefix plus its N tree slots.
-                meta = replace(meta, tree_start=meta.seq_lens - n_nodes, tree_mask=mask)
-        with phase("verify"):
-            if use_host:
-                hidden, aux = self.target_fn.run_tree_host(
-                    hb, tree.tokens.reshape(-1),
-                    {"depth": t_depth.reshape(-1), "tree_mask": mask.reshape(-1, n_nodes)})
-            else:
-                hidden, aux = self.target_fn(input_ids, positions, meta, self.aux_layer_ids)
-            logits = self.model.compute_logits(hidden)  # [T, V]
-            if self.aux_layer_ids:  # the next proposal's fc, before the acceptance's host wait
-                self.proposer.precombine(aux)
-        target_hidden = aux if self.aux_layer_ids else hidden
+        # The verify the last step launched for this batch (engine/verify_ahead_tree.py).
+        v = self.ahead.take_tree(reqs) or stage_and_verify(self, reqs)
+        in_tree, starts, qsl, dst = v.in_tree, v.starts, v.qsl, v.dst
+        logits, target_hidden, tree_info = v.logits, v.target_hidden, v.tree_info
+        all_tree = all(in_tree)
         # Staged while the verify runs; None: this step proposes late (the reason counted).
         early = self._early_tree = self.early.plan_tree(reqs, in_tree, starts)
         with phase("rejection_sample"):
@@ -207,8 +144,9 @@ class TreeModelRunner(ModelRunner):
             else:  # the token vanilla sampling would draw after each node (position + 1)
                 reps = [qsl[i + 1] - qsl[i] for i in range(len(reqs))]
                 st = build_sampling_tensors(reqs, dev, reps)
-                if use_host:
-                    positions = to_device(base, dev) + t_depth.reshape(-1)  # [T]
+                positions = v.positions  # [T]; from the host lists when those fed a graph
+                if positions is None:
+                    positions = to_device(v.base, dev) + tree_info[2].reshape(-1)
                 drawn = sample_from_probs(apply_filters(logits, st),
                                           position_keys(st.seeds, positions + 1, STREAM_TOKEN))
             at_nodes = (drawn if dst is None else drawn[dst]).view(-1, n_nodes)  # [B_t, N]
@@ -244,6 +182,8 @@ class TreeModelRunner(ModelRunner):
                         dst_slots.append(alloc.slot(rid, root + j + 1))
                 if src:
                     self._moves[rid] = (src, dst_slots)
+            if early is not None:  # the next trees' verify, before the engine's bookkeeping
+                early.tree = self.ahead.launch_tree(reqs, starts, n_acc, bonus, early.tree)
         plain = iter(host[4 * n_t * n_nodes:].tolist() if early is None else ())
         new_tokens, num_draft, spans, rows_by_req = [], [], [], {}
         row = 0

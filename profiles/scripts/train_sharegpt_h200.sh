@@ -56,8 +56,8 @@
 #                         Triton kernels; setup0's gpu.txt says whether the torch there has it);
 #                         AB=pdl (or skinny_gemm, autotune_gemm, verify_ahead; bench, trees): --ab,
 #                         every compiled engine with that option off, then on, in one process
-#                         (verify_ahead: vanilla and chains launch the next step before the
-#                         bookkeeping; trees run once)
+#                         (verify_ahead: vanilla, chains and trees launch the next step before
+#                         the bookkeeping; on by default on CUDA since the fifteenth session)
 #                         PRECOMPILE=1 (bench, trees): --precompile (the target loaded, not traced, on a
 #                         warm start; torch 2.11 unverified: compile_cache['precompile'] says)
 #   bash profiles/scripts/train_sharegpt_h200.sh gemm     # kernels/bench_gemm.py: cuBLAS vs our skinny
