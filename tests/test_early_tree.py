@@ -153,21 +153,39 @@ def test_early_tree_equals_vanilla_and_late(engines, batch):
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-def test_tree_verify_ahead_equals_vanilla(engines, batch):
+def test_tree_verify_ahead_equals_vanilla(engines, batch, monkeypatch):
     """Verify ahead for trees (engine/verify_ahead_tree.py): each early tree step launches the
     next trees' verify from its acceptance. Greedy output must equal vanilla decoding with the
     same acceptance as without it; launches must be taken (no pass by always discarding), and
-    requests ending mid-batch (budgets, a stop token) must discard with a reason."""
+    requests ending mid-batch (budgets, a stop token) must discard with a reason. Every taken
+    verify (whole or the rows of the requests that went on) must equal the verify the step
+    would have staged itself: same trees, roots and rows, the same logits."""
+    from compiled_spec.engine.tree_verify import stage_and_verify
     spec, vanilla = engines
     sps = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
-           for m in (21, 24, 30, 9, 25)]  # 2 stops while 0 and 1 go on
+           for m in (21, 14, 30, 9, 25)]
     ref = _gen(vanilla, PROMPTS, sps, 1)
-    sps[2] = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True,
-                            stop_token_ids=[ref[2][12]])
+    # Request 1 stops mid-batch while 0 and 2 go on (rows 0 and 2 of the launch are kept).
+    sps[1] = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True,
+                            stop_token_ids=[ref[1][10]])
     ref = _gen(vanilla, PROMPTS, sps, 1)
     ahead, st = spec.engine.runner.ahead, spec.stats
     plain, plain_acc, _ = _run(spec, True, PROMPTS, sps, batch)
     before, faults = ahead.stats.as_dict(), st.num_step_faults
+    take, checked = ahead.take_tree, []
+
+    def take_checked(reqs):
+        v = take(reqs)
+        if v is not None:  # the oracle: this step's own staging and verify
+            want = stage_and_verify(spec.engine.runner, reqs)
+            assert (v.starts, v.qsl, v.base) == (want.starts, want.qsl, want.base)
+            # Parents, depths and drafted tokens (a graph-fed root column is not read).
+            assert torch.equal(v.tree_info[1:], want.tree_info[1:])
+            assert torch.equal(v.tree_info[0, :, 1:], want.tree_info[0, :, 1:])
+            torch.testing.assert_close(v.logits, want.logits, rtol=1e-4, atol=1e-4)
+            checked.append(len(reqs))
+        return v
+    monkeypatch.setattr(ahead, "take_tree", take_checked)
     ahead.enabled = True
     try:
         out, acc, early_st = _run(spec, True, PROMPTS, sps, batch)
@@ -176,13 +194,18 @@ def test_tree_verify_ahead_equals_vanilla(engines, batch):
     after = ahead.stats.as_dict()
     assert plain == ref and out == ref
     assert acc == plain_acc > 0 and early_st["early"] > 0
-    launched, taken = (after[k] - before[k] for k in ("launched", "taken"))
+    launched, taken, subset = (after[k] - before[k]
+                               for k in ("launched", "taken", "taken_subset"))
     discarded = sum(after["discarded"].values()) - sum(before["discarded"].values())
-    assert taken > 0 and launched == taken + discarded, (before, after)
-    assert discarded > 0, after  # requests end: their launched verifies are dropped, counted
+    assert taken > 0 and launched == taken + subset + discarded, (before, after)
+    if batch == 1:  # the stopped request's launch: the next request starts with a prefill
+        assert discarded > 0, after
+    else:  # request 1 stops while 0 and 2 go on: they take their rows of the launch
+        assert subset > 0, after
     assert st.verify_ahead is ahead.stats
     # No step recovered from a fault (a recovery would recompute and hide a wrong input).
     assert st.num_step_faults == faults
+    assert len(checked) == taken + subset
 
 
 def test_early_tree_graph_writes_what_the_late_graphs_write(engines):

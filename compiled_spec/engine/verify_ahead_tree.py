@@ -13,9 +13,10 @@ What the launch assumes, and why a wrong guess is harmless:
   trees are the ones the early graph just drafted (row i = request i, as ``EarlyTree.finish``
   assigns them). The early step grew every request's blocks for the worst case, so the slots
   exist whatever was accepted.
-* The next step takes it only for the same requests in the same order, each at the launched
-  root with the launched trees still its own (``TreeModelRunner.num_drafts_for``); anything
-  else (a request finished, a new one came in) discards it, counted by reason.
+* The next step takes it for the same requests in the same order, or for those that went on
+  (finished requests' rows dropped, the fc redone over the rest), each at the launched root
+  with the launched trees still its own (``TreeModelRunner.num_drafts_for``); anything else
+  (a new request came in, a fault reset the runner) discards it, counted by reason.
 * A discarded verify wrote target KV at each request's next root (the token that the request
   writes there next anyway) and at its tree slots past it (scratch, rewritten before any read),
   or into a finished request's own blocks, in stream order before anything reuses them. Its
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from compiled_spec.engine.batch import to_device
 from compiled_spec.engine.request import Request
 from compiled_spec.engine.tree_verify import (TreeVerify, tree_host_batch, tree_host_lists,
                                               verify_tree_host)
@@ -102,19 +104,36 @@ class TreeVerifyAhead(VerifyAhead):
         return tree
 
     def take_tree(self, reqs: list[Request]) -> TreeVerify | None:
-        """The launched verify for this tree step's batch, or None (it is discarded, counted)."""
+        """The launched verify for this tree step's batch (all of it, or the requests that went
+        on, in order: finished requests' rows dropped), or None (discarded, counted)."""
         a, self._launched = self._launched, None
         if a is None:
             return None
-        if not isinstance(a, _LaunchedTree) or [q.req_id for q in reqs] != a.req_ids:
+        pos = {rid: i for i, rid in enumerate(a.req_ids)} if isinstance(a, _LaunchedTree) else {}
+        keep = [pos.get(q.req_id, -1) for q in reqs]
+        if -1 in keep or keep != sorted(keep):
             _count(self.stats.discarded, "batch")
             return None
-        r = self.runner
+        r, v = self.runner, a.verify
         if r._tree is not a.tree or any(
-                q.num_computed != root or r._tree_row.get(q.req_id) != i
-                or not r.num_drafts_for(q)
-                for i, (q, root) in enumerate(zip(reqs, a.verify.starts))):
+                q.num_computed != v.starts[i] or r._tree_row.get(q.req_id) != i
+                or not r.num_drafts_for(q) for q, i in zip(reqs, keep)):
             _count(self.stats.discarded, "state")
             return None
-        self.stats.taken += 1
-        return a.verify
+        if len(keep) == len(a.req_ids):
+            self.stats.taken += 1
+            return v
+        self.stats.taken_subset += 1
+        n = r.tree.num_draft_tokens
+        rows = to_device([i * n + j for i in keep for j in range(n)], r.device)  # [T']
+        hidden = v.target_hidden
+        hidden = ([h.index_select(0, rows) for h in hidden] if isinstance(hidden, list)
+                  else hidden.index_select(0, rows))
+        if r.aux_layer_ids:  # the next proposal's fc over the kept rows
+            r.proposer.precombine(hidden)
+        starts = [v.starts[i] for i in keep]
+        return TreeVerify(in_tree=[True] * len(keep), starts=starts,
+                          base=[s for s in starts for _ in range(n)],
+                          qsl=[j * n for j in range(len(keep) + 1)], dst=None,
+                          tree_info=v.tree_info[:, to_device(keep, r.device)], positions=None,
+                          logits=v.logits.index_select(0, rows), target_hidden=hidden)
