@@ -118,6 +118,17 @@ def engines(trained_eagle3_pair, smollm2_gguf_path):
     return spec, _llm(trained_eagle3_pair, smollm2_gguf_path, False)
 
 
+def _stopping(vanilla: LLM, stopper: int, at: int) -> tuple[list[SamplingParams], list]:
+    """Greedy params for PROMPTS with different budgets, request ``stopper`` stopping at its
+    ``at``-th token (a stop token id); and vanilla's outputs for them."""
+    sps = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
+           for m in (21, 14, 30, 9, 25)]
+    stop = _gen(vanilla, PROMPTS, sps, 1)[stopper][at]
+    sps[stopper] = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True,
+                                  stop_token_ids=[stop])
+    return sps, _gen(vanilla, PROMPTS, sps, 1)
+
+
 def _run(spec: LLM, early: bool, prompts, sps, batch: int) -> tuple[list, int, dict]:
     runner, st = spec.engine.runner, spec.stats
     runner.early.enabled = early
@@ -137,12 +148,7 @@ def _run(spec: LLM, early: bool, prompts, sps, batch: int) -> tuple[list, int, d
 def test_early_tree_equals_vanilla_and_late(engines, batch):
     """Requests ending at different steps (max_tokens, a stop token), batches padded (3 -> 4)."""
     spec, vanilla = engines
-    sps = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
-           for m in (21, 14, 30, 9, 25)]
-    ref = _gen(vanilla, PROMPTS, sps, 1)
-    sps[2] = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True,
-                            stop_token_ids=[ref[2][12]])
-    ref = _gen(vanilla, PROMPTS, sps, 1)
+    sps, ref = _stopping(vanilla, 2, 12)
     late, late_acc, late_st = _run(spec, False, PROMPTS, sps, batch)
     early, early_acc, early_st = _run(spec, True, PROMPTS, sps, batch)
     assert late == ref and early == ref
@@ -162,13 +168,8 @@ def test_tree_verify_ahead_equals_vanilla(engines, batch, monkeypatch):
     would have staged itself: same trees, roots and rows, the same logits."""
     from compiled_spec.engine.tree_verify import stage_and_verify
     spec, vanilla = engines
-    sps = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
-           for m in (21, 14, 30, 9, 25)]
-    ref = _gen(vanilla, PROMPTS, sps, 1)
     # Request 1 stops mid-batch while 0 and 2 go on (rows 0 and 2 of the launch are kept).
-    sps[1] = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True,
-                            stop_token_ids=[ref[1][10]])
-    ref = _gen(vanilla, PROMPTS, sps, 1)
+    sps, ref = _stopping(vanilla, 1, 10)
     ahead, st = spec.engine.runner.ahead, spec.stats
     plain, plain_acc, _ = _run(spec, True, PROMPTS, sps, batch)
     before, faults = ahead.stats.as_dict(), st.num_step_faults
