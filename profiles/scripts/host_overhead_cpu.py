@@ -245,10 +245,11 @@ def main() -> None:
                     ("eagle3_k5_ahead", head, 5, {"verify_ahead": True}),
                     ("eagle3_k5_late", head, 5, {"early_propose": False})]
         if a.trees:  # issue 15: a tree step's host work against the chain's
+            t8 = {"speculative_topk": 8, "speculative_num_draft_tokens": 32}
             variants += [("tree_topk4_16", head, 5, {"speculative_topk": 4,
                                                       "speculative_num_draft_tokens": 16}),
-                         ("tree_topk8_32", head, 5, {"speculative_topk": 8,
-                                                      "speculative_num_draft_tokens": 32})]
+                         ("tree_topk8_32", head, 5, {**t8, "verify_ahead": False}),
+                         ("tree_topk8_32_ahead", head, 5, {**t8, "verify_ahead": True})]
         for name, draft, k, extra in variants:
             if a.only is not None and name not in a.only:
                 continue
