@@ -50,9 +50,11 @@ def test_report_arithmetic() -> None:
     rows.append(dict(shape="down", M=6, section="fused", variant="x unfused (inductor + cublas)",
                      us=6.0, err=0.0))
     rows.append(dict(shape="down", M=6, section="fused", variant="x fused (ours)", us=3.0,
-                     err=1e-3))
+                     err=1e-3, config="a", picked=True))
+    rows.append(dict(shape="down", M=6, section="fused", variant="x fused (ours)", us=2.5,
+                     err=1e-3, config="c", picked=False))
     text = markdown(dict(device="d", torch="t", rows=rows, notes=["n1"]))
     assert "| qkv | 6 | 4.00 | 2.00 | 1.00 | b | - | 2.00x | 2.0e-03 |" in text
     assert "| down | 6 | 4.00 | 2.00 | 2.00 | a | - | 2.00x | 2.0e-03 |" in text  # b slower
-    assert "| x | 6 | 6.00 | 3.00 | 2.00x | 1.0e-03 |" in text
+    assert "| x | 6 | 6.00 | 3.00 | 2.00x | 2.50 | c | 1.0e-03 |" in text  # pick, then best
     assert "| 6 | 16.00 | 8.00 |" in text and "- note: n1" in text
