@@ -90,13 +90,18 @@ def test_verify_ahead_equals_vanilla_and_off(engines, batch):
 
 def test_request_stopping_mid_batch_leaves_a_subset(engines):
     """A stop token ends one request of three well before its budget: the verify launched
-    for all three is taken for the two that go on (their rows gathered, the fc redone)."""
+    for all three is taken for the two that go on (their rows gathered, the fc redone); run
+    alone, the request launches nothing after its stop token."""
     spec, vanilla = engines
     prompts = PROMPTS[:3]
     sps, ref = _stop_mid_batch(vanilla, prompts, [30, 30, 30])
     out, _, st = _run(spec, True, prompts, sps, 3)
     assert out == ref
     assert st["taken_subset"] > 0 and st["taken"] > 0, st
+    # Alone, the stopping request's last step sees its stop token: it launches nothing.
+    out, _, st = _run(spec, True, prompts, sps, 1)
+    assert out == ref
+    assert st["skipped"].get("stopping", 0) == 1 and not st["discarded"], st
 
 
 def test_stop_token_mid_batch_and_waiting_requests(engines):
@@ -167,3 +172,21 @@ def test_default_on_for_cuda_only(monkeypatch):
     assert (verify_ahead_default(cpu), verify_ahead_default(cuda)) == (True, True)
     monkeypatch.setenv("COMPILED_SPEC_VERIFY_AHEAD", "0")
     assert (verify_ahead_default(cpu), verify_ahead_default(cuda)) == (False, False)
+
+
+def test_all_stop_reads_eos_and_stop_ids(engines):
+    """A launch is skipped only when every request has emitted a token that stops it: the
+    engine's EOS (unless ignore_eos) or one of its stop token ids."""
+    from types import SimpleNamespace
+
+    ahead = engines[0].engine.runner.ahead
+    assert ahead.eos_token_ids  # the engine gave the runner its EOS ids
+    eos = min(ahead.eos_token_ids)
+    q = [SimpleNamespace(params=SamplingParams(max_tokens=8)),
+         SimpleNamespace(params=SamplingParams(max_tokens=8, ignore_eos=True,
+                                               stop_token_ids=[7]))]
+    assert ahead.all_stop(q[:1], [[3, eos]])
+    assert not ahead.all_stop(q[1:], [[3, eos]])  # EOS ignored
+    assert ahead.all_stop(q[1:], [[7, 3]])
+    assert not ahead.all_stop(q, [[3, eos], [3, 4]])  # one goes on: launch, take its rows
+    assert ahead.all_stop(q, [[eos], [7]])

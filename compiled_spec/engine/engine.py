@@ -88,6 +88,7 @@ class LLMEngine:
         self.runner.ahead.enabled = cfg.verify_ahead and (
             cfg.spec is None or (cfg.spec.early_propose
                                  and cfg.spec.speculation_policy == "always"))
+        self.runner.ahead.eos_token_ids = self.eos_token_ids
         self.stats.verify_ahead = self.runner.ahead.stats
         self._mode_prev = SPEC  # the last proposal's mode: what this step verifies
         self._obs: tuple[int, str, float] | None = None  # this step, if steady: (B, mode, tau)

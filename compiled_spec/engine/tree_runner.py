@@ -182,8 +182,6 @@ class TreeModelRunner(ModelRunner):
                         dst_slots.append(alloc.slot(rid, root + j + 1))
                 if src:
                     self._moves[rid] = (src, dst_slots)
-            if early is not None:  # the next trees' verify, before the engine's bookkeeping
-                early.tree = self.ahead.launch_tree(reqs, starts, n_acc, bonus, early.tree)
         plain = iter(host[4 * n_t * n_nodes:].tolist() if early is None else ())
         new_tokens, num_draft, spans, rows_by_req = [], [], [], {}
         row = 0
@@ -198,6 +196,8 @@ class TreeModelRunner(ModelRunner):
             num_draft.append(d)
             rows_by_req[r.req_id] = [qsl[i]] + [qsl[i] + j for j in nodes]
             row += 1
+        if early is not None:  # the next trees' verify, before the engine's bookkeeping
+            early.tree = self.ahead.launch_tree(reqs, starts, new_tokens, early.tree)
         # The first pass covers the root and the accepted nodes (positions are now sequential).
         self._pending = None if early is not None else _Pending(
             hidden=target_hidden, spans=spans, row_start=qsl[:-1], num_draft=[0] * len(reqs),

@@ -24,7 +24,8 @@ runs the step as usual, counted by reason (``VerifyAheadStats``), never silently
 * its outputs are graph memory that the next replay overwrites, and nothing reads them.
 
 Not launched when requests wait for admission (the next batch would change), when a request
-would verify fewer than k drafts next step, or over ``max_batch`` requests.
+would verify fewer than k drafts next step, when every request just emitted a stop token (EOS
+or a stop token id: none goes on), or over ``max_batch`` requests.
 
 Vanilla greedy decoding (k = 0) goes one step further: nothing is queued on the GPU while the
 host reads a decode step's token (on the H200, thirteenth session, a SmolLM2 decode step took
@@ -94,6 +95,7 @@ class VerifyAhead:
         self.enabled = enabled  # EngineConfig.verify_ahead
         self.max_batch = max_batch
         self.admitting = False  # set by the engine each step: requests wait for admission
+        self.eos_token_ids: set[int] = set()  # set by the engine: the model's EOS ids
         self.stats = VerifyAheadStats()
         self._launched: _Launched | None = None
         self._host: torch.Tensor | None = None  # pinned: the decode tokens' copy
@@ -116,10 +118,20 @@ class VerifyAhead:
             return "admitting"
         return "batch" if len(reqs) > self.max_batch else None
 
+    def all_stop(self, reqs: list[Request], new_tokens: list[list[int]]) -> bool:
+        """Whether every request emitted a token that stops it (EOS unless ignored, a stop
+        token id): a verify launched for them would be discarded. Where only some stop, the
+        launch goes on and the next step takes the others' rows."""
+        eos = self.eos_token_ids
+        return all(any((t in eos and not q.params.ignore_eos) or t in q.params.stop_token_ids
+                       for t in toks) for q, toks in zip(reqs, new_tokens))
+
     def _why_not(self, reqs: list[Request], new_tokens: list[list[int]]) -> str | None:
         why = self._why_not_batch(reqs)
         if why is not None:
             return why
+        if self.all_stop(reqs, new_tokens):
+            return "stopping"
         k = self.runner.k
         for q, toks in zip(reqs, new_tokens):
             if not q.spec_enabled:

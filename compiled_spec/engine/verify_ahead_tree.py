@@ -24,14 +24,14 @@ What the launch assumes, and why a wrong guess is harmless:
   for another step's.
 
 Launched only from early tree steps (greedy, no logprobs, all requests verifying trees) whose
-requests all take a tree next step whatever they accepted.
+requests all take a tree next step whatever they accepted, and not when every request has just
+emitted a stop token (nothing would take it).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from compiled_spec.engine.batch import to_device
@@ -65,8 +65,7 @@ class TreeVerifyAhead(VerifyAhead):
         return super().take(reqs, num_new)
 
     def launch_tree(self, reqs: list[Request], starts: list[int],
-                    n_acc: np.ndarray,  # [B] accepted nodes per request
-                    bonus: np.ndarray,  # [B] the token after them
+                    new_tokens: list[list[int]],  # per request: accepted tokens, then the bonus
                     tree: DraftTree) -> DraftTree:
         """After an early tree step's acceptance is read: the next step's verify of ``tree``.
         Returns the trees the next step is to use: ``tree`` itself, or when launched a copy
@@ -74,8 +73,10 @@ class TreeVerifyAhead(VerifyAhead):
         graph's, so a replay can overwrite them, and a discarded launch leaves them in use)."""
         self._launched = None
         r = self.runner
-        roots = [s + int(a) + 1 for s, a in zip(starts, n_acc)]
+        roots = [s + len(toks) for s, toks in zip(starts, new_tokens)]
         why = self._why_not_batch(reqs)
+        if why is None and self.all_stop(reqs, new_tokens):
+            why = "stopping"
         if why is None and tree.tokens.shape[0] != len(reqs):
             why = "rows"
         if why is None and not all(r.takes_tree_at(q, root + 1)
@@ -86,8 +87,8 @@ class TreeVerifyAhead(VerifyAhead):
             _count(self.stats.skipped, why)
             return tree
         n_nodes = r.tree.num_draft_tokens
-        host = tree_host_lists(r, [(q.req_id, root, int(b), n_nodes)
-                                   for q, root, b in zip(reqs, roots, bonus)])
+        host = tree_host_lists(r, [(q.req_id, root, toks[-1], n_nodes)
+                                   for q, root, toks in zip(reqs, roots, new_tokens)])
         rows = list(range(len(reqs)))
         hb = tree_host_batch(r, host, roots, rows)
         # Copied before the verify: the trees are graph outputs its replay may reuse.
