@@ -21,11 +21,18 @@ def first_stop_string(text: str, stops: list[str]) -> int | None:
     return min(found) if found else None
 
 
+def stops_on_token(req: Request, tok: int, eos_token_ids: set[int]) -> bool:
+    """Whether emitting ``tok`` stops ``req`` by its id alone: EOS (unless ignored) or one of
+    its stop token ids."""
+    p = req.params
+    return (not p.ignore_eos and tok in eos_token_ids) or tok in p.stop_token_ids
+
+
 def stop_reason(req: Request, tok: int, eos_token_ids: set[int], max_model_len: int,
                 detokenize: Detokenize) -> str | None:
     """Why ``req`` stops after emitting ``tok`` (already appended), or None."""
     p = req.params
-    if (not p.ignore_eos and tok in eos_token_ids) or tok in p.stop_token_ids:
+    if stops_on_token(req, tok, eos_token_ids):
         return "stop"
     # The whole output is decoded, not a tail: a token's text can depend on its neighbours.
     if p.stop and first_stop_string(detokenize(req.output_token_ids, p.skip_special_tokens),

@@ -46,6 +46,7 @@ from capture.host_stage import HostBatch
 from compiled_spec.engine.batch import Span, build_host_batch, to_device
 from compiled_spec.engine.early_propose import HostCopy
 from compiled_spec.engine.request import Request
+from compiled_spec.engine.stopping import stops_on_token
 from compiled_spec.profile import phase
 
 if TYPE_CHECKING:
@@ -110,6 +111,32 @@ class VerifyAhead:
             _count(self.stats.discarded, "reset")
         self._launched = None
 
+    def _kept(self, reqs: list[Request], launched: list[int]) -> list[int] | None:
+        """Each request's row in a launch over the requests ``launched``: all of them, or those
+        that went on (finished ones dropped), in order; None for any other batch (the launch
+        is discarded, counted)."""
+        pos = {rid: i for i, rid in enumerate(launched)}
+        keep = [pos.get(q.req_id, -1) for q in reqs]
+        if -1 in keep or keep != sorted(keep):
+            _count(self.stats.discarded, "batch")
+            return None
+        return keep
+
+    def _kept_hidden(self, hidden: torch.Tensor | list[torch.Tensor], keep: list[int],
+                     width: int) -> tuple[torch.Tensor, torch.Tensor | list[torch.Tensor]]:
+        """(the kept rows [n' * width], the target hidden of those rows): each request owns
+        ``width`` consecutive rows of the launch. The next proposal's fc is issued over them
+        where a graphed proposer will take it."""
+        r = self.runner
+        rows = to_device([i * width + j for i in keep for j in range(width)], r.device)
+        if r.proposer is None:  # vanilla reads no hidden states
+            return rows, hidden
+        hidden = ([h.index_select(0, rows) for h in hidden] if isinstance(hidden, list)
+                  else hidden.index_select(0, rows))
+        if r.aux_layer_ids and r.proposer.graph is not None:
+            r.proposer.precombine(hidden)
+        return rows, hidden
+
     def _why_not_batch(self, reqs: list[Request]) -> str | None:
         """Why no step of ``reqs`` launches ahead whatever its requests (None: it may)."""
         if not self.enabled:
@@ -122,9 +149,8 @@ class VerifyAhead:
         """Whether every request emitted a token that stops it (EOS unless ignored, a stop
         token id): a verify launched for them would be discarded. Where only some stop, the
         launch goes on and the next step takes the others' rows."""
-        eos = self.eos_token_ids
-        return all(any((t in eos and not q.params.ignore_eos) or t in q.params.stop_token_ids
-                       for t in toks) for q, toks in zip(reqs, new_tokens))
+        return all(any(stops_on_token(q, t, self.eos_token_ids) for t in toks)
+                   for q, toks in zip(reqs, new_tokens))
 
     def _why_not(self, reqs: list[Request], new_tokens: list[list[int]]) -> str | None:
         why = self._why_not_batch(reqs)
@@ -225,10 +251,11 @@ class VerifyAhead:
         if a is None:
             return None
         r, k = self.runner, self.runner.k
-        pos = {s.req_id: i for i, s in enumerate(a.spans)}
-        keep = [pos.get(q.req_id, -1) for q in reqs]
-        if max(num_new) != 1 or -1 in keep or keep != sorted(keep):
+        if max(num_new) != 1:
             _count(self.stats.discarded, "batch")
+            return None
+        keep = self._kept(reqs, [s.req_id for s in a.spans])
+        if keep is None:
             return None
         for q, i in zip(reqs, keep):
             if (q.num_computed != a.spans[i].start or r.num_drafts_for(q) != k
@@ -237,16 +264,9 @@ class VerifyAhead:
                 return None
         logits, hidden, spans = a.logits, a.target_hidden, a.spans
         if len(keep) < len(a.spans):  # finished requests' rows dropped
-            k1 = k + 1
-            idx = to_device(keep, r.device)
-            rows = to_device([i * k1 + j for i in keep for j in range(k1)], r.device)
-            logits = logits.index_select(0, idx)
-            if r.proposer is not None:  # vanilla reads no hidden states
-                hidden = ([h.index_select(0, rows) for h in hidden] if isinstance(hidden, list)
-                          else hidden.index_select(0, rows))
+            logits = logits.index_select(0, to_device(keep, r.device))
+            _, hidden = self._kept_hidden(hidden, keep, k + 1)
             spans = [a.spans[i] for i in keep]
-            if r.aux_layer_ids and r.proposer is not None and r.proposer.graph is not None:
-                r.proposer.precombine(hidden)  # its fc over the kept rows
             self.stats.taken_subset += 1
         else:
             self.stats.taken += 1

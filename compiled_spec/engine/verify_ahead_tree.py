@@ -110,10 +110,8 @@ class TreeVerifyAhead(VerifyAhead):
         a, self._launched = self._launched, None
         if a is None:
             return None
-        pos = {rid: i for i, rid in enumerate(a.req_ids)} if isinstance(a, _LaunchedTree) else {}
-        keep = [pos.get(q.req_id, -1) for q in reqs]
-        if -1 in keep or keep != sorted(keep):
-            _count(self.stats.discarded, "batch")
+        keep = self._kept(reqs, a.req_ids if isinstance(a, _LaunchedTree) else [])
+        if keep is None:
             return None
         r, v = self.runner, a.verify
         if r._tree is not a.tree or any(
@@ -126,12 +124,7 @@ class TreeVerifyAhead(VerifyAhead):
             return v
         self.stats.taken_subset += 1
         n = r.tree.num_draft_tokens
-        rows = to_device([i * n + j for i in keep for j in range(n)], r.device)  # [T']
-        hidden = v.target_hidden
-        hidden = ([h.index_select(0, rows) for h in hidden] if isinstance(hidden, list)
-                  else hidden.index_select(0, rows))
-        if r.aux_layer_ids:  # the next proposal's fc over the kept rows
-            r.proposer.precombine(hidden)
+        rows, hidden = self._kept_hidden(v.target_hidden, keep, n)  # rows: [T']
         starts = [v.starts[i] for i in keep]
         return TreeVerify(in_tree=[True] * len(keep), starts=starts,
                           base=[s for s in starts for _ in range(n)],
