@@ -13,6 +13,7 @@ from capture import CapturePolicy
 from compiled_spec import LLM, SamplingParams
 from compiled_spec.compile import CompileConfig, capture_graphs, compile_models
 from compiled_spec.engine.batch import Span
+from compiled_spec.engine.stats import counts_since
 from compiled_spec.spec.proposer import ProposeBatch
 from tests.engine_runs import generate_in_batches as _gen
 
@@ -45,10 +46,7 @@ def _run(spec: LLM, early: bool, prompts, sps, batch: int) -> tuple[list[list[in
     runner.early.enabled = early
     acc0, before = st.spec.num_accepted_tokens, st.early_propose.as_dict()
     out = _gen(spec, prompts, sps, batch)
-    after = st.early_propose.as_dict()
-    diff = {"early": after["early"] - before["early"], "late": after["late"] - before["late"],
-            "late_reasons": {r: n - before["late_reasons"].get(r, 0)
-                             for r, n in after["late_reasons"].items()}}
+    diff = counts_since(before, st.early_propose.as_dict())
     runner.early.enabled = True
     return out, st.spec.num_accepted_tokens - acc0, diff
 

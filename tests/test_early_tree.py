@@ -14,6 +14,7 @@ from capture import CapturePolicy
 from compiled_spec import LLM, SamplingParams
 from compiled_spec.compile import CompileConfig, capture_graphs, compile_models
 from compiled_spec.engine.batch import Span
+from compiled_spec.engine.stats import counts_since
 from compiled_spec.spec.proposer import ProposeBatch
 from compiled_spec.spec.tree import accept_paths
 from compiled_spec.spec.tree_accept_device import accept_greedy_device, first_pass_rows
@@ -137,11 +138,8 @@ def _run(spec: LLM, early: bool, prompts, sps, batch: int) -> tuple[list, int, d
         out = _gen(spec, prompts, sps, batch)
     finally:
         runner.early.enabled = True
-    after = st.early_propose.as_dict()
-    diff = {"early": after["early"] - before["early"],
-            "late_reasons": {r: n - before["late_reasons"].get(r, 0)
-                             for r, n in after["late_reasons"].items()}}
-    return out, st.spec.num_accepted_tokens - acc0, diff
+    return (out, st.spec.num_accepted_tokens - acc0,
+            counts_since(before, st.early_propose.as_dict()))
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -193,18 +191,16 @@ def test_tree_verify_ahead_equals_vanilla(engines, batch, monkeypatch):
         out, acc, early_st = _run(spec, True, PROMPTS, sps, batch)
     finally:
         ahead.enabled = False
-    after = ahead.stats.as_dict()
+    d = counts_since(before, ahead.stats.as_dict())
     assert plain == ref and out == ref
     assert acc == plain_acc > 0 and early_st["early"] > 0
-    launched, taken, subset = (after[k] - before[k]
-                               for k in ("launched", "taken", "taken_subset"))
-    discarded = sum(after["discarded"].values()) - sum(before["discarded"].values())
-    assert taken > 0 and launched == taken + subset + discarded, (before, after)
+    launched, taken, subset = d["launched"], d["taken"], d["taken_subset"]
+    discarded = sum(d["discarded"].values())
+    assert taken > 0 and launched == taken + subset + discarded, d
     if batch == 1:  # the stop token is seen before the launch: none for that step
-        stopping = after["skipped"].get("stopping", 0) - before["skipped"].get("stopping", 0)
-        assert stopping == 1 and discarded == 0, (before, after)
+        assert d["skipped"].get("stopping", 0) == 1 and discarded == 0, d
     else:  # request 1 stops while 0 and 2 go on: they take their rows of the launch
-        assert subset > 0, after
+        assert subset > 0, d
     assert st.verify_ahead is ahead.stats
     # No step recovered from a fault (a recovery would recompute and hide a wrong input).
     assert st.num_step_faults == faults

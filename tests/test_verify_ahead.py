@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from compiled_spec import LLM, SamplingParams
+from compiled_spec.engine.stats import counts_since
 from tests.engine_runs import generate_in_batches as _gen
 from tests.engine_runs import with_emulated_graphs
 
@@ -44,12 +45,8 @@ def _run(spec: LLM, on: bool, prompts, sps, batch: int) -> tuple[list[list[int]]
         out = _gen(spec, prompts, sps, batch)
     finally:
         ahead.enabled = True
-    after = st.verify_ahead.as_dict()
-    diff = {k: after[k] - before[k] for k in ("launched", "taken", "taken_subset")}
-    for k in ("discarded", "skipped"):
-        diff[k] = {r: n - before[k].get(r, 0) for r, n in after[k].items()
-                   if n > before[k].get(r, 0)}
-    return out, st.spec.num_accepted_tokens - acc0, diff
+    return (out, st.spec.num_accepted_tokens - acc0,
+            counts_since(before, st.verify_ahead.as_dict()))
 
 
 def _sps(max_tokens: list[int], **kw) -> list[SamplingParams]:

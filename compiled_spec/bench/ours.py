@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from compiled_spec.bench.timing import PhaseTimer, Row, floor_ms, peak_gib, reset_peak, sync
+from compiled_spec.engine.stats import counts_since
 
 
 @dataclass
@@ -138,18 +139,9 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
             row.extra["step_ms"] = round(1e3 * (es.step_s - s0) / (es.num_steps - n0), 4)
             row.extra["host_wait_ms"] = round(1e3 * (es.host_wait_s - w0) / (es.num_steps - n0), 4)
         if ep0 is not None:  # steps that proposed before / after the acceptance was read
-            ep = es.early_propose.as_dict()
-            row.extra["early_propose"] = {
-                "early": ep["early"] - ep0["early"], "late": ep["late"] - ep0["late"],
-                "late_reasons": {r: n - ep0["late_reasons"].get(r, 0)
-                                 for r, n in ep["late_reasons"].items()
-                                 if n > ep0["late_reasons"].get(r, 0)}}
+            row.extra["early_propose"] = counts_since(ep0, es.early_propose.as_dict())
         if va0 is not None and es.verify_ahead.launched > va0["launched"]:
-            va = es.verify_ahead.as_dict()
-            row.extra["verify_ahead"] = {
-                k: va[k] - va0[k] for k in ("launched", "taken", "taken_subset")} | {
-                k: {r: n - va0[k].get(r, 0) for r, n in va[k].items() if n > va0[k].get(r, 0)}
-                for k in ("discarded", "skipped")}
+            row.extra["verify_ahead"] = counts_since(va0, es.verify_ahead.as_dict())
         if llm.stats.policy is not None:  # what the adaptive policy chose at this batch
             from compiled_spec.spec.policy import bucket_of
 

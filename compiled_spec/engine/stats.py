@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from compiled_spec.engine.early_propose import EarlyProposeStats
 from compiled_spec.engine.verify_ahead import VerifyAheadStats
@@ -36,3 +37,17 @@ class EngineStats:
     # taken or discarded and why (engine/verify_ahead.py).
     verify_ahead: VerifyAheadStats | None = None
     spec: SpecStats = field(default_factory=SpecStats)
+
+
+def counts_since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """What a counters snapshot (``as_dict()`` of ``EarlyProposeStats``, ``VerifyAheadStats``)
+    gained between two reads: ints subtracted, per-reason dicts keeping only the reasons that
+    grew."""
+    out: dict[str, Any] = {}
+    for k, v in after.items():
+        if isinstance(v, dict):
+            out[k] = {r: n - before[k].get(r, 0) for r, n in v.items()
+                      if n > before[k].get(r, 0)}
+        else:
+            out[k] = v - before[k]
+    return out
