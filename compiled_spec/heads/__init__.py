@@ -5,7 +5,7 @@
 Alpaca and CodeAlpaca prompts; bf16, one layer, 32768-token draft vocabulary whose readout is
 the target's own lm_head rows (``lm_head_from_target``: rebuilt at load from ``d2t``, not stored).
 How it was trained and what it accepts: profiles/results/2026-12-01_h200_packed-ttt/ (first
-training), then continued on fresh data in the third to sixth and the ninth to fifteenth sessions
+training), then continued on fresh data in the third to sixth and the ninth to sixteenth sessions
 (``SHIPPED_WEIGHTS`` names the result folder of the current weights; profiles/results/HISTORY.md
 has the rest).
 """
@@ -20,8 +20,8 @@ SHIPPED: dict[str, str] = {"smollm2-eagle3": "smollm2-135m-instruct-eagle3"}
 # figures the docs quote cannot silently belong to weights that were never committed (the
 # seventh session's head was reported shipped but not committed; eighth session's correction).
 SHIPPED_WEIGHTS: dict[str, tuple[str, str]] = {
-    "smollm2-eagle3": ("a97931cd8ac1749c7134be41233a7c5c65e8352339b9f13ec9ddf1a30d624cd4",
-                       "profiles/results/2026-12-02_h200_session15/"),
+    "smollm2-eagle3": ("424ef5cc0e239e4df17b3d030b09da0b63a5fb220ca720c94102e2fda476dbe9",
+                       "profiles/results/2026-12-02_h200_session16/"),
 }
 
 
