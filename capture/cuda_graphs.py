@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import os
+import traceback
 import warnings
 from typing import Any, Callable, Literal
 
@@ -77,6 +78,29 @@ def progress_enabled() -> bool:
     return os.environ.get("COMPILED_SPEC_PROGRESS", "1") != "0"
 
 
+def describe_error(e: BaseException) -> str:
+    """``Type: message`` plus where the innermost cause was raised (file:line and its source
+    line). A compiler's ``AssertionError`` has an empty message, and Inductor wraps it in an
+    ``InductorError`` whose text is only advice: without the place, a failed capture recorded
+    on a remote GPU cannot be told apart from any other."""
+    inner = e
+    seen: set[int] = set()
+    while id(inner) not in seen:
+        seen.add(id(inner))
+        nxt = inner.__cause__ or getattr(inner, "inner_exception", None) or inner.__context__
+        if not isinstance(nxt, BaseException):
+            break
+        inner = nxt
+    text = f"{type(e).__name__}: {str(e).strip()}"
+    if inner is not e:
+        text += f" <- {type(inner).__name__}: {str(inner).strip()}"
+    frames = traceback.extract_tb(inner.__traceback__)
+    if frames:
+        f = frames[-1]
+        text += f" (at {f.filename}:{f.lineno} in {f.name}: {(f.line or '').strip()})"
+    return text
+
+
 def capture_each(name: str, sizes: list[int], bucket: int, capture_one: Callable[[int], None],
                  failures: list[dict[str, Any]], strict: bool) -> None:
     """``capture_one(b)`` for every batch size, largest first (smaller graphs reuse the pool),
@@ -87,12 +111,12 @@ def capture_each(name: str, sizes: list[int], bucket: int, capture_one: Callable
         try:
             capture_one(b)
         except Exception as e:
-            failures.append({"size": b, "max_seq_len": bucket,
-                             "error": f"{type(e).__name__}: {e}"})
+            why = describe_error(e)
+            failures.append({"size": b, "max_seq_len": bucket, "error": why})
             if strict:
                 raise
-            warnings.warn(f"{name}: CUDA graph capture failed for batch {b}: "
-                          f"{type(e).__name__}: {e}", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"{name}: CUDA graph capture failed for batch {b}: {why}",
+                          RuntimeWarning, stacklevel=3)
 
 
 def capture_graph(run: Callable[[], Any], pool: Any = None, warmup_iters: int = 2
@@ -175,10 +199,10 @@ class GraphRunner:
                     torch.cuda.synchronize()
                 except Exception:  # a sticky CUDA error: the message below still reports
                     pass
-                self.capture_failures.append(
-                    {"size": size, "max_seq_len": bucket, "error": f"{type(e).__name__}: {e}"})
+                why = describe_error(e)
+                self.capture_failures.append({"size": size, "max_seq_len": bucket, "error": why})
                 msg = f"{self.name}: CUDA graph capture failed for size {size}, " \
-                      f"max_seq_len {bucket}: {type(e).__name__}: {e}"
+                      f"max_seq_len {bucket}: {why}"
                 if self.strict:
                     raise CaptureError(msg) from e
                 log.warning(msg)

@@ -276,10 +276,17 @@ def test_replay_path_matches_eager(world, kind, n):
     _assert_caches(model, ref_caches, snap, live)  # padding wrote nothing
 
 
+def _compiler_assert(n: int) -> None:
+    assert n != 4  # the kind of failure a compiler raises: an assertion with no message
+
+
 def test_capture_failure_recorded_and_strict(world):
     def fn(b: LiveBatch) -> torch.Tensor:
         if b.num_tokens == 4:
-            raise RuntimeError("boom")
+            try:
+                _compiler_assert(b.num_tokens)
+            except AssertionError as e:  # wrapped, as Inductor wraps its errors
+                raise RuntimeError("boom") from e
         return b.input_ids + 1
 
     runner = CpuReplayRunner("verify", fn, [1, 2, 4], StaticBuffers(4, 4, 16, CPU),
@@ -291,6 +298,11 @@ def test_capture_failure_recorded_and_strict(world):
     st = runner.stats()
     assert st["captured_sizes"] == [1, 2] and len(st["capture_failures"]) == 1
     assert st["capture_failures"][0]["size"] == 4 and "boom" in st["capture_failures"][0]["error"]
+    # The record names the innermost cause and where it was raised: an empty assertion
+    # message inside a compiler's wrapper is otherwise undiagnosable from a remote log.
+    why = st["capture_failures"][0]["error"]
+    assert "<- AssertionError" in why and "test_capture.py" in why, why
+    assert "in _compiler_assert: assert n != 4" in why, why
     live = _batch(world, "decode", 3)  # 3 would pad to the failed size 4: no graph -> counted
     assert torch.equal(runner.run(live), live.input_ids + 1)
     assert runner.stats()["fallback_reasons"] == {"size": 1}

