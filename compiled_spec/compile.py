@@ -50,10 +50,14 @@ class CompileConfig:
     # kernel time of a chain step in the H200 trace, results/2026-12-01_h200_session7/trees.log);
     # compiling takes longer.
     autotune_gemm: bool = False
-    # The target's RMSNorm -> linear, SiLU-and-mul -> linear and residual adds rewritten to
-    # fused skinny-GEMM ops (passes.skinny_gemm; one Triton launch each at decode sizes). Off
-    # until measured on the H200 (python -m kernels.bench_gemm, then end to end).
+    # The target's residual adds folded into skinny-GEMM ops (passes.skinny_gemm; one Triton
+    # launch each at decode sizes): o_proj + residual measured 3.31 vs 4.72 us on the H200
+    # (kernels.bench_gemm, sixteenth session). Off until measured end to end.
     skinny_gemm: bool = False
+    # With skinny_gemm: the RMSNorm / SiLU-and-mul prologues folded in too. Every prologue
+    # fusion measured slower than Inductor's separate kernel + cuBLAS (same benchmark), and the
+    # fifteenth session's end-to-end run with them halved vanilla's tokens/s; for benchmarks.
+    skinny_gemm_prologues: bool = False
     # Issue 16: save the target's Dynamo + Inductor result (torch's aot_compile) in the compile
     # cache and load it on the next start-up instead of tracing (compiled_spec/precompile.py).
     # Off until a warm start is verified on the GPU machine's torch (2.11).
@@ -66,9 +70,11 @@ class CompileConfig:
 
     def __post_init__(self) -> None:
         for name in ("inductor", "dynamic", "cudagraphs", "strict_capture", "autotune_gemm",
-                     "skinny_gemm", "precompile", "pdl"):
+                     "skinny_gemm", "skinny_gemm_prologues", "precompile", "pdl"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"CompileConfig.{name}={getattr(self, name)!r}: must be a bool")
+        if self.skinny_gemm_prologues and not self.skinny_gemm:
+            raise ValueError("CompileConfig.skinny_gemm_prologues=True needs skinny_gemm=True")
         if self.pdl and not hasattr(torch._inductor.config.triton, "enable_pdl"):
             raise ValueError(f"CompileConfig.pdl=True: torch {torch.__version__}'s Inductor has "
                              "no triton.enable_pdl option")
@@ -148,7 +154,8 @@ def compile_models(runner: ModelRunner, cfg: CompileConfig) -> CompiledModels:
                                 inductor_config=inductor_config(cfg))
     eager: dict[str, Any] = {"target": runner.target_fn}
     backends = {"target": backend(hoist_fc=False, per_layer_metadata=False,
-                                  skinny_gemm=cfg.skinny_gemm)}
+                                  skinny_gemm=cfg.skinny_gemm,
+                                  skinny_prologues=cfg.skinny_gemm_prologues)}
     prop = runner.proposer
     stats = PrecompileStats() if cfg.precompile else None
     pre = None

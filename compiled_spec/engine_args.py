@@ -39,8 +39,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="with --compile: Inductor times its Triton GEMM templates against cuBLAS "
                    "per matmul shape and keeps the faster (longer compile)")
     p.add_argument("--skinny-gemm", action="store_true",
-                   help="with --compile: the target's RMSNorm / SiLU-and-mul / residual fused "
-                   "into Triton GEMMs for few rows (passes.skinny_gemm; CUDA, M <= 64)")
+                   help="with --compile: the target's residual adds fused into Triton GEMMs for "
+                   "few rows (passes.skinny_gemm; CUDA, M <= 64)")
+    p.add_argument("--skinny-gemm-prologues", action="store_true",
+                   help="with --skinny-gemm: RMSNorm and SiLU-and-mul fused into them too "
+                   "(slower on the H200; for benchmarks)")
     p.add_argument("--pdl", action="store_true",
                    help="with --compile: Inductor's Triton kernels use programmatic dependent "
                    "launch (Hopper and newer; shortens the gaps between kernels)")
@@ -85,13 +88,15 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
     sizes = getattr(a, "cuda_graph_sizes", None)
     autotune = getattr(a, "autotune_gemm", False)
     skinny = getattr(a, "skinny_gemm", False)
+    prologues = getattr(a, "skinny_gemm_prologues", False)
     pre = getattr(a, "precompile", False)
     pdl = getattr(a, "pdl", False)
-    if a.compile_cache_dir is not None or sizes or autotune or skinny or pre or pdl:
+    if a.compile_cache_dir is not None or sizes or autotune or skinny or prologues or pre or pdl:
         from compiled_spec.compile import CompileConfig
 
         kw["compile_config"] = CompileConfig(cache_dir=a.compile_cache_dir,
                                              capture_batch_sizes=tuple(sizes or ()),
                                              autotune_gemm=autotune, skinny_gemm=skinny,
+                                             skinny_gemm_prologues=prologues,
                                              precompile=pre, pdl=pdl)
     return kw

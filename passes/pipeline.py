@@ -48,10 +48,14 @@ POST_GRAD_ORDER: list[type[GraphPass]] = [UnfuseResidualAddmm]
 
 
 def default_passes(hoist_fc: bool = True, per_layer_metadata: bool = True,
-                   keep_graphs: bool = False, skinny_gemm: bool = False) -> list[GraphPass]:
+                   keep_graphs: bool = False, skinny_gemm: bool = False,
+                   skinny_prologues: bool = False) -> list[GraphPass]:
     skip = {HoistEagle3Fc: not hoist_fc, BindPerLayerAttnMetadata: not per_layer_metadata,
             SkinnyGemmFusion: not skinny_gemm}
-    return [cls(keep_graphs=keep_graphs) for cls in PASS_ORDER if not skip.get(cls, False)]
+    options: dict[type[GraphPass], dict[str, Any]] = {
+        SkinnyGemmFusion: {"prologues": skinny_prologues}}
+    return [cls(keep_graphs=keep_graphs, **options.get(cls, {})) for cls in PASS_ORDER
+            if not skip.get(cls, False)]
 
 
 class PassManager:
@@ -251,7 +255,7 @@ class CompiledSpecBackend:
 
 def make_backend(passes: list[GraphPass] | None = None, hoist_fc: bool = True, *,
                  per_layer_metadata: bool = True, skinny_gemm: bool = False,
-                 inductor: bool = True,
+                 skinny_prologues: bool = False, inductor: bool = True,
                  inductor_config: dict[str, Any] | None = None,
                  wrap_compiled: Callable[[Callable[..., Any], fx.GraphModule],
                                          Callable[..., Any]] | None = None,
@@ -266,13 +270,16 @@ def make_backend(passes: list[GraphPass] | None = None, hoist_fc: bool = True, *
         it ``False`` (else each of its layers would get its own metadata inputs).
     skinny_gemm: add ``SkinnyGemmFusion`` to the default passes (norm / SiLU-and-mul /
         residual folded into fused GEMM ops); off until measured on the GPU.
+    skinny_prologues: that pass folds the RMSNorm / SiLU-and-mul prologues too, not only the
+        residual epilogues (slower on the H200: passes/skinny_gemm.py).
     inductor_config: Inductor config patches for every compiled graph.
     wrap_compiled: ``(compiled, gm) -> callable`` around the compiled remainder only (e.g. a
         CUDA graph capture); the hoisted fc always runs outside it.
     keep_graphs: passes keep ``last_before`` / ``last_after`` graph text.
     """
     if passes is None:
-        passes = default_passes(hoist_fc, per_layer_metadata, keep_graphs, skinny_gemm)
+        passes = default_passes(hoist_fc, per_layer_metadata, keep_graphs, skinny_gemm,
+                                skinny_prologues)
     drop = (() if hoist_fc else (HoistEagle3Fc,)) + \
         (() if per_layer_metadata else (BindPerLayerAttnMetadata,))
     passes = [p for p in passes if not isinstance(p, drop)]

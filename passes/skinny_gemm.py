@@ -5,10 +5,16 @@ On Dynamo's graph (torch level) of ``compiled_spec.models``:
   RMSNorm -> linear                      => compiled_spec::rmsnorm_linear(x, w_norm, eps, W)
   chunk(gate_up, 2) -> silu(g) * u -> linear  => compiled_spec::silu_mul_linear(gate_up, W)
   r + linear(...) (the linear's only user) => the op above, or skinny_linear, with residual=r
-A decoder layer's 4 GEMMs then carry its 2 RMSNorms, its SiLU-and-mul and both residual adds.
-The ops compute exactly the unfused ops where the Triton kernel does not run (CPU; more than
-``MAX_M`` rows on the GPU, i.e. prefill), so only the GPU's bf16 rounding inside the kernel
-differs. Off by default (``CompileConfig.skinny_gemm``) until measured on the H200.
+With ``prologues=True`` a decoder layer's 4 GEMMs carry its 2 RMSNorms, its SiLU-and-mul and
+both residual adds. By default (``prologues=False``) only the residual epilogues are fused: o_proj
+and down become ``skinny_linear(x, W, residual=r)``, and the norms and SiLU-and-mul stay Inductor's
+kernels in front of cuBLAS. Measured on the H200 (sixteenth session, CUDA-graph replay, L2-cold
+weights, M = 1): o_proj + residual 3.31 us fused vs 4.72 unfused, while every prologue fusion lost
+even under its best tile config (RMSNorm + qkv 5.73 vs 4.68, RMSNorm + gate_up 6.18 vs 5.43,
+SiLU-mul + down + residual 10.59 vs 7.70): the prologue costs the kernel more than the separate
+kernel it saves. The ops compute exactly the unfused ops where the Triton kernel does not run
+(CPU; more than ``MAX_M`` rows on the GPU, i.e. prefill), so only the GPU's bf16 rounding inside
+the kernel differs. Off by default (``CompileConfig.skinny_gemm``) until measured end to end.
 
 RMSNorm as traced: ``h = x.float(); w * (h * rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))
 .to(x.dtype)``; the casts may be gone (NoOpElimination on an fp32 model), so values are
@@ -149,11 +155,17 @@ def _erase_unused(graph: fx.Graph, node: fx.Node) -> None:
 
 
 class SkinnyGemmFusion(GraphPass):
-    """Each rewritten linear counts once (its prologue and residual fold into the same node)."""
+    """Each rewritten linear counts once (its prologue and residual fold into the same node).
+    ``prologues``: also fold RMSNorm and SiLU-and-mul into the GEMM (see the module docstring
+    for why that is off by default)."""
 
-    def __init__(self, keep_graphs: bool = False) -> None:
+    def __init__(self, keep_graphs: bool = False, prologues: bool = False) -> None:
         super().__init__(keep_graphs)
+        self.prologues = prologues
         self._kinds: dict[str, int] = {}
+
+    def config(self) -> dict[str, Any]:
+        return {"prologues": self.prologues}
 
     def details(self) -> dict[str, Any]:
         return dict(self._kinds)
@@ -170,8 +182,8 @@ class SkinnyGemmFusion(GraphPass):
             if out_val is None or out_val.dim() != 2:
                 continue
             residual, add = self._residual(lin, out_val)
-            norm = match_rmsnorm(inp)
-            gate_up = None if norm else match_silu_mul(inp)
+            norm = match_rmsnorm(inp) if self.prologues else None
+            gate_up = None if norm or not self.prologues else match_silu_mul(inp)
             if norm is None and gate_up is None and residual is None:
                 continue
             with graph.inserting_before(add if add is not None else lin):

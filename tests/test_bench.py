@@ -155,7 +155,7 @@ def test_build_engine_takes_the_variants_flags(monkeypatch: pytest.MonkeyPatch) 
 
     seen = []
     monkeypatch.setattr(compiled_spec, "LLM", lambda **kw: seen.append(kw) or object())
-    kw = dict(model="m", pdl=False, skinny_gemm=True, page_size=16)
+    kw = dict(model="m", pdl=False, skinny_gemm=True, skinny_gemm_prologues=True, page_size=16)
     for flags in ({}, {"pdl": False}, {"pdl": True}):
         build_engine(Variant("v", None, True, flags=flags), dict(kw), [[1, 2]], [1], 4)
     build_engine(Variant("v", None, True), dict(kw, pdl=True), [[1, 2]], [1], 4)
@@ -164,3 +164,5 @@ def test_build_engine_takes_the_variants_flags(monkeypatch: pytest.MonkeyPatch) 
     cfgs = [s["compile_config"] for s in seen]
     assert [c.pdl for c in cfgs] == [False, False, True, True, False]
     assert [c.skinny_gemm for c in cfgs] == [True, True, True, True, False]
+    # the prologues ride on the skinny GEMMs: the --ab skinny_gemm "off" engine has neither
+    assert [c.skinny_gemm_prologues for c in cfgs] == [True, True, True, True, False]

@@ -114,7 +114,10 @@ def test_autotune_gemm_reaches_the_compile_config():
     with pytest.raises(ValueError, match="autotune_gemm"):
         CompileConfig(autotune_gemm="yes")  # type: ignore[arg-type]
     # --skinny-gemm: the fused skinny-GEMM pass, off unless asked for
-    assert engine_kwargs(p.parse_args(["--skinny-gemm"]))["compile_config"].skinny_gemm is True
+    skinny = engine_kwargs(p.parse_args(["--skinny-gemm"]))["compile_config"]
+    assert skinny.skinny_gemm is True and skinny.skinny_gemm_prologues is False
+    both = engine_kwargs(p.parse_args(["--skinny-gemm", "--skinny-gemm-prologues"]))
+    assert both["compile_config"].skinny_gemm_prologues is True
     assert cfg.skinny_gemm is False
     assert engine_kwargs(p.parse_args(["--precompile"]))["compile_config"].precompile is True
     assert cfg.precompile is False

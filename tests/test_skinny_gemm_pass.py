@@ -1,8 +1,9 @@
 """``SkinnyGemmFusion`` (passes/skinny_gemm.py): on a tiny CausalLM built from our decoder (q/k/v
-and gate/up fused as the engine does), each layer's RMSNorm -> qkv, o_proj + residual,
-RMSNorm -> gate_up and SiLU*mul -> down + residual become one fused op each, the unfused nodes
-are gone, and the CPU reference path returns exactly the eager model's values. Off by default;
-a traced eps, a biased linear and a non-matching graph are left alone."""
+and gate/up fused as the engine does), with prologues each layer's RMSNorm -> qkv, o_proj +
+residual, RMSNorm -> gate_up and SiLU*mul -> down + residual become one fused op each; by default
+only o_proj + residual and down + residual do, the norms and SiLU*mul staying as they were. The
+unfused nodes are gone, and the CPU reference path returns exactly the eager model's values. Off
+by default; a traced eps, a biased linear and a non-matching graph are left alone."""
 from __future__ import annotations
 
 import operator
@@ -60,11 +61,12 @@ def _counts(gm) -> dict[str, int]:
             "skinny_linear": count_ops(gm, OPS.skinny_linear)}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decoder_layers_fuse_and_numerics_are_unchanged(dtype) -> None:
+def _fuse(dtype: torch.dtype, prologues: bool):
+    """(graph before the passes, backend) after compiling ``tiny_lm`` once; the compiled call
+    returns exactly the eager model's logits (the ops' CPU path is the unfused computation)."""
     model = tiny_lm(dtype)
     backend = make_backend(hoist_fc=False, per_layer_metadata=False, skinny_gemm=True,
-                           inductor=False, keep_graphs=True)
+                           skinny_prologues=prologues, inductor=False, keep_graphs=True)
     before = {}
 
     def spy(gm, example_inputs):
@@ -78,8 +80,14 @@ def test_decoder_layers_fuse_and_numerics_are_unchanged(dtype) -> None:
     with torch.no_grad(), torch._dynamo.config.patch(specialize_float=True):
         want = model(ids, pos, meta)
         got = compiled(ids, pos, meta)
-    assert torch.equal(got[0], want[0])  # the ops' CPU path is the unfused computation
-    old, new = _counts(before["gm"]), _counts(backend.compiled[0].gm)
+    assert torch.equal(got[0], want[0])
+    return before["gm"], backend
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decoder_layers_fuse_and_numerics_are_unchanged(dtype) -> None:
+    before, backend = _fuse(dtype, prologues=True)
+    old, new = _counts(before), _counts(backend.compiled[0].gm)
     assert old["linear"] == 4 * LAYERS and old["rsqrt"] == 2 * LAYERS + 1  # + the final norm
     # adds gone: both residuals and both norms' "+ eps" per layer
     assert new == {"linear": 0, "rsqrt": 1, "silu": 0, "add": old["add"] - 4 * LAYERS,
@@ -90,12 +98,36 @@ def test_decoder_layers_fuse_and_numerics_are_unchanged(dtype) -> None:
         "rmsnorm": 2 * LAYERS, "silu_mul": LAYERS, "residual": 2 * LAYERS}
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_default_fuses_only_the_residual_epilogues(dtype) -> None:
+    """The H200 measured every prologue fusion slower than the unfused ops (passes/skinny_gemm)."""
+    before, backend = _fuse(dtype, prologues=False)
+    old, new = _counts(before), _counts(backend.compiled[0].gm)
+    # o_proj and down take their residual; qkv, gate_up and lm_head stay plain linears behind
+    # their norms, and SiLU*mul stays: only the two residual adds per layer are gone.
+    assert new == {"linear": 2 * LAYERS + old["linear"] - 4 * LAYERS,
+                   "rsqrt": old["rsqrt"], "silu": old["silu"],
+                   "add": old["add"] - 2 * LAYERS, "rmsnorm_linear": 0, "silu_mul_linear": 0,
+                   "skinny_linear": 2 * LAYERS}
+    assert backend.match_counts["SkinnyGemmFusion"] == 2 * LAYERS
+    assert backend.graphs[0].details["SkinnyGemmFusion"] == {
+        "rmsnorm": 0, "silu_mul": 0, "residual": 2 * LAYERS}
+    ids = {p.uuid() for p in (SkinnyGemmFusion(), SkinnyGemmFusion(prologues=True))}
+    assert len(ids) == 2  # the option is part of the compile-cache key
+
+
 def test_off_by_default_and_validated() -> None:
     assert CompileConfig().skinny_gemm is False
+    assert CompileConfig(skinny_gemm=True).skinny_gemm_prologues is False
     with pytest.raises(ValueError, match="skinny_gemm"):
         CompileConfig(skinny_gemm=1)
+    with pytest.raises(ValueError, match="skinny_gemm_prologues=True needs skinny_gemm"):
+        CompileConfig(skinny_gemm_prologues=True)
     assert not any(isinstance(p, SkinnyGemmFusion) for p in default_passes())
-    assert any(isinstance(p, SkinnyGemmFusion) for p in default_passes(skinny_gemm=True))
+    fusion = [p for p in default_passes(skinny_gemm=True) if isinstance(p, SkinnyGemmFusion)]
+    assert len(fusion) == 1 and fusion[0].prologues is False
+    assert [p.prologues for p in default_passes(skinny_gemm=True, skinny_prologues=True)
+            if isinstance(p, SkinnyGemmFusion)] == [True]
     assert PASS_ORDER[-1] is SkinnyGemmFusion
 
 

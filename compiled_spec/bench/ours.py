@@ -48,14 +48,18 @@ def build_engine(v: Variant, kw: dict[str, Any], prompts: list[list[int]],
     kw = dict(kw)
     autotune = kw.pop("autotune_gemm", False)  # compiled engines only
     skinny = kw.pop("skinny_gemm", False)
+    prologues = kw.pop("skinny_gemm_prologues", False)
     pre = kw.pop("precompile", False)
     pdl = kw.pop("pdl", False)
     top = max(batch_sizes)
     kw.update(draft=v.draft, compile=v.compile, max_num_seqs=top)
     if v.compile:
         flags = dict(autotune_gemm=autotune, skinny_gemm=skinny, precompile=pre, pdl=pdl)
+        flags |= v.flags
+        # the prologues ride on the skinny GEMMs: an --ab skinny_gemm pair's "off" has neither
+        flags["skinny_gemm_prologues"] = prologues and flags["skinny_gemm"]
         kw["compile_config"] = CompileConfig(capture_batch_sizes=tuple(sorted(batch_sizes)),
-                                             **(flags | v.flags))
+                                             **flags)
     if v.draft is None:
         kw.pop("num_speculative_tokens", None)
     if v.tree is not None:

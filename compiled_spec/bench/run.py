@@ -140,6 +140,7 @@ def run_bench(a: argparse.Namespace) -> int:
               num_speculative_tokens=k, draft_sampling=a.draft_sampling,
               autotune_gemm=getattr(a, "autotune_gemm", False),
               skinny_gemm=getattr(a, "skinny_gemm", False),
+              skinny_gemm_prologues=getattr(a, "skinny_gemm_prologues", False),
               precompile=getattr(a, "precompile", False), pdl=getattr(a, "pdl", False))
     batch_sizes = sorted(set(a.batch_sizes))
 
