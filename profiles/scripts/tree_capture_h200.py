@@ -4,12 +4,15 @@
 captured, before the pairwise-rank node selection of ``spec.tree.select_nodes``).
 
 Each variant builds the 8/32 tree engine (compile=True, CUDA graphs for batch 1 and ``--batch``,
-strict capture) in a process of its own with empty compile caches, writes ``--batch`` greedy
+strict capture) in a process of its own, writes ``--batch`` greedy
 answers, and reports ok + the outputs, or the full chained traceback (where Inductor asserted):
   baseline     as shipped
   topk_select  node selection by top-k + argsort instead of pairwise ranks (RANK_SELECT_MAX = 0)
+  no_mix_order Inductor's triton.mix_order_reduction off
   static       CompileConfig(dynamic=False): one graph per captured size, no symbolic batch
   no_split     Inductor's split_reductions off
+The variants share one fresh compile cache (Inductor's keys include its config and the graph, so
+only what a variant leaves unchanged, e.g. the target under topk_select, is reused).
 
 PYTHONPATH=. python profiles/scripts/tree_capture_h200.py --model ~/m/model.gguf --out $OUT
 """
@@ -25,7 +28,7 @@ import time
 import traceback
 from pathlib import Path
 
-VARIANTS = ("baseline", "topk_select", "static", "no_split")
+VARIANTS = ("baseline", "topk_select", "no_mix_order", "static", "no_split")
 PROMPTS = ["Write a short poem about the sea.", "Explain what a hash table is.",
            "List three uses of copper.", "How do I reverse a list in Python?",
            "Summarise the plot of Hamlet in two sentences.", "What is 17 times 23?",
@@ -46,6 +49,8 @@ def child(variant: str, model: str, draft: str, batch: int, device: str) -> dict
         dynamic = False
     elif variant == "no_split":
         torch._inductor.config.split_reductions = False
+    elif variant == "no_mix_order":
+        torch._inductor.config.triton.mix_order_reduction = False
     t0 = time.perf_counter()
     cc = CompileConfig(capture_batch_sizes=tuple(sorted({1, batch})), strict_capture=True,
                        dynamic=dynamic)
@@ -86,19 +91,21 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     results = []
+    cache = tempfile.mkdtemp()  # nothing compiled before this run
     for v in a.variants:
-        with tempfile.TemporaryDirectory() as cache:  # nothing compiled by another variant
-            env = dict(os.environ, COMPILED_SPEC_CACHE_DIR=cache, TORCHINDUCTOR_CACHE_DIR=cache,
-                       COMPILED_SPEC_PROGRESS="0")
-            cmd = [sys.executable, __file__, "--child", v, "--model", a.model, "--draft",
-                   a.draft, "--batch", str(a.batch), "--device", a.device]
-            t0 = time.perf_counter()
-            try:
-                p = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                                   timeout=a.limit)
-                log = p.stdout + p.stderr
-            except subprocess.TimeoutExpired as e:
-                log = f"{e.stdout or ''}{e.stderr or ''}\nTIMEOUT after {a.limit} s"
+        env = dict(os.environ, COMPILED_SPEC_CACHE_DIR=cache, TORCHINDUCTOR_CACHE_DIR=cache,
+                   COMPILED_SPEC_PROGRESS="0")
+        cmd = [sys.executable, __file__, "--child", v, "--model", a.model, "--draft",
+               a.draft, "--batch", str(a.batch), "--device", a.device]
+        t0 = time.perf_counter()
+        try:
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                               timeout=a.limit)
+            log = p.stdout + p.stderr
+        except subprocess.TimeoutExpired as e:
+            def text(b: bytes | str | None) -> str:  # bytes here even with text=True
+                return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+            log = f"{text(e.stdout)}{text(e.stderr)}\nTIMEOUT after {a.limit} s"
         (out / f"tree_capture_{v}.log").write_text(log)
         lines = [ln for ln in log.splitlines() if ln.startswith("RESULT ")]
         res = json.loads(lines[-1][7:]) if lines else {"variant": v, "ok": False,
