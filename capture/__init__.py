@@ -6,6 +6,8 @@
   into preallocated ``StaticBuffers``.
 * ``capture.cuda_graphs``: ``GraphRunner`` (capture at start-up, padded replay, counted eager
   fallbacks).
+* ``capture.errors``: ``CaptureError`` and ``describe_error`` (a failure's innermost cause and
+  where it was raised, in every failure record).
 * ``capture.registry``: ``GraphRegistry`` (the components on one pool) and ``assert_captured``
   (every component, the draft included, has graphs).
 

@@ -41,13 +41,13 @@ from __future__ import annotations
 
 import logging
 import os
-import traceback
 import warnings
 from typing import Any, Callable, Literal
 
 import torch
 from tqdm.auto import tqdm
 
+from capture.errors import CaptureError, describe_error
 from capture.host_stage import HostBatch, HostStage
 from capture.pad import LiveBatch, StaticBuffers
 from capture.policy import bucket_max_seq_len, padding_table
@@ -76,29 +76,6 @@ def progress_enabled() -> bool:
     """Start-up progress bars (capture: which component, how many graphs of how many) go to
     stderr unless ``COMPILED_SPEC_PROGRESS=0``."""
     return os.environ.get("COMPILED_SPEC_PROGRESS", "1") != "0"
-
-
-def describe_error(e: BaseException) -> str:
-    """``Type: message`` plus where the innermost cause was raised (file:line and its source
-    line). A compiler's ``AssertionError`` has an empty message, and Inductor wraps it in an
-    ``InductorError`` whose text is only advice: without the place, a failed capture recorded
-    on a remote GPU cannot be told apart from any other."""
-    inner = e
-    seen: set[int] = set()
-    while id(inner) not in seen:
-        seen.add(id(inner))
-        nxt = inner.__cause__ or getattr(inner, "inner_exception", None) or inner.__context__
-        if not isinstance(nxt, BaseException):
-            break
-        inner = nxt
-    text = f"{type(e).__name__}: {str(e).strip()}"
-    if inner is not e:
-        text += f" <- {type(inner).__name__}: {str(inner).strip()}"
-    frames = traceback.extract_tb(inner.__traceback__)
-    if frames:
-        f = frames[-1]
-        text += f" (at {f.filename}:{f.lineno} in {f.name}: {(f.line or '').strip()})"
-    return text
 
 
 def capture_each(name: str, sizes: list[int], bucket: int, capture_one: Callable[[int], None],
@@ -135,10 +112,6 @@ def capture_graph(run: Callable[[], Any], pool: Any = None, warmup_iters: int = 
     with torch.cuda.graph(graph, pool=pool):
         out = run()
     return graph, out
-
-
-class CaptureError(RuntimeError):
-    """A component is missing graphs it was expected to have (or strict capture failed)."""
 
 
 class GraphRunner:

@@ -83,7 +83,7 @@ def main() -> None:
             res = child(a.child, a.model, a.draft, a.batch, a.device)
         except BaseException as e:  # the whole chain: Inductor's own frames name the assert
             traceback.print_exc()
-            from capture.cuda_graphs import describe_error
+            from capture.errors import describe_error
 
             res = {"variant": a.child, "ok": False, "error": describe_error(e)}
         print("RESULT " + json.dumps(res), flush=True)

@@ -1,0 +1,34 @@
+"""How capture failures are reported: ``CaptureError`` (a component is missing graphs it was
+expected to have, or strict capture failed) and ``describe_error``, the text each failure record
+and warning carries."""
+from __future__ import annotations
+
+import traceback
+
+
+class CaptureError(RuntimeError):
+    """A component is missing graphs it was expected to have (or strict capture failed)."""
+
+
+def describe_error(e: BaseException) -> str:
+    """``Type: message`` plus where the innermost cause was raised (file:line and its source
+    line). A compiler's ``AssertionError`` has an empty message, and Inductor wraps it in an
+    ``InductorError`` whose text is only advice: without the place, a failed capture recorded
+    on a remote GPU cannot be told apart from any other."""
+    inner = e
+    seen: set[int] = set()
+    while id(inner) not in seen:
+        seen.add(id(inner))
+        nxt = inner.__cause__ or getattr(inner, "inner_exception", None) or inner.__context__
+        if not isinstance(nxt, BaseException):
+            break
+        inner = nxt
+    text = f"{type(e).__name__}: {str(e).strip()}"
+    if inner is not e:
+        text += f" <- {type(inner).__name__}: {str(inner).strip()}"
+    frames = traceback.extract_tb(inner.__traceback__)
+    if frames:
+        f = frames[-1]
+        text += f" (at {f.filename}:{f.lineno} in {f.name}: {(f.line or '').strip()})"
+    return text
+
