@@ -146,6 +146,21 @@ def inductor_config(cfg: CompileConfig) -> dict[str, Any]:
     return patches
 
 
+# Inductor patches for the draft tree's glue graphs only (tree_head, tree_step, tree_finish,
+# tree_early_stage). Inductor's coalesce-tiling analysis asserts with an empty message on some
+# fused pointwise + reduction kernels of symbolic size (tiling_utils.get_pw_red_splits; its own
+# config says the analysis "does not yet apply to dynamic shapes", yet it runs on them; a public
+# report names torch 2.11 on CUDA). The sixteenth session's H200 run failed exactly so, an empty
+# Inductor AssertionError, capturing the tree graphs at batch 4 and 16, where the batch is a
+# symbol; at batch 1 it is specialised and they capture. The tree glue's node ranking reduces
+# [B, C, C] comparisons into [B, C] and [B, n] values: pointwise and reduction nodes of several
+# sizes in one graph. Suspected, not yet confirmed on the GPU: profiles/scripts/
+# tree_capture_h200.py runs the batch-4 engine with and without this patch.
+TREE_GLUE_INDUCTOR: dict[str, Any] = (
+    {"triton.coalesce_tiling_analysis": False}
+    if hasattr(torch._inductor.config.triton, "coalesce_tiling_analysis") else {})
+
+
 def compile_models(runner: ModelRunner, cfg: CompileConfig) -> CompiledModels:
     # Dynamo's recompile limit counts per code object, and every engine's modules run the same
     # forward code: the default 8 would make the 9th engine in a process fail (fullgraph=True).
@@ -177,14 +192,16 @@ def compile_models(runner: ModelRunner, cfg: CompileConfig) -> CompiledModels:
         compiled["first_pass"] = compile_callable(prop.draft.forward_from_aux, backends["draft_first_pass"], cfg)
         compiled["step"] = compile_callable(prop.draft, backends["draft_step"], cfg)
         if hasattr(prop, "expand_step"):  # draft trees: each expansion and its glue as one graph
+            glue = functools.partial(backend, hoist_fc=False,
+                                     inductor_config=inductor_config(cfg) | TREE_GLUE_INDUCTOR)
             for name, fn in (("tree_head", prop.tree_head), ("tree_step", prop.expand_step),
                              ("tree_finish", prop.finish)):
-                backends[name] = backend(hoist_fc=False)
+                backends[name] = glue()
                 compiled[name] = compile_callable(fn, backends[name], cfg)
             eager.update(tree_head=prop.head_fn, tree_step=prop.expand_step_fn,
                          tree_finish=prop.finish_fn)
             # an early tree step's staging between verify and draft (compiled on first use)
-            backends["tree_early_stage"] = backend(hoist_fc=False)
+            backends["tree_early_stage"] = glue()
             compiled["tree_early_stage"] = compile_callable(
                 early_tree_stage, backends["tree_early_stage"], cfg)
             eager["tree_early_stage"] = early_tree_stage

@@ -216,3 +216,20 @@ def test_first_pass_graph_gathers_the_accepted_rows(trained_eagle3_pair, smollm2
     st = graphs.stats()
     assert st["components"]["tree_draft_first_pass"]["graph_replays"] > 0
     assert set(st["without_graph"].get("tree_draft_first_pass", {})) <= {"query_len"}
+
+
+def test_tree_glue_graphs_compile_without_coalesce_tiling(trained_eagle3_pair, smollm2_gguf_path):
+    """The tree's glue graphs (and only they) carry TREE_GLUE_INDUCTOR: Inductor's coalesce-tiling
+    analysis, which asserts on symbolic sizes, is off there (compiled_spec/compile.py)."""
+    import torch._inductor.config as inductor
+
+    from compiled_spec.compile import TREE_GLUE_INDUCTOR
+
+    llm = _llm(trained_eagle3_pair, smollm2_gguf_path)
+    models = compile_models(llm.engine.runner, CompileConfig(pdl=False))
+    glue = {"tree_head", "tree_step", "tree_finish", "tree_early_stage"}
+    assert glue <= set(models.backends)
+    if hasattr(inductor.triton, "coalesce_tiling_analysis"):
+        assert TREE_GLUE_INDUCTOR == {"triton.coalesce_tiling_analysis": False}
+    for name, backend in models.backends.items():
+        assert backend.inductor_config == (TREE_GLUE_INDUCTOR if name in glue else {}), name

@@ -6,10 +6,13 @@ captured, before the pairwise-rank node selection of ``spec.tree.select_nodes``)
 Each variant builds the 8/32 tree engine (compile=True, CUDA graphs for batch 1 and ``--batch``,
 strict capture) in a process of its own, writes ``--batch`` greedy
 answers, and reports ok + the outputs, or the full chained traceback (where Inductor asserted):
-  baseline     as shipped
+  baseline     as shipped: the tree glue graphs compile with Inductor's coalesce-tiling analysis
+               off (compile.TREE_GLUE_INDUCTOR), the suspected cause
+  coalesce_on  that patch undone: the sixteenth session's failing state
+and, each with the patch undone too (other suspects, in case coalesce_on captures):
   topk_select  node selection by top-k + argsort instead of pairwise ranks (RANK_SELECT_MAX = 0)
-  no_mix_order Inductor's triton.mix_order_reduction off
   static       CompileConfig(dynamic=False): one graph per captured size, no symbolic batch
+  no_mix_order Inductor's triton.mix_order_reduction off
   no_split     Inductor's split_reductions off
 The variants share one fresh compile cache (Inductor's keys include its config and the graph, so
 only what a variant leaves unchanged, e.g. the target under topk_select, is reused).
@@ -28,7 +31,7 @@ import time
 import traceback
 from pathlib import Path
 
-VARIANTS = ("baseline", "topk_select", "no_mix_order", "static", "no_split")
+VARIANTS = ("baseline", "coalesce_on", "topk_select", "static", "no_mix_order", "no_split")
 PROMPTS = ["Write a short poem about the sea.", "Explain what a hash table is.",
            "List three uses of copper.", "How do I reverse a list in Python?",
            "Summarise the plot of Hamlet in two sentences.", "What is 17 times 23?",
@@ -38,11 +41,13 @@ PROMPTS = ["Write a short poem about the sea.", "Explain what a hash table is.",
 def child(variant: str, model: str, draft: str, batch: int, device: str) -> dict:
     import torch
 
-    from compiled_spec import LLM, SamplingParams
+    from compiled_spec import LLM, SamplingParams, compile as cs_compile
     from compiled_spec.compile import CompileConfig
     from compiled_spec.spec import tree
 
     dynamic = True
+    if variant != "baseline":
+        cs_compile.TREE_GLUE_INDUCTOR.clear()
     if variant == "topk_select":
         tree.RANK_SELECT_MAX = 0
     elif variant == "static":
