@@ -59,7 +59,8 @@ def child(variant: str, model: str, draft: str, batch: int, device: str) -> dict
     t0 = time.perf_counter()
     cc = CompileConfig(capture_batch_sizes=tuple(sorted({1, batch})), strict_capture=True,
                        dynamic=dynamic)
-    llm = LLM(model=model, draft=draft, device=device, dtype="bfloat16" if device == "cuda" else "float32", max_model_len=2048,
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    llm = LLM(model=model, draft=draft, device=device, dtype=dtype, max_model_len=2048,
               max_num_seqs=batch, num_speculative_tokens=5, speculative_topk=8,
               speculative_num_draft_tokens=32, compile=True, compile_config=cc)
     startup = time.perf_counter() - t0
