@@ -119,11 +119,12 @@ def main() -> None:
         res["seconds"] = round(time.perf_counter() - t0, 1)
         results.append(res)
         print(json.dumps({k: x for k, x in res.items() if k != "outputs"}), flush=True)
-    ref = next((r["outputs"] for r in results if r.get("ok")), None)
-    for r in results:
-        if r.get("ok"):
-            r["same_as_first_ok"] = r["outputs"] == ref
-    (out / "tree_capture.json").write_text(json.dumps(results, indent=1))
+        ref = next((r["outputs"] for r in results if r.get("ok")), None)
+        for r in results:
+            if r.get("ok"):
+                r["same_as_first_ok"] = r["outputs"] == ref
+        # after every variant: a call cut short keeps what ran
+        (out / "tree_capture.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
