@@ -13,7 +13,8 @@
 
 ``python -m capture.selfcheck_cuda`` checks replay == eager on a CUDA machine.
 """
-from capture.cuda_graphs import CaptureError, GraphRunner
+from capture.cuda_graphs import GraphRunner
+from capture.errors import CaptureError
 from capture.pad import (LiveBatch, StaticBuffers, pad_batch, pad_block_tables, pad_dim,
                          pad_metadata, pad_query_start_loc, stack_steps)
 from capture.registry import GraphRegistry, assert_captured

@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from capture.cuda_graphs import CaptureError, GraphFn, GraphRunner
+from capture.cuda_graphs import GraphFn, GraphRunner
+from capture.errors import CaptureError
 from capture.pad import StaticBuffers
 
 
