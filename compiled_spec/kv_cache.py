@@ -98,6 +98,16 @@ class BlockAllocator:
         for _ in range(max(need, 0)):
             table.append(self._take())
 
+    def grow_all(self, wants: list[tuple[int, int]]) -> bool:
+        """``grow`` for every (req_id, num_tokens), or none of them and False when the pool
+        cannot cover them all (an early step's worst case: it must not half-grow a batch)."""
+        need = sum(max(0, self.blocks_for(n) - len(self.tables.get(rid, ()))) for rid, n in wants)
+        if need > self.num_free:
+            return False
+        for rid, n in wants:
+            self.grow(rid, n)
+        return True
+
     def shrink(self, req_id: int, num_tokens: int) -> None:
         """Return blocks beyond what ``num_tokens`` positions need (rolled-back lookahead)."""
         table = self.tables.get(req_id, [])

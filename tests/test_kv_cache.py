@@ -27,3 +27,15 @@ def test_exhaustion_names_the_numbers():
         a.grow(8, 3)
     assert not a.can_grow(8, 3)
     assert a.tables.get(8, []) == []  # all or nothing
+
+
+def test_grow_all_is_all_or_nothing():
+    """An early step grows its whole batch for the worst case, or nothing (then runs late)."""
+    a = BlockAllocator(num_blocks=4, page_size=4)
+    a.grow(1, 4)  # 1 block
+    assert a.grow_all([(1, 8), (2, 4)])  # +1 and +1
+    assert [len(a.tables[1]), len(a.tables[2])] == [2, 1] and a.num_free == 1
+    assert not a.grow_all([(1, 12), (2, 8)])  # needs 2, 1 free: nothing grown
+    assert [len(a.tables[1]), len(a.tables[2])] == [2, 1] and a.num_free == 1
+    assert a.grow_all([(1, 5), (3, 1)])  # covered already, then 1 block for a new request
+    assert len(a.tables[1]) == 2 and len(a.tables[3]) == 1 and a.num_free == 0

@@ -114,18 +114,6 @@ class EarlyPath:
         size = g.graph_size(len(reqs))
         return "size" if size is None else size
 
-    def _grow(self, reqs: list[Request], wants: list[int]) -> bool:
-        """Every request's blocks grown to hold ``wants`` tokens (the worst case the graph
-        may write), or nothing grown and False when the pool is short."""
-        alloc = self.runner.allocator
-        need = sum(max(0, alloc.blocks_for(w) - len(alloc.tables.get(q.req_id, ())))
-                   for q, w in zip(reqs, wants))
-        if need > alloc.num_free:
-            return False
-        for q, w in zip(reqs, wants):
-            alloc.grow(q.req_id, w)
-        return True
-
 
 class EarlyPropose(EarlyPath):
     """The runner's early path: ``plan`` (after the verify is launched), ``accept`` (in place of
@@ -151,8 +139,10 @@ class EarlyPropose(EarlyPath):
         if isinstance(size, str):
             return self._late(size)
         # Worst case: all k drafts accepted (n_tok = num_tokens + k + 1), then k more
-        # positions for the next proposal, as ModelRunner.propose grows them.
-        if not self._grow(reqs, [min(q.num_tokens + 2 * k + 1, r._grow_cap(q)) for q in reqs]):
+        # positions for the next proposal, as ModelRunner.propose grows them; all requests'
+        # blocks or none.
+        if not r.allocator.grow_all([(q.req_id, min(q.num_tokens + 2 * k + 1, r._grow_cap(q)))
+                                     for q in reqs]):
             return self._late("kv_exhausted")
         # Each request's k + 1 verified positions, staged as if all were accepted.
         spans = [Span(q.req_id, q.num_computed, k + 1) for q in reqs]

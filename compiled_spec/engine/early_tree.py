@@ -73,7 +73,7 @@ class EarlyTree(EarlyPath):
                or q.num_tokens + d + 1 + look > r.max_model_len for q in reqs):
             return self._late("near_end")
         # The late path's grow (n_tok + lookahead) at the worst case n_tok = num_tokens + D + 1.
-        if not self._grow(reqs, [q.num_tokens + d + 1 + look for q in reqs]):
+        if not r.allocator.grow_all([(q.req_id, q.num_tokens + d + 1 + look) for q in reqs]):
             return self._late("kv_exhausted")
         why = self.graph.stage(size, [q.req_id for q in reqs], starts)
         if why is not None:

@@ -225,7 +225,8 @@ class VerifyAhead:
         r = self.runner
         n = len(reqs)
         # Its KV slot: this step's requests hold blocks up to their last computed position.
-        if not r.early._grow(reqs, [q.num_computed + m + 1 for q, m in zip(reqs, num_new)]):
+        if not r.allocator.grow_all([(q.req_id, q.num_computed + m + 1)
+                                     for q, m in zip(reqs, num_new)]):
             _count(self.stats.skipped, "kv_exhausted")
             return
         spans = [Span(q.req_id, q.num_computed + m, 1) for q, m in zip(reqs, num_new)]
