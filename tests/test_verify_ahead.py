@@ -87,14 +87,17 @@ def test_verify_ahead_equals_vanilla_and_off(engines, batch):
 
 def test_request_stopping_mid_batch_leaves_a_subset(engines):
     """A stop token ends one request of three well before its budget: the verify launched
-    for all three is taken for the two that go on (their rows gathered, the fc redone); run
-    alone, the request launches nothing after its stop token."""
+    for all three is taken for the two that go on (their rows gathered, the fc redone), with
+    the acceptance of the same engine without it (wrong hidden rows would change the drafts
+    but not the output); run alone, the request launches nothing after its stop token."""
     spec, vanilla = engines
     prompts = PROMPTS[:3]
     sps, ref = _stop_mid_batch(vanilla, prompts, [30, 30, 30])
-    out, _, st = _run(spec, True, prompts, sps, 3)
+    _, off_acc, _ = _run(spec, False, prompts, sps, 3)
+    out, on_acc, st = _run(spec, True, prompts, sps, 3)
     assert out == ref
     assert st["taken_subset"] > 0 and st["taken"] > 0, st
+    assert on_acc == off_acc > 0
     # Alone, the stopping request's last step sees its stop token: it launches nothing.
     out, _, st = _run(spec, True, prompts, sps, 1)
     assert out == ref
