@@ -10,6 +10,12 @@ class CaptureError(RuntimeError):
     """A component is missing graphs it was expected to have (or strict capture failed)."""
 
 
+def _message(e: BaseException) -> str:
+    """The exception's text without torch's advice lines (``Set TORCHDYNAMO_VERBOSE=1 ...``)."""
+    lines = [ln for ln in str(e).strip().splitlines() if not ln.startswith("Set TORCHDYNAMO_")]
+    return "\n".join(lines).strip()
+
+
 def describe_error(e: BaseException) -> str:
     """``Type: message`` plus where the innermost cause was raised (file:line and its source
     line). A compiler's ``AssertionError`` has an empty message, and Inductor wraps it in an
@@ -23,9 +29,9 @@ def describe_error(e: BaseException) -> str:
         if not isinstance(nxt, BaseException):
             break
         inner = nxt
-    text = f"{type(e).__name__}: {str(e).strip()}"
+    text = f"{type(e).__name__}: {_message(e)}"
     if inner is not e:
-        text += f" <- {type(inner).__name__}: {str(inner).strip()}"
+        text += f" <- {type(inner).__name__}: {_message(inner)}"
     frames = traceback.extract_tb(inner.__traceback__)
     if frames:
         f = frames[-1]

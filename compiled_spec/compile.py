@@ -26,6 +26,7 @@ import torch._inductor.config  # noqa: F401  (CompileConfig.pdl checks an option
 import torch.fx.experimental._config  # noqa: F401  (use_duck_shape, patched per call)
 
 from capture import CapturePolicy
+from compiled_spec.compile_guard import CompileGuard
 from compiled_spec.engine.graphs import EngineGraphs
 from compiled_spec.engine.model_runner import ModelRunner
 from compiled_spec.precompile import PrecompiledModule, PrecompileStats, cache_key, precompile_dir
@@ -101,6 +102,11 @@ class CompiledModels:
                                for name, b in self.backends.items()}
         out["cuda_graphs"] = self.graphs.stats() if self.graphs is not None else {
             "off": self.graphs_off or "not captured"}
+        # callables run eagerly for shapes they failed to compile for (none: left out)
+        failed = {name: c.guard.stats() for name, c in self.compiled.items()
+                  if getattr(c, "guard", None) is not None and c.guard.failures}
+        if failed:
+            out["compile_failures"] = failed
         return out
 
 
@@ -116,6 +122,9 @@ def compile_callable(fn: Any, backend: Any, cfg: CompileConfig,
         run = PrecompiledModule(name, fn, backend, cfg.dynamic, compiled,
                                 precompile_dir() / f"{name}-{key}.bin", stats)
 
+    # A shape whose compile failed runs eagerly from then on, counted (compile_guard.py).
+    guard = CompileGuard(getattr(fn, "__qualname__", type(fn).__name__), fn)
+
     def call(*args: Any, **kwargs: Any) -> Any:
         # No duck sizing while Dynamo traces our calls: it would tie dims that merely happen to
         # be equal in the first call (a 2-entry query_start_loc and a 2-block table at batch 1)
@@ -128,9 +137,10 @@ def compile_callable(fn: Any, backend: Any, cfg: CompileConfig,
         # hits: ~8.5 s of a 22 s warm start on the CPU, ninth session).
         with torch.fx.experimental._config.patch(use_duck_shape=False), \
                 torch._dynamo.config.patch(specialize_float=True):
-            return run(*args, **kwargs)
+            return guard(run, *args, **kwargs)
 
     call.__wrapped__ = compiled  # type: ignore[attr-defined]
+    call.guard = guard  # type: ignore[attr-defined]
     return call
 
 
