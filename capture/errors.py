@@ -1,9 +1,14 @@
-"""How capture failures are reported: ``CaptureError`` (a component is missing graphs it was
-expected to have, or strict capture failed) and ``describe_error``, the text each failure record
-and warning carries."""
+"""How capture failures are reported and handled: ``CaptureError`` (a component is missing
+graphs it was expected to have, or strict capture failed), ``describe_error`` (the text each
+failure record and warning carries) and ``capture_retrying`` (a capture that failed to compile
+tried once more, its failed shapes then eager)."""
 from __future__ import annotations
 
 import traceback
+import warnings
+from typing import Any, Callable
+
+from torch._dynamo.exc import BackendCompilerFailed
 
 
 class CaptureError(RuntimeError):
@@ -38,3 +43,26 @@ def describe_error(e: BaseException) -> str:
         text += f" (at {f.filename}:{f.lineno} in {f.name}: {(f.line or '').strip()})"
     return text
 
+
+def capture_retrying(capture_once: Callable[[], None], strict: bool) -> str | None:
+    """``capture_once()``; after a compile failure (the backend raised; not when ``strict``)
+    once more: the shapes that failed to compile now run their eager callables
+    (``compiled_spec.compile_guard``), so the graph holds those ops instead of none at all.
+    None: captured at the first try; else the compile failure the retry went past (recorded
+    by the caller). Any other failure, or the retry's, raises."""
+    try:
+        capture_once()
+        return None
+    except BackendCompilerFailed as e:
+        if strict:
+            raise
+        why = describe_error(e)
+    capture_once()
+    return why
+
+
+def went_past_warning(name: str, record: dict[str, Any], why: str) -> None:
+    """Record and warn a capture that went past a compile failure (``capture_retrying``)."""
+    record.update(error=why, captured="with the eager callables of what failed to compile")
+    warnings.warn(f"{name}: compiling failed for batch / size {record['size']} ({why}); "
+                  "captured with the eager callables instead", RuntimeWarning, stacklevel=3)

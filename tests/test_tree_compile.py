@@ -233,3 +233,45 @@ def test_tree_glue_graphs_compile_without_coalesce_tiling(trained_eagle3_pair, s
         assert TREE_GLUE_INDUCTOR == {"triton.coalesce_tiling_analysis": False}
     for name, backend in models.backends.items():
         assert backend.inductor_config == (TREE_GLUE_INDUCTOR if name in glue else {}), name
+
+
+def test_tree_glue_failing_to_compile_at_batch_above_one(trained_eagle3_pair, smollm2_gguf_path,
+                                                         vanilla, monkeypatch):
+    """The H200's failure mode (sixteenth session), injected: the tree's node selection
+    (``tree_finish``) fails to compile wherever the batch is above 1. Each failing shape is
+    compiled once: its capture is retried with that graph's eager callable
+    (``capture.errors.capture_retrying``), recorded and counted, so every size keeps a graph,
+    no step faults and the output stays vanilla's."""
+    from passes.pipeline import CompiledSpecBackend
+
+    llm = _llm(trained_eagle3_pair, smollm2_gguf_path)
+    models = compile_models(llm.engine.runner, CompileConfig(inductor=False))
+    llm._compiled = models
+    target, original = models.backends["tree_finish"], CompiledSpecBackend.__call__
+    failing_shapes = []
+
+    def failing(self, gm, example_inputs):
+        if self is target:
+            shapes = tuple(tuple(x.shape) for x in example_inputs if isinstance(x, torch.Tensor))
+            if any(len(sh) == 2 and sh[0] != 1 for sh in shapes):
+                failing_shapes.append(shapes)
+                assert False  # an empty assertion, as Inductor's
+        return original(self, gm, example_inputs)
+
+    monkeypatch.setattr(CompiledSpecBackend, "__call__", failing)
+    policy = CapturePolicy(max_batch_size=4, num_speculative_tokens=3, max_model_len=128,
+                           batch_sizes=(1, 2, 4), seq_len_buckets=(32, 128))
+    with pytest.warns(RuntimeWarning, match="captured with the eager callables instead"):
+        graphs = capture_graphs(llm.engine.runner, models, policy, llm.config.cache.page_size,
+                                emulate=True)
+    st = graphs.stats()["components"]["tree_draft_expand"]
+    assert st["captured_sizes"] == [2, 4, 8]  # topk 2: batch 1, 2 and 4, every one
+    went_past = st["capture_failures"]
+    assert sorted(f["size"] for f in went_past) == [4, 8], went_past  # batch 2 and 4, once
+    assert all("AssertionError" in f["error"] and f["captured"] for f in went_past)
+    faults = llm.stats.num_step_faults
+    assert _ids(llm) == vanilla
+    assert llm.stats.num_step_faults == faults  # every step had its graph
+    failed = llm.compile_stats["compile_failures"]["tree_finish"]
+    assert failed["failed_shapes"] == 2 and failed["eager_calls"] > 0, failed
+    assert len(failing_shapes) == len(set(failing_shapes)) == 2  # no shape compiled twice
