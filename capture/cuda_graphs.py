@@ -47,7 +47,7 @@ from typing import Any, Callable, Literal
 import torch
 from tqdm.auto import tqdm
 
-from capture.errors import CaptureError, capture_retrying, describe_error, went_past_warning
+from capture.errors import CaptureError, capture_retrying, describe_error
 from capture.host_stage import HostBatch, HostStage
 from capture.pad import LiveBatch, StaticBuffers
 from capture.policy import bucket_max_seq_len, padding_table
@@ -86,10 +86,8 @@ def capture_each(name: str, sizes: list[int], bucket: int, capture_one: Callable
     for b in tqdm(sorted(sizes, reverse=True), desc=f"capture {name}", unit="graph",
                   disable=not progress_enabled()):
         try:
-            went_past = capture_retrying(lambda: capture_one(b), strict)
-            if went_past is not None:
-                failures.append({"size": b, "max_seq_len": bucket})
-                went_past_warning(name, failures[-1], went_past)
+            capture_retrying(lambda: capture_one(b), strict, name,
+                             {"size": b, "max_seq_len": bucket}, failures)
         except Exception as e:
             why = describe_error(e)
             failures.append({"size": b, "max_seq_len": bucket, "error": why})
@@ -169,11 +167,9 @@ class GraphRunner:
         for size, bucket in tqdm(todo, desc=f"capture {self.name}", unit="graph",
                                  disable=not progress_enabled()):
             try:
-                went_past = capture_retrying(lambda: self._capture_one(size, bucket),
-                                             self.strict)
-                if went_past is not None:
-                    self.capture_failures.append({"size": size, "max_seq_len": bucket})
-                    went_past_warning(self.name, self.capture_failures[-1], went_past)
+                capture_retrying(lambda: self._capture_one(size, bucket), self.strict,
+                                 self.name, {"size": size, "max_seq_len": bucket},
+                                 self.capture_failures)
             except Exception as e:  # recorded and reported, never swallowed silently
                 try:
                     torch.cuda.synchronize()

@@ -44,25 +44,22 @@ def describe_error(e: BaseException) -> str:
     return text
 
 
-def capture_retrying(capture_once: Callable[[], None], strict: bool) -> str | None:
+def capture_retrying(capture_once: Callable[[], None], strict: bool, name: str,
+                     where: dict[str, Any], failures: list[dict[str, Any]]) -> None:
     """``capture_once()``; after a compile failure (the backend raised; not when ``strict``)
     once more: the shapes that failed to compile now run their eager callables
     (``compiled_spec.compile_guard``), so the graph holds those ops instead of none at all.
-    None: captured at the first try; else the compile failure the retry went past (recorded
-    by the caller). Any other failure, or the retry's, raises."""
+    A retry that captured is recorded in ``failures`` (``where`` plus the error) and warned;
+    any other failure, or the retry's, raises (the caller records it)."""
     try:
         capture_once()
-        return None
+        return
     except BackendCompilerFailed as e:
         if strict:
             raise
         why = describe_error(e)
     capture_once()
-    return why
-
-
-def went_past_warning(name: str, record: dict[str, Any], why: str) -> None:
-    """Record and warn a capture that went past a compile failure (``capture_retrying``)."""
-    record.update(error=why, captured="with the eager callables of what failed to compile")
-    warnings.warn(f"{name}: compiling failed for batch / size {record['size']} ({why}); "
-                  "captured with the eager callables instead", RuntimeWarning, stacklevel=3)
+    failures.append({**where, "error": why,
+                     "captured": "with the eager callables of what failed to compile"})
+    warnings.warn(f"{name}: compiling failed for {where} ({why}); captured with the eager "
+                  "callables instead", RuntimeWarning, stacklevel=3)
