@@ -42,7 +42,14 @@ def test_bench_cpu_smoke(tiny_hf_dir, mt_bench_path, tmp_path):
         if batch == 1:  # fp32 greedy: every engine writes our vanilla output
             assert r["identical"] == 1.0, (engine, r["identical"])
         if engine.startswith("ours"):  # per engine step: its time, and the host's GPU wait in it
-            assert 0 < r["extra"]["host_wait_ms"] < r["extra"]["step_ms"], (engine, r["extra"])
+            x = r["extra"]
+            assert 0 < x["host_wait_ms"] < x["step_ms"], (engine, x)
+            # the prompt steps apart from the decode steps: every prompt is prefilled in the
+            # timed run, and the two parts add up to the steps' total
+            assert x["prefill_steps"] >= 1 and x["prefill_ms"] > 0 and x["decode_step_ms"] > 0
+            total = x["step_ms"] * x["steps"]
+            parts = x["decode_step_ms"] * (x["steps"] - x["prefill_steps"]) + x["prefill_ms"]
+            assert abs(total - parts) <= 1e-3 * x["steps"] + 1e-3 * total, (engine, x)
         if "compiled" in engine and engine.startswith("ours") and batch == 1:
             # Start-up split and the compile cache's hits / misses, on the first batch's row.
             split, cache = r["extra"]["startup_split_s"], r["extra"]["compile_cache"]

@@ -121,6 +121,7 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
         spec, es = llm.stats.spec, llm.stats
         d0, a0 = spec.num_drafting_steps, spec.num_accepted_tokens
         n0, s0, w0 = es.num_steps, es.step_s, es.host_wait_s
+        p0, ps0 = es.num_prefill_steps, es.prefill_step_s
         ep0 = es.early_propose.as_dict() if es.early_propose is not None else None
         va0 = es.verify_ahead.as_dict() if es.verify_ahead is not None else None
         sync(dev)
@@ -142,6 +143,15 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
         if es.num_steps > n0:  # untraced: engine step time and the host's wait for the GPU in it
             row.extra["step_ms"] = round(1e3 * (es.step_s - s0) / (es.num_steps - n0), 4)
             row.extra["host_wait_ms"] = round(1e3 * (es.host_wait_s - w0) / (es.num_steps - n0), 4)
+            # step_ms mixes the prompt steps (no CUDA graph) in; at batch b the b prompts come
+            # in one or few steps, so the decode steps' own mean is given apart.
+            n_pre, s_pre = es.num_prefill_steps - p0, es.prefill_step_s - ps0
+            row.extra["steps"] = es.num_steps - n0
+            row.extra["prefill_steps"] = n_pre
+            row.extra["prefill_ms"] = round(1e3 * s_pre, 3)
+            if es.num_steps - n0 > n_pre:
+                row.extra["decode_step_ms"] = round(
+                    1e3 * (es.step_s - s0 - s_pre) / (es.num_steps - n0 - n_pre), 4)
         if ep0 is not None:  # steps that proposed before / after the acceptance was read
             row.extra["early_propose"] = counts_since(ep0, es.early_propose.as_dict())
         if va0 is not None and es.verify_ahead.launched > va0["launched"]:
@@ -157,6 +167,14 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
         if llm.compiled_active:
             g = llm.compile_stats.get("cuda_graphs", {})
             row.extra["steps_without_graph"] = g.get("without_graph", g.get("off"))
+            # No silent fallback in a benchmark either: sizes captured around a compile
+            # failure (their glue eager), and shapes run eagerly after one.
+            failed = {n: c["capture_failures"] for n, c in g.get("components", {}).items()
+                      if c.get("capture_failures")}
+            if failed:
+                row.extra["capture_failures"] = failed
+            if "compile_failures" in llm.compile_stats:
+                row.extra["compile_failures"] = llm.compile_stats["compile_failures"]
             # Compiled graphs so far per component: growth across rows means recompiles (a
             # prefill of a new shape class recompiles; those seconds land in tokens/s).
             row.extra["compiled_graphs"] = {n: c["graphs"] for n, c in llm.compile_stats.items()
@@ -208,7 +226,9 @@ def bench_ours(variants: list[Variant], kw: dict[str, Any], prompts: list[list[i
         outputs[v.name] = out
         print(f"{v.name}: " + ", ".join(
             f"batch {x.batch} {x.tokens_per_s:.1f} tok/s (step {x.extra.get('step_ms')} ms, "
-            f"of which waiting for the GPU {x.extra.get('host_wait_ms')} ms)" for x in r),
+            f"of which waiting for the GPU {x.extra.get('host_wait_ms')} ms; decode steps "
+            f"{x.extra.get('decode_step_ms')} ms, {x.extra.get('prefill_steps')} prompt steps "
+            f"{x.extra.get('prefill_ms')} ms)" for x in r),
             flush=True)
         if r and "startup_split_s" in r[0].extra:
             print(f"{v.name}: start-up {r[0].extra['startup_split_s']} s, compile cache "
