@@ -33,15 +33,62 @@ import torch
 
 
 def available() -> str | None:
-    """None when this torch can precompile, else why not (torch 2.11 is not verified: its
-    ``aot_compile`` may be missing or behave differently, so every piece is looked up)."""
+    """None when this torch can precompile, else why not (every piece is looked up, no
+    version test: torch 2.11 and 2.13 differ, see ``_Serializable``)."""
     try:
         from torch._dynamo.aot_compile import AOTCompiledFunction  # noqa: F401
+        from torch._dynamo.aot_compile_types import SerializableCallable  # noqa: F401
     except ImportError as e:
         return f"torch {torch.__version__} has no torch._dynamo.aot_compile ({e})"
     if not hasattr(torch._dynamo.config, "enable_aot_compile"):
         return f"torch {torch.__version__} has no torch._dynamo.config.enable_aot_compile"
+    with torch._dynamo.config.patch(enable_aot_compile=True):
+        if not hasattr(torch.compile(_probe, fullgraph=True), "aot_compile"):
+            return f"torch {torch.__version__}: torch.compile(...) has no aot_compile"
     return None
+
+
+def _probe(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+try:  # torch versions without aot_compile: available() says why, nothing here is used
+    from torch._dynamo.aot_compile_types import (
+        BundledAOTAutogradSerializableCallable as _Bundled, SerializableCallable as _SerializableBase)
+except ImportError:  # pragma: no cover - torch without precompile
+    _Bundled, _SerializableBase = None, object
+
+
+class _Serializable(_SerializableBase):  # type: ignore[misc, valid-type]
+    """Our backend's compiled graph (``compile_fx``'s AOTAutograd entry) marked serializable.
+    torch 2.11's aot_compile accepts only its own backends' results (2.13 also any result with
+    ``serialize``). torch's wrapper cannot be returned itself: it forwards ``serialize``, and
+    2.13 would wrap it again. So no ``serialize`` here. Saved entries refer to this class by
+    name (module level, importable in a fresh process)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._bundled = _Bundled(inner)
+
+    @classmethod
+    def serialize_compile_artifacts(cls, fn: Any) -> bytes:
+        return _Bundled.serialize_compile_artifacts(fn._bundled)
+
+    @classmethod
+    def deserialize_compile_artifacts(cls, data: bytes) -> Any:
+        return _Bundled.deserialize_compile_artifacts(data)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._bundled(*args, **kwargs)
+
+
+def serializable_backend(backend: Any) -> Callable[..., Any]:
+    """``backend`` whose AOTAutograd results aot_compile can save on torch 2.11 and 2.13;
+    other results (the drafts' graph runners) pass through, and aot_compile refuses them."""
+    def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        out = backend(gm, example_inputs)
+        return _Serializable(out) if getattr(out, "serialize", None) is not None else out
+
+    return compile_graph
 
 
 @dataclass
@@ -140,9 +187,12 @@ class PrecompiledModule:
         try:
             # The unbound forward, so the module is an argument (guarded like Dynamo guards a
             # module call) rather than state the serializer would have to pickle.
-            fn = torch.compile(type(self.module).forward, backend=self.backend,
-                               dynamic=self.dynamic, fullgraph=True)
+            # torch.compile reads enable_aot_compile when it builds its wrapper (torch 2.11
+            # defaults it off), so the patch covers both calls.
             with torch._dynamo.config.patch(enable_aot_compile=True):
+                fn = torch.compile(type(self.module).forward,
+                                   backend=serializable_backend(self.backend),
+                                   dynamic=self.dynamic, fullgraph=True)
                 entry = fn.aot_compile(((self.module, *args), kwargs))
             blob = AOTCompiledFunction.serialize(entry)
             # torch 2.13 returns an AOTCompileSaveResult, older versions the bytes themselves

@@ -91,3 +91,35 @@ def test_unreadable_file_falls_back_and_says_why(tmp_path):
     assert traced_calls == [1, 1] and stats.compiled == 0
     assert len(stats.fallbacks) == 2 and "aot_compile failed" in stats.fallbacks[1]
     assert path.read_bytes() == b"not a pickle"  # nothing half-written over it
+
+
+def test_saves_and_loads_as_torch_2_11_requires(tmp_path):
+    """torch 2.11 (the H200's) differs from 2.13 in two ways that each stopped precompile there:
+    enable_aot_compile defaults off and is read when torch.compile builds its wrapper, and
+    aot_compile takes only a SerializableCallable from a backend that is not torch's own.
+    Both are reproduced here: the flag off, and our backend's result checked for the type."""
+    from torch._dynamo.aot_compile_types import SerializableCallable
+    from torch._inductor.compile_fx import compile_fx
+
+    from compiled_spec.precompile import serializable_backend
+
+    results = []
+
+    def backend(gm, ex):
+        results.append(serializable_backend(compile_fx)(gm, ex))
+        return results[-1]
+
+    path = tmp_path / "precompiled" / "tiny-y.bin"
+    mod, x = _Tiny(), torch.randn(5, 4)
+    with torch._dynamo.config.patch(enable_aot_compile=False), torch.inference_mode():
+        stats = PrecompileStats()
+        pre = PrecompiledModule("tiny", mod, backend, False, mod, path, stats)
+        torch.testing.assert_close(pre(x), mod(x))
+        assert stats.compiled == 1 and stats.fallbacks == [], stats
+        assert isinstance(results[0], SerializableCallable)  # what 2.11 checks
+        assert getattr(results[0], "serialize", None) is None  # so 2.13 does not wrap it again
+        again = PrecompileStats()  # a later start-up: loaded, not traced
+        pre2 = PrecompiledModule("tiny", mod, backend, False, mod, path, again)
+        torch.testing.assert_close(pre2(x), mod(x))
+        assert again.loaded == 1 and again.hits == 1 and again.compiled == 0, again
+    assert len(results) == 1

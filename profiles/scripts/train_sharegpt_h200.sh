@@ -59,7 +59,7 @@
 #                         (verify_ahead: vanilla, chains and trees launch the next step before
 #                         the bookkeeping; on by default on CUDA since the fifteenth session)
 #                         PRECOMPILE=1 (bench, trees): --precompile (the target loaded, not traced, on a
-#                         warm start; torch 2.11 unverified: compile_cache['precompile'] says)
+#                         warm start; on torch 2.11 since the seventeenth session, unmeasured: compile_cache["precompile"] says)
 #   bash profiles/scripts/train_sharegpt_h200.sh warmstart  # start-up of fresh processes, 3 runs
 #                         on one cache (VARIANTS, TREES, PRECOMPILE=1)
 #   bash profiles/scripts/train_sharegpt_h200.sh treecap  # carry .device/q2 first time: trees at
