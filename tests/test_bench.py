@@ -50,6 +50,8 @@ def test_bench_cpu_smoke(tiny_hf_dir, mt_bench_path, tmp_path):
             total = x["step_ms"] * x["steps"]
             parts = x["decode_step_ms"] * (x["steps"] - x["prefill_steps"]) + x["prefill_ms"]
             assert abs(total - parts) <= 1e-3 * x["steps"] + 1e-3 * total, (engine, x)
+            p50, p90, top = x["decode_step_ms_p50_p90_max"]
+            assert 0 < p50 <= p90 <= top and p50 <= x["decode_step_ms"] * 3, (engine, x)
         if "compiled" in engine and engine.startswith("ours") and batch == 1:
             # Start-up split and the compile cache's hits / misses, on the first batch's row.
             split, cache = r["extra"]["startup_split_s"], r["extra"]["compile_cache"]

@@ -149,9 +149,12 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
             row.extra["steps"] = es.num_steps - n0
             row.extra["prefill_steps"] = n_pre
             row.extra["prefill_ms"] = round(1e3 * s_pre, 3)
-            if es.num_steps - n0 > n_pre:
-                row.extra["decode_step_ms"] = round(
-                    1e3 * (es.step_s - s0 - s_pre) / (es.num_steps - n0 - n_pre), 4)
+            n_dec = es.num_steps - n0 - n_pre
+            if n_dec > 0:
+                row.extra["decode_step_ms"] = round(1e3 * (es.step_s - s0 - s_pre) / n_dec, 4)
+                recent = sorted(list(es.recent_decode_step_s)[-n_dec:])
+                row.extra["decode_step_ms_p50_p90_max"] = [
+                    round(1e3 * recent[int(q * (len(recent) - 1))], 4) for q in (0.5, 0.9, 1.0)]
         if ep0 is not None:  # steps that proposed before / after the acceptance was read
             row.extra["early_propose"] = counts_since(ep0, es.early_propose.as_dict())
         if va0 is not None and es.verify_ahead.launched > va0["launched"]:

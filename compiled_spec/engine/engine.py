@@ -183,6 +183,8 @@ class LLMEngine:
         if max(batch.num_new_tokens) > 1:
             stats.num_prefill_steps += 1
             stats.prefill_step_s += dt
+        else:
+            stats.recent_decode_step_s.append(dt)
         return finished
 
     def _forget_drafts(self) -> None:

@@ -1,6 +1,7 @@
 """What the engine counts while it runs (``llm.stats``)."""
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,9 @@ class EngineStats:
     step_s: float = 0.0
     num_prefill_steps: int = 0
     prefill_step_s: float = 0.0
+    # The latest decode steps' wall times (no prompt chunk), newest last: their spread (a few
+    # slow steps or uniformly slow ones) for the benchmarks.
+    recent_decode_step_s: deque = field(default_factory=lambda: deque(maxlen=8192))
     # Of step_s: the host blocked in the steps' device-to-host copies (waiting for the GPU).
     # Small against step_s: the steps are host-bound, and the GPU idles for the rest.
     host_wait_s: float = 0.0
