@@ -9,9 +9,9 @@ the copy to that launch. Early: verify -> argmax and the verified drafts into on
 host waits for the copy. The engine's later ``propose`` call only records which requests go on.
 
 A step takes the early path when it is a pure greedy chain step: every request verifies k drafts
-(one query token plus k), no logprobs, a captured early graph fits, the engine may not pause
-drafting (the adaptive policy decides after the step) and every request's KV blocks can be grown
-for the worst case (all k accepted) now. Any other step runs the late path unchanged, and
+(one query token plus k), no logprobs, a captured early graph fits, the adaptive policy (if any)
+chose to draft in this step (it decides before the step, see ``Engine._run``) and every
+request's KV blocks can be grown for the worst case (all k accepted) now. Any other step runs the late path unchanged, and
 ``EarlyProposeStats`` says why: no step falls back silently. Sampled requests (rejection
 sampling) are not covered yet: they run late ("sampling").
 
@@ -80,7 +80,9 @@ class EarlyPath:
     def __init__(self, runner: Any, enabled: bool = True) -> None:
         self.runner = runner
         self.enabled = enabled  # the switch (SpecConfig.early_propose); off: every step late
-        self.may_pause = False  # the engine's adaptive policy may pause drafting after a step
+        # The engine's adaptive policy chose not to draft in this step (set before each step):
+        # such a step proposes late, its draft's first pass alone.
+        self.paused = False
         self.stats = EarlyProposeStats()
         self._event = torch.cuda.Event() if runner.device.type == "cuda" else None
 
@@ -103,8 +105,8 @@ class EarlyPath:
         g = self.graph
         if g is None:
             return "no_graph"
-        if self.may_pause:
-            return "adaptive_policy"
+        if self.paused:
+            return "paused"
         if shape_why is not None:
             return shape_why
         if not all(q.params.greedy for q in reqs):

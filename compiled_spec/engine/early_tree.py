@@ -12,9 +12,10 @@ are made in the graph too, after the draft (which reads the target's hidden stat
 KV), so an early step leaves the host no moves to make before the next verify.
 
 A step goes early when every request verifies a tree, all are greedy with no logprobs, the
-adaptive policy cannot pause drafting, an early graph fits the batch, and every request stays
-far enough from its end that it takes a tree next step whatever it accepts (its blocks then
-grow for the worst case, all D accepted). Anything else runs the late path, the reason counted.
+adaptive policy (if any) chose to draft in this step, an early graph fits the batch, and every
+request stays far enough from its end that it takes a tree next step whatever it accepts (its
+blocks then grow for the worst case, all D accepted). Anything else runs the late path, the
+reason counted.
 """
 from __future__ import annotations
 

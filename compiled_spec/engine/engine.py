@@ -82,13 +82,10 @@ class LLMEngine:
         early = self.runner.early if draft is not None else None
         if early is not None:
             early.enabled = cfg.spec.early_propose
-            # The policy picks a step's mode after its acceptance: such steps propose late.
-            early.may_pause = self.stats.policy is not None
             self.stats.early_propose = early.stats
         # Vanilla greedy decode and early chain and tree steps launch the next step ahead.
-        self.runner.ahead.enabled = cfg.verify_ahead and (
-            cfg.spec is None or (cfg.spec.early_propose
-                                 and cfg.spec.speculation_policy == "always"))
+        self.runner.ahead.enabled = cfg.verify_ahead and (cfg.spec is None
+                                                          or cfg.spec.early_propose)
         self.runner.ahead.eos_token_ids = self.eos_token_ids
         self.stats.verify_ahead = self.runner.ahead.stats
         self._mode_prev = SPEC  # the last proposal's mode: what this step verifies
@@ -192,9 +189,16 @@ class LLMEngine:
 
     def _run(self, reqs: list[Request], num_new: list[int], finished: list[Request]) -> None:
         """The step proper; appends to ``finished`` as requests finish (kept if it raises)."""
+        stats, sched = self.stats, self.scheduler
+        mode = SPEC
+        if stats.policy is not None:
+            # Decided before the step, from the batch it runs, so that a drafting step can
+            # propose early (launched before its acceptance is read); a paused one runs late.
+            mode = stats.policy.mode(len(reqs))
+            if self.runner.early is not None:
+                self.runner.early.paused = mode == PLAIN
         out = self.runner.execute(reqs, num_new)
         now = time.perf_counter()
-        stats, sched = self.stats, self.scheduler
         stats.num_steps += 1
         going_on: list[Request] = []
         accepted: dict[int, int] = {}
@@ -241,9 +245,7 @@ class LLMEngine:
                 sched.drop_finished()
         if spec_k:
             stats.spec.update(spec_k, spec_acc)
-        mode = SPEC
         if stats.policy is not None and going_on:
-            mode = stats.policy.mode(len(going_on))
             # A steady step ran one mode throughout (verified what the last proposal drafted,
             # and drafts again or not alike) and carried no prompt: its cost is that mode's.
             if mode == self._mode_prev and max(num_new) == 1:

@@ -281,7 +281,8 @@ class ProposeGraphs(StepCapture):
         when no captured graph fits, so the caller runs it uncaptured."""
         b = self._stage(batch, target_hidden, self._sync_graphs)
         if isinstance(b, str):  # no graph at all for this call: said as a paused first pass
-            self._miss("paused (first pass only)" if b in ("cpu", "prefill", "size") else b)
+            # (a prompt's first pass is "prefill" in either mode: no graph takes its length)
+            self._miss("paused (first pass only)" if b in ("cpu", "size") else b)
             return False
         self._sync_graphs[b].replay()
         return True
