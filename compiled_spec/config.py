@@ -160,6 +160,9 @@ class EngineConfig:
     # (compiled_spec/engine/verify_ahead.py). On the H200 (fifteenth session, `bench --ab
     # verify_ahead`, batch 1): vanilla 880.8 -> 986.8 tok/s, chain k=5 1898.6 -> 1937.3.
     verify_ahead: bool = True
+    # Collect once when ready and freeze the survivors, so that no full collection walks the
+    # compiled state mid-serving (compiled_spec/gc_heap.py; on for CUDA: ``freeze_default``).
+    gc_freeze: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_model_len, int) or self.max_model_len < 2:

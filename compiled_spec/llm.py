@@ -21,6 +21,7 @@ from compiled_spec.heads import resolve_draft
 from compiled_spec.llm_compile import CompileMixin
 from compiled_spec.engine.engine import LLMEngine
 from compiled_spec.engine.request import RequestOutput
+from compiled_spec.gc_heap import freeze_default, freeze_startup_heap, thaw
 from compiled_spec.models.gguf_loader import find_default_gguf
 from compiled_spec.parity import ParityReport, check_parity
 from compiled_spec.models.loader import load_model
@@ -122,6 +123,8 @@ class LLM(CompileMixin):
         draft = resolve_draft(draft)  # "smollm2-eagle3": the head shipped with the package
         path = model if model is not None else find_default_gguf()
         dev = resolve_device(device)
+        if freeze_default(dev):
+            thaw()  # an earlier engine's leftovers become collectable (compiled_spec/gc_heap.py)
         dt = resolve_dtype(dtype, dev)
         net, mcfg = load_model(path, dt, dev)
         if tensor_parallel_size > 1:  # Dynamo traces the layers' c10d collectives as graph ops
@@ -150,6 +153,7 @@ class LLM(CompileMixin):
                 early_propose=early_propose_default() if early_propose is None
                 else early_propose),
             verify_ahead=verify_ahead_default(dev) if verify_ahead is None else verify_ahead,
+            gc_freeze=freeze_default(dev),
         )
         draft_model = None
         if draft is not None:
@@ -172,7 +176,9 @@ class LLM(CompileMixin):
         # Part of "load": compiling every attention launch configuration (CUDA only).
         self.startup_s["attention_warmup"] = float(self.engine.kernel_warmup["seconds"])
         if compile:
-            self.set_compiled(True)
+            self.set_compiled(True)  # freezes the heap after the capture
+        elif self.config.gc_freeze:
+            self.startup_s["gc_freeze"] = freeze_startup_heap()
 
     def check_parity(self, prompts: Sequence[Prompt], sampling_params: SamplingParams | None = None,
                      tau_tolerance: float = 0.05) -> ParityReport:
@@ -295,3 +301,5 @@ class LLM(CompileMixin):
         """Stop tensor-parallel workers (also done at interpreter exit); no-op otherwise."""
         if self._tp is not None:
             self._tp.close()
+        elif self.config.gc_freeze:
+            thaw()

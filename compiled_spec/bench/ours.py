@@ -122,6 +122,7 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
         d0, a0 = spec.num_drafting_steps, spec.num_accepted_tokens
         n0, s0, w0 = es.num_steps, es.step_s, es.host_wait_s
         p0, ps0 = es.num_prefill_steps, es.prefill_step_s
+        gc0, gcs0 = es.gc_full_collections, es.gc_full_s
         ep0 = es.early_propose.as_dict() if es.early_propose is not None else None
         va0 = es.verify_ahead.as_dict() if es.verify_ahead is not None else None
         sync(dev)
@@ -155,6 +156,9 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
                 recent = sorted(list(es.recent_decode_step_s)[-n_dec:])
                 row.extra["decode_step_ms_p50_p90_max"] = [
                     round(1e3 * recent[int(q * (len(recent) - 1))], 4) for q in (0.5, 0.9, 1.0)]
+        if es.gc_full_collections > gc0:  # full GC pauses inside the timed steps
+            row.extra["gc_full"] = {"count": es.gc_full_collections - gc0,
+                                    "ms": round(1e3 * (es.gc_full_s - gcs0), 2)}
         if ep0 is not None:  # steps that proposed before / after the acceptance was read
             row.extra["early_propose"] = counts_since(ep0, es.early_propose.as_dict())
         if va0 is not None and es.verify_ahead.launched > va0["launched"]:

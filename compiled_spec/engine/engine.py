@@ -14,6 +14,7 @@ from compiled_spec.engine.scheduler import Scheduler
 from compiled_spec.engine.stats import EngineStats
 from compiled_spec.engine.stopping import output_text, stop_reason
 from compiled_spec.engine.validation import validate_request
+from compiled_spec.gc_heap import CLOCK as GC_CLOCK
 from compiled_spec.models.decoder import CausalLM
 from compiled_spec.models.fuse import fuse_projections
 from compiled_spec.prefix_cache import block_keys, matchable_blocks
@@ -128,6 +129,7 @@ class LLMEngine:
         (recomputed, as after preemption, so outputs do not change) to find the one at fault.
         """
         t0 = time.perf_counter()
+        gc_n, gc_s = GC_CLOCK.count, GC_CLOCK.seconds
         batch = self.scheduler.schedule()
         finished = list(batch.aborted)
         stats = self.stats
@@ -145,6 +147,9 @@ class LLMEngine:
         dt = time.perf_counter() - t0
         stats.step_s += dt
         stats.host_wait_s = self.runner.host_wait_s
+        if GC_CLOCK.count != gc_n:  # a full collection paused this step (compiled_spec/gc_heap.py)
+            stats.count_gc(GC_CLOCK.count - gc_n, GC_CLOCK.seconds - gc_s)
+            self._obs = None  # no cost the policy should learn from
         if self._obs is not None and stats.policy is not None:
             stats.policy.observe(self._obs[0], self._obs[1], dt, self._obs[2])
             self._obs = None

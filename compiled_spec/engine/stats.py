@@ -41,6 +41,16 @@ class EngineStats:
     # taken or discarded and why (engine/verify_ahead.py).
     verify_ahead: VerifyAheadStats | None = None
     spec: SpecStats = field(default_factory=SpecStats)
+    # Python's full (generation-2) garbage collections that ran inside steps, their total and
+    # longest seconds: each pauses a step by the whole heap's walk (compiled_spec/gc_heap.py).
+    gc_full_collections: int = 0
+    gc_full_s: float = 0.0
+    gc_full_max_s: float = 0.0
+
+    def count_gc(self, n: int, seconds: float) -> None:
+        self.gc_full_collections += n
+        self.gc_full_s += seconds
+        self.gc_full_max_s = max(self.gc_full_max_s, seconds / n)
 
 
 def counts_since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
