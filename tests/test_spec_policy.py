@@ -48,9 +48,39 @@ def test_policy_buckets_are_separate_and_arguments_checked():
     _drive(p, 100, 10, {SPEC: 4.0e-3, PLAIN: 1.0e-3}, tau=2.0)
     assert [bucket_of(n) for n in (1, 2, 3, 64, 65)] == [1, 2, 4, 64, 128]
     assert p.summary()[1]["prefers"] == SPEC and p.summary()[128]["prefers"] == PLAIN
-    for bad in (dict(warmup=0), dict(probe_every=True), dict(probe_len=-1), dict(alpha=0.0)):
+    for bad in (dict(warmup=0), dict(probe_every=True), dict(probe_len=-1), dict(alpha=0.0),
+                dict(seed_warmup=0)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SpecPolicy(**bad)
+
+
+def test_a_new_bucket_starts_from_its_measured_neighbour():
+    """A batch run shrinks through buckets as requests finish: after the first bucket's full
+    warm-up, each new one measures only seed_warmup steps of each mode (plus one switching
+    step), starting from the nearest measured bucket's estimates."""
+    p = SpecPolicy(warmup=8, seed_warmup=2, probe_every=1000)
+    cost = {SPEC: 2.0e-3, PLAIN: 1.5e-3}
+    first = _drive(p, 64, 40, cost, tau=2.7)
+    assert first.count(PLAIN) == 8 and p.summary()[64]["seeded_from"] is None
+    for batch in (32, 16, 8):  # each bucket measured once, then its neighbour seeds the next
+        modes = _drive(p, batch, 20, cost, tau=2.7)
+        assert modes[:4] == [SPEC, SPEC, PLAIN, PLAIN] and set(modes[4:]) == {SPEC}, modes
+        assert p.summary()[batch]["seeded_from"] == 2 * batch
+    # the nearest measured bucket by size class: 4 is seeded from 8, not from 64
+    _drive(p, 4, 1, cost, tau=2.7)
+    assert p.summary()[4]["seeded_from"] == 8
+
+
+def test_a_seeded_bucket_follows_its_own_costs_where_they_disagree():
+    p = SpecPolicy(warmup=4, seed_warmup=2, probe_every=1000)
+    _drive(p, 1, 20, {SPEC: 1.2e-3, PLAIN: 1.0e-3}, tau=3.0)  # batch 1: drafting wins
+    assert p.summary()[1]["prefers"] == SPEC
+    modes = _drive(p, 128, 30, {SPEC: 9.0e-3, PLAIN: 1.0e-3}, tau=2.0)  # 0.22 vs 1.0 per ms
+    assert p.summary()[128]["seeded_from"] == 1 and set(modes[6:]) == {PLAIN}
+    s = p.summary()[128]
+    # the seed weighs as one sample: a running mean until 1 / alpha samples
+    assert s["plain_step_ms"] == pytest.approx(1.0)
+    assert s["spec_step_ms"] == pytest.approx((1.2 + 9.0 + 9.0) / 3)
 
 
 @pytest.fixture(scope="module")
