@@ -243,6 +243,9 @@ def capture_graphs(runner: ModelRunner, models: CompiledModels, policy: CaptureP
     graphs.capture()
     models.graphs = graphs
     _route(runner, models, True)
+    if getattr(runner, "tree", None) is not None:  # a not_all_tree step's kernels, loaded now
+        from compiled_spec.engine.tree_verify import warm_mixed_verify
+        warm_mixed_verify(runner)
     return graphs
 
 

@@ -34,6 +34,18 @@ def _move_slots_kernel(
     tl.store(cache + dst[:, None] * row + col[None, :], vals, mask=ok)
 
 
+# Move-count classes, each one compiled variant of the kernel (M_PAD): few enough to compile all
+# at start-up (``spec.tree._check_kernel``). Per power of two, a late tree step whose move count
+# fell in a class not met before compiled it mid-serving: 55-170 ms each on the H200 with an
+# empty Triton cache (eighteenth session). Masked lanes cost next to nothing here.
+MOVE_TILES = (16, 64, 256, 1024)
+
+
+def move_tile(n_moves: int) -> int:
+    """The M_PAD a move count runs with: the smallest class holding it, else a power of two."""
+    return next((t for t in MOVE_TILES if n_moves <= t), triton.next_power_of_2(n_moves))
+
+
 def cache_table(caches: list[torch.Tensor]) -> torch.Tensor:
     """The caches' addresses on their device ([num_caches] int64), after checking that one
     kernel may treat them alike: same shape, dtype and device, contiguous."""
@@ -57,7 +69,7 @@ def move_slots_triton(table: torch.Tensor,  # [num_caches] int64 from cache_tabl
     if n_moves == 0:
         return
     row = like[0, 0].numel()
-    m_pad = triton.next_power_of_2(n_moves)
+    m_pad = move_tile(n_moves)
     # A tile of at most 4k elements per program: registers, not spills, at any batch.
     block = max(16, min(triton.next_power_of_2(row), 4096 // m_pad))
     grid = (table.numel(), triton.cdiv(row, block))

@@ -90,3 +90,22 @@ def test_a_wrong_kernel_is_caught_before_the_first_move(monkeypatch):
     with pytest.raises(RuntimeError, match="KV move kernel disagrees"):
         KVCompactor(use_kernel=True)(caches, [5], [1])
     assert all(torch.equal(a, b) for a, b in zip(before, [c for kv in caches for c in kv]))
+
+
+def test_move_counts_fall_in_few_kernel_variants_all_compiled_at_start(monkeypatch):
+    """Each move-count class is one compiled variant of the kernel; the compactor's first use
+    (start-up: the early tree graph's warm-up) runs every class a step can meet, so no serving
+    step compiles one (a power of two per variant cost 55-170 ms each on the H200)."""
+    import kernels.move_kv_triton as mk
+    from compiled_spec.spec.tree import warm_move_tiles
+
+    assert [mk.move_tile(n) for n in (1, 16, 17, 64, 80, 256, 257, 1025)] == [
+        16, 16, 64, 64, 256, 256, 1024, 2048]
+    seen: list[tuple[int, tuple[int, ...]]] = []
+    monkeypatch.setattr(mk, "move_slots_triton",
+                        lambda table, like, idx: seen.append((mk.move_tile(idx.shape[1]),
+                                                              tuple(like.shape))))
+    like = torch.zeros(6, 4, 3, 8)  # [blocks, page, H, D]
+    warm_move_tiles(like)
+    assert [t for t, _ in seen] == [16, 64, 256]
+    assert all(shape[0] * shape[1] >= 256 and shape[1:] == (4, 3, 8) for _, shape in seen)

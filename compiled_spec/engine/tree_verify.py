@@ -88,6 +88,53 @@ def tree_logits(rn: "TreeModelRunner", hidden: torch.Tensor,  # [T, h]
     return logits, aux if rn.aux_layer_ids else hidden
 
 
+def mixed_inputs(host_ids: list[int], node_dst: list[int], t_tok: torch.Tensor,
+                 t_depth: torch.Tensor, t_mask: torch.Tensor, dev: torch.device
+                 ) -> tuple[torch.Tensor, ...]:
+    """A step mixing trees and one-node (plain) requests: (the trees' rows dst [B_t * N],
+    input ids [T], the trees' tokens with their roots [B_t, N], depth [T], tree mask [T, N])."""
+    n_nodes = t_tok.shape[1]
+    dst = (to_device(node_dst, dev)[:, None] + torch.arange(n_nodes, device=dev)).reshape(-1)
+    input_ids = to_device(host_ids, dev)  # [T]
+    tok = t_tok.clone()  # [B_t, N]
+    tok[:, 0] = input_ids[dst.view(-1, n_nodes)[:, 0]]  # the roots
+    input_ids[dst] = tok.reshape(-1)
+    depth = torch.zeros(len(host_ids), dtype=torch.int64, device=dev)
+    depth[dst] = t_depth.reshape(-1)
+    mask = torch.zeros(len(host_ids), n_nodes, dtype=torch.bool, device=dev)
+    mask[:, 0] = True  # every node (and every one-node tree) sees its root
+    mask[dst] = t_mask.reshape(-1, n_nodes)
+    return dst, input_ids, tok, depth, mask
+
+
+@torch.inference_mode()
+def warm_mixed_verify(rn: "TreeModelRunner") -> None:
+    """Run a mixed step's own device work once at start-up, on a dummy batch (one tree, one
+    one-node request; slots -1: no KV written): its staging, the tree-verify graph fed from
+    device tensors, the logits and the acceptance's gathers and host copy. Only a step where
+    some requests verify trees and others decode plainly (``not_all_tree``: a request within
+    two tokens of its end) runs these eager kernels; on the H200 their first launch in the
+    process (lazy CUDA module loading) cost ~70 ms, one 160-230 ms outlier step per bench."""
+    n, dev = rn.tree.num_draft_tokens, rn.device
+    t_tok = torch.zeros(1, n, dtype=torch.int64, device=dev)
+    t_mask = torch.zeros(1, n, n, dtype=torch.bool, device=dev)
+    t_mask[:, :, 0] = True
+    dst, input_ids, tok, depth, mask = mixed_inputs([0] * (n + 1), [0], t_tok, t_tok, t_mask,
+                                                    dev)
+    tree_info = torch.stack([tok, t_tok, t_tok])
+    base_t, meta = metadata_to_device(dev, [0] * (n + 1), [-1] * (n + 1), [n, n], [0, n, n + 1],
+                                      [[0], [0]], n, n)
+    meta = replace(meta, tree_start=meta.seq_lens - n, tree_mask=mask)
+    hidden, aux = rn.target_fn(input_ids, base_t + depth, meta, rn.aux_layer_ids)
+    logits, _ = tree_logits(rn, hidden, aux)
+    if rn.aux_layer_ids:
+        rn.proposer.base._pre = None  # the dummy's precombined fc: never a proposal's input
+    drawn = logits.argmax(dim=-1)
+    at_nodes = drawn[dst].view(-1, n)
+    torch.cat([tree_info.reshape(-1), at_nodes.reshape(-1),
+               drawn[to_device([n], dev)]]).cpu().numpy()
+
+
 def stage_and_verify(rn: "TreeModelRunner", reqs: list[Request]) -> TreeVerify:
     """The step's verify of the trees its requests hold (``rn._tree``, rows ``rn._tree_row``),
     requests without one decoding plainly as one-node trees."""
@@ -124,17 +171,8 @@ def stage_and_verify(rn: "TreeModelRunner", reqs: list[Request]) -> TreeVerify:
             input_ids = tok.view(-1)  # [T]
             depth, mask = t_depth.reshape(-1), t_mask.reshape(-1, n_nodes)
         else:  # trees and one-node (plain) requests mixed: trees scattered into place
-            dst = (to_device(node_dst, dev)[:, None]
-                   + torch.arange(n_nodes, device=dev)).reshape(-1)
-            input_ids = to_device(host_ids, dev)  # [T]
-            tok = t_tok.clone()  # [B_t, N]
-            tok[:, 0] = input_ids[dst.view(-1, n_nodes)[:, 0]]  # the roots
-            input_ids[dst] = tok.reshape(-1)
-            depth = torch.zeros(len(host_ids), dtype=torch.int64, device=dev)
-            depth[dst] = t_depth.reshape(-1)
-            mask = torch.zeros(len(host_ids), n_nodes, dtype=torch.bool, device=dev)
-            mask[:, 0] = True  # every node (and every one-node tree) sees its root
-            mask[dst] = t_mask.reshape(-1, n_nodes)
+            dst, input_ids, tok, depth, mask = mixed_inputs(host_ids, node_dst, t_tok, t_depth,
+                                                            t_mask, dev)
         # What acceptance reads after the verify, copied before it: the trees are graph
         # outputs of the proposer, valid only until the verify's replay (capture.emulate).
         tree_info = torch.stack([tok, t_par, t_depth])  # [3, B_t, N]

@@ -279,3 +279,18 @@ def _check_kernel(like: torch.Tensor) -> None:
     if not (torch.equal(k, got[0]) and torch.equal(v, got[1])):
         raise RuntimeError(f"the KV move kernel disagrees with the per-layer moves on "
                            f"{like.dtype} {like.device}: draft trees cannot run exactly here")
+    warm_move_tiles(like)
+
+
+def warm_move_tiles(like: torch.Tensor) -> None:
+    """Compile (or load) the kernel's variant of every move-count class now, at start-up, not in
+    the first serving step whose moves fall in a new class (self-moves on a scratch cache)."""
+    from kernels.move_kv_triton import MOVE_TILES, cache_table, move_slots_triton
+
+    page = like.shape[1]
+    blocks = -(-MOVE_TILES[-2] // page)  # the classes up to 256 moves: a step's own range
+    scratch = torch.zeros((blocks, *like.shape[1:]), dtype=like.dtype, device=like.device)
+    table = cache_table([scratch])
+    for m in MOVE_TILES[:-1]:
+        slots = torch.arange(m, device=like.device)
+        move_slots_triton(table, scratch, torch.stack([slots, slots]))
