@@ -3,10 +3,11 @@
 A compiled engine's process holds hundreds of thousands of long-lived objects (Dynamo's and
 Inductor's state, FX graphs, guards, the captured graphs' bookkeeping): a full (generation 2)
 collection walks all of them. On this project's CI machine one took ~200 ms after a tree
-engine had run (``profiles/results/2026-12-03_h200_session18/``); on the H200 a batch-4 tree
-run had one decode step of 126.7 ms against a median of 2.16 ms, which alone raised the mean
-step from ~2.2 to 4.05 ms. Python starts such a collection by itself whenever enough objects
-have outlived the younger generations, i.e. at some step in the middle of serving.
+engine had run (CPU, 676k tracked objects; 0.0015 ms after ``gc.freeze``). Python starts such a
+collection by itself whenever enough objects have outlived the younger generations, i.e. at
+some step in the middle of serving. (It was the first suspect for the H200's one 126-230 ms
+tree step at batch 4 / 16, eighteenth session; that step turned out to be first kernel launches,
+see ``engine.tree_verify.warm_mixed_verify``, and no full collection landed in a timed step.)
 
 So, as vLLM does after start-up, an engine collects once when it is ready and moves what is
 left into the permanent generation (``gc.freeze``), which no collection walks: later full
@@ -31,7 +32,6 @@ class FullCollectionClock:
     def __init__(self) -> None:
         self.count = 0
         self.seconds = 0.0
-        self.last_s = 0.0
         self._t0 = 0.0
 
     def __call__(self, phase: str, info: dict) -> None:
@@ -40,8 +40,7 @@ class FullCollectionClock:
         if phase == "start":
             self._t0 = time.perf_counter()
         else:
-            self.last_s = time.perf_counter() - self._t0
-            self.seconds += self.last_s
+            self.seconds += time.perf_counter() - self._t0
             self.count += 1
 
 

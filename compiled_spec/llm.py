@@ -123,7 +123,8 @@ class LLM(CompileMixin):
         draft = resolve_draft(draft)  # "smollm2-eagle3": the head shipped with the package
         path = model if model is not None else find_default_gguf()
         dev = resolve_device(device)
-        if freeze_default(dev):
+        gc_freeze = freeze_default(dev)
+        if gc_freeze:
             thaw()  # an earlier engine's leftovers become collectable (compiled_spec/gc_heap.py)
         dt = resolve_dtype(dtype, dev)
         net, mcfg = load_model(path, dt, dev)
@@ -153,7 +154,7 @@ class LLM(CompileMixin):
                 early_propose=early_propose_default() if early_propose is None
                 else early_propose),
             verify_ahead=verify_ahead_default(dev) if verify_ahead is None else verify_ahead,
-            gc_freeze=freeze_default(dev),
+            gc_freeze=gc_freeze,
         )
         draft_model = None
         if draft is not None:

@@ -10,10 +10,10 @@ host waits for the copy. The engine's later ``propose`` call only records which 
 
 A step takes the early path when it is a pure greedy chain step: every request verifies k drafts
 (one query token plus k), no logprobs, a captured early graph fits, the adaptive policy (if any)
-chose to draft in this step (it decides before the step, see ``Engine._run``) and every
-request's KV blocks can be grown for the worst case (all k accepted) now. Any other step runs the late path unchanged, and
-``EarlyProposeStats`` says why: no step falls back silently. Sampled requests (rejection
-sampling) are not covered yet: they run late ("sampling").
+chose to draft in this step (it decides before the step, see ``LLMEngine._run``) and every
+request's KV blocks can be grown for the worst case (all k accepted) now. Any other step runs
+the late path unchanged, and ``EarlyProposeStats`` says why: no step falls back silently.
+Sampled requests (rejection sampling) are not covered yet: they run late ("sampling").
 
 Requests that finish in an early step had their drafts computed anyway: the drafts are dropped;
 their draft-KV writes land in their own blocks, in stream order before anything can reuse them.

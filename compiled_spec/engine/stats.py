@@ -41,8 +41,9 @@ class EngineStats:
     # taken or discarded and why (engine/verify_ahead.py).
     verify_ahead: VerifyAheadStats | None = None
     spec: SpecStats = field(default_factory=SpecStats)
-    # Python's full (generation-2) garbage collections that ran inside steps, their total and
-    # longest seconds: each pauses a step by the whole heap's walk (compiled_spec/gc_heap.py).
+    # Python's full (generation-2) garbage collections that ran inside steps, their total
+    # seconds and the longest (per collection; a step's collections, nearly always one, share
+    # its pause evenly): each pauses a step by the whole heap's walk (compiled_spec/gc_heap.py).
     gc_full_collections: int = 0
     gc_full_s: float = 0.0
     gc_full_max_s: float = 0.0
