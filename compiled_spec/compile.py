@@ -61,8 +61,10 @@ class CompileConfig:
     skinny_gemm_prologues: bool = False
     # Issue 16: save the target's Dynamo + Inductor result (torch's aot_compile) in the compile
     # cache and load it on the next start-up instead of tracing (compiled_spec/precompile.py).
-    # Off until a warm start is verified on the GPU machine's torch (2.11).
-    precompile: bool = False
+    # None = on for CUDA engines: a warm start on the H200 (torch 2.11) took 5.1-6.7 s with it,
+    # 12.8-13.7 s without (eighteenth session). Off for the CPU, where it has not paid: saving
+    # the artifacts costs a cold start more than tracing (and CI starts cold).
+    precompile: bool | None = None
     # Programmatic dependent launch for Inductor's Triton kernels (Hopper and newer): a kernel
     # launches while its predecessor drains and waits on-device for its inputs, hiding part of
     # the ~0.5 us gap between the ~450 small kernels of a SmolLM2 step (H200 trace, twelfth
@@ -71,9 +73,12 @@ class CompileConfig:
 
     def __post_init__(self) -> None:
         for name in ("inductor", "dynamic", "cudagraphs", "strict_capture", "autotune_gemm",
-                     "skinny_gemm", "skinny_gemm_prologues", "precompile", "pdl"):
+                     "skinny_gemm", "skinny_gemm_prologues", "pdl"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"CompileConfig.{name}={getattr(self, name)!r}: must be a bool")
+        if self.precompile is not None and not isinstance(self.precompile, bool):
+            raise ValueError(f"CompileConfig.precompile={self.precompile!r}: a bool, or None "
+                             "(on for CUDA engines)")
         if self.skinny_gemm_prologues and not self.skinny_gemm:
             raise ValueError("CompileConfig.skinny_gemm_prologues=True needs skinny_gemm=True")
         if self.pdl and not hasattr(torch._inductor.config.triton, "enable_pdl"):
@@ -171,6 +176,14 @@ TREE_GLUE_INDUCTOR: dict[str, Any] = (
     if hasattr(torch._inductor.config.triton, "coalesce_tiling_analysis") else {})
 
 
+def precompile_on(cfg: CompileConfig, model: torch.nn.Module) -> bool:
+    """``cfg.precompile``, with None resolved by where the model's weights live."""
+    if cfg.precompile is not None:
+        return cfg.precompile
+    param = next(model.parameters(), None)
+    return param is not None and param.device.type == "cuda"
+
+
 def compile_models(runner: ModelRunner, cfg: CompileConfig) -> CompiledModels:
     # Dynamo's recompile limit counts per code object, and every engine's modules run the same
     # forward code: the default 8 would make the 9th engine in a process fail (fullgraph=True).
@@ -182,13 +195,14 @@ def compile_models(runner: ModelRunner, cfg: CompileConfig) -> CompiledModels:
                                   skinny_gemm=cfg.skinny_gemm,
                                   skinny_prologues=cfg.skinny_gemm_prologues)}
     prop = runner.proposer
-    stats = PrecompileStats() if cfg.precompile else None
+    stats = PrecompileStats() if precompile_on(cfg, runner.model) else None
     pre = None
     if stats is not None:
         # Everything outside the module that shapes its graph (the module's own config, dtype
         # and device are read from it); k changes the verify's token counts (dynamic anyway).
         parts = {"k": getattr(prop, "k", 0), **asdict(cfg)}
         parts.pop("cache_dir")  # where the file lives, not what it holds
+        parts.pop("precompile")  # None (the CUDA default) and True save the same artifacts
         pre = ("target", stats, parts)
         stats.traced.update(dict.fromkeys(
             ("first_pass", "step") if prop is not None else (),

@@ -47,9 +47,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pdl", action="store_true",
                    help="with --compile: Inductor's Triton kernels use programmatic dependent "
                    "launch (Hopper and newer; shortens the gaps between kernels)")
-    p.add_argument("--precompile", action="store_true",
+    p.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=None,
                    help="with --compile: save the target's compiled result (torch's aot_compile) "
-                   "in the compile cache and load it on later starts instead of tracing")
+                   "in the compile cache and load it on later starts instead of tracing "
+                   "(default: on for CUDA)")
     p.add_argument("--speculative-topk", type=int, default=1, help="> 1: EAGLE-2 draft trees")
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None,
                    help="tree verification budget, root included")
@@ -89,9 +90,10 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
     autotune = getattr(a, "autotune_gemm", False)
     skinny = getattr(a, "skinny_gemm", False)
     prologues = getattr(a, "skinny_gemm_prologues", False)
-    pre = getattr(a, "precompile", False)
+    pre = getattr(a, "precompile", None)
     pdl = getattr(a, "pdl", False)
-    if a.compile_cache_dir is not None or sizes or autotune or skinny or prologues or pre or pdl:
+    if (a.compile_cache_dir is not None or sizes or autotune or skinny or prologues
+            or pre is not None or pdl):
         from compiled_spec.compile import CompileConfig
 
         kw["compile_config"] = CompileConfig(cache_dir=a.compile_cache_dir,

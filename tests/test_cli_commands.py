@@ -101,7 +101,9 @@ def test_autotune_gemm_reaches_the_compile_config():
     Inductor patch is added; a non-bool value is refused by name."""
     import argparse
 
-    from compiled_spec.compile import CompileConfig, inductor_config
+    import torch
+
+    from compiled_spec.compile import CompileConfig, inductor_config, precompile_on
     from compiled_spec.engine_args import add_engine_args, engine_kwargs
 
     p = argparse.ArgumentParser()
@@ -120,7 +122,15 @@ def test_autotune_gemm_reaches_the_compile_config():
     assert both["compile_config"].skinny_gemm_prologues is True
     assert cfg.skinny_gemm is False
     assert engine_kwargs(p.parse_args(["--precompile"]))["compile_config"].precompile is True
-    assert cfg.precompile is False
+    assert engine_kwargs(p.parse_args(["--no-precompile"]))["compile_config"].precompile is False
+    # unset: None, resolved per engine (on for CUDA weights, off for the CPU's)
+    assert cfg.precompile is None
+    assert precompile_on(cfg, torch.nn.Linear(2, 2)) is False
+    assert precompile_on(CompileConfig(precompile=True), torch.nn.Linear(2, 2)) is True
+    if torch.cuda.is_available():
+        assert precompile_on(cfg, torch.nn.Linear(2, 2, device="cuda")) is True
+    with pytest.raises(ValueError, match="precompile"):
+        CompileConfig(precompile="auto")  # type: ignore[arg-type]
     # --pdl: Inductor's programmatic dependent launch, as a config patch, off unless asked for
     pdl = engine_kwargs(p.parse_args(["--pdl"]))["compile_config"]
     assert pdl.pdl is True and cfg.pdl is False

@@ -49,7 +49,7 @@ def build_engine(v: Variant, kw: dict[str, Any], prompts: list[list[int]],
     autotune = kw.pop("autotune_gemm", False)  # compiled engines only
     skinny = kw.pop("skinny_gemm", False)
     prologues = kw.pop("skinny_gemm_prologues", False)
-    pre = kw.pop("precompile", False)
+    pre = kw.pop("precompile", None)
     pdl = kw.pop("pdl", False)
     top = max(batch_sizes)
     kw.update(draft=v.draft, compile=v.compile, max_num_seqs=top)

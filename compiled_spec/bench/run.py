@@ -141,7 +141,7 @@ def run_bench(a: argparse.Namespace) -> int:
               autotune_gemm=getattr(a, "autotune_gemm", False),
               skinny_gemm=getattr(a, "skinny_gemm", False),
               skinny_gemm_prologues=getattr(a, "skinny_gemm_prologues", False),
-              precompile=getattr(a, "precompile", False), pdl=getattr(a, "pdl", False))
+              precompile=getattr(a, "precompile", None), pdl=getattr(a, "pdl", False))
     batch_sizes = sorted(set(a.batch_sizes))
 
     merged = [json.loads(Path(p).read_text()) for p in a.merge or []]

