@@ -72,6 +72,13 @@ def main() -> int:
                             capture_output=True, text=True).stdout
         print("probe: children\n" + "\n".join(line[:160] for line in ps.splitlines()))
         print(f"probe: threads alive {[t.name for t in threading.enumerate()]}")
+        import torch
+
+        if torch.cuda.is_available():  # allocator retries / device frees: syncs inside ops
+            st = torch.cuda.memory_stats()
+            print("probe: allocator " + str({k: st.get(k) for k in (
+                "num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams",
+                "reserved_bytes.all.peak", "reserved_bytes.all.current")}))
         if _samples:
             total = sum(_samples.values())
             print(f"probe: {total} samples; top leaf lines")
