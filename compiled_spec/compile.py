@@ -62,8 +62,8 @@ class CompileConfig:
     # Issue 16: save the target's Dynamo + Inductor result (torch's aot_compile) in the compile
     # cache and load it on the next start-up instead of tracing (compiled_spec/precompile.py).
     # None = on for CUDA engines: a warm start on the H200 (torch 2.11) took 5.1-6.7 s with it,
-    # 12.8-13.7 s without (eighteenth session). Off for the CPU, where it has not paid: saving
-    # the artifacts costs a cold start more than tracing (and CI starts cold).
+    # 12.8-13.7 s without (eighteenth session). Off by default on the CPU, where engines are
+    # mostly tests and CI runs that start cold: there the aot_compile save only adds time.
     precompile: bool | None = None
     # Programmatic dependent launch for Inductor's Triton kernels (Hopper and newer): a kernel
     # launches while its predecessor drains and waits on-device for its inputs, hiding part of
