@@ -14,24 +14,28 @@ import time
 
 import torch
 
+import kernels.warmup_parallel as parallel
 from kernels.launch import BLOCK_N, reachable_configs
 
 
 def warm_attention(k_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_heads, head_dim]
                    v_cache: torch.Tensor,
                    num_heads: int, max_query_len: int, max_seq_len: int,
-                   force: bool = False, sms: int | None = None) -> list[tuple[int, int]]:
-    """Launch every reachable configuration once; returns them. Off CUDA nothing runs (the
-    engine uses the reference ops there) unless ``force`` (tests, under TRITON_INTERPRET=1,
-    with ``sms`` standing in for the GPU's multiprocessor count)."""
+                   force: bool = False, sms: int | None = None,
+                   configs: list[tuple[int, int]] | None = None) -> list[tuple[int, int]]:
+    """Launch every reachable configuration once (or ``configs``: (block_q, num_splits)
+    pairs); returns them. Off CUDA nothing runs (the engine uses the reference ops there)
+    unless ``force`` (tests, under TRITON_INTERPRET=1, with ``sms`` standing in for the GPU's
+    multiprocessor count)."""
     if not (k_cache.is_cuda or force):
         return []
     from kernels.attention_triton import _paged_attention, num_sms
 
     _, _, num_kv_heads, head_dim = k_cache.shape
     dev, dtype = k_cache.device, k_cache.dtype
-    configs = reachable_configs(num_heads // num_kv_heads, num_kv_heads, max_query_len,
-                                max_seq_len, num_sms(k_cache) if sms is None else sms)
+    if configs is None:
+        configs = reachable_configs(num_heads // num_kv_heads, num_kv_heads, max_query_len,
+                                    max_seq_len, num_sms(k_cache) if sms is None else sms)
     # q laid out as the decoder passes it: rope_write_kv's (or apply_rope's) contiguous output.
     query = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=dev)  # [1, heads, head_dim]
     tables = torch.zeros(1, 2, dtype=torch.int32, device=dev)
@@ -65,16 +69,45 @@ def warm_model_attention(layers: list[torch.nn.Module], max_query_len: int, max_
     t0 = time.perf_counter()
     seen: set[tuple] = set()
     n = 0
+    out: dict[str, float | int] = {}
     for attn in layers:
         k, v = attn.k_cache, attn.v_cache
         key = (attn.num_heads, tuple(k.shape[1:]), k.dtype, k.stride(), k.device)
         if key in seen:
             continue
         seen.add(key)
+        if k.is_cuda and parallel.enabled():
+            out = _compile_in_workers(k, v, attn.num_heads, max_query_len, max_seq_len, out)
         n += len(warm_attention(k, v, attn.num_heads, max_query_len, max_seq_len))
         if k.is_cuda:  # the rope + KV-write kernel too: one padding row (slot -1), cache untouched
             warm_rope_write_kv(k, v, attn.num_heads)
             n += 1
     if n and torch.cuda.is_available():
         torch.cuda.synchronize()
-    return {"configs": n, "seconds": round(time.perf_counter() - t0, 3)}
+    return {"configs": n, "seconds": round(time.perf_counter() - t0, 3), **out}
+
+
+def _compile_in_workers(k: torch.Tensor, v: torch.Tensor, num_heads: int, max_query_len: int,
+                        max_seq_len: int, out: dict[str, float | int]
+                        ) -> dict[str, float | int]:
+    """When the first configuration takes a compile (Triton's cache is cold), the others are
+    compiled by worker processes (``kernels.warmup_parallel``) before the serial warm-up, which
+    then loads them from the cache. Returns ``out`` with the workers' count, failures, time."""
+    from kernels.attention_triton import num_sms
+
+    kvh = k.shape[2]
+    configs = reachable_configs(num_heads // kvh, kvh, max_query_len, max_seq_len, num_sms(k))
+    t0 = time.perf_counter()
+    warm_attention(k, v, num_heads, max_query_len, max_seq_len, configs=configs[:1])
+    torch.cuda.synchronize(k.device)
+    rest = configs[1:]
+    if not parallel.worth_spreading(time.perf_counter() - t0, len(rest)):
+        return out  # warm cache (or nothing to share): the serial warm-up loads the rest
+    t1 = time.perf_counter()
+    groups = parallel.shares(rest, parallel.num_workers(len(rest)))
+    procs = parallel.start([parallel.spec_of(k, num_heads, g, rope=i == 0)
+                            for i, g in enumerate(groups)])
+    launched, failed = parallel.wait(procs)
+    add = {"parallel_workers": len(procs), "parallel_configs": launched,
+           "parallel_failed": failed, "parallel_s": time.perf_counter() - t1}
+    return {name: round(out.get(name, 0) + val, 3) for name, val in add.items()}

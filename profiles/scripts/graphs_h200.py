@@ -279,6 +279,7 @@ def main() -> int:
         report["capture_s"] = round(llm._compiled.graphs.capture_s, 2)
         report["startup_s"] = {k: round(v, 3) for k, v in llm.startup_s.items()}
         report["compile_cache"] = llm.compile_cache
+        report["kernel_warmup"] = llm.engine.kernel_warmup  # parallel_* keys: workers compiled
         print("start-up", report, flush=True)
         if args.startup_only:
             Path(args.out).write_text(json.dumps(report, indent=1, default=str))

@@ -267,7 +267,7 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
             if prof is not None:
-                pstats.Stats(prof).sort_stats(os.environ.get("PROF_SORT", "cumulative")).print_stats(r"compiled_spec|capture",
+                pstats.Stats(prof).sort_stats(os.environ.get("PROF_SORT", "cumulative")).print_stats(os.environ.get("PROF_FILTER", r"compiled_spec|capture"),
                                                                         40)
     print(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(),
                       "cpu": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}))

