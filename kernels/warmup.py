@@ -10,7 +10,11 @@ reads.
 """
 from __future__ import annotations
 
+import json
+import os
+import sys
 import time
+from typing import Any
 
 import torch
 
@@ -111,3 +115,27 @@ def _compile_in_workers(k: torch.Tensor, v: torch.Tensor, num_heads: int, max_qu
     add = {"parallel_workers": len(procs), "parallel_configs": launched,
            "parallel_failed": failed, "parallel_s": time.perf_counter() - t1}
     return {name: round(out.get(name, 0) + val, 3) for name, val in add.items()}
+
+
+def _worker(spec: dict[str, Any]) -> None:
+    """A cold start's compile worker (``kernels.warmup_parallel.start``): launches its share of
+    the configurations on two cache blocks of the engine's dtype, shape and strides, the same
+    specialisation key (divisibility, == 1) as the engine's caches, so the binaries it compiles
+    are the ones the engine looks up. Under TRITON_INTERPRET=1 (CPU tests) they run interpreted."""
+    force = os.environ.get("TRITON_INTERPRET") == "1"
+    dev = torch.device("cpu") if force else torch.device("cuda", spec["device"])
+    dtype = getattr(torch, spec["dtype"])
+    size, stride = [2, *spec["shape"]], spec["stride"]
+    k = torch.empty_strided(size, stride, dtype=dtype, device=dev)
+    v = torch.empty_strided(size, stride, dtype=dtype, device=dev)
+    configs = [tuple(c) for c in spec["configs"]]
+    done = warm_attention(k, v, spec["num_heads"], 1, 1, force=force, configs=configs)
+    if spec["rope"] and not force:
+        warm_rope_write_kv(k, v, spec["num_heads"])
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    print(f"launched {len(done)}", flush=True)
+
+
+if __name__ == "__main__":
+    _worker(json.loads(sys.argv[1]))

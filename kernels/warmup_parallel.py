@@ -5,7 +5,7 @@ configuration one after the other: 12.3 s of SmolLM2's cold start and 18.3 s of 
 shape's on the H200 (eighteenth / nineteenth sessions), against issue 16's 45 s for the whole
 start. Threads do not help: Triton holds the GIL while it compiles (12 configurations for sm_90
 on the CPU: 8.28 s serial, 8.14 s on two threads). So the configurations are split over worker
-processes (``python -m kernels.warmup_parallel``, not multiprocessing: a spawned child would
+processes (``python -m kernels.warmup``, not multiprocessing: a spawned child would
 re-import the user's main script), each launching its share on a small cache of the engine's
 dtype, shape and strides, so each binary lands in Triton's on-disk cache under the key the engine's
 own launch computes; the engine's serial warm-up then loads them from there.
@@ -66,7 +66,7 @@ def start(specs: list[dict[str, Any]]) -> list[subprocess.Popen]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), env.get("PYTHONPATH")) if p)
     env[ENV] = "0"  # a worker never spawns workers
-    return [subprocess.Popen([sys.executable, "-m", "kernels.warmup_parallel", json.dumps(s)],
+    return [subprocess.Popen([sys.executable, "-m", "kernels.warmup", json.dumps(s)],
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             for s in specs]
 
@@ -95,27 +95,3 @@ def wait(procs: list[subprocess.Popen], timeout_s: float = 180.0) -> tuple[int, 
         done = [ln for ln in out.decode(errors="replace").splitlines() if ln.startswith("launched ")]
         launched += int(done[-1].split()[1]) if done else 0
     return launched, failed
-
-
-def _worker(spec: dict[str, Any]) -> None:
-    from kernels.warmup import warm_attention, warm_rope_write_kv
-
-    force = os.environ.get("TRITON_INTERPRET") == "1"  # CPU tests: the interpreter runs them
-    dev = torch.device("cuda", spec["device"]) if not force else torch.device("cpu")
-    dtype = getattr(torch, spec["dtype"])
-    size, stride = [2, *spec["shape"]], spec["stride"]
-    # Two blocks with the engine's strides: the same specialisation key (divisibility, == 1)
-    # as the engine's caches, so the binaries compiled here are the ones it will look up.
-    k = torch.empty_strided(size, stride, dtype=dtype, device=dev)
-    v = torch.empty_strided(size, stride, dtype=dtype, device=dev)
-    configs = [tuple(c) for c in spec["configs"]]
-    done = warm_attention(k, v, spec["num_heads"], 1, 1, force=force, configs=configs)
-    if spec["rope"] and not force:
-        warm_rope_write_kv(k, v, spec["num_heads"])
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    print(f"launched {len(done)}", flush=True)
-
-
-if __name__ == "__main__":
-    _worker(json.loads(sys.argv[1]))
