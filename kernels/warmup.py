@@ -69,7 +69,8 @@ def warm_rope_write_kv(k_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_
 def warm_model_attention(layers: list[torch.nn.Module], max_query_len: int, max_seq_len: int
                          ) -> dict[str, float | int]:
     """``warm_attention`` once per distinct attention shape among ``layers`` (modules with
-    ``num_heads`` and bound ``k_cache`` / ``v_cache``). Returns {configs, seconds}."""
+    ``num_heads`` and bound ``k_cache`` / ``v_cache``). Returns {configs, seconds}, plus the
+    parallel_* counts of ``_compile_in_workers`` where workers compiled."""
     t0 = time.perf_counter()
     seen: set[tuple] = set()
     n = 0
@@ -80,9 +81,17 @@ def warm_model_attention(layers: list[torch.nn.Module], max_query_len: int, max_
         if key in seen:
             continue
         seen.add(key)
+        configs = None
         if k.is_cuda and parallel.enabled():
-            out = _compile_in_workers(k, v, attn.num_heads, max_query_len, max_seq_len, out)
-        n += len(warm_attention(k, v, attn.num_heads, max_query_len, max_seq_len))
+            from kernels.attention_triton import num_sms
+
+            kvh = k.shape[2]
+            configs = reachable_configs(attn.num_heads // kvh, kvh, max_query_len, max_seq_len,
+                                        num_sms(k))
+            for name, val in _compile_in_workers(k, v, attn.num_heads, configs).items():
+                out[name] = round(out.get(name, 0) + val, 3)
+        n += len(warm_attention(k, v, attn.num_heads, max_query_len, max_seq_len,
+                                configs=configs))
         if k.is_cuda:  # the rope + KV-write kernel too: one padding row (slot -1), cache untouched
             warm_rope_write_kv(k, v, attn.num_heads)
             n += 1
@@ -91,30 +100,25 @@ def warm_model_attention(layers: list[torch.nn.Module], max_query_len: int, max_
     return {"configs": n, "seconds": round(time.perf_counter() - t0, 3), **out}
 
 
-def _compile_in_workers(k: torch.Tensor, v: torch.Tensor, num_heads: int, max_query_len: int,
-                        max_seq_len: int, out: dict[str, float | int]
-                        ) -> dict[str, float | int]:
-    """When the first configuration takes a compile (Triton's cache is cold), the others are
+def _compile_in_workers(k: torch.Tensor, v: torch.Tensor, num_heads: int,
+                        configs: list[tuple[int, int]]) -> dict[str, float | int]:
+    """When the first of ``configs`` takes a compile (Triton's cache is cold), the others are
     compiled by worker processes (``kernels.warmup_parallel``) before the serial warm-up, which
-    then loads them from the cache. Returns ``out`` with the workers' count, failures, time."""
-    from kernels.attention_triton import num_sms
-
-    kvh = k.shape[2]
-    configs = reachable_configs(num_heads // kvh, kvh, max_query_len, max_seq_len, num_sms(k))
+    then loads them from the cache. Returns the workers' count, launches, failures and time
+    ({} when none ran)."""
     t0 = time.perf_counter()
-    warm_attention(k, v, num_heads, max_query_len, max_seq_len, configs=configs[:1])
+    warm_attention(k, v, num_heads, 1, 1, configs=configs[:1])
     torch.cuda.synchronize(k.device)
     rest = configs[1:]
     if not parallel.worth_spreading(time.perf_counter() - t0, len(rest)):
-        return out  # warm cache (or nothing to share): the serial warm-up loads the rest
+        return {}  # warm cache (or nothing to share): the serial warm-up loads the rest
     t1 = time.perf_counter()
     groups = parallel.shares(rest, parallel.num_workers(len(rest)))
     procs = parallel.start([parallel.spec_of(k, num_heads, g, rope=i == 0)
                             for i, g in enumerate(groups)])
     launched, failed = parallel.wait(procs)
-    add = {"parallel_workers": len(procs), "parallel_configs": launched,
-           "parallel_failed": failed, "parallel_s": time.perf_counter() - t1}
-    return {name: round(out.get(name, 0) + val, 3) for name, val in add.items()}
+    return {"parallel_workers": len(procs), "parallel_configs": launched,
+            "parallel_failed": failed, "parallel_s": time.perf_counter() - t1}
 
 
 def _worker(spec: dict[str, Any]) -> None:
