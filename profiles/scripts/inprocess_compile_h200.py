@@ -1,6 +1,9 @@
 """Why an EAGLE-3 engine that compiled in its own process ran batch 64 at 34,017 tok/s (host-bound,
 decode step p50 3.24 ms) while a fresh process serving the same graphs from the compile cache ran
-54,604 (p50 1.85 ms) on the H200 (nineteenth session; not reproduced on the CPU).
+54,604 (p50 1.85 ms) on the H200 (nineteenth session; not reproduced on the CPU). Answered by
+this probe's own runs: two identical cache-served processes ran 33,940 and 48,737 tok/s, so the
+spread is the host's speed per process, not the compile
+(``profiles/results/2026-12-03_h200_session19/``).
 
 Runs ``compiled-spec bench`` (arguments after ``--``) in this process with two probes:
 - SHUTDOWN=1: Inductor's compile workers shut down once each engine is ready (before the heap
