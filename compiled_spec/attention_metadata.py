@@ -26,6 +26,12 @@ class AttentionMetadata:
     tree_start: torch.Tensor | None = None  # [num_seqs] int32
     tree_mask: torch.Tensor | None = None  # [num_tokens, num_tree] bool
 
+    def first_query_positions(self) -> torch.Tensor:  # [num_seqs] int32
+        """Each sequence's first query position, seq_lens - q_len, on the device: a tree's
+        first slot (its root) whether it has N nodes or is a one-node request with one row
+        (its keys and its block table end after that row). Padded sequences: 0 - 0."""
+        return self.seq_lens - (self.query_start_loc[1:] - self.query_start_loc[:-1])
+
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]

@@ -41,6 +41,16 @@ def rope_write_kv_ref(
     return roped[:, :num_heads].contiguous()
 
 
+def check_tables_cover(block_tables: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> None:
+    """Each sequence's block table must hold ceil(seq_len / page_size) entries. The Triton
+    kernel reads entry pos // page_size unchecked (past the table: an illegal address on a
+    GPU), while the gathers here clamp, so a short table would pass the CPU tests silently."""
+    need = (seq_lens.to(torch.int64) + page_size - 1) // page_size  # [num_seqs]
+    if bool((need > block_tables.shape[1]).any()):
+        raise ValueError(f"block tables of {block_tables.shape[1]} entries (page_size "
+                         f"{page_size}) do not cover seq_lens {seq_lens.tolist()}")
+
+
 def paged_attention_ref(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_heads, head_dim]
@@ -61,6 +71,7 @@ def paged_attention_ref(
     if num_tokens == 0 or num_seqs == 0 or max_query_len == 0 or max_seq_len == 0:
         return out
     device = query.device
+    check_tables_cover(block_tables, seq_lens, page_size)
     seq_lens = seq_lens.to(torch.int64)
     starts = query_start_loc[:-1].to(torch.int64)
     q_lens = query_start_loc[1:].to(torch.int64) - starts  # [num_seqs]
@@ -119,10 +130,13 @@ def paged_tree_attention_ref(
     num_tree: int,  # tree slots per sequence: positions tree_start .. tree_start + num_tree - 1
     max_seq_len: int,  # bound on tree_start + num_tree
     scale: float,
+    seq_lens: torch.Tensor | None = None,  # [num_seqs] where each sequence's keys end
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Tree attention over a paged cache: every query of sequence b sees the whole prefix
     (positions < tree_start[b]) and the tree slots its row of ``tree_mask`` marks (its ancestors
-    and itself), whose keys/values were written at positions tree_start[b] + j. fp32."""
+    and itself), whose keys/values were written at positions tree_start[b] + j. fp32.
+    ``seq_lens`` (default tree_start + num_tree): a sequence with fewer tree slots (a one-node
+    request in a step mixing trees and plain decodes) ends its keys, and its table, there."""
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = tree_start.shape[0]
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -132,12 +146,15 @@ def paged_tree_attention_ref(
         return out
     device = query.device
     start = tree_start.to(torch.int64)
+    ends = start + num_tree if seq_lens is None else seq_lens.to(torch.int64)  # [num_seqs]
+    check_tables_cover(block_tables, ends, page_size)
     starts = query_start_loc[:-1].to(torch.int64)
     q_lens = query_start_loc[1:].to(torch.int64) - starts
     kv_pos = torch.arange(max_seq_len, device=device)
     blk_idx = (kv_pos // page_size).clamp(max=block_tables.shape[1] - 1)
-    blocks = block_tables.to(torch.int64)[:, blk_idx].clamp(min=0)  # [num_seqs, max_seq_len]
-    slots = blocks * page_size + kv_pos % page_size
+    # Entries past a sequence's keys are never seen (masked below) and may hold anything.
+    blocks = block_tables.to(torch.int64)[:, blk_idx].clamp(0, k_cache.shape[0] - 1)
+    slots = blocks * page_size + kv_pos % page_size  # [num_seqs, max_seq_len]
     keys = k_cache.reshape(-1, num_kv_heads, head_dim)[slots].float()
     values = v_cache.reshape(-1, num_kv_heads, head_dim)[slots].float()
     q_idx = torch.arange(max_query_len, device=device)
@@ -145,7 +162,7 @@ def paged_tree_attention_ref(
     tok = (starts[:, None] + q_idx[None, :]).clamp(max=num_tokens - 1)
     q = query[tok].float()  # [num_seqs, max_query_len, num_heads, head_dim]
     rel = kv_pos[None, :] - start[:, None]  # [num_seqs, max_seq_len] position in the tree
-    in_tree = (rel >= 0) & (rel < num_tree)
+    in_tree = (rel >= 0) & (rel < num_tree) & (kv_pos[None, :] < ends[:, None])
     tm = tree_mask[tok]  # [num_seqs, max_query_len, num_tree]
     tree_ok = torch.gather(tm, 2, rel.clamp(0, num_tree - 1)[:, None, :].expand(
         -1, max_query_len, -1))  # [num_seqs, max_query_len, max_seq_len]

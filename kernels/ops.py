@@ -118,7 +118,8 @@ def paged_tree_attention(
                                            seq_lens, tree_mask, query_start_loc, max_query_len,
                                            max_seq_len, scale)
     return paged_tree_attention_ref(query, k_cache, v_cache, block_tables, tree_start, tree_mask,
-                                    query_start_loc, max_query_len, num_tree, max_seq_len, scale)
+                                    query_start_loc, max_query_len, num_tree, max_seq_len, scale,
+                                    seq_lens=seq_lens)
 
 
 @paged_tree_attention.register_fake

@@ -10,8 +10,12 @@ re-import the user's main script), each launching its share on a small cache of 
 dtype, shape and strides, so each binary lands in Triton's on-disk cache under the key the engine's
 own launch computes; the engine's serial warm-up then loads them from there.
 
-Opt-in (``COMPILED_SPEC_PARALLEL_WARMUP=1``) until measured on the GPU. A worker that fails or
-times out costs only its time: the serial warm-up after it compiles whatever is missing.
+On by default for CUDA engines (``COMPILED_SPEC_PARALLEL_WARMUP=0`` turns it off): on the H200
+with cold caches (twentieth session) the attention warm-up took 9.88 s instead of 14.65 s for
+SmolLM2 and 11.31 s instead of 17.37 s for the Llama-3.1-8B shape (8 workers, 17
+configurations, none failed); each worker's own start (CUDA context, Triton import) is most
+of the 9.4 s they took. A worker that fails or times out costs only its time: the serial
+warm-up after it compiles whatever is missing.
 """
 from __future__ import annotations
 
@@ -32,7 +36,8 @@ COLD_S = 0.15
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "0") == "1"
+    """Workers unless the environment says ``0`` (only CUDA engines ask)."""
+    return os.environ.get(ENV, "1") != "0"
 
 
 def worth_spreading(first_s: float, num_rest: int) -> bool:

@@ -184,7 +184,19 @@ TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 6e-2}
 # head_dim 32. A 21-token prefix puts every key in the first split; 600 tokens fill all 16
 # splits of the last case (the fused merge then takes two chunks of 8 live splits).
 TREE_CASES = [("tree_p1", 1, None, 21), ("tree_p4_split2", 4, 2, 21), ("tree_p16", 16, None, 21),
-              ("tree_p4_long_split4", 4, 4, 300), ("tree_p4_long_split16", 4, 16, 600)]
+              ("tree_p4_long_split4", 4, 4, 300), ("tree_p4_long_split16", 4, 16, 600),
+              ("tree_p4_mixed", 4, None, 21), ("tree_p4_mixed_split4", 4, 4, 300)]
+
+
+def _one_node_second(q, tables, starts, mask, n: int, page_size: int):
+    """A step mixing a tree and a plain decode: the second sequence is a one-node request (one
+    row, seeing its prefix and itself) whose keys and block table end after that row; its
+    table entries past there are poisoned, so a kernel reading them would fault."""
+    tables = tables.clone()
+    tables[1, -(-(int(starts[1]) + 1) // page_size):] = 1 << 30
+    mask = torch.cat([mask[:n], torch.nn.functional.one_hot(torch.tensor([0]), n).bool()])
+    seq_lens = torch.stack([starts[0] + n, starts[1] + 1]).int()
+    return q[:n + 1], tables, mask, torch.tensor([0, n, n + 1], dtype=torch.int32), seq_lens
 
 
 def _tree_batch(page_size: int, seed: int, prefix: int = 21):
@@ -251,8 +263,13 @@ def _triton_worker() -> None:
 
     for name, page_size, splits, prefix in TREE_CASES:
         q, k, v, tables, starts, mask, qsl, n = _tree_batch(page_size, len(results), prefix)
-        ref = paged_tree_attention_ref(q, k, v, tables, starts, mask, qsl, n, n, prefix + n, 0.2)
-        errs = [(_paged_attention(q, k, v, tables, starts + n, qsl, n, prefix + n, 0.2,
+        seq_lens = starts + n
+        if "mixed" in name:
+            q, tables, mask, qsl, seq_lens = _one_node_second(q, tables, starts, mask, n,
+                                                              page_size)
+        ref = paged_tree_attention_ref(q, k, v, tables, starts, mask, qsl, n, n, prefix + n, 0.2,
+                                       seq_lens=seq_lens)
+        errs = [(_paged_attention(q, k, v, tables, seq_lens, qsl, n, prefix + n, 0.2,
                                   num_splits=splits, tree_start=starts, tree_mask=mask,
                                   fused_merge=fused) - ref).abs().max().item()
                 for fused in ((False, True) if splits else (False,))]

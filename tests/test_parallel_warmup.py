@@ -25,7 +25,9 @@ def test_workers_are_spread_only_on_a_cold_cache(monkeypatch):
     assert not wp.worth_spreading(0.004, 17)  # loaded from the cache: the rest will be too
     assert not wp.worth_spreading(0.6, 1)  # one left: not worth a process
     monkeypatch.delenv(wp.ENV, raising=False)
-    assert not wp.enabled()  # opt-in until measured on the GPU
+    assert wp.enabled()  # on by default (measured on the H200, twentieth session)
+    monkeypatch.setenv(wp.ENV, "0")
+    assert not wp.enabled()
     monkeypatch.setenv(wp.ENV, "1")
     assert wp.enabled()
 

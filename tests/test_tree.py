@@ -20,7 +20,7 @@ def _cache(page: int, blocks: int = 16, kv_heads: int = 2, dim: int = 8, seed: i
 def test_chain_tree_equals_causal_attention(page):
     k, v = _cache(page)
     prefix, n = 5, 4
-    table = torch.randperm(16, generator=torch.Generator().manual_seed(1))[:8].int()[None]
+    table = torch.randperm(16, generator=torch.Generator().manual_seed(1))[:9].int()[None]
     q = torch.randn(n, 4, 8)
     qsl = torch.tensor([0, n], dtype=torch.int32)
     causal = paged_attention_ref(q, k, v, table, torch.tensor([prefix + n], dtype=torch.int32),

@@ -21,6 +21,7 @@ from capture.emulate import EmulatedGraph
 from compiled_spec import LLM, SamplingParams
 from compiled_spec.compile import CompileConfig, capture_graphs, compile_models
 from compiled_spec.engine.stats import counts_since
+from compiled_spec.engine.tree_verify import warm_mixed_verify
 
 D, TOPK, N = 3, 2, 6
 PROMPTS = [[3, 7, 1, 4], [5, 2, 9, 9], [9, 2, 4, 4], [11, 12, 6, 1]]
@@ -115,3 +116,29 @@ def test_mixed_tree_step_launches_no_kernel_first(trained_eagle3_pair, smollm2_g
     assert late.get("not_all_tree", 0) > 0 and mixed, (late, len(per_step))
     assert all(new == [] for new in mixed), mixed
     assert graphs.stats()["without_graph"].get("target_tree_verify", {}) == {}
+
+
+def test_mixed_warm_up_tables_cover_trees_past_two_pages(trained_eagle3_pair,
+                                                         smollm2_gguf_path):
+    """The warm-up's dummy tree of N nodes needs block tables of ceil(N / page_size) entries.
+    With one-block tables (zero-padded to two) a tree past two pages made the Triton kernel
+    read table entries past the tensor's end: an illegal address on the H200 for topk 8 /
+    48 nodes (page 16). The CPU reference clamps the index, so this checks the metadata."""
+    target, head = trained_eagle3_pair
+    page, n = 4, 10  # 3 pages
+    llm = LLM(model=target, tokenizer=smollm2_gguf_path, draft=head, max_model_len=96,
+              max_num_seqs=4, page_size=page, num_kv_blocks=128, num_speculative_tokens=D,
+              speculative_topk=4, speculative_num_draft_tokens=n)
+    runner = llm.engine.runner
+    seen = []
+    target_fn = runner.target_fn
+
+    def spy(input_ids, positions, meta, aux_ids):
+        seen.append(meta)
+        return target_fn(input_ids, positions, meta, aux_ids)
+    runner.target_fn = spy
+    warm_mixed_verify(runner)
+    (meta,) = seen
+    assert meta.seq_lens.tolist() == [n, 1]  # the tree's keys, the one-node request's
+    assert meta.tree_start.tolist() == [0, 0]
+    assert meta.block_tables.shape[1] * page >= n, meta.block_tables.shape

@@ -2,15 +2,19 @@
 
 A variant's engine is built once with ``max_num_seqs`` = the largest batch size (compiled
 variants capture CUDA graphs for exactly the benchmarked batch sizes); batch B submits B prompts
-at once. Batch 1 runs the prompts one at a time. Greedy, EOS ignored: every request writes
+at once (``--waves W``: W x B, at most B running, a finished request's slot refilled). Batch 1
+runs the prompts one at a time. Greedy, EOS ignored: every request writes
 ``max_tokens`` tokens, so engines are compared on equal work.
 """
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -79,9 +83,24 @@ def build_engine(v: Variant, kw: dict[str, Any], prompts: list[list[int]],
     return llm, time.perf_counter() - t0
 
 
+@contextmanager
+def running_at_most(llm: Any, n: int) -> Iterator[None]:
+    """The scheduler runs at most ``n`` requests at once (``--waves``: the rest wait for a
+    slot). The engine was built for the largest batch size, so every smaller one is captured."""
+    sch = llm.engine.scheduler
+    cfg = sch.cfg
+    sch.cfg = replace(cfg, max_num_seqs=min(n, cfg.max_num_seqs))
+    try:
+        yield
+    finally:
+        sch.cfg = cfg
+
+
 def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: list[int],
-                max_tokens: int, startup: float) -> tuple[list[Row], list[list[int]]]:
-    """Rows for each batch size, plus the batch-1 outputs (for the identical-output column)."""
+                max_tokens: int, startup: float, waves: int = 1
+                ) -> tuple[list[Row], list[list[int]]]:
+    """Rows for each batch size, plus the batch-1 outputs (for the identical-output column).
+    ``waves`` > 1: batch b submits waves * b requests, at most b running (``running_at_most``)."""
     from compiled_spec import SamplingParams
 
     dev = llm.config.device
@@ -108,11 +127,11 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
     rows, batch1_out = [], []
     for b in batch_sizes:
         # Batch 1: every prompt in turn; batch b: b prompts at once (cycled when fewer exist).
-        chosen = prompts if b == 1 else [prompts[i % len(prompts)] for i in range(b)]
+        chosen = prompts if b == 1 else [prompts[i % len(prompts)] for i in range(b * waves)]
         # First-use costs off the clock: allocator growth, autotuning and, for compiled
         # engines off CUDA (no capture at start-up), compiling the shapes this batch meets.
         t0 = time.perf_counter()
-        for p in (chosen[:2] if b == 1 else [chosen]):
+        for p in (chosen[:2] if b == 1 else [chosen[:b]]):
             llm.generate(p, warm)
         if b == batch_sizes[0] and v.compile:
             startup += time.perf_counter() - t0  # compile-on-first-use is start-up cost
@@ -130,7 +149,8 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
         if b == 1:
             outs = [llm.generate(p, sp)[0] for p in chosen]
         else:
-            outs = llm.generate(chosen, sp)
+            with running_at_most(llm, b):
+                outs = llm.generate(chosen, sp)
         sync(dev)
         wall = time.perf_counter() - t0
         per_req = [1e3 * (o.metrics.finish_time - o.metrics.first_token_time)
@@ -150,12 +170,18 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
             row.extra["steps"] = es.num_steps - n0
             row.extra["prefill_steps"] = n_pre
             row.extra["prefill_ms"] = round(1e3 * s_pre, 3)
+            if n_pre:  # a few slow prompt steps (first launches per length?) or all of them
+                pre = sorted(list(es.recent_prefill_step_s)[-n_pre:])
+                row.extra["prefill_step_ms_p50_max"] = [round(1e3 * pre[len(pre) // 2], 3),
+                                                        round(1e3 * pre[-1], 3)]
             n_dec = es.num_steps - n0 - n_pre
             if n_dec > 0:
                 row.extra["decode_step_ms"] = round(1e3 * (es.step_s - s0 - s_pre) / n_dec, 4)
                 recent = sorted(list(es.recent_decode_step_s)[-n_dec:])
                 row.extra["decode_step_ms_p50_p90_max"] = [
                     round(1e3 * recent[int(q * (len(recent) - 1))], 4) for q in (0.5, 0.9, 1.0)]
+        if b > 1 and waves > 1:
+            row.extra["waves"], row.extra["requests"] = waves, len(outs)
         if es.gc_full_collections > gc0:  # full GC pauses inside the timed steps
             row.extra["gc_full"] = {"count": es.gc_full_collections - gc0,
                                     "ms": round(1e3 * (es.gc_full_s - gcs0), 2)}
@@ -219,14 +245,15 @@ def trace_engine(llm: Any, v: Variant, prompts: list[list[int]], batch: int, out
 
 
 def bench_ours(variants: list[Variant], kw: dict[str, Any], prompts: list[list[int]],
-               batch_sizes: list[int], max_tokens: int, trace_dir: Path | None = None
-               ) -> tuple[list[Row], dict[str, list[list[int]]]]:
-    """``trace_dir``: after timing, a profiler trace of each variant's warm engine there."""
+               batch_sizes: list[int], max_tokens: int, trace_dir: Path | None = None,
+               waves: int = 1) -> tuple[list[Row], dict[str, list[list[int]]]]:
+    """``trace_dir``: after timing, a profiler trace of each variant's warm engine there.
+    ``waves``: see ``time_engine``."""
     rows: list[Row] = []
     outputs: dict[str, list[list[int]]] = {}
     for v in variants:
         llm, startup = build_engine(v, kw, prompts, batch_sizes, max_tokens)
-        r, out = time_engine(llm, v, prompts, batch_sizes, max_tokens, startup)
+        r, out = time_engine(llm, v, prompts, batch_sizes, max_tokens, startup, waves)
         if trace_dir is not None:
             trace_engine(llm, v, prompts, batch_sizes[0], trace_dir)
         rows += r
@@ -237,6 +264,9 @@ def bench_ours(variants: list[Variant], kw: dict[str, Any], prompts: list[list[i
             f"{x.extra.get('decode_step_ms')} ms, {x.extra.get('prefill_steps')} prompt steps "
             f"{x.extra.get('prefill_ms')} ms)" for x in r),
             flush=True)
+        for x in r:  # whole rows in the log: a later variant that kills the process (a CUDA
+            # fault aborts it) would otherwise take every row with it (twentieth session)
+            print("ROW " + json.dumps(x.as_dict(), default=str), flush=True)
         if r and "startup_split_s" in r[0].extra:
             print(f"{v.name}: start-up {r[0].extra['startup_split_s']} s, compile cache "
                   f"{r[0].extra['compile_cache']}", flush=True)

@@ -150,7 +150,8 @@ def run_bench(a: argparse.Namespace) -> int:
     rows, outs = bench_ours(_variants(names, draft, k, a.trees, a.adaptive,
                                       getattr(a, "late_propose", False),
                                       getattr(a, "ab", None)), kw, prompts, batch_sizes,
-                            a.max_tokens, Path(a.trace_dir) if a.trace_dir else None)
+                            a.max_tokens, Path(a.trace_dir) if a.trace_dir else None,
+                            waves=a.waves)
     # The reference for "same output": our vanilla eager batch-1 outputs, from this run or a
     # merged one (a device call is capped at 10 minutes, so a full run spans several calls).
     ref = outs.get("ours vanilla eager") or next(
@@ -222,6 +223,13 @@ def _version(pkg: str) -> str | None:
         return None
 
 
+def _positive_int(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a positive integer")
+    return n
+
+
 def add_bench_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--variants", nargs="*", default=None, metavar="NAME",
                    help=f"subset of {', '.join(ALL_VARIANTS)} (default: all)")
@@ -239,6 +247,11 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
                    "option off, then on (rows named '+ ...'), to compare in one process")
     b.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64],
                    help="batch sizes for our engines (transformers runs batch 1)")
+    b.add_argument("--waves", type=_positive_int, default=1, metavar="W",
+                   help="at batch B > 1, submit W x B requests with at most B running: a slot "
+                   "freed is refilled, as in serving. With 1 (a fixed batch) the slowest "
+                   "request sets the wall time, which charges speculation's per-request "
+                   "spread in acceptance to its throughput")
     b.add_argument("--tokenizer", default=None)
     b.add_argument("--random-draft", action="store_true",
                    help="speculate with a random EAGLE-3 head of the target's shape (tau ~ 1)")

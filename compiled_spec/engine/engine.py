@@ -156,6 +156,7 @@ class LLMEngine:
         if max(batch.num_new_tokens) > 1:
             stats.num_prefill_steps += 1
             stats.prefill_step_s += dt
+            stats.recent_prefill_step_s.append(dt)
         else:
             stats.recent_decode_step_s.append(dt)
         return finished

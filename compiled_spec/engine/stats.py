@@ -29,6 +29,7 @@ class EngineStats:
     # The latest decode steps' wall times (no prompt chunk), newest last: their spread (a few
     # slow steps or uniformly slow ones) for the benchmarks.
     recent_decode_step_s: deque = field(default_factory=lambda: deque(maxlen=8192))
+    recent_prefill_step_s: deque = field(default_factory=lambda: deque(maxlen=1024))  # likewise
     # Of step_s: the host blocked in the steps' device-to-host copies (waiting for the GPU).
     # Small against step_s: the steps are host-bound, and the GPU idles for the rest.
     host_wait_s: float = 0.0

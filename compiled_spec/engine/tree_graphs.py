@@ -6,8 +6,9 @@ exactly as for the chain components).
   per batch size holds T = n * N tokens; a plain request inside a tree step (a one-node tree)
   has fewer query tokens and pads into it. Positions hold each node's root position and the
   extra ``depth`` [T] is added in the graph; ``tree_mask`` [T, N] is an extra, and every
-  sequence's tree slots start N before its end (``tree_start`` = seq_lens - N, computed in the
-  graph). Padded token rows see no tree slot and belong to no sequence, padded sequences have
+  sequence's tree slots start at its first query row (``tree_start`` = seq_lens - q_len,
+  computed in the graph: N before a tree's end, at a one-node request's only row, whose keys
+  and block table end there). Padded token rows see no tree slot and belong to no sequence, padded sequences have
   q_len 0, seq_len 0 and slot -1 (``capture.pad``), so padding is inert. The tree runner stages
   its host lists straight into the buffers (``GraphRunner.run_host``).
 * ``tree_draft_first_pass``: the draft over each request's root and accepted nodes (<= depth + 1
@@ -44,17 +45,17 @@ def tree_live(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionM
               ) -> LiveBatch:
     """A tree forward with final positions as the verify graph takes it: depth 0 (the graph
     adds it to the positions) and the mask as extras (zeros pad them: no tree slot visible).
-    ``meta.tree_start`` must be seq_lens - N, which the graph recomputes."""
+    ``meta.tree_start`` must be seq_lens - q_len, which the graph recomputes."""
     return LiveBatch(input_ids, positions, replace(meta, tree_start=None, tree_mask=None),
                      extras={"depth": torch.zeros_like(input_ids), "tree_mask": meta.tree_mask})
 
 
-def tree_verify_fn(target_fn: Callable[..., Any], num_nodes: int, aux_ids: tuple[int, ...]
+def tree_verify_fn(target_fn: Callable[..., Any], aux_ids: tuple[int, ...]
                    ) -> Callable[[LiveBatch], Any]:
-    """The verify graph's body: rope positions root + depth, tree slots the last N of each
-    sequence (padded sequences, seq_len 0, clamp to 0: they have no query rows)."""
+    """The verify graph's body: rope positions root + depth, tree slots from each sequence's
+    first query row (padded sequences: seq_len 0, q_len 0, so 0; they have no query rows)."""
     def fn(b: LiveBatch) -> Any:
-        meta = replace(b.meta, tree_start=(b.meta.seq_lens - num_nodes).clamp(min=0),
+        meta = replace(b.meta, tree_start=b.meta.first_query_positions(),
                        tree_mask=b.extras["tree_mask"])
         return target_fn(b.input_ids, b.positions + b.extras["depth"], meta, aux_ids)
     return fn
@@ -67,7 +68,7 @@ def register_tree_verify(reg: Register, target_fn: Callable[..., Any], tree: "Tr
     bufs = StaticBuffers(bm * n, bm, max_blocks, device,
                          token_extras={"tree_mask": ((n,), torch.bool),
                                        "depth": ((), torch.int64)})
-    return reg("target_tree_verify", tree_verify_fn(target_fn, n, aux_ids),
+    return reg("target_tree_verify", tree_verify_fn(target_fn, aux_ids),
                [s * n for s in batch_sizes], bufs, query_len=n)
 
 

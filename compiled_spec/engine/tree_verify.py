@@ -122,9 +122,12 @@ def warm_mixed_verify(rn: "TreeModelRunner") -> None:
     dst, input_ids, tok, depth, mask = mixed_inputs([0] * (n + 1), [0], t_tok, t_tok, t_mask,
                                                     dev)
     tree_info = torch.stack([tok, t_tok, t_tok])
-    base_t, meta = metadata_to_device(dev, [0] * (n + 1), [-1] * (n + 1), [n, n], [0, n, n + 1],
-                                      [[0], [0]], n, n)
-    meta = replace(meta, tree_start=meta.seq_lens - n, tree_mask=mask)
+    # Tables cover the keys (the tree's n, the one-node request's 1): a one-block table for n
+    # keys past two pages made the kernel read entries past the tensor (an illegal address on
+    # the H200 at 48 nodes).
+    base_t, meta = metadata_to_device(dev, [0] * (n + 1), [-1] * (n + 1), [n, 1], [0, n, n + 1],
+                                      [[0] * -(-n // rn.allocator.page_size), [0]], n, n)
+    meta = replace(meta, tree_start=meta.first_query_positions(), tree_mask=mask)
     hidden, aux = rn.target_fn(input_ids, base_t + depth, meta, rn.aux_layer_ids)
     logits, _ = tree_logits(rn, hidden, aux)
     if rn.aux_layer_ids:
@@ -177,12 +180,13 @@ def stage_and_verify(rn: "TreeModelRunner", reqs: list[Request]) -> TreeVerify:
         # outputs of the proposer, valid only until the verify's replay (capture.emulate).
         tree_info = torch.stack([tok, t_par, t_depth])  # [3, B_t, N]
         if not use_host:
-            base_t, meta = metadata_to_device(dev, base, slots,
-                                              [s + n_nodes for s in starts], qsl, tables,
-                                              n_nodes, max(starts) + n_nodes)
+            # A tree's keys end after its N slots, a one-node request's after its root: its
+            # table holds no more (keys past it were read through entries past the table).
+            base_t, meta = metadata_to_device(
+                dev, base, slots, [s + (n_nodes if t else 1) for s, t in zip(starts, in_tree)],
+                qsl, tables, n_nodes, max(starts) + n_nodes)
             positions = base_t + depth  # rope position L-1 + depth
-            # Every sequence's context is its prefix plus its N tree slots.
-            meta = replace(meta, tree_start=meta.seq_lens - n_nodes, tree_mask=mask)
+            meta = replace(meta, tree_start=meta.first_query_positions(), tree_mask=mask)
     with phase("verify"):
         if use_host:
             logits, target_hidden = verify_tree_host(rn, hb, tree, t_depth, t_mask)

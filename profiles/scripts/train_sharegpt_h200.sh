@@ -70,6 +70,8 @@
 #                         process at batch 16 / 64, with probes (inprocess_compile_h200.py)
 #   bash profiles/scripts/train_sharegpt_h200.sh noise  # batch-16 / 64 rows over fresh processes
 #                         (median of ROUNDS), OMP_NUM_THREADS unset vs 1
+#                         WAVES=W (bench, noise): W x B requests at batch B, at most B running
+#                         (slots refilled: steady-state throughput, no fixed-batch tail)
 #   bash profiles/scripts/train_sharegpt_h200.sh treecap  # carry .device/q2 first time: trees at
 #                         batch BATCH (4) captured under variants (tree_capture_h200.py)
 #   bash profiles/scripts/train_sharegpt_h200.sh gemm     # kernels/bench_gemm.py: cuBLAS vs our skinny
@@ -237,8 +239,9 @@ train)
   echo "best head: $(cat ~/best_head)" ;;
 bench)
   timeout ${LIMIT:-400} python3 -m compiled_spec.cli bench --model "$M" --device ${DEVICE:-cuda} \
-    --dtype ${DTYPE:-bfloat16} --prompts $D/question.jsonl --num-prompts 5 --max-tokens 256 \
+    --dtype ${DTYPE:-bfloat16} --prompts $D/question.jsonl --num-prompts ${NUM_PROMPTS:-5} --max-tokens 256 \
     --batch-sizes ${BATCHES:-1} --draft "${DRAFT:-$(cat ~/best_head 2>/dev/null || echo smollm2-eagle3)}" -k ${K:-5} \
+    --waves ${WAVES:-1} \
     --variants ${VARIANTS:-ours_vanilla_compiled ours_eagle_compiled} --out-dir ~/bench "${@:2}" \
     ${AUTOTUNE:+--autotune-gemm} ${SKINNY:+--skinny-gemm} ${PRECOMPILE:+--precompile} ${PDL:+--pdl} ${AB:+--ab $AB} \
     > "$OUT/bench.log" 2>&1
@@ -346,7 +349,7 @@ noise)
         env $([ $omp = 1 ] && echo OMP_NUM_THREADS=1) timeout ${LIMIT:-90} python3 -m compiled_spec.cli bench \
           --model "$M" --device cuda --dtype bfloat16 --prompts $D/question.jsonl --num-prompts 5 \
           --max-tokens 256 --batch-sizes ${BATCHES:-16 64} --draft smollm2-eagle3 -k 5 \
-          --variants $v --out-dir $O > $O.log 2>&1
+          --waves ${WAVES:-1} --variants $v --out-dir $O > $O.log 2>&1
         echo "== round $r threads $omp $v rc=$?"; grep -E "tok/s \(step" $O.log | cut -c1-300
       done
     done
