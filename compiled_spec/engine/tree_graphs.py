@@ -8,9 +8,10 @@ exactly as for the chain components).
   extra ``depth`` [T] is added in the graph; ``tree_mask`` [T, N] is an extra, and every
   sequence's tree slots start at its first query row (``tree_start`` = seq_lens - q_len,
   computed in the graph: N before a tree's end, at a one-node request's only row, whose keys
-  and block table end there). Padded token rows see no tree slot and belong to no sequence, padded sequences have
-  q_len 0, seq_len 0 and slot -1 (``capture.pad``), so padding is inert. The tree runner stages
-  its host lists straight into the buffers (``GraphRunner.run_host``).
+  and block table end there). Padded token rows see no tree slot and belong to no sequence,
+  padded sequences have q_len 0, seq_len 0 and slot -1 (``capture.pad``), so padding is
+  inert. The tree runner stages its host lists straight into the buffers
+  (``GraphRunner.run_host``).
 * ``tree_draft_first_pass``: the draft over each request's root and accepted nodes (<= depth + 1
   tokens, causal); EAGLE-3's fc runs eagerly before it (``TreeProposer.propose``) over every
   target row of the step, into the row source ``hidden``, and the graph gathers the accepted
