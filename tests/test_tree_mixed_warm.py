@@ -123,7 +123,8 @@ def test_mixed_warm_up_tables_cover_trees_past_two_pages(trained_eagle3_pair,
     """The warm-up's dummy tree of N nodes needs block tables of ceil(N / page_size) entries.
     With one-block tables (zero-padded to two) a tree past two pages made the Triton kernel
     read table entries past the tensor's end: an illegal address on the H200 for topk 8 /
-    48 nodes (page 16). The CPU reference clamps the index, so this checks the metadata."""
+    48 nodes (page 16). The CPU reference's gathers clamp the index (its table check now
+    refuses short tables too); this checks the warm-up's metadata itself."""
     target, head = trained_eagle3_pair
     page, n = 4, 10  # 3 pages
     llm = LLM(model=target, tokenizer=smollm2_gguf_path, draft=head, max_model_len=96,

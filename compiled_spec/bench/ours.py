@@ -83,6 +83,12 @@ def build_engine(v: Variant, kw: dict[str, Any], prompts: list[list[int]],
     return llm, time.perf_counter() - t0
 
 
+def _quantiles_ms(seconds: list[float], qs: tuple[float, ...], digits: int) -> list[float]:
+    """Quantiles (nearest rank below) of step times, in milliseconds."""
+    s = sorted(seconds)
+    return [round(1e3 * s[int(q * (len(s) - 1))], digits) for q in qs]
+
+
 @contextmanager
 def running_at_most(llm: Any, n: int) -> Iterator[None]:
     """The scheduler runs at most ``n`` requests at once (``--waves``: the rest wait for a
@@ -171,15 +177,13 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
             row.extra["prefill_steps"] = n_pre
             row.extra["prefill_ms"] = round(1e3 * s_pre, 3)
             if n_pre:  # a few slow prompt steps (first launches per length?) or all of them
-                pre = sorted(list(es.recent_prefill_step_s)[-n_pre:])
-                row.extra["prefill_step_ms_p50_max"] = [round(1e3 * pre[len(pre) // 2], 3),
-                                                        round(1e3 * pre[-1], 3)]
+                row.extra["prefill_step_ms_p50_max"] = _quantiles_ms(
+                    list(es.recent_prefill_step_s)[-n_pre:], (0.5, 1.0), 3)
             n_dec = es.num_steps - n0 - n_pre
             if n_dec > 0:
                 row.extra["decode_step_ms"] = round(1e3 * (es.step_s - s0 - s_pre) / n_dec, 4)
-                recent = sorted(list(es.recent_decode_step_s)[-n_dec:])
-                row.extra["decode_step_ms_p50_p90_max"] = [
-                    round(1e3 * recent[int(q * (len(recent) - 1))], 4) for q in (0.5, 0.9, 1.0)]
+                row.extra["decode_step_ms_p50_p90_max"] = _quantiles_ms(
+                    list(es.recent_decode_step_s)[-n_dec:], (0.5, 0.9, 1.0), 4)
         if b > 1 and waves > 1:
             row.extra["waves"], row.extra["requests"] = waves, len(outs)
         if es.gc_full_collections > gc0:  # full GC pauses inside the timed steps

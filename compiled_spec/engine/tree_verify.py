@@ -126,7 +126,7 @@ def warm_mixed_verify(rn: "TreeModelRunner") -> None:
     # keys past two pages made the kernel read entries past the tensor (an illegal address on
     # the H200 at 48 nodes).
     base_t, meta = metadata_to_device(dev, [0] * (n + 1), [-1] * (n + 1), [n, 1], [0, n, n + 1],
-                                      [[0] * -(-n // rn.allocator.page_size), [0]], n, n)
+                                      [[0] * rn.allocator.blocks_for(n), [0]], n, n)
     meta = replace(meta, tree_start=meta.first_query_positions(), tree_mask=mask)
     hidden, aux = rn.target_fn(input_ids, base_t + depth, meta, rn.aux_layer_ids)
     logits, _ = tree_logits(rn, hidden, aux)

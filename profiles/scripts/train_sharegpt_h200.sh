@@ -301,9 +301,10 @@ warm8b)
   done ;;
 coldstart)
   # Issue 16: a cold start (empty Triton and compile caches) with the attention binaries
-  # compiled serially, then by worker processes (COMPILED_SPEC_PARALLEL_WARMUP=1,
-  # kernels/warmup_parallel.py; opt-in until this runs): SmolLM2 vanilla via the bench, then the
-  # 8B shape via graphs_h200.py --startup-only (its JSON has kernel_warmup's parallel_* keys).
+  # compiled serially, then by worker processes (COMPILED_SPEC_PARALLEL_WARMUP=0 / 1,
+  # kernels/warmup_parallel.py; on by default since the twentieth session measured this):
+  # SmolLM2 vanilla via the bench, then the 8B shape via graphs_h200.py --startup-only (its
+  # JSON has kernel_warmup's parallel_* keys).
   for par in 0 1; do
     env COMPILED_SPEC_PARALLEL_WARMUP=$par TRITON_CACHE_DIR=/tmp/cold_tc_$par \
       COMPILED_SPEC_CACHE_DIR=/tmp/cold_cc_$par timeout ${LIMIT:-150} python3 -m compiled_spec.cli \
