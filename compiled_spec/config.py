@@ -60,20 +60,32 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory_gib={self.memory_gib!r}: must be a finite number > 0")
 
 
+def auto_min_admit(max_num_seqs: int) -> int:
+    """The default bulk-admission size: a quarter of the batch. Why: speculative requests end at
+    different steps (acceptance varies), so admitting each freed slot alone cost EAGLE-3 122
+    prompt steps for 256 requests at batch 64 (vanilla, whose requests ended together: 8), and
+    those steps were 3.3 of its 4.4 s (H200, 2026-12-03, ``bench --waves 4``). A quarter keeps
+    the batch at least 3/4 full; batches below 8 admit at once."""
+    return max(1, max_num_seqs // 4)
+
+
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = 8  # running requests per step
     max_num_batched_tokens: int = 4096  # prompt tokens admitted per step (a long prompt may exceed it alone)
     # While requests run, waiting ones start only when at least this many can start together
     # (or every waiting one can): fewer, larger prefill steps. A step with a prompt runs
-    # without a CUDA graph and is host-bound (~40 ms at batch 1,024 on the H200, whatever the
-    # prompt count), so offline generation admits in bulk; 1 = admit whenever a slot frees.
-    min_admit: int = 1
+    # without a CUDA graph and is host-bound (H200, SmolLM2: 15-26 ms against 1.3-3 ms for a
+    # decode step, ~40 ms at batch 1,024, whatever the prompt count), so a backlog is admitted
+    # in bulk. 1 = admit whenever a slot frees (lowest time to first token); None =
+    # ``auto_min_admit(max_num_seqs)``.
+    min_admit: int | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.min_admit, bool) or not isinstance(self.min_admit, int) \
-                or self.min_admit < 1:
-            raise ValueError(f"min_admit={self.min_admit!r}: must be a positive integer")
+        if self.min_admit is not None and (isinstance(self.min_admit, bool)
+                                           or not isinstance(self.min_admit, int)
+                                           or self.min_admit < 1):
+            raise ValueError(f"min_admit={self.min_admit!r}: must be a positive integer or None")
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={self.max_num_seqs!r}: must be a positive integer")
         if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:

@@ -19,9 +19,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--max-num-batched-tokens", type=int, default=4096,
                    help="prompt tokens admitted per step")
-    p.add_argument("--min-admit", type=int, default=1, metavar="N",
+    p.add_argument("--min-admit", type=int, default=None, metavar="N",
                    help="while requests run, start waiting ones only N at a time (or all that "
-                   "wait): fewer, larger prefill steps for offline throughput")
+                   "wait): fewer, larger prefill steps (default: max-num-seqs / 4; 1: at once)")
     p.add_argument("--draft", default=None, help="EAGLE-1 / EAGLE-3 head directory (HF layout), or "
                    "smollm2-eagle3 (the head shipped for the default SmolLM2 target)")
     p.add_argument("--method", default=None, choices=["eagle", "eagle3"],
@@ -78,7 +78,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
     kw = dict(model=a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
               page_size=a.page_size, max_num_seqs=a.max_num_seqs,
               max_num_batched_tokens=getattr(a, "max_num_batched_tokens", 4096),
-              min_admit=getattr(a, "min_admit", 1), draft=a.draft, method=a.method,
+              min_admit=getattr(a, "min_admit", None), draft=a.draft, method=a.method,
               num_speculative_tokens=a.num_speculative_tokens, draft_sampling=a.draft_sampling,
               compile=a.compile, speculative_topk=a.speculative_topk,
               speculative_num_draft_tokens=a.speculative_num_draft_tokens,

@@ -52,7 +52,8 @@ class LLM(CompileMixin):
     ``tensor_parallel_size=N`` shards the target over N ranks; the draft stays replicated unless
     ``draft_tensor_parallel`` (heads and MLP split like the target's, draft lm_head vocabulary
     parallel). ``min_admit=N`` starts waiting requests only N at a time while others run (fewer,
-    larger prefill steps: offline throughput; see ``SchedulerConfig``).
+    larger prefill steps; default None: a quarter of ``max_num_seqs``; 1: at once, the lowest
+    time to first token; see ``SchedulerConfig``).
     ``speculation_policy="adaptive"`` pauses drafting at batch sizes where measured step costs
     and acceptance say plain decoding is faster (``llm.stats.policy.summary()`` reports it).
     ``early_propose=False`` launches each proposal after the host read the step's acceptance
@@ -71,7 +72,7 @@ class LLM(CompileMixin):
         page_size: int = 16,
         max_num_seqs: int = 8,
         max_num_batched_tokens: int = 4096,
-        min_admit: int = 1,
+        min_admit: int | None = None,
         num_kv_blocks: int | None = None,
         kv_cache_memory_gib: float | None = None,
         enable_prefix_caching: bool = False,

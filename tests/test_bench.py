@@ -165,9 +165,12 @@ def test_waves_refill_freed_slots_with_at_most_b_running(tiny_hf_dir, mt_bench_p
     assert main(["bench", "--model", tiny_hf_dir, "--device", "cpu", "--prompts", mt_bench_path,
                  "--num-prompts", "2", "--max-tokens", "4", "--max-model-len", "1024",
                  "--batch-sizes", "2", "--waves", "3", "--variants", "ours_vanilla_eager",
-                 "--out-dir", str(out)]) == 0
+                 "--min-admit", "2", "--out-dir", str(out)]) == 0
     (row,) = json.loads((out / "benchmarks.json").read_text())["rows"]
     assert row["extra"]["waves"] == 3 and row["extra"]["requests"] == 6, row["extra"]
+    # the admission size the row ran with, and what it cost the queued requests' first tokens
+    p50, p90 = row["extra"]["ttft_ms_p50_p90"]
+    assert row["extra"]["min_admit"] == 2 and 0 < p50 <= p90, row["extra"]
     with pytest.raises(SystemExit):
         main(["bench", "--waves", "0"])
 

@@ -181,6 +181,37 @@ def test_min_admit_starts_waiting_requests_in_bulk(tiny_llm_dir):
         _llm(tiny_llm_dir, min_admit=0)
 
 
+def test_min_admit_defaults_to_a_quarter_of_the_batch(tiny_llm_dir):
+    """min_admit=None (the default): a backlog is admitted a quarter of max_num_seqs at a time,
+    read per step (the bench narrows max_num_seqs per batch size); below 8 sequences, at once."""
+    from dataclasses import replace
+
+    from compiled_spec.config import auto_min_admit
+
+    assert [auto_min_admit(n) for n in (1, 4, 7, 8, 16, 64)] == [1, 1, 1, 2, 4, 16]
+    prompts = [PROMPTS[i % 4] + [i] for i in range(24)]
+    params = [SamplingParams(max_tokens=2 + (3 * i) % 11, temperature=0.0, ignore_eos=True)
+              for i in range(24)]
+    want = _ids(_llm(tiny_llm_dir, max_num_seqs=16, min_admit=1).generate(prompts, params))
+    llm = _llm(tiny_llm_dir, max_num_seqs=16)
+    sched = llm.engine.scheduler
+    assert sched.cfg.min_admit is None and sched.min_admit == 4
+    steps = []  # (running before the step, admitted in it, waiting before admission)
+    orig = llm.engine.runner.execute
+
+    def spy(reqs, num_new):
+        admitted = sum(n > 1 for n in num_new)
+        steps.append((len(reqs) - admitted, admitted, len(sched.waiting) + admitted))
+        return orig(reqs, num_new)
+
+    llm.engine.runner.execute = spy
+    assert _ids(llm.generate(prompts, params)) == want
+    bulk = [(r, a, w) for r, a, w in steps if r > 0 and a > 0]
+    assert bulk and all(a >= min(4, w) for _, a, w in bulk), steps
+    sched.cfg = replace(sched.cfg, max_num_seqs=4)
+    assert sched.min_admit == 1
+
+
 def test_min_admit_round_goes_on_when_the_token_budget_cuts_it(tiny_llm_dir):
     """A bulk admission cut short by max_num_batched_tokens goes on over the next steps (else
     the slots it did not fill would wait for min_admit of them to free up)."""

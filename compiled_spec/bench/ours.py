@@ -84,7 +84,7 @@ def build_engine(v: Variant, kw: dict[str, Any], prompts: list[list[int]],
 
 
 def _quantiles_ms(seconds: list[float], qs: tuple[float, ...], digits: int) -> list[float]:
-    """Quantiles (nearest rank below) of step times, in milliseconds."""
+    """Quantiles (nearest rank below) of durations (step times, times to first token), in ms."""
     s = sorted(seconds)
     return [round(1e3 * s[int(q * (len(s) - 1))], digits) for q in qs]
 
@@ -156,6 +156,7 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
             outs = [llm.generate(p, sp)[0] for p in chosen]
         else:
             with running_at_most(llm, b):
+                admit = llm.engine.scheduler.min_admit
                 outs = llm.generate(chosen, sp)
         sync(dev)
         wall = time.perf_counter() - t0
@@ -186,6 +187,10 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
                     list(es.recent_decode_step_s)[-n_dec:], (0.5, 0.9, 1.0), 4)
         if b > 1 and waves > 1:
             row.extra["waves"], row.extra["requests"] = waves, len(outs)
+            row.extra["min_admit"] = admit
+            # Bulk admission trades time to first token for fewer prompt steps: both shown.
+            row.extra["ttft_ms_p50_p90"] = _quantiles_ms(
+                [o.metrics.time_to_first_token for o in outs], (0.5, 0.9), 2)
         if es.gc_full_collections > gc0:  # full GC pauses inside the timed steps
             row.extra["gc_full"] = {"count": es.gc_full_collections - gc0,
                                     "ms": round(1e3 * (es.gc_full_s - gcs0), 2)}

@@ -138,6 +138,7 @@ def run_bench(a: argparse.Namespace) -> int:
     kw = dict(model=model, tokenizer=a.tokenizer, dtype=a.dtype, device=device,
               max_model_len=a.max_model_len, page_size=a.page_size, method=a.method,
               num_speculative_tokens=k, draft_sampling=a.draft_sampling,
+              min_admit=getattr(a, "min_admit", None),
               autotune_gemm=getattr(a, "autotune_gemm", False),
               skinny_gemm=getattr(a, "skinny_gemm", False),
               skinny_gemm_prologues=getattr(a, "skinny_gemm_prologues", False),

@@ -5,7 +5,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from compiled_spec.config import SchedulerConfig
+from compiled_spec.config import SchedulerConfig, auto_min_admit
 from compiled_spec.engine.request import Request, Status
 from compiled_spec.kv_cache import BlockAllocator
 
@@ -38,7 +38,17 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        self._admitted_last = False  # an admission round goes on until slots or queue run out
+        # A bulk admission that the token budget cut short goes on next step (its free slots
+        # would otherwise wait for min_admit more); one that filled its slots does not, or
+        # requests ending one per step would keep it open and admit them one at a time.
+        self._round_cut = False
+
+    @property
+    def min_admit(self) -> int:
+        """Requests a bulk admission waits for (``SchedulerConfig.min_admit``; None: a quarter of
+        ``max_num_seqs``, read per step since the bench narrows max_num_seqs per batch size)."""
+        m = self.cfg.min_admit
+        return auto_min_admit(self.cfg.max_num_seqs) if m is None else m
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -117,9 +127,10 @@ class Scheduler:
         # the next steps while the token budget cuts it).
         budget = self.cfg.max_num_batched_tokens
         admitted: list[Request] = []
-        gate = (self.running and not self._admitted_last and self.cfg.min_admit > 1 and
-                self.cfg.max_num_seqs - len(self.running) < min(self.cfg.min_admit,
-                                                                len(self.waiting)))
+        cut = False
+        min_admit = self.min_admit
+        gate = (self.running and not self._round_cut and min_admit > 1 and
+                self.cfg.max_num_seqs - len(self.running) < min(min_admit, len(self.waiting)))
         while (not gate and self.waiting
                and len(self.running) + len(admitted) < self.cfg.max_num_seqs):
             req = self.waiting[0]
@@ -134,6 +145,7 @@ class Scheduler:
                     self.allocator.free(req.req_id)
                     req.num_computed = req.draft_computed = req.num_cached_tokens = 0
             if admitted and n > budget:
+                cut = True
                 break
             if not self.allocator.can_grow(req.req_id, self._need(req)):
                 if not self.running and not admitted:
@@ -152,7 +164,7 @@ class Scheduler:
             budget -= n
             if req.suspect:
                 break
-        self._admitted_last = bool(admitted)
+        self._round_cut = cut
         decoding = list(self.running)
         self.running.extend(admitted)
         reqs = decoding + admitted

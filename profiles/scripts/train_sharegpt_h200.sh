@@ -69,7 +69,7 @@
 #   bash profiles/scripts/train_sharegpt_h200.sh inproc  # an in-process compile vs a cache-served
 #                         process at batch 16 / 64, with probes (inprocess_compile_h200.py)
 #   bash profiles/scripts/train_sharegpt_h200.sh noise  # batch-16 / 64 rows over fresh processes
-#                         (median of ROUNDS), OMP_NUM_THREADS unset vs 1
+#                         (median of ROUNDS), OMP_NUM_THREADS unset vs 1 (OMPS="default" or "1": one)
 #                         WAVES=W (bench, noise): W x B requests at batch B, at most B running
 #                         (slots refilled: steady-state throughput, no fixed-batch tail)
 #   bash profiles/scripts/train_sharegpt_h200.sh treecap  # carry .device/q2 first time: trees at
@@ -344,7 +344,7 @@ noise)
   # Run it after a bench call of the same batches (warm compile cache), else run 1 compiles.
   rm -rf /tmp/noise && mkdir -p /tmp/noise
   for r in $(seq ${ROUNDS:-3}); do
-    for omp in default 1; do
+    for omp in ${OMPS:-default 1}; do
       for v in ours_vanilla_compiled ours_eagle_compiled; do
         O=/tmp/noise/${r}_${omp}_$v
         env $([ $omp = 1 ] && echo OMP_NUM_THREADS=1) timeout ${LIMIT:-90} python3 -m compiled_spec.cli bench \
