@@ -101,10 +101,31 @@ class CompiledModels:
     graphs: EngineGraphs | None = None  # CUDA graphs over the compiled callables, once captured
     graphs_off: str | None = None  # why there are none (CPU device, cudagraphs=False)
     precompile: PrecompileStats | None = None  # CompileConfig.precompile: loads, saves, why not
+    # Graphs per compiled callable when start-up ended (None: it has not): any compiled later
+    # ran inside a request, which start-up's dummy runs are there to prevent.
+    startup_graphs: dict[str, int] | None = None
+
+    def graph_counts(self) -> dict[str, int]:
+        return {name: len(b.graphs) for name, b in self.backends.items()}
+
+    def end_startup(self) -> None:
+        self.startup_graphs = self.graph_counts()
+        if self.graphs is not None:  # dummy requests' replays and fallbacks are no user's
+            self.graphs.reset_counts()
+
+    def compiled_after_startup(self) -> dict[str, int]:
+        """Graphs each callable compiled after start-up, where any did."""
+        if self.startup_graphs is None:
+            return {}
+        return {n: c - self.startup_graphs.get(n, 0) for n, c in self.graph_counts().items()
+                if c > self.startup_graphs.get(n, 0)}
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {name: {"graphs": len(b.graphs), "pass_matches": b.match_counts}
                                for name, b in self.backends.items()}
+        late = self.compiled_after_startup()
+        if late:
+            out["compiled_after_startup"] = late
         out["cuda_graphs"] = self.graphs.stats() if self.graphs is not None else {
             "off": self.graphs_off or "not captured"}
         # callables run eagerly for shapes they failed to compile for (none: left out)

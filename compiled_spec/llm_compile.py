@@ -15,6 +15,7 @@ from compiled_spec.compile import CompileConfig, CompiledModels, capture_graphs,
     use_compiled
 from compiled_spec.compile_cache import CacheStats, activate as activate_compile_cache
 from compiled_spec.config import EngineConfig
+from compiled_spec.engine.warm_paths import warm_uncaptured_paths
 from compiled_spec.gc_heap import freeze_startup_heap
 
 if TYPE_CHECKING:
@@ -55,6 +56,11 @@ class CompileMixin:
                             for g in b.graphs)
             self.startup_s["compile"] = compile_s
             self.startup_s["capture"] = time.perf_counter() - t0 - compile_s
+            if self._compiled.graphs is not None:
+                # Prompt steps run the compiled callables outside the graphs, with shapes no
+                # capture met: compiled now by dummy requests, not inside the first user's.
+                self.startup_s["warm_paths"] = warm_uncaptured_paths(self.engine)
+                self._compiled.end_startup()
             if ec.gc_freeze:  # compiling made most of the long-lived heap: see gc_heap.py
                 self.startup_s["gc_freeze"] = freeze_startup_heap()
         if self._compiled is not None:

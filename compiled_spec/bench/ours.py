@@ -221,6 +221,8 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
             # prefill of a new shape class recompiles; those seconds land in tokens/s).
             row.extra["compiled_graphs"] = {n: c["graphs"] for n, c in llm.compile_stats.items()
                                             if isinstance(c, dict) and "graphs" in c}
+            if "compiled_after_startup" in llm.compile_stats:  # in a request: start-up missed it
+                row.extra["compiled_after_startup"] = llm.compile_stats["compiled_after_startup"]
             # Where start-up went, and whether the persistent cache served it: on the H200 one
             # target graph took 35-52 s to capture on a machine whose cache should have held it
             # (results/2026-12-01_h200_session8/), so the row says hits and misses itself.

@@ -7,6 +7,7 @@ import time
 
 from compiled_spec.config import EngineConfig
 from compiled_spec.draft.model import EagleDraft
+from compiled_spec.engine.early_propose import EarlyProposeStats
 from compiled_spec.engine.kv_pool import build_kv_pool
 from compiled_spec.engine.model_runner import ModelRunner
 from compiled_spec.engine.request import CompletionOutput, Request, RequestOutput, Status
@@ -14,6 +15,7 @@ from compiled_spec.engine.scheduler import Scheduler
 from compiled_spec.engine.stats import EngineStats
 from compiled_spec.engine.stopping import output_text, stop_reason
 from compiled_spec.engine.validation import validate_request
+from compiled_spec.engine.verify_ahead import VerifyAheadStats
 from compiled_spec.gc_heap import CLOCK as GC_CLOCK
 from compiled_spec.models.decoder import CausalLM
 from compiled_spec.models.fuse import fuse_projections
@@ -77,20 +79,31 @@ class LLMEngine:
         self.detokenize = detokenize
         self._rng = random.Random(cfg.seed)
         self._next_id = 0
-        self.stats = EngineStats()
-        if cfg.spec is not None and cfg.spec.speculation_policy == "adaptive":
-            self.stats.policy = SpecPolicy()
         early = self.runner.early if draft is not None else None
         if early is not None:
             early.enabled = cfg.spec.early_propose
-            self.stats.early_propose = early.stats
         # Vanilla greedy decode and early chain and tree steps launch the next step ahead.
         self.runner.ahead.enabled = cfg.verify_ahead and (cfg.spec is None
                                                           or cfg.spec.early_propose)
         self.runner.ahead.eos_token_ids = self.eos_token_ids
-        self.stats.verify_ahead = self.runner.ahead.stats
+        self.reset_stats()
         self._mode_prev = SPEC  # the last proposal's mode: what this step verifies
         self._obs: tuple[int, str, float] | None = None  # this step, if steady: (B, mode, tau)
+
+    def reset_stats(self) -> None:
+        """Every counter back to zero and request ids from 0 again (after start-up's dummy
+        requests, compiled_spec/engine/warm_paths.py): what users read counts their requests."""
+        self.stats = EngineStats()
+        if self.cfg.spec is not None and self.cfg.spec.speculation_policy == "adaptive":
+            self.stats.policy = SpecPolicy()  # dummy steps' costs (compiles) taught it nothing
+        if self.draft is not None and self.runner.early is not None:
+            self.runner.early.stats = EarlyProposeStats()
+            self.stats.early_propose = self.runner.early.stats
+        self.runner.ahead.stats = VerifyAheadStats()
+        self.stats.verify_ahead = self.runner.ahead.stats
+        self.runner.host_wait_s = 0.0
+        self.scheduler.num_preemptions = 0
+        self._next_id = 0
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
         """Raise ValueError naming what is wrong with a request; touches no state. Returns the

@@ -183,6 +183,13 @@ class EngineGraphs:
         self.capture_s = time.perf_counter() - t0
         return self.capture_s
 
+    def reset_counts(self) -> None:
+        """Replays, padded rows and fallbacks back to zero (after start-up's dummy requests)."""
+        for r in self.registry.runners.values():
+            r.graph_replays = r.padded_rows = r.eager_fallbacks = 0
+            r.fallback_reasons = {}
+        self.target.prefill_calls = 0
+
     def stats(self) -> dict[str, Any]:
         per = self.registry.stats()
         per["target_decode"]["prefill_calls"] = self.target.prefill_calls

@@ -1,0 +1,75 @@
+"""Dummy requests at start-up through the paths that run outside CUDA graphs.
+
+Capture compiles and records the decode / verify / propose graphs, but a step with a prompt runs
+the compiled target and draft callables directly, with shapes no capture met: a prompt's token
+count, one sequence (Dynamo specialises sizes 0 and 1) or several, the draft's first pass over
+a prompt. Each such class compiled on first use, inside a user's request: the first request of
+a fresh EAGLE-3 engine on the H200 took 25.3 s (session 21), the second 1.4 s, the rest ~0.06 s.
+So start-up sends requests of dummy tokens through the real engine loop (one request alone, then
+a batch of several with one admitted beside running ones, greedy and sampled) and then zeroes
+every counter, so that ``llm.stats`` and graph statistics count users' requests only.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from compiled_spec.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from compiled_spec.engine.engine import LLMEngine
+
+
+def _prompt(n: int, vocab: int, salt: int) -> list[int]:
+    # Ids from 1 up (0 is often a special token); the salt keeps prompts apart so that no
+    # prefix-cache hit skips a prefill.
+    return [1 + (salt * 7 + 3 * i) % max(1, vocab - 1) for i in range(n)]
+
+
+def warm_requests(max_model_len: int, page_size: int, lookahead: int, max_num_seqs: int,
+                  vocab: int) -> list[list[tuple[list[int], SamplingParams]]]:
+    """Rounds of (prompt, params): one request alone, then (with room for two) three
+    requests at most two at a time, of different lengths and budgets, so that a prompt is
+    admitted beside a running request. Lengths fit ``max_model_len`` with the speculative
+    lookahead; each request decodes past one full drafting step."""
+    decode = lookahead + 3
+    room = max_model_len - 2 * decode - lookahead - 1  # the longest budget below is 2 x decode
+    if room < 2:
+        return []
+    lengths = [min(room, n) for n in (2 * page_size + 3, page_size + 1, 3 * page_size - 1, 5)]
+    greedy = SamplingParams(max_tokens=decode, temperature=0.0, ignore_eos=True)
+    longer = SamplingParams(max_tokens=2 * decode, temperature=0.0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=decode, temperature=0.8, top_p=0.9, seed=0,
+                             ignore_eos=True)
+    rounds = [[(_prompt(lengths[0], vocab, 0), greedy)]]
+    if max_num_seqs >= 2:
+        rounds.append([(_prompt(lengths[1], vocab, 1), greedy),
+                       (_prompt(lengths[2], vocab, 2), longer),
+                       (_prompt(lengths[3], vocab, 3), sampled)])
+    return rounds
+
+
+def warm_uncaptured_paths(engine: LLMEngine) -> float:
+    """Run ``warm_requests`` through ``engine`` (at most two running at once, each freed slot
+    filled at once), then reset its counters. Returns the seconds taken."""
+    from dataclasses import replace
+
+    t0 = time.perf_counter()
+    cfg, sched = engine.cfg, engine.scheduler
+    rounds = warm_requests(cfg.max_model_len, cfg.cache.page_size, sched.lookahead,
+                           cfg.scheduler.max_num_seqs, engine.model.config.vocab_size)
+    saved = sched.cfg
+    sched.cfg = replace(saved, max_num_seqs=min(2, saved.max_num_seqs), min_admit=1)
+    try:
+        for batch in rounds:
+            for ids, params in batch:
+                engine.add_request(ids, params)
+            while engine.has_unfinished():
+                for req in engine.step():
+                    if req.finish_reason == "abort":
+                        raise RuntimeError(f"start-up's dummy request {req.req_id} was aborted: "
+                                           f"{req.error}")
+    finally:
+        sched.cfg = saved
+    engine.reset_stats()
+    return time.perf_counter() - t0
