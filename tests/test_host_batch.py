@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import random
 
+import pytest
+import torch
+
 from compiled_spec.engine.batch import Span, loop_rows, span_rows
 from compiled_spec.engine.request import Request
 from compiled_spec.kv_cache import BlockAllocator
@@ -73,3 +76,31 @@ def test_requests_compare_by_identity_in_the_scheduler_queues():
     sched.running.extend([a, b])
     sched.finish(b, "stop")
     assert sched.running == [a] and sched.running[0] is a
+
+
+@pytest.mark.parametrize("num_tokens, tables", [
+    (1, [[3]]), (7, [[1, 2], [4]]), (6, [[1, 2, 3], [4], [5, 6]]), (13, [[9]] * 5)])
+def test_metadata_views_are_16_byte_aligned_and_hold_the_lists(num_tokens, tables):
+    """Triton compiles one binary per pointer alignment: views at count-dependent offsets of
+    one staging buffer made prompt steps JIT-compile kernels start-up had compiled (H200)."""
+    from compiled_spec.engine.batch import metadata_to_device
+
+    b = len(tables)
+    positions = list(range(10, 10 + num_tokens))
+    slots = list(range(100, 100 + num_tokens))
+    lens = [len(t) * 4 for t in tables]
+    qsl = sorted(range(b + 1))
+    pos, meta = metadata_to_device(torch.device("cpu"), positions, slots, lens, qsl, tables, 3,
+                                   max(lens))
+    for t in (pos, meta.slot_mapping, meta.seq_lens, meta.query_start_loc, meta.block_tables):
+        assert t.storage_offset() * t.element_size() % 16 == 0, t
+    assert pos.tolist() == positions and meta.slot_mapping.tolist() == slots
+    assert meta.seq_lens.tolist() == lens and meta.query_start_loc.tolist() == qsl
+    width = max(2, max(map(len, tables)))
+    assert meta.block_tables.tolist() == [t + [0] * (width - len(t)) for t in tables]
+    # the loop layout ([S, B] positions, slots and lens) keeps its shape
+    pos2, meta2 = metadata_to_device(torch.device("cpu"), [[1, 2, 3]] * 3, [[4, 5, 6]] * 3,
+                                     [[7, 8, 9]] * 3, [0, 1, 2, 3], [[1], [2], [3]], 1, 9)
+    assert pos2.shape == (3, 3) and meta2.slot_mapping.tolist() == [[4, 5, 6]] * 3
+    assert meta2.seq_lens.shape == (3, 3)
+    assert meta2.slot_mapping.storage_offset() * 8 % 16 == 0
