@@ -1,7 +1,10 @@
 """What a warm engine still compiles while serving, and what each prompt step costs.
 
 Session 21 (H200): the first engine of a bench process (the EAGLE-3 chain) had one prompt step
-of 524 ms among ten of ~23 ms; engines built later in the same process had none. This builds an
+of 524 ms among ten of ~23 ms; engines built later in the same process had none. This probe then
+found a fresh engine's first request at 25.3 s (Dynamo compiling the prompt-step shapes) and
+Triton JIT-compiling attention kernels in three of twelve requests (pointer alignment of the
+metadata views); start-up's dummy requests and aligned views answer both. This builds an
 engine as the bench does (compiled + graphs, bf16, batch 1), runs MT-bench prompts one at a
 time and prints, per request: its prompt step's time, Dynamo frames compiled, Triton JIT
 compiles (kernel names, through Triton's post-compile hook) and the step's share of either.
@@ -81,7 +84,11 @@ def main() -> None:
                          prompt_step_ms=round(1e3 * st.recent_prefill_step_s[-1], 2),
                          dynamo_frames=_frames() - f0, triton_jit=JIT[j0:]))
         print(json.dumps(rows[-1]), flush=True)
-    res = dict(startup_s=round(startup, 1), triton_hook=hooked, rows=rows)
+    res = dict(startup_s=round(startup, 1), startup_split_s={k: round(v, 2) for k, v in
+                                                              llm.startup_s.items()},
+               compiled_after_startup=llm.compile_stats.get("compiled_after_startup", {}),
+               triton_hook=hooked, rows=rows)
+    print(json.dumps({k: v for k, v in res.items() if k != "rows"}), flush=True)
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))
 
