@@ -94,3 +94,23 @@ def test_warm_requests_fit_the_engine() -> None:
                          vocab=100) == []
     short = warm_requests(max_model_len=24, page_size=16, lookahead=5, max_num_seqs=8, vocab=50)
     assert all(len(p) + sp.max_tokens + 5 < 24 for r in short for p, sp in r)
+
+
+def test_a_pool_too_small_for_them_warns_and_leaves_a_working_engine(bigram_eagle3,
+                                                                     smollm2_gguf_path, caplog):
+    """Start-up must not fail because its own dummy requests do not fit: it warns, frees
+    what they held and resets the counters; users' requests that fit still run."""
+    llm = _spec(bigram_eagle3, smollm2_gguf_path)
+    target, head = bigram_eagle3
+    small = LLM(model=target, tokenizer=smollm2_gguf_path, draft=head, num_speculative_tokens=K,
+                max_model_len=128, max_num_seqs=4, page_size=4, num_kv_blocks=3)
+    small = with_emulated_graphs(small, K)
+    with caplog.at_level("WARNING"):
+        warm_uncaptured_paths(small.engine)
+    assert "dummy requests stopped" in caplog.text
+    assert small.stats.num_steps == 0 and small.stats.num_aborted == 0
+    assert not small.engine.has_unfinished()
+    assert small.engine.allocator.num_free == small.engine.allocator.num_blocks
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    want = llm.generate([[3, 4]], sp, use_tqdm=False)[0].outputs[0].token_ids
+    assert small.generate([[3, 4]], sp, use_tqdm=False)[0].outputs[0].token_ids == want

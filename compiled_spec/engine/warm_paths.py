@@ -11,6 +11,7 @@ every counter, so that ``llm.stats`` and graph statistics count users' requests 
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING
 
@@ -18,6 +19,8 @@ from compiled_spec.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from compiled_spec.engine.engine import LLMEngine
+
+log = logging.getLogger(__name__)
 
 
 def _prompt(n: int, vocab: int, salt: int) -> list[int]:
@@ -62,14 +65,29 @@ def warm_uncaptured_paths(engine: LLMEngine) -> float:
     sched.cfg = replace(saved, max_num_seqs=min(2, saved.max_num_seqs), min_admit=1)
     try:
         for batch in rounds:
-            for ids, params in batch:
-                engine.add_request(ids, params)
+            try:
+                for ids, params in batch:
+                    engine.add_request(ids, params)
+            except ValueError as e:  # a KV pool too small for it, say
+                return _stop(engine, t0, str(e))
             while engine.has_unfinished():
-                for req in engine.step():
-                    if req.finish_reason == "abort":
-                        raise RuntimeError(f"start-up's dummy request {req.req_id} was aborted: "
-                                           f"{req.error}")
+                aborted = [r for r in engine.step() if r.finish_reason == "abort"]
+                if aborted:
+                    return _stop(engine, t0, aborted[0].error or "aborted")
     finally:
         sched.cfg = saved
+    return _done(engine, t0)
+
+
+def _stop(engine: LLMEngine, t0: float, why: str) -> float:
+    """A dummy request the engine cannot run: the engine still works, and the shapes left out
+    compile in the first requests that meet them (counted in compiled_after_startup)."""
+    log.warning("start-up's dummy requests stopped (%s): the first requests may compile", why)
+    engine.abort({r.req_id for r in engine.scheduler.running}
+                 | {r.req_id for r in engine.scheduler.waiting}, "start-up warm-up stopped")
+    return _done(engine, t0)
+
+
+def _done(engine: LLMEngine, t0: float) -> float:
     engine.reset_stats()
     return time.perf_counter() - t0
