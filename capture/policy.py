@@ -50,6 +50,8 @@ class CapturePolicy:
     max_model_len: int  # longest context; the default (and usual largest) max_seq_len bucket
     batch_sizes: tuple[int, ...] = ()  # requests per captured graph; () = default_batch_sizes
     seq_len_buckets: tuple[int, ...] = ()  # max_seq_len values captured; () = (max_model_len,)
+    # Query lengths of one-sequence prompt-step graphs (``prefill_sizes``); () = none.
+    prefill_sizes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_model_len"):
@@ -69,7 +71,12 @@ class CapturePolicy:
         if buckets[-1] > self.max_model_len:
             raise ValueError(f"seq_len_buckets {buckets}: {buckets[-1]} exceeds max_model_len="
                              f"{self.max_model_len}")
+        pre = _positive_sorted("prefill_sizes", tuple(self.prefill_sizes))
+        if pre and pre[-1] > self.max_model_len:
+            raise ValueError(f"prefill_sizes {pre}: {pre[-1]} exceeds max_model_len="
+                             f"{self.max_model_len}")
         # Frozen: normalise through object.__setattr__ (sorted, deduplicated, defaults filled in).
+        object.__setattr__(self, "prefill_sizes", pre)
         object.__setattr__(self, "batch_sizes", sizes)
         object.__setattr__(self, "seq_len_buckets", buckets)
 
@@ -98,6 +105,26 @@ def verify_sizes(policy: CapturePolicy) -> list[int]:
 def draft_step_sizes(policy: CapturePolicy) -> list[int]:
     """Batch sizes of the one-token draft steps (and of the captured k-step draft loop)."""
     return list(policy.batch_sizes)
+
+
+def prefill_sizes(max_tokens: int, verify_query_len: int, smallest: int = 16) -> tuple[int, ...]:
+    """Query lengths of the one-sequence prompt-step graphs: powers of two from ``smallest``
+    (above the verify graph's k + 1, which serves shorter steps) up to ``max_tokens``, the last
+    one ``max_tokens`` itself when it is no power of two. A prompt of n tokens replays the
+    smallest >= n, its rows past n inert (slot -1); why graphs: a prompt step without one was
+    host-bound at 15-40 ms on the H200 (SmolLM2, ~360 launches through Python) against 1-3 ms
+    for a replayed step. 0 tokens: none."""
+    if max_tokens < 0:
+        raise ValueError(f"prefill_sizes: max_tokens={max_tokens} is negative")
+    out, q = [], max(smallest, 1)
+    while q <= verify_query_len:
+        q *= 2
+    while q < max_tokens:
+        out.append(q)
+        q *= 2
+    if max_tokens > verify_query_len:
+        out.append(max_tokens)
+    return tuple(out)
 
 
 def pad_to(n: int, sizes: list[int] | tuple[int, ...]) -> int | None:

@@ -70,12 +70,20 @@ class CompileConfig:
     # the ~0.5 us gap between the ~450 small kernels of a SmolLM2 step (H200 trace, twelfth
     # session). Our own Triton and cuBLAS kernels launch as before. Off until measured.
     pdl: bool = False
+    # One-sequence prompt steps of up to this many query tokens replay CUDA graphs padded to
+    # 16, 32, ... tokens (capture.policy.prefill_sizes); 0 = none. Why: without a graph a
+    # prompt step was host-bound at 15-40 ms on the H200 (SmolLM2: ~360 launches through
+    # Python) against 1-3 ms for a decode step; at batch 1 every request starts with one.
+    prefill_graph_tokens: int = 512
 
     def __post_init__(self) -> None:
         for name in ("inductor", "dynamic", "cudagraphs", "strict_capture", "autotune_gemm",
                      "skinny_gemm", "skinny_gemm_prologues", "pdl"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"CompileConfig.{name}={getattr(self, name)!r}: must be a bool")
+        t = self.prefill_graph_tokens
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise ValueError(f"CompileConfig.prefill_graph_tokens={t!r}: an integer >= 0")
         if self.precompile is not None and not isinstance(self.precompile, bool):
             raise ValueError(f"CompileConfig.precompile={self.precompile!r}: a bool, or None "
                              "(on for CUDA engines)")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from capture import CapturePolicy
+from capture import CapturePolicy, prefill_sizes
 from compiled_spec.compile import CompileConfig, CompiledModels, capture_graphs, compile_models, \
     use_compiled
 from compiled_spec.compile_cache import CacheStats, activate as activate_compile_cache
@@ -49,7 +49,11 @@ class CompileMixin:
                     num_speculative_tokens=0 if ec.spec is None else
                     ec.spec.num_speculative_tokens,
                     max_model_len=ec.max_model_len, batch_sizes=cc.capture_batch_sizes,
-                    seq_len_buckets=cc.seq_len_buckets)
+                    seq_len_buckets=cc.seq_len_buckets,
+                    prefill_sizes=prefill_sizes(
+                        min(cc.prefill_graph_tokens, ec.max_model_len,
+                            ec.scheduler.max_num_batched_tokens),
+                        1 + (0 if ec.spec is None else ec.spec.num_speculative_tokens)))
                 capture_graphs(self.engine.runner, self._compiled, policy, ec.cache.page_size,
                                cc.strict_capture)
             compile_s = sum(g.compile_s for b in self._compiled.backends.values()

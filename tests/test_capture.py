@@ -11,7 +11,7 @@ import torch
 from capture import (CaptureError, CapturePolicy, GraphRegistry, GraphRunner, LiveBatch,
                      StaticBuffers, assert_captured, bucket_max_seq_len, decode_sizes,
                      default_batch_sizes, draft_step_sizes, pad_batch, pad_to, padding_table,
-                     verify_sizes)
+                     prefill_sizes, verify_sizes)
 from capture.emulate import EmulatedGraphRunner
 from capture.selfcheck_cuda import TinyModel, live_batch, make_world
 
@@ -41,10 +41,25 @@ def test_policy_sizes():
     assert decode_sizes(one, single_via_verify=True) == [] and verify_sizes(one) == [6]
 
 
+def test_prefill_sizes():
+    """One-sequence prompt-step graphs: powers of two above the verify's k + 1 tokens, up to
+    the cap (kept when it is no power of two); nothing for a cap the verify graph covers."""
+    assert prefill_sizes(512, 6) == (16, 32, 64, 128, 256, 512)
+    assert prefill_sizes(300, 6) == (16, 32, 64, 128, 256, 300)
+    assert prefill_sizes(16, 1) == (16,) and prefill_sizes(10, 1) == (10,)
+    assert prefill_sizes(64, 20) == (32, 64)  # k + 1 = 20: the verify graph serves <= 20
+    assert prefill_sizes(0, 6) == () == prefill_sizes(6, 6)
+    with pytest.raises(ValueError, match="negative"):
+        prefill_sizes(-1, 6)
+    p = CapturePolicy(4, 3, 128, prefill_sizes=(64, 16, 16))
+    assert p.prefill_sizes == (16, 64) and CapturePolicy(4, 3, 128).prefill_sizes == ()
+
+
 @pytest.mark.parametrize("kwargs", [
     dict(max_batch_size=0), dict(num_speculative_tokens=-1), dict(max_model_len=0),
     dict(num_speculative_tokens=True), dict(batch_sizes=(1, 32)), dict(batch_sizes=(0, 2)),
     dict(seq_len_buckets=(4096,)), dict(seq_len_buckets=(1.5,)),
+    dict(prefill_sizes=(4096,)), dict(prefill_sizes=(0,)),
 ])
 def test_policy_validation(kwargs):
     base = dict(max_batch_size=16, num_speculative_tokens=3, max_model_len=2048)

@@ -15,8 +15,12 @@ Draft-tree engines register ``target_tree_verify``, ``tree_draft_first_pass`` an
 ``tree_draft_expand`` (``engine.tree_graphs``) instead of ``target_verify`` / ``draft_propose``,
 and with early propose on ``tree_draft_early`` (``engine.early_tree_graph``).
 
-Prefill steps (any request with more than k + 1 query tokens) are never captured; they run the
-compiled function directly and are counted as ``prefill``. Every other miss (batch above the
+* ``target_prefill_<Q>``: one sequence's prompt step, padded to Q query tokens
+  (``capture.policy.prefill_sizes``; ``CompileConfig.prefill_graph_tokens``), its rows past the
+  prompt inert.
+
+Other prompt steps (several sequences, or one above the largest Q) run the compiled function
+directly and are counted as ``prefill_calls``. Every other miss (batch above the
 largest captured size, context above the largest bucket, a failed capture, the CPU) is counted by
 its ``GraphRunner`` under its reason, so ``stats()`` always says how each step ran.
 """
@@ -42,6 +46,7 @@ from compiled_spec.engine.propose_graph import ProposeGraphs
 from compiled_spec.engine.tree_graphs import TreeProposeGraphs, register_tree_verify, tree_live
 
 TargetFn = Callable[..., Any]  # (input_ids, positions, meta, aux_layer_ids) -> (hidden, aux)
+PREFILL = "target_prefill"  # component names: target_prefill_<query length>
 
 
 class GraphedTarget:
@@ -50,12 +55,15 @@ class GraphedTarget:
 
     def __init__(self, fn: TargetFn, decode: GraphRunner, verify: GraphRunner | None,
                  verify_query_len: int, tree: GraphRunner | None = None,
-                 single_via_verify: bool = False) -> None:
+                 single_via_verify: bool = False, prefill: list[GraphRunner] | None = None
+                 ) -> None:
         self.fn, self.decode, self.verify, self.tree = fn, decode, verify, tree
         self.verify_query_len = verify_query_len
         # One request decoding replays the batch-1 verify graph (capture.policy.decode_sizes).
         self.single_via_verify = single_via_verify and verify is not None
-        self.prefill_calls = 0
+        # One-sequence prompt steps, by query length ascending (capture.policy.prefill_sizes).
+        self.prefill = sorted(prefill or [], key=lambda r: r.query_len)
+        self.prefill_calls = 0  # prompt steps run without a graph
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  aux_layer_ids: tuple[int, ...] = ()) -> Any:
@@ -69,11 +77,16 @@ class GraphedTarget:
         return self.fn(input_ids, positions, meta, aux_layer_ids)
 
     def _causal_runner(self, max_query_len: int, num_seqs: int) -> GraphRunner | None:
-        """Decode (one query token) or verify (up to k + 1); None, counted, for a prefill."""
+        """Decode (one query token), verify (up to k + 1), or one sequence's prompt step (the
+        smallest prefill graph that holds it); None, counted, for any other prompt step."""
         if max_query_len == 1 and not (self.single_via_verify and num_seqs == 1):
             return self.decode
         if self.verify is not None and max_query_len <= self.verify_query_len:
             return self.verify
+        if num_seqs == 1:
+            for r in self.prefill:
+                if r.query_len >= max_query_len:
+                    return r
         self.prefill_calls += 1
         return None
 
@@ -138,8 +151,15 @@ class EngineGraphs:
                      query_len=k + 1) if k > 0 else None
         tree_verify = None if tree is None else register_tree_verify(
             reg, target_fn, tree, policy.batch_sizes, max_blocks, device, aux_ids)
+        # One sequence's prompt step, padded to a captured query length (its own buffers: the
+        # decode / verify ones hold max_seqs * (k + 1) tokens).
+        prefill = []
+        if policy.prefill_sizes:
+            pbufs = StaticBuffers(policy.prefill_sizes[-1], 1, max_blocks, device)
+            prefill = [reg(f"{PREFILL}_{q}", target_graph_fn, [q], pbufs, query_len=q)
+                       for q in policy.prefill_sizes]
         self.target = GraphedTarget(target_fn, decode, verify, k + 1, tree_verify,
-                                    single_via_verify=k > 0)
+                                    single_via_verify=k > 0, prefill=prefill)
         self.propose: ProposeGraphs | TreeProposeGraphs | None = None
         self.propose_early: EarlyProposeGraphs | EarlyTreeGraphs | None = None
         prop = runner.proposer
@@ -169,8 +189,11 @@ class EngineGraphs:
     @property
     def required(self) -> list[str]:
         """Components that must have graphs: every registered one with sizes to capture (a
-        chain engine of batch size 1 has no decode graph: the verify graph serves it)."""
-        return [name for name, r in self.registry.runners.items() if r.sizes]
+        chain engine of batch size 1 has no decode graph: the verify graph serves it). Prompt
+        steps ran without graphs before they had any: a failed prefill capture is recorded and
+        its steps run compiled, counted, but start-up goes on."""
+        return [name for name, r in self.registry.runners.items()
+                if r.sizes and not name.startswith(PREFILL)]
 
     def capture(self) -> float:
         """Dummy runs + capture of every component; raises ``CaptureError`` when a component
