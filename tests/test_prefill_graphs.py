@@ -50,6 +50,38 @@ def test_prompt_steps_replay_prefill_graphs(bigram_eagle3, smollm2_gguf_path, wa
     assert comp["target_prefill_16"]["padded_rows"] == (16 - 12) + short * (16 - 3)
     assert comp["target_decode"]["prefill_calls"] == 2
     assert all(comp[f"target_prefill_{q}"]["eager_fallbacks"] == 0 for q in SIZES)
+    if engine == "chain":
+        # The proposals after prompt steps replay the propose graph too (the first pass's head
+        # eager: compiled_spec/spec/first_pass_split.py), and draft exactly what the eager
+        # engine drafts: the same acceptance.
+        assert "prefill" not in comp["draft_propose"]["fallback_reasons"], comp["draft_propose"]
+        eager = LLM(**kw)
+        assert _run(eager) == want
+        assert llm.stats.spec.num_accepted_tokens == eager.stats.spec.num_accepted_tokens
+        assert llm.stats.spec.num_drafting_steps == eager.stats.spec.num_drafting_steps
+
+
+def test_split_first_pass_keeps_every_position_once():
+    from compiled_spec.engine.batch import Span
+    from compiled_spec.spec.first_pass_split import split_first_pass
+    from compiled_spec.spec.proposer import ProposeBatch
+
+    batch = ProposeBatch(first_pass=[Span(7, 0, 10), Span(8, 20, 3), Span(9, 5, 6)],
+                         token_ids=list(range(100, 119)), hidden_rows=list(range(19)),
+                         step_limits=[30, 40, 50], temperature=[0.0, 0.5, 0.0], seeds=[1, 2, 3])
+    pre, rest = split_first_pass(batch, 4)
+    assert [(s.req_id, s.start, s.length) for s in pre.first_pass] == [(7, 0, 6), (9, 5, 2)]
+    assert pre.token_ids == list(range(100, 106)) + [113, 114]
+    assert pre.hidden_rows == list(range(6)) + [13, 14]
+    assert [(s.req_id, s.start, s.length) for s in rest.first_pass] == [
+        (7, 6, 4), (8, 20, 3), (9, 7, 4)]
+    assert rest.token_ids == list(range(106, 113)) + list(range(115, 119))
+    assert rest.hidden_rows == list(range(6, 13)) + list(range(15, 19))
+    assert (rest.step_limits, rest.temperature, rest.seeds) == (
+        batch.step_limits, batch.temperature, batch.seeds)
+    short = ProposeBatch(first_pass=[Span(1, 3, 4)], token_ids=[1, 2, 3, 4],
+                         hidden_rows=[0, 1, 2, 3], step_limits=[9], temperature=[0.0], seeds=[0])
+    assert split_first_pass(short, 4) == (None, short)
 
 
 def test_no_prefill_sizes_no_prefill_graphs(bigram_eagle3, smollm2_gguf_path, want):

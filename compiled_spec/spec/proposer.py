@@ -21,6 +21,7 @@ from compiled_spec.draft.model import EagleDraft
 from compiled_spec.engine.batch import Span, build_loop_metadata, build_metadata, to_device
 from compiled_spec.kv_cache import BlockAllocator
 from compiled_spec.spec.argmax import rowwise_argmax
+from compiled_spec.spec.first_pass_split import compact_rows, split_first_pass
 from compiled_spec.spec.rejection import sample_draft
 
 if TYPE_CHECKING:
@@ -200,6 +201,11 @@ class EagleProposer:
         """Returns draft tokens [B, k] (target vocab) and, when drafts are sampled, their
         probabilities [B, k, target_vocab]."""
         if self.graph is not None:
+            if self.graph.enabled:  # a prompt's first pass: its head eager, the rest replayed
+                pre, batch = split_first_pass(batch, self.k + 1)
+                if pre is not None:
+                    self.first_pass(pre, target_hidden)  # writes the draft KV there
+                    batch, target_hidden = compact_rows(batch, target_hidden, self.device)
             out = self.graph.run(batch, target_hidden)
             if out is not None:
                 return out
