@@ -50,6 +50,9 @@ def test_prompt_steps_replay_prefill_graphs(bigram_eagle3, smollm2_gguf_path, wa
     assert comp["target_prefill_16"]["padded_rows"] == (16 - 12) + short * (16 - 3)
     assert comp["target_decode"]["prefill_calls"] == 2
     assert all(comp[f"target_prefill_{q}"]["eager_fallbacks"] == 0 for q in SIZES)
+    if engine == "tree":  # the first pass after a prompt: its head eager, the rest replayed
+        assert comp["tree_draft_first_pass"]["fallback_reasons"] == {}, comp["tree_draft_first_pass"]
+        assert comp["tree_draft_first_pass"]["graph_replays"] > 0
     if engine == "chain":
         # The proposals after prompt steps replay the propose graph too (the first pass's head
         # eager: compiled_spec/spec/first_pass_split.py), and draft exactly what the eager
