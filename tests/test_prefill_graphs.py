@@ -95,3 +95,25 @@ def test_no_prefill_sizes_no_prefill_graphs(bigram_eagle3, smollm2_gguf_path, wa
     comp = llm.compile_stats["cuda_graphs"]["components"]
     assert not any(n.startswith("target_prefill") for n in comp)
     assert comp["target_decode"]["prefill_calls"] == 5  # 4 prompts alone, one step of two
+
+
+def test_prefill_graphs_only_take_buckets_that_hold_their_prompt(bigram_eagle3,
+                                                                 smollm2_gguf_path, want):
+    """A prompt of q tokens has a context of at least q: a prefill graph is captured only at
+    max_seq_len buckets >= its query length (a 32-token dummy prompt in a 16-token context
+    would be no batch the engine can meet)."""
+    from capture import CapturePolicy
+    from compiled_spec.compile import CompileConfig, capture_graphs, compile_models
+
+    target, _ = bigram_eagle3
+    llm = LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=128, max_num_seqs=4)
+    models = compile_models(llm.engine.runner, CompileConfig(inductor=False))
+    llm._compiled = models
+    policy = CapturePolicy(max_batch_size=4, num_speculative_tokens=0, max_model_len=128,
+                           batch_sizes=(1, 2, 4), seq_len_buckets=(16, 128),
+                           prefill_sizes=(16, 32))
+    graphs = capture_graphs(llm.engine.runner, models, policy, 16, emulate=True)
+    runners = graphs.registry.runners
+    assert runners["target_prefill_16"].seq_len_buckets == (16, 128)
+    assert runners["target_prefill_32"].seq_len_buckets == (128,)
+    assert _run(llm) == want

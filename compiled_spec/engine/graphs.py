@@ -156,8 +156,10 @@ class EngineGraphs:
         prefill = []
         if policy.prefill_sizes:
             pbufs = StaticBuffers(policy.prefill_sizes[-1], 1, max_blocks, device)
-            prefill = [reg(f"{PREFILL}_{q}", target_graph_fn, [q], pbufs, query_len=q)
-                       for q in policy.prefill_sizes]
+            # a prompt of q tokens has a context of at least q: buckets below q hold none
+            prefill = [reg(f"{PREFILL}_{q}", target_graph_fn, [q], pbufs, query_len=q,
+                           seq_len_buckets=tuple(b for b in policy.seq_len_buckets if b >= q))
+                       for q in policy.prefill_sizes if q <= policy.seq_len_buckets[-1]]
         self.target = GraphedTarget(target_fn, decode, verify, k + 1, tree_verify,
                                     single_via_verify=k > 0, prefill=prefill)
         self.propose: ProposeGraphs | TreeProposeGraphs | None = None
