@@ -54,7 +54,11 @@ def test_after_the_dummy_requests_no_request_compiles(bigram_eagle3, smollm2_ggu
     seconds = warm_uncaptured_paths(llm.engine)
     models.end_startup()
     assert seconds > 0
-    # Counters start from zero, request ids from 0, graph statistics count no dummy step.
+    # Counters start from zero, graph statistics count no dummy step, and no state of the
+    # dummy requests carries over (request ids go on past theirs).
+    runner = llm.engine.runner
+    assert runner._drafts is None and runner._draft_row == {} and runner._pending is None
+    assert llm.engine._next_id > 0
     st = llm.stats
     assert (st.num_steps, st.num_prefill_steps, st.num_decode_tokens, st.spec.num_drafting_steps,
             st.early_propose.early, st.early_propose.late) == (0, 0, 0, 0, 0, 0)

@@ -91,8 +91,10 @@ class LLMEngine:
         self._obs: tuple[int, str, float] | None = None  # this step, if steady: (B, mode, tau)
 
     def reset_stats(self) -> None:
-        """Every counter back to zero and request ids from 0 again (after start-up's dummy
-        requests, compiled_spec/engine/warm_paths.py): what users read counts their requests."""
+        """Every counter back to zero (after start-up's dummy requests,
+        compiled_spec/engine/warm_paths.py): what users read counts their requests. Request
+        ids go on increasing: state keyed by id (drafts, a verify launched ahead) can never be
+        taken for a later request's."""
         self.stats = EngineStats()
         if self.cfg.spec is not None and self.cfg.spec.speculation_policy == "adaptive":
             self.stats.policy = SpecPolicy()  # dummy steps' costs (compiles) taught it nothing
@@ -103,7 +105,6 @@ class LLMEngine:
         self.stats.verify_ahead = self.runner.ahead.stats
         self.runner.host_wait_s = 0.0
         self.scheduler.num_preemptions = 0
-        self._next_id = 0
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
         """Raise ValueError naming what is wrong with a request; touches no state. Returns the

@@ -89,5 +89,6 @@ def _stop(engine: LLMEngine, t0: float, why: str) -> float:
 
 
 def _done(engine: LLMEngine, t0: float) -> float:
+    engine.runner.reset()  # no drafts or verify-ahead launch of a dummy request carries over
     engine.reset_stats()
     return time.perf_counter() - t0
