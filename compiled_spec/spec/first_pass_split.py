@@ -11,22 +11,16 @@ pass over the last q positions: that second part is an ordinary graph-sized prop
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from compiled_spec.engine.batch import Span, to_device
-
-if TYPE_CHECKING:
-    from compiled_spec.spec.proposer import ProposeBatch
+from compiled_spec.spec.propose_batch import ProposeBatch
 
 
 def split_first_pass(batch: ProposeBatch, q: int) -> tuple[ProposeBatch | None, ProposeBatch]:
     """(the leading positions of every first pass longer than ``q`` as a batch of their own,
     None when there are none; ``batch`` with each first pass cut to its last ``q`` positions).
     Both keep the target rows of ``batch`` (``hidden_rows`` index the same target states)."""
-    from compiled_spec.spec.proposer import ProposeBatch
-
     pre_spans, pre_ids, pre_rows = [], [], []
     spans, ids, rows = [], [], []
     o = 0

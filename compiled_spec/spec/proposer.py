@@ -10,7 +10,6 @@ never waits on the device: the k-1 steps' metadata are built at once into one ``
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,27 +17,16 @@ import torch
 from capture.pad import LiveBatch
 from compiled_spec.attention_metadata import AttentionMetadata
 from compiled_spec.draft.model import EagleDraft
-from compiled_spec.engine.batch import Span, build_loop_metadata, build_metadata, to_device
+from compiled_spec.engine.batch import build_loop_metadata, build_metadata, to_device
 from compiled_spec.kv_cache import BlockAllocator
 from compiled_spec.spec.argmax import rowwise_argmax
 from compiled_spec.spec.first_pass_split import compact_rows, split_first_pass
+from compiled_spec.spec.propose_batch import ProposeBatch  # noqa: F401  (re-exported)
 from compiled_spec.spec.rejection import sample_draft
 
 if TYPE_CHECKING:
     from compiled_spec.engine.early_propose_graph import EarlyProposeGraphs
     from compiled_spec.engine.propose_graph import ProposeGraphs
-
-
-@dataclass
-class ProposeBatch:
-    """One propose call. Row b of the result belongs to ``first_pass[b].req_id``."""
-
-    first_pass: list[Span]  # accepted target positions per request
-    token_ids: list[int]  # [sum of first-pass lengths]: the token after each position
-    hidden_rows: list[int]  # rows of the target's hidden states, same order as token_ids
-    step_limits: list[int]  # per request: positions >= this are inert in steps 2..k
-    temperature: list[float]  # per request, 0 = greedy
-    seeds: list[int]  # per request
 
 
 class EagleProposer:
