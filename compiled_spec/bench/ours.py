@@ -14,7 +14,7 @@ import statistics
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -94,12 +94,8 @@ def running_at_most(llm: Any, n: int) -> Iterator[None]:
     """The scheduler runs at most ``n`` requests at once (``--waves``: the rest wait for a
     slot). The engine was built for the largest batch size, so every smaller one is captured."""
     sch = llm.engine.scheduler
-    cfg = sch.cfg
-    sch.cfg = replace(cfg, max_num_seqs=min(n, cfg.max_num_seqs))
-    try:
+    with sch.overriding(max_num_seqs=min(n, sch.cfg.max_num_seqs)):
         yield
-    finally:
-        sch.cfg = cfg
 
 
 def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: list[int],

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Any, Callable
 
 from compiled_spec.config import SchedulerConfig, auto_min_admit
 from compiled_spec.engine.request import Request, Status
@@ -49,6 +51,17 @@ class Scheduler:
         ``max_num_seqs``, read per step since the bench narrows max_num_seqs per batch size)."""
         m = self.cfg.min_admit
         return auto_min_admit(self.cfg.max_num_seqs) if m is None else m
+
+    @contextmanager
+    def overriding(self, **changes: Any) -> Iterator[None]:
+        """``SchedulerConfig`` fields changed for the ``with`` block, then restored (the bench
+        runs at most B requests of a larger engine; start-up's dummy requests two at a time)."""
+        saved = self.cfg
+        self.cfg = replace(saved, **changes)
+        try:
+            yield
+        finally:
+            self.cfg = saved
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)

@@ -55,15 +55,11 @@ def warm_requests(max_model_len: int, page_size: int, lookahead: int, max_num_se
 def warm_uncaptured_paths(engine: LLMEngine) -> float:
     """Run ``warm_requests`` through ``engine`` (at most two running at once, each freed slot
     filled at once), then reset its counters. Returns the seconds taken."""
-    from dataclasses import replace
-
     t0 = time.perf_counter()
     cfg, sched = engine.cfg, engine.scheduler
     rounds = warm_requests(cfg.max_model_len, cfg.cache.page_size, sched.lookahead,
                            cfg.scheduler.max_num_seqs, engine.model.config.vocab_size)
-    saved = sched.cfg
-    sched.cfg = replace(saved, max_num_seqs=min(2, saved.max_num_seqs), min_admit=1)
-    try:
+    with sched.overriding(max_num_seqs=min(2, sched.cfg.max_num_seqs), min_admit=1):
         for batch in rounds:
             try:
                 for ids, params in batch:
@@ -74,8 +70,6 @@ def warm_uncaptured_paths(engine: LLMEngine) -> float:
                 aborted = [r for r in engine.step() if r.finish_reason == "abort"]
                 if aborted:
                     return _stop(engine, t0, aborted[0].error or "aborted")
-    finally:
-        sched.cfg = saved
     return _done(engine, t0)
 
 

@@ -11,6 +11,8 @@ pass over the last q positions: that second part is an ordinary graph-sized prop
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from compiled_spec.engine.batch import Span, to_device
@@ -50,8 +52,6 @@ def compact_rows(batch: ProposeBatch, target_hidden: torch.Tensor | list[torch.T
     """``batch`` reading only the target rows it uses, gathered into new tensors (EAGLE-3: one
     per aux layer; EAGLE-1: the final hidden) and numbered 0, 1, ...: the propose graph's
     hidden buffer holds a verify step's rows, not a prompt's."""
-    from dataclasses import replace
-
     idx = to_device(batch.hidden_rows, device)
     rows = replace(batch, hidden_rows=list(range(len(batch.hidden_rows))))
     if isinstance(target_hidden, list):

@@ -183,6 +183,18 @@ class EagleProposer:
         feed, for_logits = self.first_pass_fn(aux, ids, positions, self._metas(meta))
         return feed, for_logits, positions, meta
 
+    def cut_first_pass(self, batch: ProposeBatch,
+                       target_hidden: torch.Tensor | list[torch.Tensor], q: int
+                       ) -> tuple[ProposeBatch, torch.Tensor | list[torch.Tensor]]:
+        """``batch`` cut to at most ``q`` first-pass positions per request, for a graph: the
+        positions before run now, uncaptured (their draft KV is all that is needed), and the
+        target rows the rest reads gathered (compiled_spec/spec/first_pass_split.py)."""
+        pre, batch = split_first_pass(batch, q)
+        if pre is None:
+            return batch, target_hidden
+        self.first_pass(pre, target_hidden)  # writes the draft KV there
+        return compact_rows(batch, target_hidden, self.device)
+
     @torch.inference_mode()
     def propose(self, batch: ProposeBatch, target_hidden: torch.Tensor | list[torch.Tensor]
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -190,10 +202,7 @@ class EagleProposer:
         probabilities [B, k, target_vocab]."""
         if self.graph is not None:
             if self.graph.enabled:  # a prompt's first pass: its head eager, the rest replayed
-                pre, batch = split_first_pass(batch, self.k + 1)
-                if pre is not None:
-                    self.first_pass(pre, target_hidden)  # writes the draft KV there
-                    batch, target_hidden = compact_rows(batch, target_hidden, self.device)
+                batch, target_hidden = self.cut_first_pass(batch, target_hidden, self.k + 1)
             out = self.graph.run(batch, target_hidden)
             if out is not None:
                 return out

@@ -25,7 +25,6 @@ from capture.host_stage import HostBatch
 from compiled_spec.attention_metadata import AttentionMetadata
 from compiled_spec.engine.batch import (build_host_batch, host_batch_to_device,
                                           metadata_to_device, to_device)
-from compiled_spec.spec.first_pass_split import compact_rows, split_first_pass
 from compiled_spec.spec.proposer import EagleProposer, ProposeBatch
 from compiled_spec.spec.tree import TreeConfig, ancestor_mask, select_nodes
 from compiled_spec.spec.tree_accept_device import early_tree_stage
@@ -104,10 +103,8 @@ class TreeProposer:
         # first-pass graph gathers the accepted ones by the staged hidden_rows, so no index
         # list is uploaded and no gather launched between the acceptance and the replay.
         if g.first_pass.enabled:  # a prompt's first pass: its head eager, the rest replayed
-            pre, batch = split_first_pass(batch, g.first_pass.query_len)
-            if pre is not None:
-                self.base.first_pass(pre, target_hidden)  # writes the draft KV there
-                batch, target_hidden = compact_rows(batch, target_hidden, dev)
+            batch, target_hidden = self.base.cut_first_pass(batch, target_hidden,
+                                                            g.first_pass.query_len)
         hidden = self.base.combine(target_hidden)  # [T_target, h]
         hb = build_host_batch(self.allocator, batch.first_pass, batch.token_ids)
         hb.rows = batch.hidden_rows
