@@ -53,8 +53,8 @@ def _run(spec: LLM, early: bool, prompts, sps, batch: int) -> tuple[list[list[in
 
 @pytest.mark.parametrize("batch", [1, 3])
 def test_early_propose_equals_vanilla_and_late(engines, batch):
-    """Mixed prompt lengths, requests ending at different steps (max_tokens, a stop token)
-    and k shrinking near each request's budget (the loop's step limits)."""
+    """Mixed prompt lengths, requests ending at different steps (max_tokens, a stop token),
+    each verifying its full k up to its end (what passes its budget is dropped)."""
     spec, vanilla = engines
     prompts = PROMPTS + PROMPTS[:1]
     free = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
@@ -70,8 +70,11 @@ def test_early_propose_equals_vanilla_and_late(engines, batch):
     assert late == ref and early == ref
     assert late_st["early"] == 0 and late_st["late_reasons"].get("off", 0) > 0
     assert early_st["early"] > 0, early_st  # the early path ran: no pass by falling back
-    # Near each budget requests verify fewer than k drafts: those steps run late, said so.
-    assert early_st["late_reasons"].get("not_chain", 0) > 0, early_st
+    # Only the steps carrying a prompt run late: near its budget a request still verifies its
+    # full k (kv_limit), so the step keeps the early path's shape. One prompt step per request
+    # at batch 1; at batch 3 a prompt step may carry several.
+    not_chain = early_st["late_reasons"].get("not_chain", 0)
+    assert not_chain == len(prompts) if batch == 1 else 0 < not_chain <= len(prompts), early_st
     assert late_acc > 0 and early_acc == late_acc  # the device-side acceptance is the host's
 
 

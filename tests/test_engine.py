@@ -181,6 +181,27 @@ def test_min_admit_starts_waiting_requests_in_bulk(tiny_llm_dir):
         _llm(tiny_llm_dir, min_admit=0)
 
 
+def test_scheduler_predicts_its_next_admission(tiny_llm_dir):
+    """``Scheduler.admits_next(ending)``: the gate the next ``schedule`` applies, read before
+    the step's bookkeeping, for every number of requests ending."""
+    from compiled_spec.engine.scheduler import Scheduler
+
+    llm = _llm(tiny_llm_dir, max_num_seqs=8, min_admit=4)
+    sp = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    eng = llm.engine
+    sched: Scheduler = eng.scheduler
+    assert not sched.admits_next(0)  # nothing waits
+    for i in range(11):
+        eng.add_request([1 + i, 2, 3], sp)
+    assert sched.admits_next(0)  # nothing runs: all is admitted
+    eng.step()
+    assert len(sched.running) == 8 and len(sched.waiting) == 3
+    # 3 wait: the round waits for min(min_admit, waiting) = 3 free slots
+    assert [sched.admits_next(e) for e in range(9)] == [False] * 3 + [True] * 6
+    with sched.overriding(min_admit=1):
+        assert [sched.admits_next(e) for e in range(3)] == [False, True, True]
+
+
 def test_min_admit_defaults_to_a_quarter_of_the_batch(tiny_llm_dir):
     """min_admit=None (the default): a backlog is admitted a quarter of max_num_seqs at a time,
     read per step (the bench narrows max_num_seqs per batch size); below 8 sequences, at once."""

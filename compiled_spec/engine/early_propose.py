@@ -150,7 +150,7 @@ class EarlyPropose(EarlyPath):
         spans = [Span(q.req_id, q.num_computed, k + 1) for q in reqs]
         draft_rows = [r._draft_row[q.req_id] for q in reqs]
         why = self.graph.stage(size, spans, row_start, draft_rows,
-                               [q.max_total_tokens for q in reqs], [q.seed for q in reqs],
+                               [q.kv_limit for q in reqs], [q.seed for q in reqs],
                                [q.params.temperature for q in reqs])
         if why is not None:
             return self._late(why)
@@ -193,7 +193,7 @@ class EarlyPropose(EarlyPath):
             i = step.index.get(q.req_id)
             if i is None or not q.spec_enabled:
                 continue
-            if min(r.k, q.max_total_tokens - q.num_tokens - 1) <= 0:
+            if min(r.k, q.kv_limit - q.num_tokens - 1) <= 0:
                 continue  # nothing left to verify: the late path skips it too
             q.draft_computed = step.starts[i] + accepted[q.req_id] + 1
             if draft:

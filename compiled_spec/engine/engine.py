@@ -86,6 +86,7 @@ class LLMEngine:
         self.runner.ahead.enabled = cfg.verify_ahead and (cfg.spec is None
                                                           or cfg.spec.early_propose)
         self.runner.ahead.eos_token_ids = self.eos_token_ids
+        self.runner.ahead.admits_next = self.scheduler.admits_next
         self.reset_stats()
         self._mode_prev = SPEC  # the last proposal's mode: what this step verifies
         self._obs: tuple[int, str, float] | None = None  # this step, if steady: (B, mode, tau)
@@ -120,8 +121,10 @@ class LLMEngine:
         params = params.checked_copy()
         n = len(ids)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        max_len = self.cfg.max_model_len
         req = Request(req_id=self._next_id, prompt_token_ids=ids, params=params,
-                      seed=seed, max_total_tokens=min(n + params.max_tokens, self.cfg.max_model_len),
+                      seed=seed, max_total_tokens=min(n + params.max_tokens, max_len),
+                      kv_limit=min(n + params.max_tokens + self.scheduler.lookahead, max_len),
                       prompt=prompt, spec_enabled=self.draft is not None and params.speculate)
         if self.draft is not None:
             req.spec_stats = SpecStats()
@@ -151,8 +154,6 @@ class LLMEngine:
         stats.num_preemptions = self.scheduler.num_preemptions
         if batch.empty:
             return finished
-        # A next-step verify launched early assumes this batch again (engine/verify_ahead.py).
-        self.runner.ahead.admitting = bool(self.scheduler.waiting)
         try:
             self._run(batch.requests, batch.num_new_tokens, finished)
         except Exception as e:  # noqa: BLE001 - any fault of one step is contained here
@@ -229,6 +230,11 @@ class LLMEngine:
         n_finished = len(finished)
         try:  # every request of a large batch passes here each step: locals, no temporaries
             for req, n, toks, k_d, lp in zip(reqs, num_new, out.new_tokens, out.num_draft, lps):
+                if k_d >= req.max_total_tokens - req.num_tokens:
+                    # Verified up to its kv_limit, past its budget: what passes the budget is
+                    # neither emitted nor counted as drafted (as when k shrank near the end).
+                    k_d = req.max_total_tokens - req.num_tokens - 1
+                    toks = toks[:k_d + 1]
                 acc = len(toks) - 1
                 req.suspect = False  # it ran a step (alone, if it was a suspect)
                 if n > 1 or req.num_computed == 0:

@@ -94,11 +94,12 @@ class ModelRunner:
         self.ahead.clear()
 
     def num_drafts_for(self, req: Request) -> int:
-        """Drafts to verify this step: what was proposed, capped so nothing passes the request's
-        token budget (and so max_model_len): k shrinks near the end instead of failing."""
+        """Drafts to verify this step: what was proposed, capped so no KV is written past the
+        request's kv_limit. Near max_tokens that is still k (the step keeps the batch's shape:
+        ``cap_to_budget`` drops what passes the budget); near max_model_len k shrinks."""
         if req.req_id not in self._draft_row or req.num_computed != req.num_tokens - 1:
             return 0
-        return max(0, min(self.k, req.max_total_tokens - req.num_tokens - 1))
+        return max(0, min(self.k, req.kv_limit - req.num_tokens - 1))
 
     @torch.inference_mode()
     def execute(self, reqs: list[Request], num_new: list[int]) -> StepOutput:
@@ -262,7 +263,7 @@ class ModelRunner:
                 continue
             span, row0, k_d = by_id[r.req_id]
             n_tok = r.num_tokens
-            k_next = min(self.k, r.max_total_tokens - n_tok - 1)
+            k_next = min(self.k, r.kv_limit - n_tok - 1)
             want = min(n_tok + self.lookahead, self._grow_cap(r))
             try:
                 self.allocator.grow(r.req_id, want)
@@ -291,8 +292,8 @@ class ModelRunner:
                 self.proposer.sync(batch, pend.hidden)
 
     def _grow_cap(self, req: Request) -> int:
-        """Positions a proposal may reserve blocks up to (chains never pass the budget)."""
-        return req.max_total_tokens
+        """Positions a proposal may reserve blocks up to (chains never pass kv_limit)."""
+        return req.kv_limit
 
     def _propose(self, chosen: list[Request], batch: ProposeBatch, pend: _Pending) -> None:
         """Draft for ``chosen`` (row i of ``batch``) and keep the drafts for the next step."""

@@ -42,6 +42,11 @@ class Request:
     seed: int  # the user's seed, or one drawn from the engine's seed
     max_total_tokens: int  # min(prompt + max_tokens, max_model_len)
     prompt: str | None = None
+    # Positions a step may write KV for: max_total_tokens plus the engine's lookahead, within
+    # max_model_len (0: max_total_tokens). A chain near its end still verifies its full k, so
+    # the step keeps the batch's common shape (the graphed early propose, the verify launched
+    # ahead); what it accepts past max_total_tokens is never emitted (``cap_to_budget``).
+    kv_limit: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)  # logprobs requested
     num_computed: int = 0  # tokens whose KV is in the cache
@@ -58,6 +63,10 @@ class Request:
     spec_enabled: bool = False  # drafted and verified (False: plain decoding in the same batch)
     spec_stats: SpecStats | None = None  # per-request acceptance, in speculative engines
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
+
+    def __post_init__(self) -> None:
+        if self.kv_limit < self.max_total_tokens:
+            self.kv_limit = self.max_total_tokens
 
     @property
     def token_ids(self) -> list[int]:

@@ -52,6 +52,22 @@ class Scheduler:
         m = self.cfg.min_admit
         return auto_min_admit(self.cfg.max_num_seqs) if m is None else m
 
+    def admits_next(self, ending: int) -> bool:
+        """Whether the next ``schedule`` opens admission when ``ending`` of the running requests
+        end in this step (the gate of step 2 below, read before the step's bookkeeping: a
+        verify launched ahead assumes the batch stays the same). May say True where the KV
+        pool then refuses: that only costs the launch."""
+        running = len(self.running) - ending
+        return (bool(self.waiting) and running < self.cfg.max_num_seqs
+                and not self._gated(running))
+
+    def _gated(self, running: int) -> bool:
+        """Bulk admission's gate with ``running`` requests running: fewer slots free than the
+        round waits for (min_admit, or all that wait), and no round cut short to go on with."""
+        m = self.min_admit
+        return bool(running and not self._round_cut and m > 1 and
+                    self.cfg.max_num_seqs - running < min(m, len(self.waiting)))
+
     @contextmanager
     def overriding(self, **changes: Any) -> Iterator[None]:
         """``SchedulerConfig`` fields changed for the ``with`` block, then restored (the bench
@@ -105,8 +121,8 @@ class Scheduler:
 
     def _need(self, req: Request) -> int:
         # Room for this step's query tokens plus the drafts verified with them; the verifier never
-        # lets a request pass its token budget, so neither does the reservation.
-        return min(req.num_tokens + self.lookahead, max(req.max_total_tokens, req.num_tokens))
+        # writes KV past the request's kv_limit, so neither does the reservation.
+        return min(req.num_tokens + self.lookahead, max(req.kv_limit, req.num_tokens))
 
     def schedule(self) -> ScheduledBatch:
         aborted: list[Request] = []
@@ -141,9 +157,7 @@ class Scheduler:
         budget = self.cfg.max_num_batched_tokens
         admitted: list[Request] = []
         cut = False
-        min_admit = self.min_admit
-        gate = (self.running and not self._round_cut and min_admit > 1 and
-                self.cfg.max_num_seqs - len(self.running) < min(min_admit, len(self.waiting)))
+        gate = self._gated(len(self.running))
         while (not gate and self.waiting
                and len(self.running) + len(admitted) < self.cfg.max_num_seqs):
             req = self.waiting[0]

@@ -23,9 +23,10 @@ runs the step as usual, counted by reason (``VerifyAheadStats``), never silently
   finished requests, in blocks they still own, in stream order before anything reuses them;
 * its outputs are graph memory that the next replay overwrites, and nothing reads them.
 
-Not launched when requests wait for admission (the next batch would change), when a request
-would verify fewer than k drafts next step, when every request just emitted a stop token (EOS
-or a stop token id: none goes on), or over ``max_batch`` requests.
+Not launched when the next step admits waiting requests (the requests ending in this step
+free slots the scheduler fills: the next batch would change), when a request would verify
+fewer than k drafts next step, when every request ends (a stop token, EOS, its budget), or
+over ``max_batch`` requests.
 
 Vanilla greedy decoding (k = 0) goes one step further: nothing is queued on the GPU while the
 host reads a decode step's token (on the H200, thirteenth session, a SmolLM2 decode step took
@@ -38,7 +39,7 @@ budget), with the next position's KV block grown now.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -95,7 +96,9 @@ class VerifyAhead:
         self.runner = runner
         self.enabled = enabled  # EngineConfig.verify_ahead
         self.max_batch = max_batch
-        self.admitting = False  # set by the engine each step: requests wait for admission
+        # Set by the engine (``Scheduler.admits_next``): whether the next step admits a waiting
+        # request when this many of this step's end; a launch would then be discarded.
+        self.admits_next: Callable[[int], bool] = lambda ending: False
         self.eos_token_ids: set[int] = set()  # set by the engine: the model's EOS ids
         self.stats = VerifyAheadStats()
         self._launched: _Launched | None = None
@@ -141,8 +144,6 @@ class VerifyAhead:
         """Why no step of ``reqs`` launches ahead whatever its requests (None: it may)."""
         if not self.enabled:
             return "off"
-        if self.admitting:
-            return "admitting"
         return "batch" if len(reqs) > self.max_batch else None
 
     def all_stop(self, reqs: list[Request], new_tokens: list[list[int]]) -> bool:
@@ -152,18 +153,35 @@ class VerifyAhead:
         return all(any(stops_on_token(q, t, self.eos_token_ids) for t in toks)
                    for q, toks in zip(reqs, new_tokens))
 
+    def num_ending(self, reqs: list[Request], new_tokens: list[list[int]]) -> int:
+        """Requests this step ends: by a token alone (``stops_on_token``) or at their budget.
+        Stop strings are not read here: a request one ends is a discarded launch, counted."""
+        eos = self.eos_token_ids
+        return sum(1 for q, toks in zip(reqs, new_tokens)
+                   if q.num_tokens + len(toks) >= q.max_total_tokens
+                   or any(stops_on_token(q, t, eos) for t in toks))
+
+    def _why_not_ending(self, reqs: list[Request], new_tokens: list[list[int]]) -> str | None:
+        """Why the requests ending this step keep a launch from paying: all end, or their
+        freed slots let the scheduler admit (the next batch would carry prompts). Waiting
+        requests alone do not: with bulk admission (``SchedulerConfig.min_admit``) most steps
+        of a full engine admit nothing."""
+        ending = self.num_ending(reqs, new_tokens)
+        if ending == len(reqs):
+            return "stopping"
+        return "admitting" if self.admits_next(ending) else None
+
     def _why_not(self, reqs: list[Request], new_tokens: list[list[int]]) -> str | None:
-        why = self._why_not_batch(reqs)
+        why = self._why_not_batch(reqs) or self._why_not_ending(reqs, new_tokens)
         if why is not None:
             return why
-        if self.all_stop(reqs, new_tokens):
-            return "stopping"
         k = self.runner.k
         for q, toks in zip(reqs, new_tokens):
             if not q.spec_enabled:
                 return "not_spec"
-            if q.max_total_tokens - (q.num_tokens + len(toks)) - 1 < k:
-                return "short"  # fewer than k drafts next step (or the request ends)
+            n = q.num_tokens + len(toks)
+            if n < q.max_total_tokens and q.kv_limit - n - 1 < k:
+                return "short"  # it goes on with fewer than k drafts (near max_model_len)
         return None
 
     def launch(self, reqs: list[Request], step: "EarlyStep", new_tokens: list[list[int]]) -> None:
@@ -179,6 +197,7 @@ class VerifyAhead:
         host_ids: list[int] = []
         dst: list[int] = []
         src: list[int] = []
+        tables, page = r.allocator.tables, r.allocator.page_size
         for i, (q, toks) in enumerate(zip(reqs, new_tokens)):
             # This step verified from q.num_computed (one query token, then k drafts) and
             # emitted len(toks); the next starts at its last emitted token.
@@ -188,7 +207,11 @@ class VerifyAhead:
             host_ids.extend([0] * k)  # filled from the drafts on the device
             dst.extend(range(off + 1, off + 1 + k))
             src.extend(range(i * k, (i + 1) * k))  # row i of the step's proposal
-            spans.append(Span(q.req_id, start, k + 1))
+            # A request at its budget ends here (verified to kv_limit, it may have accepted
+            # past it): its rows stay, for the others' row order, but inert past its blocks.
+            limit = (min(q.kv_limit, len(tables[q.req_id]) * page)
+                     if q.num_tokens + len(toks) >= q.max_total_tokens else None)
+            spans.append(Span(q.req_id, start, k + 1, limit))
         self._launch(build_host_batch(r.allocator, spans, host_ids, dst, src), spans, k,
                      step.drafts.reshape(-1))
 
@@ -237,6 +260,10 @@ class VerifyAhead:
         why = self._why_not_batch(reqs)
         if why is not None:
             return why
+        # This step's tokens are not read yet: only a request at its budget is known to end,
+        # and that one skips as "short" below.
+        if self.admits_next(0):
+            return "admitting"
         for q, m in zip(reqs, num_new):
             if q.num_computed + m != q.num_tokens:
                 return "prefill"  # a chunked prompt goes on next step

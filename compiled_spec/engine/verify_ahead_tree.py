@@ -74,9 +74,7 @@ class TreeVerifyAhead(VerifyAhead):
         self._launched = None
         r = self.runner
         roots = [s + len(toks) for s, toks in zip(starts, new_tokens)]
-        why = self._why_not_batch(reqs)
-        if why is None and self.all_stop(reqs, new_tokens):
-            why = "stopping"
+        why = self._why_not_batch(reqs) or self._why_not_ending(reqs, new_tokens)
         if why is None and tree.tokens.shape[0] != len(reqs):
             why = "rows"
         if why is None and not all(r.takes_tree_at(q, root + 1)
