@@ -19,13 +19,13 @@ from capture.pad import (LiveBatch, StaticBuffers, pad_batch, pad_block_tables, 
                          pad_metadata, pad_query_start_loc, stack_steps)
 from capture.registry import GraphRegistry, assert_captured
 from capture.policy import (CapturePolicy, bucket_max_seq_len, decode_sizes, default_batch_sizes,
-                            draft_step_sizes, pad_to, padding_table, prefill_sizes,
-                            verify_sizes)
+                            draft_step_sizes, mixed_sizes, pad_to, padding_table,
+                            prefill_sizes, verify_sizes)
 
 __all__ = [
     "CaptureError", "CapturePolicy", "GraphRegistry", "GraphRunner", "LiveBatch", "StaticBuffers",
     "assert_captured", "bucket_max_seq_len", "decode_sizes", "default_batch_sizes",
-    "draft_step_sizes", "pad_batch", "pad_block_tables", "pad_dim", "pad_metadata",
+    "draft_step_sizes", "mixed_sizes", "pad_batch", "pad_block_tables", "pad_dim", "pad_metadata",
     "pad_query_start_loc", "pad_to", "padding_table", "prefill_sizes", "stack_steps",
     "verify_sizes",
 ]

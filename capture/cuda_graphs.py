@@ -39,6 +39,7 @@ Block tables must already cover all k lookahead positions (the proposer grows th
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import warnings
@@ -119,24 +120,35 @@ class GraphRunner:
     def __init__(self, name: str, fn: GraphFn, sizes: list[int], buffers: StaticBuffers, *,
                  seq_len_buckets: tuple[int, ...], query_len: int = 1, pool: Any = None,
                  output_rows: Literal["tokens", "seqs"] = "tokens", clone_outputs: bool = False,
-                 strict: bool = False, warmup_iters: int = 2) -> None:
+                 strict: bool = False, warmup_iters: int = 2, seqs: int | None = None) -> None:
         """``sizes`` are token counts, each a multiple of ``query_len`` (the host max_query_len
-        baked into the graph; the graph holds size // query_len sequences). ``output_rows``
-        says whether outputs are per-token or per-sequence, i.e. how they are sliced."""
-        if query_len < 1 or any(s < 1 or s % query_len for s in sizes):
+        baked into the graph; the graph holds size // query_len sequences). ``seqs``: a
+        varlen graph instead, every size any number of tokens split among at most ``seqs``
+        sequences of at most ``query_len`` each (prompt steps of several sequences: a step
+        pads its tokens to the smallest size that holds them, its sequences to ``seqs``).
+        ``output_rows`` says whether outputs are per-token or per-sequence (how they are
+        sliced)."""
+        if query_len < 1 or any(s < 1 or (seqs is None and s % query_len) for s in sizes):
             raise ValueError(f"{name}: sizes {sizes} must be positive multiples of "
                              f"query_len={query_len}")
+        if seqs is not None and (seqs < 1 or output_rows != "tokens"):
+            raise ValueError(f"{name}: a varlen graph needs seqs >= 1 (got {seqs}) and "
+                             f"per-token outputs")
         top = max(sizes, default=0)
-        if top > buffers.max_tokens or top // query_len > buffers.max_seqs:
-            raise ValueError(f"{name}: largest size {top} does not fit the static buffers "
-                             f"(tokens {buffers.max_tokens}, seqs {buffers.max_seqs})")
+        top_seqs = top // query_len if seqs is None else seqs
+        if top > buffers.max_tokens or top_seqs > buffers.max_seqs:
+            raise ValueError(f"{name}: largest size {top} ({top_seqs} sequences) does not fit "
+                             f"the static buffers (tokens {buffers.max_tokens}, seqs "
+                             f"{buffers.max_seqs})")
         self.name, self.fn, self.buffers, self.query_len = name, fn, buffers, query_len
+        self.seqs = seqs
         self.sizes = sorted(set(sizes))
         self.seq_len_buckets = tuple(sorted(set(seq_len_buckets)))
         self.pool, self.output_rows, self.clone_outputs = pool, output_rows, clone_outputs
         self.strict, self.warmup_iters = strict, warmup_iters
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Any]] = {}
-        self._tables: dict[int, list[int]] = {}  # bucket -> padded num_seqs by live num_seqs
+        # bucket -> padded num_seqs by live num_seqs; varlen: the captured token sizes, sorted
+        self._tables: dict[int, list[int]] = {}
         self.capture_failures: list[dict[str, Any]] = []
         self.graph_replays = self.padded_rows = self.eager_fallbacks = 0
         self.fallback_reasons: dict[str, int] = {}
@@ -184,29 +196,33 @@ class GraphRunner:
                 log.warning(msg)
                 warnings.warn(msg, RuntimeWarning, stacklevel=2)
         for bucket in self.seq_len_buckets:
-            seqs = sorted(s // self.query_len for s, b in self._graphs if b == bucket)
-            if seqs:
-                self._tables[bucket] = padding_table(seqs)
+            sizes = sorted(s for s, b in self._graphs if b == bucket)
+            if sizes:
+                self._tables[bucket] = sizes if self.seqs is not None else padding_table(
+                    [s // self.query_len for s in sizes])
         if self._graphs:
             self._stage = HostStage(self.buffers)  # pinned buffers now, not in the first step
 
     def _capture_one(self, size: int, bucket: int) -> None:
         # The dummy batch lives in the same static views that replay refills: the pointers the
         # graph bakes in are exactly the ones fill() writes.
-        static = self.buffers.fill_dummy(size, size // self.query_len, self.query_len, bucket)
+        static = self.buffers.fill_dummy(size, self._padded_seqs(size), self.query_len, bucket)
         self._graphs[(size, bucket)] = self._make_graph(lambda: self.fn(static))
 
     def _make_graph(self, run: Callable[[], Any]) -> tuple[Any, Any]:
         return capture_graph(run, self.pool, self.warmup_iters)
 
+    def _padded_seqs(self, size: int) -> int:
+        return size // self.query_len if self.seqs is None else self.seqs
+
     # ---- per step ---------------------------------------------------------------------------
     def _lookup(self, live: LiveBatch) -> tuple[int, int] | str:
         m = live.meta
         return self._lookup_ints(live.num_seqs, m.max_query_len, m.block_tables.shape[1],
-                                 m.max_seq_len)
+                                 m.max_seq_len, live.num_tokens)
 
-    def _lookup_ints(self, b: int, max_query_len: int, width: int, max_seq_len: int
-                     ) -> tuple[int, int] | str:
+    def _lookup_ints(self, b: int, max_query_len: int, width: int, max_seq_len: int,
+                     num_tokens: int = 0) -> tuple[int, int] | str:
         """(padded token size, bucket) of the graph to replay, or why there is none."""
         if not self.enabled:
             return "cpu"
@@ -221,10 +237,16 @@ class GraphRunner:
             return "max_seq_len"
         # Any bucket >= the live max_seq_len is valid; the smallest is preferred, a larger one
         # covers sizes whose capture failed in the smaller.
+        if self.seqs is not None and b > self.seqs:
+            return "seqs"
         for bk in self.seq_len_buckets[self.seq_len_buckets.index(bucket):]:
             table = self._tables.get(bk)
-            if table is not None and b < len(table):
+            if table is None:
+                continue
+            if self.seqs is None and b < len(table):
                 return table[b] * self.query_len, bk
+            if self.seqs is not None and num_tokens <= table[-1]:
+                return table[bisect.bisect_left(table, num_tokens)], bk
         return "size"  # above the largest captured size (or nothing captured)
 
     def _miss(self, why: str) -> None:
@@ -239,7 +261,7 @@ class GraphRunner:
             self._miss(key)
             return self.fn(live)
         size, bucket = key
-        self.buffers.fill(live, size, size // self.query_len, self.query_len, bucket)
+        self.buffers.fill(live, size, self._padded_seqs(size), self.query_len, bucket)
         return self._replay(key, live.num_tokens, live.num_seqs)
 
     def run_host(self, hb: HostBatch, drafts_flat: torch.Tensor | None = None,
@@ -247,7 +269,8 @@ class GraphRunner:
         """``run`` for a host-built batch, staged in two copies (``capture.host_stage``), the
         extras (device tensors) copied in; None (counted) when no graph fits: the caller then
         builds device tensors and runs ``fn``."""
-        key = self._lookup_ints(hb.num_seqs, hb.max_query_len, hb.width, hb.max_seq_len)
+        key = self._lookup_ints(hb.num_seqs, hb.max_query_len, hb.width, hb.max_seq_len,
+                                hb.num_tokens)
         if not isinstance(key, str) and not self.buffers.sources_fit(extras):
             key = "source_rows"
         if isinstance(key, str):
@@ -256,14 +279,14 @@ class GraphRunner:
         if self._stage is None:
             self._stage = HostStage(self.buffers)
         size, bucket = key
-        self._stage.fill(hb, size, size // self.query_len, self.query_len, bucket, drafts_flat,
+        self._stage.fill(hb, size, self._padded_seqs(size), self.query_len, bucket, drafts_flat,
                          extras)
         return self._replay(key, hb.num_tokens, hb.num_seqs)
 
     def _replay(self, key: tuple[int, int], t: int, b: int) -> Any:
         size = key[0]
         graph, out = self._graphs[key]
-        seqs = size // self.query_len
+        seqs = self._padded_seqs(size)
         graph.replay()
         self.graph_replays += 1
         self.padded_rows += size - t

@@ -293,20 +293,28 @@ class StaticBuffers:
 
     def fill_dummy(self, padded_tokens: int, padded_seqs: int, query_len: int,
                    max_seq_len: int) -> LiveBatch:
-        """Inputs for the start-up dummy runs: padded_seqs sequences of query_len tokens each,
-        every slot -1 so warm-up and capture never write the (possibly live) KV cache."""
-        if padded_tokens != padded_seqs * query_len:
-            raise ValueError(f"dummy batch: {padded_tokens} tokens != {padded_seqs} seqs x "
+        """Inputs for the start-up dummy runs: the tokens split as evenly as they go among
+        padded_seqs sequences of at most query_len tokens (exactly query_len each when they
+        fill them: the fixed-shape graphs), every slot -1 so warm-up and capture never write
+        the (possibly live) KV cache. Start-up only: the temporaries are fine."""
+        if padded_tokens > padded_seqs * query_len:
+            raise ValueError(f"dummy batch: {padded_tokens} tokens > {padded_seqs} seqs x "
                              f"{query_len}")
         view = self._views(padded_tokens, padded_seqs, query_len, max_seq_len)
+        base, extra = divmod(padded_tokens, padded_seqs)
+        q_lens = torch.full((padded_seqs,), base, dtype=torch.int32, device=self.device)
+        q_lens[:extra] += 1
+        qsl = torch.zeros(padded_seqs + 1, dtype=torch.int32, device=self.device)
+        torch.cumsum(q_lens, 0, out=qsl[1:])
+        starts = torch.repeat_interleave(qsl[:-1].long(), q_lens.long(),
+                                         output_size=padded_tokens)
         view.input_ids.zero_()
-        # Start-up only, so the temporary arange is fine; broadcast over the step dim if any.
-        view.positions.copy_(torch.arange(padded_tokens, device=self.device) % query_len)
+        # each token's index within its sequence; broadcast over the step dim if any
+        view.positions.copy_(torch.arange(padded_tokens, device=self.device) - starts)
         view.meta.slot_mapping.fill_(-1)
         view.meta.block_tables.zero_()
-        view.meta.seq_lens.fill_(query_len)
-        torch.mul(torch.arange(padded_seqs + 1, device=self.device, dtype=torch.int32),
-                  query_len, out=view.meta.query_start_loc)
+        view.meta.seq_lens.copy_(q_lens)
+        view.meta.query_start_loc.copy_(qsl)
         if view.rows is not None:
             view.rows.zero_()  # row 0 of every source
         for v in view.extras.values():

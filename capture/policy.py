@@ -52,6 +52,10 @@ class CapturePolicy:
     seq_len_buckets: tuple[int, ...] = ()  # max_seq_len values captured; () = (max_model_len,)
     # Query lengths of one-sequence prompt-step graphs (``prefill_sizes``); () = none.
     prefill_sizes: tuple[int, ...] = ()
+    # Token counts of the varlen graphs of prompt steps of several sequences (``mixed_sizes``;
+    # () = none), each padded to max_batch_size sequences of at most mixed_query_len tokens.
+    mixed_sizes: tuple[int, ...] = ()
+    mixed_query_len: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_model_len"):
@@ -75,7 +79,14 @@ class CapturePolicy:
         if pre and pre[-1] > self.max_model_len:
             raise ValueError(f"prefill_sizes {pre}: {pre[-1]} exceeds max_model_len="
                              f"{self.max_model_len}")
+        mixed = _positive_sorted("mixed_sizes", tuple(self.mixed_sizes))
+        q = self.mixed_query_len
+        if mixed and (isinstance(q, bool) or not isinstance(q, int)
+                      or not 1 <= q <= min(mixed[-1], self.max_model_len)):
+            raise ValueError(f"mixed_query_len={q!r}: must be an integer in 1..min(largest "
+                             f"mixed size {mixed[-1]}, max_model_len={self.max_model_len})")
         # Frozen: normalise through object.__setattr__ (sorted, deduplicated, defaults filled in).
+        object.__setattr__(self, "mixed_sizes", mixed)
         object.__setattr__(self, "prefill_sizes", pre)
         object.__setattr__(self, "batch_sizes", sizes)
         object.__setattr__(self, "seq_len_buckets", buckets)
@@ -123,6 +134,23 @@ def prefill_sizes(max_tokens: int, verify_query_len: int, smallest: int = 16) ->
         out.append(q)
         q *= 2
     if max_tokens > verify_query_len:
+        out.append(max_tokens)
+    return tuple(out)
+
+
+def mixed_sizes(max_tokens: int, smallest: int = 128) -> tuple[int, ...]:
+    """Token counts of the varlen graphs of prompt steps of several sequences: powers of two
+    from ``smallest`` up to ``max_tokens`` (the last one ``max_tokens`` itself when it is no
+    power of two); none below ``smallest``. A step of n tokens replays the smallest >= n.
+    Why: on the H200 such a step ran without a graph at 20-58 ms (issue 16, EAGLE-3 at batch
+    64: 14 of them took 0.48 s of a 2.24 s run, where a decode step took ~3 ms)."""
+    if max_tokens < 0:
+        raise ValueError(f"mixed_sizes: max_tokens={max_tokens} is negative")
+    out, t = [], max(smallest, 1)
+    while t < max_tokens:
+        out.append(t)
+        t *= 2
+    if max_tokens >= max(smallest, 1):
         out.append(max_tokens)
     return tuple(out)
 

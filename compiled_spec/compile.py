@@ -75,15 +75,21 @@ class CompileConfig:
     # prompt step was host-bound at 15-40 ms on the H200 (SmolLM2: ~360 launches through
     # Python) against 1-3 ms for a decode step; at batch 1 every request starts with one.
     prefill_graph_tokens: int = 512
+    # Prompt steps of several sequences (and the requests decoding beside them) of up to this
+    # many tokens replay varlen CUDA graphs padded to 128, 256, ... tokens
+    # (capture.policy.mixed_sizes), each prompt at most the largest prefill graph's length;
+    # 0 = none. Why: issue 16, the steady state at batch 64 (graphs.py).
+    mixed_graph_tokens: int = 4096
 
     def __post_init__(self) -> None:
         for name in ("inductor", "dynamic", "cudagraphs", "strict_capture", "autotune_gemm",
                      "skinny_gemm", "skinny_gemm_prologues", "pdl"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"CompileConfig.{name}={getattr(self, name)!r}: must be a bool")
-        t = self.prefill_graph_tokens
-        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-            raise ValueError(f"CompileConfig.prefill_graph_tokens={t!r}: an integer >= 0")
+        for name in ("prefill_graph_tokens", "mixed_graph_tokens"):
+            t = getattr(self, name)
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(f"CompileConfig.{name}={t!r}: an integer >= 0")
         if self.precompile is not None and not isinstance(self.precompile, bool):
             raise ValueError(f"CompileConfig.precompile={self.precompile!r}: a bool, or None "
                              "(on for CUDA engines)")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from capture import CapturePolicy, prefill_sizes
+from capture import CapturePolicy, mixed_sizes, prefill_sizes
 from compiled_spec.compile import CompileConfig, CompiledModels, capture_graphs, compile_models, \
     use_compiled
 from compiled_spec.compile_cache import CacheStats, activate as activate_compile_cache
@@ -20,6 +20,25 @@ from compiled_spec.gc_heap import freeze_startup_heap
 
 if TYPE_CHECKING:
     from compiled_spec.engine.engine import LLMEngine
+
+
+
+def engine_capture_policy(cc: CompileConfig, ec: EngineConfig) -> CapturePolicy:
+    """What an engine captures: its batch sizes and buckets, one-sequence prompt steps up to
+    prefill_graph_tokens, and prompt steps of several sequences up to mixed_graph_tokens (at
+    most a full token budget of prompts beside max_num_seqs verifying requests), each of their
+    prompts at most the largest one-sequence graph's length (or 512 tokens without those)."""
+    k = 0 if ec.spec is None else ec.spec.num_speculative_tokens
+    sched = ec.scheduler
+    pre = prefill_sizes(min(cc.prefill_graph_tokens, ec.max_model_len,
+                            sched.max_num_batched_tokens), 1 + k)
+    mixed = mixed_sizes(min(cc.mixed_graph_tokens,
+                            sched.max_num_batched_tokens + sched.max_num_seqs * (1 + k)))
+    mixed_q = min(pre[-1] if pre else 512, ec.max_model_len, mixed[-1]) if mixed else 0
+    return CapturePolicy(max_batch_size=sched.max_num_seqs, num_speculative_tokens=k,
+                         max_model_len=ec.max_model_len, batch_sizes=cc.capture_batch_sizes,
+                         seq_len_buckets=cc.seq_len_buckets, prefill_sizes=pre,
+                         mixed_sizes=mixed, mixed_query_len=mixed_q)
 
 
 class CompileMixin:
@@ -44,18 +63,8 @@ class CompileMixin:
                 self._compiled.graphs_off = ("cudagraphs=False" if not cc.cudagraphs else
                                              f"device {ec.device} has no CUDA graphs")
             else:  # compiles (dynamic shapes) and captures every size by dummy runs
-                policy = CapturePolicy(
-                    max_batch_size=ec.scheduler.max_num_seqs,
-                    num_speculative_tokens=0 if ec.spec is None else
-                    ec.spec.num_speculative_tokens,
-                    max_model_len=ec.max_model_len, batch_sizes=cc.capture_batch_sizes,
-                    seq_len_buckets=cc.seq_len_buckets,
-                    prefill_sizes=prefill_sizes(
-                        min(cc.prefill_graph_tokens, ec.max_model_len,
-                            ec.scheduler.max_num_batched_tokens),
-                        1 + (0 if ec.spec is None else ec.spec.num_speculative_tokens)))
-                capture_graphs(self.engine.runner, self._compiled, policy, ec.cache.page_size,
-                               cc.strict_capture)
+                capture_graphs(self.engine.runner, self._compiled, engine_capture_policy(cc, ec),
+                               ec.cache.page_size, cc.strict_capture)
             compile_s = sum(g.compile_s for b in self._compiled.backends.values()
                             for g in b.graphs)
             self.startup_s["compile"] = compile_s

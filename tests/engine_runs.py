@@ -17,14 +17,17 @@ def generate_in_batches(llm: LLM, prompts: list[list[int]], sps: list[SamplingPa
 
 
 def with_emulated_graphs(llm: LLM, k: int, max_model_len: int = 128,
-                         prefill_sizes: tuple[int, ...] = ()) -> LLM:
+                         prefill_sizes: tuple[int, ...] = (), mixed_sizes: tuple[int, ...] = (),
+                         mixed_query_len: int = 0) -> LLM:
     """``llm`` compiled (our passes, no Inductor) with CPU stand-ins for its CUDA graphs at
-    batch sizes 1, 2, 4 (and one-sequence prompt steps of ``prefill_sizes`` tokens): the
-    engine's graph paths (early propose, verify ahead) on the CPU."""
+    batch sizes 1, 2, 4 (and one-sequence prompt steps of ``prefill_sizes`` tokens, several
+    sequences' of ``mixed_sizes``): the engine's graph paths (early propose, verify ahead) on
+    the CPU."""
     models = compile_models(llm.engine.runner, CompileConfig(inductor=False))
     llm._compiled = models
     policy = CapturePolicy(max_batch_size=4, num_speculative_tokens=k,
                            max_model_len=max_model_len, batch_sizes=(1, 2, 4),
-                           seq_len_buckets=(max_model_len,), prefill_sizes=prefill_sizes)
+                           seq_len_buckets=(max_model_len,), prefill_sizes=prefill_sizes,
+                           mixed_sizes=mixed_sizes, mixed_query_len=mixed_query_len)
     capture_graphs(llm.engine.runner, models, policy, 4, emulate=True)
     return llm

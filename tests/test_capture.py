@@ -10,8 +10,8 @@ import torch
 
 from capture import (CaptureError, CapturePolicy, GraphRegistry, GraphRunner, LiveBatch,
                      StaticBuffers, assert_captured, bucket_max_seq_len, decode_sizes,
-                     default_batch_sizes, draft_step_sizes, pad_batch, pad_to, padding_table,
-                     prefill_sizes, verify_sizes)
+                     default_batch_sizes, draft_step_sizes, mixed_sizes, pad_batch, pad_to,
+                     padding_table, prefill_sizes, verify_sizes)
 from capture.emulate import EmulatedGraphRunner
 from capture.selfcheck_cuda import TinyModel, live_batch, make_world
 
@@ -53,6 +53,22 @@ def test_prefill_sizes():
         prefill_sizes(-1, 6)
     p = CapturePolicy(4, 3, 128, prefill_sizes=(64, 16, 16))
     assert p.prefill_sizes == (16, 64) and CapturePolicy(4, 3, 128).prefill_sizes == ()
+
+
+def test_mixed_sizes():
+    """Varlen prompt-step graphs: powers of two from 128 up to the cap (kept when it is no power
+    of two); nothing below the smallest. The policy validates its baked query length."""
+    assert mixed_sizes(4096) == (128, 256, 512, 1024, 2048, 4096)
+    assert mixed_sizes(600) == (128, 256, 512, 600)
+    assert mixed_sizes(128) == (128,) and mixed_sizes(127) == () == mixed_sizes(0)
+    assert mixed_sizes(100, smallest=16) == (16, 32, 64, 100)
+    with pytest.raises(ValueError, match="negative"):
+        mixed_sizes(-1)
+    p = CapturePolicy(4, 3, 128, mixed_sizes=(128, 64), mixed_query_len=32)
+    assert p.mixed_sizes == (64, 128)
+    for q in (0, 129, True):
+        with pytest.raises(ValueError, match="mixed_query_len"):
+            CapturePolicy(4, 3, 256, mixed_sizes=(128,), mixed_query_len=q)
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -458,6 +474,65 @@ def test_run_host_replays_like_run_and_counts_misses(world, kind, n):
     if kind == "decode":
         long_q = HostBatch(**{**hb.__dict__, "max_query_len": 2})
         assert runner.run_host(long_q) is None and runner.fallback_reasons["query_len"] == 1
+
+
+def test_fill_dummy_splits_tokens_among_sequences():
+    """A varlen graph's dummy batch: the tokens as even as they go over the sequences (each
+    one's positions from 0), every slot -1; a fixed-shape graph's as before."""
+    bufs = StaticBuffers(16, 4, 8, CPU)
+    d = bufs.fill_dummy(10, 4, 4, 64)
+    assert d.meta.query_start_loc.tolist() == [0, 3, 6, 8, 10]
+    assert d.meta.seq_lens.tolist() == [3, 3, 2, 2]
+    assert d.positions.tolist() == [0, 1, 2, 0, 1, 2, 0, 1, 0, 1]
+    assert (d.meta.slot_mapping == -1).all() and d.meta.max_query_len == 4
+    d = bufs.fill_dummy(16, 4, 4, 64)
+    assert d.meta.query_start_loc.tolist() == [0, 4, 8, 12, 16]
+    assert d.positions.tolist() == [0, 1, 2, 3] * 4
+    with pytest.raises(ValueError, match="tokens"):
+        bufs.fill_dummy(17, 4, 4, 64)
+
+
+@pytest.mark.parametrize("kind,n", [("mixed", 5), ("verify", 3), ("decode", 6)])
+def test_varlen_graph_pads_tokens_and_sequences(world, kind, n):
+    """A varlen graph (``seqs``): any split of its tokens among at most ``seqs`` sequences of at
+    most query_len each replays the smallest token size that holds them, from host lists or a
+    live batch, with the eager output and no KV written by padding; what it cannot hold
+    (more sequences, a longer query, more tokens) runs eagerly, counted by reason."""
+    from capture.host_stage import HostBatch
+
+    model = world[0]
+    runner = CpuReplayRunner("mixed", model.forward, [4, 8, 16], StaticBuffers(16, 6, 16, CPU),
+                             query_len=4, seqs=6, seq_len_buckets=(64,))
+    runner.capture()
+    assert runner.captured_sizes == [4, 8, 16]
+    live = _batch(world, kind, n)
+    snap = [(k.clone(), v.clone()) for k, v in model.caches]
+    ref = model.forward(live)
+    ref_caches = [(k.clone(), v.clone()) for k, v in model.caches]
+    for (k, v), (ks, vs) in zip(model.caches, snap):
+        k.copy_(ks), v.copy_(vs)
+    out = runner.run(live)
+    size = pad_to(live.num_tokens, [4, 8, 16])
+    st = runner.stats()
+    assert st["graph_replays"] == 1 and st["padded_rows"] == size - live.num_tokens, st
+    assert out.data_ptr() == runner._graphs[(size, 64)][1].data_ptr()  # a static view
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    _assert_caches(model, ref_caches, snap, live)
+    m = live.meta
+    hb = HostBatch(input_ids=live.input_ids.tolist(), positions=live.positions.tolist(),
+                   slots=m.slot_mapping.tolist(), seq_lens=m.seq_lens.tolist(),
+                   query_start_loc=m.query_start_loc.tolist(), tables=m.block_tables.tolist(),
+                   max_query_len=m.max_query_len, max_seq_len=m.max_seq_len)
+    for (k, v), (ks, vs) in zip(model.caches, snap):
+        k.copy_(ks), v.copy_(vs)
+    torch.testing.assert_close(runner.run_host(hb), ref, rtol=1e-5, atol=1e-5)
+    for change, why in ((dict(max_query_len=5), "query_len"),
+                        (dict(tables=hb.tables + [[0]] * (7 - n), seq_lens=hb.seq_lens +
+                              [0] * (7 - n), query_start_loc=hb.query_start_loc +
+                              [hb.num_tokens] * (7 - n)), "seqs"),  # 7 q_len-0 sequences
+                        (dict(input_ids=[0] * 17, positions=[0] * 17, slots=[-1] * 17), "size")):
+        assert runner.run_host(HostBatch(**{**hb.__dict__, **change})) is None
+        assert runner.fallback_reasons.get(why) == 1, (why, runner.fallback_reasons)
 
 
 def test_emulated_replay_poisons_the_other_graphs_outputs_of_its_pool():

@@ -64,6 +64,47 @@ def test_prompt_steps_replay_prefill_graphs(bigram_eagle3, smollm2_gguf_path, wa
         assert llm.stats.spec.num_drafting_steps == eager.stats.spec.num_drafting_steps
 
 
+MIXED_PROMPTS = PROMPTS[:3] + [[7, 7, 7], [8, 1], [9, 9, 9, 9, 9]]
+MIXED_SPS = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
+             for m in (4, 12, 6, 10, 8, 9)]
+
+
+@pytest.mark.parametrize("engine", ["vanilla", "chain", "tree"])
+def test_prompt_steps_of_several_sequences_replay_the_varlen_graph(
+        bigram_eagle3, smollm2_gguf_path, engine):
+    """``target_prefill_mixed``: four prompts at once (38 tokens) and prompts admitted beside
+    requests decoding (their drafts verified in the same step) replay the varlen graph, padded
+    to 64 tokens and 4 sequences; a 45-token prompt passes its 32-token query limit and runs
+    compiled, counted under "query_len". Output is vanilla eager decoding's."""
+    target, head = bigram_eagle3
+    kw = dict(model=target, tokenizer=smollm2_gguf_path, max_model_len=128, max_num_seqs=4,
+              page_size=4, num_kv_blocks=128)
+    want = [o.outputs[0].token_ids for o in LLM(**kw).generate(
+        MIXED_PROMPTS, MIXED_SPS, use_tqdm=False)]
+    if engine != "vanilla":
+        kw |= dict(draft=head, num_speculative_tokens=K)
+    if engine == "tree":
+        kw |= dict(speculative_topk=2, speculative_num_draft_tokens=6)
+    llm = with_emulated_graphs(LLM(**kw), K if engine != "vanilla" else 0, prefill_sizes=SIZES,
+                               mixed_sizes=(32, 64), mixed_query_len=32)
+    got = [o.outputs[0].token_ids for o in llm.generate(MIXED_PROMPTS, MIXED_SPS,
+                                                        use_tqdm=False)]
+    assert got == want
+    comp = llm.compile_stats["cuda_graphs"]["components"]
+    mixed = comp["target_prefill_mixed"]
+    assert mixed["graph_replays"] >= 2 and mixed["eager_fallbacks"] == 0, mixed
+    assert comp["target_decode"]["prefill_calls"] == 0
+    long = [o.outputs[0].token_ids for o in llm.generate([PROMPTS[3], PROMPTS[0]], MIXED_SPS[:2],
+                                                         use_tqdm=False)]
+    assert long == [o.outputs[0].token_ids for o in LLM(**{
+        k: v for k, v in kw.items() if k not in ("draft", "num_speculative_tokens",
+                                                 "speculative_topk",
+                                                 "speculative_num_draft_tokens")}).generate(
+        [PROMPTS[3], PROMPTS[0]], MIXED_SPS[:2], use_tqdm=False)]
+    assert mixed["fallback_reasons"] == {} and llm.compile_stats["cuda_graphs"]["components"][
+        "target_prefill_mixed"]["fallback_reasons"] == {"query_len": 1}
+
+
 def test_split_first_pass_keeps_every_position_once():
     from compiled_spec.engine.batch import Span
     from compiled_spec.spec.first_pass_split import split_first_pass
@@ -117,3 +158,34 @@ def test_prefill_graphs_only_take_buckets_that_hold_their_prompt(bigram_eagle3,
     assert runners["target_prefill_16"].seq_len_buckets == (16, 128)
     assert runners["target_prefill_32"].seq_len_buckets == (128,)
     assert _run(llm) == want
+
+
+def test_engine_capture_policy_sizes_prompt_graphs_from_the_engine():
+    """One-sequence graphs up to prefill_graph_tokens (within the token budget), several
+    sequences' up to a full budget of prompts beside max_num_seqs verifying requests (within
+    mixed_graph_tokens), their prompts at most the largest one-sequence graph's length."""
+    import torch
+
+    from compiled_spec.compile import CompileConfig
+    from compiled_spec.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+    from compiled_spec.llm_compile import engine_capture_policy
+
+    def policy(cc: CompileConfig, budget: int = 4096, seqs: int = 64, spec: bool = True):
+        ec = EngineConfig(model="m", device=torch.device("cpu"), dtype=torch.float32,
+                          max_model_len=2048, cache=CacheConfig(),
+                          scheduler=SchedulerConfig(max_num_seqs=seqs,
+                                                    max_num_batched_tokens=budget),
+                          spec=SpecConfig(draft="d", num_speculative_tokens=5) if spec else None)
+        return engine_capture_policy(cc, ec)
+
+    p = policy(CompileConfig())
+    assert p.prefill_sizes == (16, 32, 64, 128, 256, 512)
+    assert p.mixed_sizes == (128, 256, 512, 1024, 2048, 4096) and p.mixed_query_len == 512
+    p = policy(CompileConfig(), budget=1000, seqs=16, spec=False)
+    assert p.mixed_sizes == (128, 256, 512, 1016) and p.prefill_sizes[-1] == 512
+    p = policy(CompileConfig(prefill_graph_tokens=0, mixed_graph_tokens=300))
+    assert p.prefill_sizes == () and p.mixed_sizes == (128, 256, 300) and p.mixed_query_len == 300
+    p = policy(CompileConfig(mixed_graph_tokens=0))
+    assert p.mixed_sizes == () and p.mixed_query_len == 0
+    with pytest.raises(ValueError, match="mixed_graph_tokens"):
+        CompileConfig(mixed_graph_tokens=-1)

@@ -18,9 +18,14 @@ and with early propose on ``tree_draft_early`` (``engine.early_tree_graph``).
 * ``target_prefill_<Q>``: one sequence's prompt step, padded to Q query tokens
   (``capture.policy.prefill_sizes``; ``CompileConfig.prefill_graph_tokens``), its rows past the
   prompt inert.
+* ``target_prefill_mixed``: a prompt step of several sequences (prompts, and the requests
+  decoding beside them), a varlen graph per token count (``capture.policy.mixed_sizes``;
+  ``CompileConfig.mixed_graph_tokens``): its tokens padded to the smallest count that holds
+  them, its sequences to max_num_seqs, each of at most the largest prefill Q tokens. A step it
+  does not hold (a longer prompt, more tokens) runs compiled, counted under its reason.
 
-Other prompt steps (several sequences, or one above the largest Q) run the compiled function
-directly and are counted as ``prefill_calls``. Every other miss (batch above the
+Other prompt steps (one sequence above the largest Q, or no graphs for them) run the compiled
+function directly and are counted as ``prefill_calls``. Every other miss (batch above the
 largest captured size, context above the largest bucket, a failed capture, the CPU) is counted by
 its ``GraphRunner`` under its reason, so ``stats()`` always says how each step ran.
 """
@@ -47,6 +52,7 @@ from compiled_spec.engine.tree_graphs import TreeProposeGraphs, register_tree_ve
 
 TargetFn = Callable[..., Any]  # (input_ids, positions, meta, aux_layer_ids) -> (hidden, aux)
 PREFILL = "target_prefill"  # component names: target_prefill_<query length>
+MIXED = f"{PREFILL}_mixed"  # prompt steps of several sequences
 
 
 class GraphedTarget:
@@ -55,14 +61,15 @@ class GraphedTarget:
 
     def __init__(self, fn: TargetFn, decode: GraphRunner, verify: GraphRunner | None,
                  verify_query_len: int, tree: GraphRunner | None = None,
-                 single_via_verify: bool = False, prefill: list[GraphRunner] | None = None
-                 ) -> None:
+                 single_via_verify: bool = False, prefill: list[GraphRunner] | None = None,
+                 mixed: GraphRunner | None = None) -> None:
         self.fn, self.decode, self.verify, self.tree = fn, decode, verify, tree
         self.verify_query_len = verify_query_len
         # One request decoding replays the batch-1 verify graph (capture.policy.decode_sizes).
         self.single_via_verify = single_via_verify and verify is not None
         # One-sequence prompt steps, by query length ascending (capture.policy.prefill_sizes).
         self.prefill = sorted(prefill or [], key=lambda r: r.query_len)
+        self.mixed = mixed  # prompt steps of several sequences (a varlen graph)
         self.prefill_calls = 0  # prompt steps run without a graph
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -77,8 +84,9 @@ class GraphedTarget:
         return self.fn(input_ids, positions, meta, aux_layer_ids)
 
     def _causal_runner(self, max_query_len: int, num_seqs: int) -> GraphRunner | None:
-        """Decode (one query token), verify (up to k + 1), or one sequence's prompt step (the
-        smallest prefill graph that holds it); None, counted, for any other prompt step."""
+        """Decode (one query token), verify (up to k + 1), one sequence's prompt step (the
+        smallest prefill graph that holds it), or several sequences' (the varlen graph: its
+        lookup pads the step, or counts why not); None, counted, for any other prompt step."""
         if max_query_len == 1 and not (self.single_via_verify and num_seqs == 1):
             return self.decode
         if self.verify is not None and max_query_len <= self.verify_query_len:
@@ -87,6 +95,8 @@ class GraphedTarget:
             for r in self.prefill:
                 if r.query_len >= max_query_len:
                     return r
+        elif self.mixed is not None:
+            return self.mixed
         self.prefill_calls += 1
         return None
 
@@ -160,8 +170,17 @@ class EngineGraphs:
             prefill = [reg(f"{PREFILL}_{q}", target_graph_fn, [q], pbufs, query_len=q,
                            seq_len_buckets=tuple(b for b in policy.seq_len_buckets if b >= q))
                        for q in policy.prefill_sizes if q <= policy.seq_len_buckets[-1]]
+        # Several sequences' prompt steps: one varlen graph per token count, padded to max_seqs
+        # sequences (their own buffers, as the prefill graphs').
+        mixed = None
+        mixed_buckets = tuple(b for b in policy.seq_len_buckets if b >= policy.mixed_query_len)
+        if policy.mixed_sizes and max_seqs > 1 and mixed_buckets:
+            mbufs = StaticBuffers(policy.mixed_sizes[-1], max_seqs, max_blocks, device)
+            mixed = reg(MIXED, target_graph_fn, list(policy.mixed_sizes), mbufs,
+                        query_len=policy.mixed_query_len, seqs=max_seqs,
+                        seq_len_buckets=mixed_buckets)
         self.target = GraphedTarget(target_fn, decode, verify, k + 1, tree_verify,
-                                    single_via_verify=k > 0, prefill=prefill)
+                                    single_via_verify=k > 0, prefill=prefill, mixed=mixed)
         self.propose: ProposeGraphs | TreeProposeGraphs | None = None
         self.propose_early: EarlyProposeGraphs | EarlyTreeGraphs | None = None
         prop = runner.proposer
