@@ -79,7 +79,7 @@ class CompileConfig:
     # many tokens replay varlen CUDA graphs padded to 128, 256, ... tokens
     # (capture.policy.mixed_sizes), each prompt at most the largest prefill graph's length;
     # 0 = none. Why: issue 16, the steady state at batch 64 (graphs.py).
-    mixed_graph_tokens: int = 4096
+    mixed_graph_tokens: int = 8192
 
     def __post_init__(self) -> None:
         for name in ("inductor", "dynamic", "cudagraphs", "strict_capture", "autotune_gemm",

@@ -180,7 +180,7 @@ def test_engine_capture_policy_sizes_prompt_graphs_from_the_engine():
 
     p = policy(CompileConfig())
     assert p.prefill_sizes == (16, 32, 64, 128, 256, 512)
-    assert p.mixed_sizes == (128, 256, 512, 1024, 2048, 4096) and p.mixed_query_len == 512
+    assert p.mixed_sizes == (128, 256, 512, 1024, 2048, 4096, 4480) and p.mixed_query_len == 512
     p = policy(CompileConfig(), budget=1000, seqs=16, spec=False)
     assert p.mixed_sizes == (128, 256, 512, 1016) and p.prefill_sizes[-1] == 512
     p = policy(CompileConfig(prefill_graph_tokens=0, mixed_graph_tokens=300))
