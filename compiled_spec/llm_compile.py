@@ -22,7 +22,6 @@ if TYPE_CHECKING:
     from compiled_spec.engine.engine import LLMEngine
 
 
-
 def engine_capture_policy(cc: CompileConfig, ec: EngineConfig) -> CapturePolicy:
     """What an engine captures: its batch sizes and buckets, one-sequence prompt steps up to
     prefill_graph_tokens, and prompt steps of several sequences up to mixed_graph_tokens (at

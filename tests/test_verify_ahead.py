@@ -203,19 +203,22 @@ def test_default_on_for_cuda_only(monkeypatch):
     assert (verify_ahead_default(cpu), verify_ahead_default(cuda)) == (False, False)
 
 
-def test_all_stop_reads_eos_and_stop_ids(engines):
-    """A launch is skipped only when every request has emitted a token that stops it: the
-    engine's EOS (unless ignore_eos) or one of its stop token ids."""
+def test_num_ending_reads_eos_stop_ids_and_budget(engines):
+    """A launch is skipped ("stopping") only when every request ends this step: a token that
+    stops it (the engine's EOS unless ignore_eos, one of its stop token ids) or its budget."""
     from types import SimpleNamespace
 
     ahead = engines[0].engine.runner.ahead
     assert ahead.eos_token_ids  # the engine gave the runner its EOS ids
     eos = min(ahead.eos_token_ids)
-    q = [SimpleNamespace(params=SamplingParams(max_tokens=8)),
+    q = [SimpleNamespace(params=SamplingParams(max_tokens=8), num_tokens=3,
+                         max_total_tokens=11),
          SimpleNamespace(params=SamplingParams(max_tokens=8, ignore_eos=True,
-                                               stop_token_ids=[7]))]
-    assert ahead.all_stop(q[:1], [[3, eos]])
-    assert not ahead.all_stop(q[1:], [[3, eos]])  # EOS ignored
-    assert ahead.all_stop(q[1:], [[7, 3]])
-    assert not ahead.all_stop(q, [[3, eos], [3, 4]])  # one goes on: launch, take its rows
-    assert ahead.all_stop(q, [[eos], [7]])
+                                               stop_token_ids=[7]), num_tokens=3,
+                         max_total_tokens=11)]
+    assert ahead.num_ending(q[:1], [[3, eos]]) == 1
+    assert ahead.num_ending(q[1:], [[3, eos]]) == 0  # EOS ignored
+    assert ahead.num_ending(q[1:], [[7, 3]]) == 1
+    assert ahead.num_ending(q, [[3, eos], [3, 4]]) == 1  # one goes on: launch, take its rows
+    assert ahead.num_ending(q, [[eos], [7]]) == 2
+    assert ahead.num_ending(q[1:], [[1] * 8]) == 1  # 3 + 8 tokens: its budget of 11

@@ -96,7 +96,8 @@ class ModelRunner:
     def num_drafts_for(self, req: Request) -> int:
         """Drafts to verify this step: what was proposed, capped so no KV is written past the
         request's kv_limit. Near max_tokens that is still k (the step keeps the batch's shape:
-        ``cap_to_budget`` drops what passes the budget); near max_model_len k shrinks."""
+        the engine drops what passes the budget, ``LLMEngine._run``); near max_model_len k
+        shrinks."""
         if req.req_id not in self._draft_row or req.num_computed != req.num_tokens - 1:
             return 0
         return max(0, min(self.k, req.kv_limit - req.num_tokens - 1))

@@ -45,7 +45,7 @@ class Request:
     # Positions a step may write KV for: max_total_tokens plus the engine's lookahead, within
     # max_model_len (0: max_total_tokens). A chain near its end still verifies its full k, so
     # the step keeps the batch's common shape (the graphed early propose, the verify launched
-    # ahead); what it accepts past max_total_tokens is never emitted (``cap_to_budget``).
+    # ahead); what it accepts past max_total_tokens is never emitted (``LLMEngine._run``).
     kv_limit: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)  # logprobs requested

@@ -146,16 +146,11 @@ class VerifyAhead:
             return "off"
         return "batch" if len(reqs) > self.max_batch else None
 
-    def all_stop(self, reqs: list[Request], new_tokens: list[list[int]]) -> bool:
-        """Whether every request emitted a token that stops it (EOS unless ignored, a stop
-        token id): a verify launched for them would be discarded. Where only some stop, the
-        launch goes on and the next step takes the others' rows."""
-        return all(any(stops_on_token(q, t, self.eos_token_ids) for t in toks)
-                   for q, toks in zip(reqs, new_tokens))
-
     def num_ending(self, reqs: list[Request], new_tokens: list[list[int]]) -> int:
-        """Requests this step ends: by a token alone (``stops_on_token``) or at their budget.
-        Stop strings are not read here: a request one ends is a discarded launch, counted."""
+        """Requests this step ends: by a token alone (``stops_on_token``: EOS unless ignored, a
+        stop token id) or at their budget. When all end, a launch would be discarded; where only
+        some do, it goes on and the next step takes the others' rows. Stop strings are not read
+        here: a request one ends is a discarded launch, counted."""
         eos = self.eos_token_ids
         return sum(1 for q, toks in zip(reqs, new_tokens)
                    if q.num_tokens + len(toks) >= q.max_total_tokens
