@@ -108,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
                     "runs self-distillation)")
     pr.add_argument("--kernel-table", type=int, default=0, metavar="N",
                     help="also print the N ops with the most device (else host) time")
+    pr.add_argument("--cprofile", type=int, default=0, metavar="N",
+                    help="also run the batch once under cProfile and print the N Python "
+                    "functions with the most own time per engine step")
     pr.set_defaults(func=cmd_profile)
 
     pa = sub.add_parser("parity", help="eager vs compiled: tau, per-position acceptance, first divergence")

@@ -5,10 +5,36 @@
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 from compiled_spec.profile import print_phases, trace_calls
+
+if TYPE_CHECKING:
+    from compiled_spec import LLM
+
+
+def host_profile(run: Callable[[], object], llm: "LLM", rows: int) -> None:
+    """Run ``run`` under cProfile and print the ``rows`` functions with the most own time, per
+    engine step: where the host's time goes in a step whose GPU part is known from the trace."""
+    prof = cProfile.Profile()
+    steps0 = llm.stats.num_steps
+    prof.enable()
+    run()
+    prof.disable()
+    steps = max(llm.stats.num_steps - steps0, 1)
+    st = pstats.Stats(prof)
+    total = sum(v[2] for v in st.stats.values())  # own time of every function
+    print(f"cprofile: {steps} engine steps, {1e3 * total / steps:.3f} ms of host time per step "
+          f"(under cProfile)")
+    top = sorted(st.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:rows]
+    print(f"{'own us/step':>12} {'cum us/step':>12} {'calls/step':>10}  function")
+    for (file, line, name), (_, ncalls, own, cum, _) in top:
+        print(f"{1e6 * own / steps:12.1f} {1e6 * cum / steps:12.1f} {ncalls / steps:10.1f}  "
+              f"{name} ({Path(file).name}:{line})")
 
 
 def run_profile(a: argparse.Namespace) -> int:
@@ -33,6 +59,10 @@ def run_profile(a: argparse.Namespace) -> int:
         secs, steps = time.perf_counter() - t0, llm.stats.num_steps - steps0
         print(f"untraced: batch {batch}, {steps} engine steps in {secs:.2f} s "
               f"({1e3 * secs / max(steps, 1):.2f} ms each)")
+    rows = getattr(a, "cprofile", 0)
+    if rows:  # the host's share by Python function (cProfile slows Python; shares, not times)
+        host_profile(lambda: llm.generate(prompts[:batch] if batch > 1 else prompts[0], sp),
+                     llm, rows)
     def run() -> None:
         for i in range(0, len(prompts), batch):  # --batch requests per call (default one)
             llm.generate(prompts[i:i + batch] if batch > 1 else prompts[i], sp)

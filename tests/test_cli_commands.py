@@ -77,6 +77,14 @@ def test_profile_batches_requests_and_prints_a_kernel_table(tiny_pair, mt_bench_
     assert "Self CPU" in printed and "aten::" in printed
     # An untraced pass first: 3 requests x 4 tokens are 4 engine steps (one prefill, 3 decodes).
     assert "untraced: batch 3, 4 engine steps" in printed
+    # --cprofile: the same batch under cProfile, host time per step by function.
+    assert main(["profile", "--model", target, "--device", "cpu", "--prompts", mt_bench_path,
+                 "--num-prompts", "3", "--max-tokens", "4", "--max-model-len", "1024",
+                 "--batch", "3", "--cprofile", "4", "--out-dir", str(tmp_path / "c")]) == 0
+    printed = capsys.readouterr().out
+    assert "cprofile: 4 engine steps" in printed
+    table = printed.split("own us/step", 1)[1].splitlines()[1:5]
+    assert len(table) == 4 and all(line.split()[0].replace(".", "").isdigit() for line in table)
     assert main(["profile", "--model", target, "--device", "cpu", "--prompts", mt_bench_path,
                  "--num-prompts", "1", "--batch", "0", "--out-dir", str(tmp_path / "u")]) == 2
 

@@ -405,7 +405,7 @@ hostprof)
   timeout ${LIMIT:-300} python3 -m compiled_spec.cli profile --model "$M" --device cuda \
     --dtype bfloat16 --compile --max-model-len 2048 --max-num-seqs $B --draft smollm2-eagle3 \
     -k 5 --prompts $D/question.jsonl --num-prompts $B --batch $B --max-tokens ${MAX_TOKENS:-64} \
-    --kernel-table 40 --out-dir ~/htraces > "$OUT/host_profile.log" 2>&1
+    --kernel-table 40 --cprofile ${CPROFILE:-60} --out-dir ~/htraces > "$OUT/host_profile.log" 2>&1
   gzip -c "$(ls -t ~/htraces/*/*.pt.trace.json | head -1)" > "$OUT/host_step.pt.trace.json.gz"
-  grep -vE "Warning|warn\(|^\s*$|tokeniz|Loading weights" "$OUT/host_profile.log" | tail -60 ;;
+  grep -vE "Warning|warn\(|^\s*$|tokeniz|Loading weights" "$OUT/host_profile.log" | tail -150 ;;
 esac
