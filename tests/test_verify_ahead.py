@@ -222,3 +222,22 @@ def test_num_ending_reads_eos_stop_ids_and_budget(engines):
     assert ahead.num_ending(q, [[3, eos], [3, 4]]) == 1  # one goes on: launch, take its rows
     assert ahead.num_ending(q, [[eos], [7]]) == 2
     assert ahead.num_ending(q[1:], [[1] * 8]) == 1  # 3 + 8 tokens: its budget of 11
+
+
+def test_host_phases_partition_the_step(engines):
+    """``stats.host_phase_s`` (engine/host_clock.py): an early chain step's host time by phase,
+    the phases of this path all present, their sum the step time (the marks partition it), the
+    wait the host's blocked time."""
+    spec, _ = engines
+    spec.engine.reset_stats()
+    _run(spec, True, PROMPTS[:3], _sps([20, 20, 20]), 3)
+    st = spec.stats
+    ph = st.host_phase_s
+    assert {"schedule", "verify", "plan", "accept", "wait", "launch_ahead", "execute",
+            "bookkeeping", "propose", "other"} <= set(ph), ph
+    assert all(v >= 0 for v in ph.values()), ph
+    total = sum(ph.values())
+    # The marks start after step()'s first clock read and end after its last: the sum holds
+    # step_s and a few statements more per step.
+    assert st.step_s * 0.98 <= total <= st.step_s + 2e-4 * st.num_steps + 0.01, (total, st.step_s)
+    assert ph["wait"] >= st.host_wait_s * 0.98, (ph["wait"], st.host_wait_s)

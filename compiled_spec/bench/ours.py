@@ -142,6 +142,7 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
         spec, es = llm.stats.spec, llm.stats
         d0, a0 = spec.num_drafting_steps, spec.num_accepted_tokens
         n0, s0, w0 = es.num_steps, es.step_s, es.host_wait_s
+        hp0 = dict(es.host_phase_s)
         p0, ps0 = es.num_prefill_steps, es.prefill_step_s
         gc0, gcs0 = es.gc_full_collections, es.gc_full_s
         ep0 = es.early_propose.as_dict() if es.early_propose is not None else None
@@ -167,6 +168,10 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
         if es.num_steps > n0:  # untraced: engine step time and the host's wait for the GPU in it
             row.extra["step_ms"] = round(1e3 * (es.step_s - s0) / (es.num_steps - n0), 4)
             row.extra["host_wait_ms"] = round(1e3 * (es.host_wait_s - w0) / (es.num_steps - n0), 4)
+            # where the step's host time went, per step (engine/host_clock.py)
+            row.extra["host_phase_ms"] = {
+                p: round(1e3 * (s - hp0.get(p, 0.0)) / (es.num_steps - n0), 4)
+                for p, s in es.host_phase_s.items()}
             # step_ms mixes the prompt steps (no CUDA graph) in; at batch b the b prompts come
             # in one or few steps, so the decode steps' own mean is given apart.
             n_pre, s_pre = es.num_prefill_steps - p0, es.prefill_step_s - ps0
@@ -271,6 +276,10 @@ def bench_ours(variants: list[Variant], kw: dict[str, Any], prompts: list[list[i
             f"{x.extra.get('decode_step_ms')} ms, {x.extra.get('prefill_steps')} prompt steps "
             f"{x.extra.get('prefill_ms')} ms)" for x in r),
             flush=True)
+        for x in r:
+            if "host_phase_ms" in x.extra:
+                print(f"{v.name}: batch {x.batch} host ms per step by phase: "
+                      f"{x.extra['host_phase_ms']}", flush=True)
         for x in r:  # whole rows in the log: a later variant that kills the process (a CUDA
             # fault aborts it) would otherwise take every row with it (twentieth session)
             print("ROW " + json.dumps(x.as_dict(), default=str), flush=True)

@@ -105,6 +105,8 @@ class LLMEngine:
         self.runner.ahead.stats = VerifyAheadStats()
         self.stats.verify_ahead = self.runner.ahead.stats
         self.runner.host_wait_s = 0.0
+        self.runner.clock.reset()
+        self.stats.host_phase_s = self.runner.clock.seconds
         self.scheduler.num_preemptions = 0
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
@@ -146,8 +148,11 @@ class LLMEngine:
         (recomputed, as after preemption, so outputs do not change) to find the one at fault.
         """
         t0 = time.perf_counter()
+        clock = self.runner.clock
+        clock.start()
         gc_n, gc_s = GC_CLOCK.count, GC_CLOCK.seconds
         batch = self.scheduler.schedule()
+        clock.mark("schedule")
         finished = list(batch.aborted)
         stats = self.stats
         stats.num_aborted += len(batch.aborted)
@@ -162,6 +167,7 @@ class LLMEngine:
         dt = time.perf_counter() - t0
         stats.step_s += dt
         stats.host_wait_s = self.runner.host_wait_s
+        stats.host_phase_s = clock.seconds
         if GC_CLOCK.count != gc_n:  # a full collection paused this step (compiled_spec/gc_heap.py)
             stats.count_gc(GC_CLOCK.count - gc_n, GC_CLOCK.seconds - gc_s)
             self._obs = None  # no cost the policy should learn from
@@ -174,6 +180,7 @@ class LLMEngine:
             stats.recent_prefill_step_s.append(dt)
         else:
             stats.recent_decode_step_s.append(dt)
+        clock.mark("other")
         return finished
 
     def _forget_drafts(self) -> None:
@@ -219,6 +226,8 @@ class LLMEngine:
             if self.runner.early is not None:
                 self.runner.early.paused = mode == PLAIN
         out = self.runner.execute(reqs, num_new)
+        clock = self.runner.clock
+        clock.mark("execute")
         now = time.perf_counter()
         stats.num_steps += 1
         going_on: list[Request] = []
@@ -278,7 +287,9 @@ class LLMEngine:
                 emitted = sum(len(t) for t in out.new_tokens)
                 self._obs = (len(reqs), mode, emitted / len(reqs))
             self._mode_prev = mode
+        clock.mark("bookkeeping")
         self.runner.propose(going_on, accepted, mode == SPEC)
+        clock.mark("propose")
         if self.cfg.cache.prefix_caching:
             for req in going_on:
                 self._register_blocks(req)

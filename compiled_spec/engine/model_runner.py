@@ -17,6 +17,7 @@ from compiled_spec.engine.batch import (Span, build_host_batch, build_sampling_t
                                         greedy_accept, host_batch_to_device, to_device,
                                         verify_logits)
 from compiled_spec.engine.early_propose import EarlyPropose, EarlyStep, HostCopy
+from compiled_spec.engine.host_clock import HostClock
 from compiled_spec.engine.logprobs import gather_logprobs
 from compiled_spec.engine.request import Request
 from compiled_spec.engine.verify_ahead import VerifyAhead
@@ -73,10 +74,13 @@ class ModelRunner:
         # Seconds the host spent blocked in the step's device-to-host copy, i.e. waiting for
         # the GPU: a step whose wait is a small share of its time is host-bound (stats).
         self.host_wait_s = 0.0
+        # The step's host time by phase (the engine's clock, shared: engine/host_clock.py).
+        self.clock = HostClock()
 
     def to_host(self, t: torch.Tensor | HostCopy, numpy: bool = False) -> list | np.ndarray:
         """The step's one device-to-host copy (a list, or an array for ``numpy``); the time it
         blocks is counted. A ``HostCopy`` was issued earlier: this waits for it."""
+        self.clock.mark("accept")  # the host's work up to its wait
         t0 = time.perf_counter()
         if isinstance(t, HostCopy):
             host = t.wait()
@@ -84,6 +88,7 @@ class ModelRunner:
         else:
             out = t.cpu().numpy() if numpy else t.tolist()
         self.host_wait_s += time.perf_counter() - t0
+        self.clock.mark("wait")
         return out
 
     def reset(self) -> None:
@@ -115,16 +120,21 @@ class ModelRunner:
             with phase("verify"):
                 drafts = None if self._drafts is None else self._drafts.reshape(-1)
                 logits, row_start, target_hidden = self._verify(hb, spans, num_draft, drafts)
+        clock = self.clock
+        clock.mark("verify")
         # Staged while the verify runs; None: this step proposes late (the reason counted).
         early = None if self.early is None else self.early.plan(reqs, num_new, num_draft,
                                                                 row_start)
+        clock.mark("plan")
         with phase("rejection_sample"):
             if early is not None:
                 new_tokens = self.early.accept(early, logits, target_hidden)
             else:
                 new_tokens = self._accept(reqs, logits, num_draft, num_new)
+        clock.mark("accept")
         if early is not None:  # the next verify, before the engine's bookkeeping
             self.ahead.launch(reqs, early, new_tokens)
+            clock.mark("launch_ahead")
         self._early_step = early
         self._pending = None if early is not None else _Pending(
             hidden=target_hidden, spans=spans, row_start=row_start, num_draft=num_draft)

@@ -33,6 +33,8 @@ class EngineStats:
     # Of step_s: the host blocked in the steps' device-to-host copies (waiting for the GPU).
     # Small against step_s: the steps are host-bound, and the GPU idles for the rest.
     host_wait_s: float = 0.0
+    # Of step_s: seconds per phase of the step (engine/host_clock.py; "wait" = host_wait_s)
+    host_phase_s: dict[str, float] = field(default_factory=dict)
     # speculation_policy="adaptive": its choices and estimates per batch bucket (.summary())
     policy: SpecPolicy | None = None
     # Speculative engines: steps that proposed before the host read their acceptance, and the

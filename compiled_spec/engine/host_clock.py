@@ -1,0 +1,40 @@
+"""Where an engine step's host time goes, by phase (``llm.stats.host_phase_s``).
+
+At batch 64 a chain step is host-bound (its wait for the GPU is ~5% of the step, twenty-second
+session): what decides its speed is the host's own work, and a profiler or cProfile inflates
+exactly that work (per call, per op), so the phases are timed untraced here, by
+``perf_counter`` marks at phase ends (~0.1 us each, a handful per step). The marks partition
+the step: their sum is ``EngineStats.step_s`` up to the step's first and last lines.
+"""
+from __future__ import annotations
+
+import time
+
+# Phases in step order (the engine's ``step`` and the runner's ``execute``).
+# "execute": the runner's work after its last mark (logprobs, a tree step's own phases);
+# "other": the step's statistics and whatever follows ``propose`` (prefix-cache registration).
+PHASES = ("schedule", "verify", "plan", "accept", "wait", "launch_ahead", "execute",
+          "bookkeeping", "propose", "other")
+
+
+class HostClock:
+    """Accumulates seconds per phase: ``start`` at the step's beginning, ``mark(phase)`` at the
+    end of each phase (the time since the previous mark goes to ``phase``)."""
+
+    __slots__ = ("seconds", "_t")
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def start(self) -> None:
+        self._t = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        t = time.perf_counter()
+        s = self.seconds
+        s[phase] = s.get(phase, 0.0) + (t - self._t)
+        self._t = t
+
+    def reset(self) -> None:
+        self.seconds = {}
