@@ -269,3 +269,28 @@ def test_fc_is_issued_before_the_acceptance_waits(trained_eagle3_pair, smollm2_g
         assert events[i - 2:i] == ["fc issued", "acceptance read"], events[i - 3:i + 1]
     # Decode steps never run the fc a second time: only proposals after a prefill do.
     assert events.count("fc run now") <= 2 * len(PROMPTS), events
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_decode_and_verify_graphs_compute_the_logits(trained_eagle3_pair, smollm2_gguf_path,
+                                                     spec, monkeypatch):
+    """The lm_head is captured with the decode / verify graphs: their steps read the replay's
+    logits (no eager readout on the step's host path), prompt steps still read out eagerly,
+    and the output stays eager's (greedy and sampled requests in one batch)."""
+    target, head = trained_eagle3_pair
+    llm = _llm(target, smollm2_gguf_path, head if spec else None)
+    sp = [SamplingParams(max_tokens=m, temperature=t, seed=3, ignore_eos=True)
+          for m, t in ((20, 0.0), (12, 0.7), (9, 0.0), (16, 0.0), (5, 0.9))]
+    eager = _run(llm, sp)
+    _graphs(llm)
+    model = llm.engine.runner.model
+    calls: list[int] = []
+    readout = model.compute_logits
+    monkeypatch.setattr(model, "compute_logits", lambda h: calls.append(h.shape[0]) or readout(h))
+    steps0 = llm.stats.num_steps
+    prompt_steps0 = llm.stats.num_prefill_steps
+    assert _run(llm, sp) == eager
+    steps = llm.stats.num_steps - steps0
+    prompt_steps = llm.stats.num_prefill_steps - prompt_steps0
+    # Eager readouts only in steps that carried a prompt (the padded batches of 3 included).
+    assert 0 < len(calls) <= prompt_steps < steps, (calls, prompt_steps, steps)

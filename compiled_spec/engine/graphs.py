@@ -55,9 +55,17 @@ PREFILL = "target_prefill"  # component names: target_prefill_<query length>
 MIXED = f"{PREFILL}_mixed"  # prompt steps of several sequences
 
 
+def with_logits(out: tuple[torch.Tensor, Any], lm_head: Callable[[torch.Tensor], torch.Tensor]
+                ) -> tuple[torch.Tensor, Any, torch.Tensor]:
+    """(hidden [T, h], aux) -> (hidden, aux, lm_head(hidden) [T, V] in the model dtype)."""
+    hidden, aux = out
+    return hidden, aux, lm_head(hidden)
+
+
 class GraphedTarget:
     """Drop-in for ``ModelRunner.target_fn``: decode, verify or tree-verify graph, or (prefill)
-    none."""
+    none. Decode and verify graphs also compute the logits of every row: ``logits_for`` hands
+    them to the step that reads this replay's hidden states."""
 
     def __init__(self, fn: TargetFn, decode: GraphRunner, verify: GraphRunner | None,
                  verify_query_len: int, tree: GraphRunner | None = None,
@@ -71,6 +79,22 @@ class GraphedTarget:
         self.prefill = sorted(prefill or [], key=lambda r: r.query_len)
         self.mixed = mixed  # prompt steps of several sequences (a varlen graph)
         self.prefill_calls = 0  # prompt steps run without a graph
+        # (hidden, logits) of the last decode / verify replay that computed logits
+        self._logits: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _split(self, out: Any) -> Any:
+        """A replay's (hidden, aux[, logits]) -> (hidden, aux), its logits kept for
+        ``logits_for``."""
+        if len(out) == 3:
+            self._logits = (out[0], out[2])
+            return out[0], out[1]
+        return out
+
+    def logits_for(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[T, V] (model dtype) the last replay's logits when ``hidden`` is that replay's hidden
+        output (graph memory, valid until the next replay: read them right away), else None."""
+        kept, self._logits = self._logits, None
+        return kept[1] if kept is not None and kept[0] is hidden else None
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  aux_layer_ids: tuple[int, ...] = ()) -> Any:
@@ -80,7 +104,7 @@ class GraphedTarget:
             return self.tree.run(tree_live(input_ids, positions, meta))
         runner = self._causal_runner(meta.max_query_len, meta.block_tables.shape[0])
         if runner is not None:
-            return runner.run(LiveBatch(input_ids, positions, meta))
+            return self._split(runner.run(LiveBatch(input_ids, positions, meta)))
         return self.fn(input_ids, positions, meta, aux_layer_ids)
 
     def _causal_runner(self, max_query_len: int, num_seqs: int) -> GraphRunner | None:
@@ -122,7 +146,7 @@ class GraphedTarget:
         runner = self._causal_runner(hb.max_query_len, hb.num_seqs)
         out = None if runner is None else runner.run_host(hb, drafts_flat)
         if out is not None:
-            return out
+            return self._split(out)
         input_ids, positions, meta = host_batch_to_device(hb, self.decode.buffers.device,
                                                           drafts_flat)
         return self.fn(input_ids, positions, meta, aux_layer_ids)
@@ -156,8 +180,14 @@ class EngineGraphs:
         top_tokens = max_seqs * (k + 1)
         tbufs = StaticBuffers(top_tokens, max_seqs, max_blocks, device)
         target_graph_fn = lambda b: target_fn(b.input_ids, b.positions, b.meta, aux_ids)  # noqa: E731
-        decode = reg("target_decode", target_graph_fn, decode_sizes(policy, k > 0), tbufs)
-        verify = reg("target_verify", target_graph_fn, verify_sizes(policy), tbufs,
+        # Decode and verify steps want logits for every row: the lm_head is captured with them
+        # (an eager lm_head cost ~0.25 ms of host time per step at batch 64, twenty-third
+        # session). Tensor-parallel readouts gather across ranks: they stay eager.
+        lm_head = runner.model.lm_head if getattr(runner.model, "tp", None) is None else None
+        step_graph_fn = target_graph_fn if lm_head is None else (
+            lambda b: with_logits(target_graph_fn(b), lm_head))
+        decode = reg("target_decode", step_graph_fn, decode_sizes(policy, k > 0), tbufs)
+        verify = reg("target_verify", step_graph_fn, verify_sizes(policy), tbufs,
                      query_len=k + 1) if k > 0 else None
         tree_verify = None if tree is None else register_tree_verify(
             reg, target_fn, tree, policy.batch_sizes, max_blocks, device, aux_ids)

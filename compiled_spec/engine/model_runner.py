@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -148,13 +149,17 @@ class ModelRunner:
                 ) -> tuple[torch.Tensor, list[int], torch.Tensor | list[torch.Tensor]]:
         """The target forward over ``hb``: (logits [B, K+1, V], row_start, target hidden)."""
         run_host = getattr(self.target_fn, "run_host", None)
+        clock = self.clock
+        clock.mark("verify_build")
         if run_host is not None:  # CUDA graphs: staged straight into the static buffers
             hidden, aux = run_host(hb, drafts, self.aux_layer_ids)
         else:
             input_ids, positions, meta = host_batch_to_device(hb, self.device, drafts)
             hidden, aux = self.target_fn(input_ids, positions, meta, self.aux_layer_ids)
-        logits, row_start = verify_logits(self.model.compute_logits, hidden, spans, num_draft,
+        clock.mark("verify_replay")
+        logits, row_start = verify_logits(self._logits_fn(), hidden, spans, num_draft,
                                           self.device)
+        clock.mark("verify_logits")
         # Decoding with a graphed propose to follow: its fc issued before the acceptance's
         # host wait (the O(batch) check only where there are graphs).
         if (self.aux_layer_ids and self.proposer is not None
@@ -162,6 +167,18 @@ class ModelRunner:
                 and max(s.length for s in spans) <= self.k + 1):
             self.proposer.precombine(aux)
         return logits, row_start, aux if self.aux_layer_ids else hidden
+
+    def _logits_fn(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """fp32 logits of target rows: those a graph replay computed with them (the whole
+        replay's rows, ``GraphedTarget.logits_for``), else the eager readout."""
+        graph_logits = getattr(self.target_fn, "logits_for", None)
+        if graph_logits is None:
+            return self.model.compute_logits
+
+        def logits(hidden: torch.Tensor) -> torch.Tensor:  # [R, h] -> [R, V]
+            out = graph_logits(hidden)
+            return self.model.compute_logits(hidden) if out is None else out.float()
+        return logits
 
     def _prepare(self, reqs: list[Request], num_new: list[int]
                  ) -> tuple[HostBatch, list[Span], list[int]]:
