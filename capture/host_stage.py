@@ -11,6 +11,7 @@ which live on the device, are then moved into their input rows by one gather + o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 import torch
@@ -39,28 +40,38 @@ def put(arr: np.ndarray, live: list, size: int, pad: int) -> None:
 
 def put_tables(tab: np.ndarray, tables: list[list[int]]) -> None:
     """``tab`` [padded_seqs, W]: each request's block table, zero-padded (padded sequences get
-    table 0: their rows are inert, slot -1)."""
+    table 0: their rows are inert, slot -1). One masked store of every entry (row-major, so in
+    table order) instead of a store per request."""
     tab[:] = 0
-    for i, row in enumerate(tables):
-        tab[i, :len(row)] = row
+    if not tables:
+        return
+    lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    n, w = len(tables), int(lens.max())
+    if w:
+        tab[:n, :w][np.arange(w) < lens[:, None]] = np.fromiter(
+            chain.from_iterable(tables), dtype=tab.dtype, count=int(lens.sum()))
+
+
+Ints = list[int] | np.ndarray  # host integers of one step: a list, or a 1-D int64 array
 
 
 @dataclass
 class HostBatch:
-    """A flat batch as host lists (``Span`` layout, inert padding already applied to rows past
-    a request's write limit). An S-step loop (a draft-tree expansion) gives positions, slots
-    and seq_lens one list per step, as ``LiveBatch`` does with a leading step dimension."""
+    """A flat batch as host lists, or 1-D numpy arrays for a single step (``Span`` layout,
+    inert padding already applied to rows past a request's write limit). An S-step loop (a
+    draft-tree expansion) gives positions, slots and seq_lens one list per step, as
+    ``LiveBatch`` does with a leading step dimension."""
 
-    input_ids: list[int]  # [T]; rows in draft_dst are placeholders
-    positions: list[int] | list[list[int]]  # [T] or [S][T]
-    slots: list[int] | list[list[int]]  # [T] or [S][T], -1 = write nothing
-    seq_lens: list[int] | list[list[int]]  # [B] or [S][B]
-    query_start_loc: list[int]  # [B + 1]
+    input_ids: Ints  # [T]; rows in draft_dst are placeholders
+    positions: Ints | list[list[int]]  # [T] or [S][T]
+    slots: Ints | list[list[int]]  # [T] or [S][T], -1 = write nothing
+    seq_lens: Ints | list[list[int]]  # [B] or [S][B]
+    query_start_loc: Ints | range  # [B + 1]
     tables: list[list[int]]  # [B][blocks]
     max_query_len: int
     max_seq_len: int
-    draft_dst: list[int] = field(default_factory=list)  # rows of input_ids ...
-    draft_src: list[int] = field(default_factory=list)  # ... taking drafts_flat[src]
+    draft_dst: Ints = field(default_factory=list)  # rows of input_ids ...
+    draft_src: Ints = field(default_factory=list)  # ... taking drafts_flat[src]
     # [T]: each token's row in the row-source extras (``StaticBuffers(row_sources=...)``),
     # gathered inside the graph; empty for buffers without row sources.
     rows: list[int] = field(default_factory=list)
@@ -71,7 +82,7 @@ class HostBatch:
 
     @property
     def num_steps(self) -> int:
-        return len(self.positions) if self.positions and isinstance(self.positions[0], list) \
+        return len(self.positions) if len(self.positions) and isinstance(self.positions[0], list) \
             else 1
 
     @property

@@ -101,10 +101,13 @@ class BlockAllocator:
     def grow_all(self, wants: list[tuple[int, int]]) -> bool:
         """``grow`` for every (req_id, num_tokens), or none of them and False when the pool
         cannot cover them all (an early step's worst case: it must not half-grow a batch)."""
-        need = sum(max(0, self.blocks_for(n) - len(self.tables.get(rid, ()))) for rid, n in wants)
-        if need > self.num_free:
+        page, tables = self.page_size, self.tables
+        short = [(rid, n) for rid, n in wants if -(-n // page) > len(tables.get(rid, ()))]
+        if not short:  # the common case of a step: every table already covers its request
+            return True
+        if sum(-(-n // page) - len(tables.get(rid, ())) for rid, n in short) > self.num_free:
             return False
-        for rid, n in wants:
+        for rid, n in short:
             self.grow(rid, n)
         return True
 

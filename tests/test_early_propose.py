@@ -138,7 +138,7 @@ def test_early_graph_writes_what_the_late_graph_writes(engines):
         want_kv = [t.clone() for t in caches]
         for t, b in zip(caches, before):
             t.copy_(b)
-        assert early.stage(4, [Span(i, s, q) for i, s in zip(ids, starts)], [0, q, 2 * q],
+        assert early.stage(4, list(ids), list(starts), [0, q, 2 * q],
                            [0, 1, 2], max_total, [1, 2, 3], [0.0] * 3) is None
         with torch.inference_mode():  # as the engine writes it (the graphs' buffers are
             early.acc[:3] = torch.cat([target, drafts], dim=1)  # inference tensors)

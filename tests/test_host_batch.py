@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from compiled_spec.engine.batch import Span, loop_rows, span_rows
+from compiled_spec.engine.batch import Span, build_chain_batch, chain_rows, loop_rows, span_rows
 from compiled_spec.engine.request import Request
 from compiled_spec.kv_cache import BlockAllocator
 from compiled_spec.sampling_params import SamplingParams
@@ -51,6 +51,31 @@ def test_span_and_loop_rows_match_the_allocator():
                     p = s.start + s.length + j
                     want = (p, alloc.slot(s.req_id, p)) if p < lim else (lim - 1, -1)
                     assert (pos[j][b], slots[j][b]) == want and lens[j][b] == want[0] + 1
+
+
+def test_chain_rows_equal_span_rows():
+    """The vectorised rows of a chain step (spans of one length) are ``span_rows``' for the same
+    spans: tables of different widths, write limits inside, at and before a span (all inert)."""
+    rng = random.Random(1)
+    for page in (1, 4, 16):
+        alloc = BlockAllocator(4000, page)
+        for r in range(12):
+            alloc.grow(r, 60 + 12 * r)  # tables of different widths
+        for _ in range(300):
+            q = rng.randint(1, 7)
+            reqs = rng.sample(range(12), rng.randint(1, 8))
+            starts = [rng.randint(0, 60 + 12 * r - q) for r in reqs]
+            limited = rng.random() < 0.5
+            limits = [max(1, s + rng.randint(-3, q + 2)) for s in starts] if limited else None
+            spans = [Span(r, st, q, None if limits is None else lim)
+                     for r, st, lim in zip(reqs, starts, limits or starts)]
+            pos, slots, lens, qsl = span_rows(alloc, spans)
+            tables = [alloc.tables[r] for r in reqs]
+            got = chain_rows(tables, page, starts, limits, q)
+            assert (got[0].tolist(), got[1].tolist(), got[2].tolist()) == (pos, slots, lens)
+            hb = build_chain_batch(alloc, reqs, starts, limits, q, [0] * len(pos), [], [])
+            assert list(hb.query_start_loc) == qsl and hb.max_seq_len == max(lens)
+            assert hb.num_tokens == len(pos) and hb.num_seqs == len(reqs) and hb.num_steps == 1
 
 
 def test_request_tokens_equals_slicing_the_whole_sequence():

@@ -130,6 +130,41 @@ def span_rows(allocator: BlockAllocator, spans: list[Span]
     return positions, slots, seq_lens, qsl
 
 
+def chain_rows(tables: list[list[int]], page: int, starts: list[int],
+               limits: list[int] | None, q: int
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``span_rows`` for spans of one length ``q`` (a chain step: each request's last token
+    and k drafts), vectorised: at batch 64 the per-row Python of ``span_rows`` was ~0.1 ms of
+    every step's host time, twice a step (twenty-third session). ``tables``: each span's
+    request's block table; ``limits``: each span's write limit (positions from it on are
+    inert, as ``Span.write_limit``), or None for none. Returns positions [n*q], slots [n*q]
+    (int64) and seq_lens [n]."""
+    tab = padded_tables(tables, max(1, max(map(len, tables))))  # [n, W]
+    pos = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(q)  # [n, q]
+    if limits is None:
+        slots = np.take_along_axis(tab, pos // page, 1) * page + pos % page
+    else:
+        lim = np.asarray(limits, dtype=np.int64)[:, None]  # [n, 1]
+        live = pos < lim
+        pos = np.where(live, pos, lim - 1)  # inert rows sit at the limit's last position
+        blk = np.minimum(pos // page, tab.shape[1] - 1)  # inert rows may point past the table
+        slots = np.where(live, np.take_along_axis(tab, blk, 1) * page + pos % page, -1)
+    return pos.reshape(-1), slots.reshape(-1), pos[:, -1] + 1
+
+
+def build_chain_batch(allocator: BlockAllocator, req_ids: list[int], starts: list[int],
+                      limits: list[int] | None, q: int, input_ids: np.ndarray,
+                      draft_dst: np.ndarray, draft_src: np.ndarray) -> HostBatch:
+    """``build_host_batch`` of a chain step's spans (all of length ``q``, see ``chain_rows``),
+    its lists numpy arrays."""
+    tables = [allocator.tables[r] for r in req_ids]
+    positions, slots, seq_lens = chain_rows(tables, allocator.page_size, starts, limits, q)
+    n = len(req_ids)
+    return HostBatch(input_ids=input_ids, positions=positions, slots=slots, seq_lens=seq_lens,
+                     query_start_loc=range(0, n * q + 1, q), tables=tables, max_query_len=q,
+                     max_seq_len=int(seq_lens.max()), draft_dst=draft_dst, draft_src=draft_src)
+
+
 def loop_rows(allocator: BlockAllocator, roots: list[Span], write_limits: list[int],
               num_steps: int) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
     """Host lists [S][B] (positions, slots, seq_lens) of a one-token-per-request draft loop:
@@ -174,7 +209,7 @@ def host_batch_to_device(hb: HostBatch, device: torch.device,
     """(input_ids [T], positions [T], metadata) on ``device``; draft rows filled on device."""
     positions, meta = _host_metadata_to_device(hb, device)
     input_ids = to_device(hb.input_ids, device)  # [T]
-    if hb.draft_dst:
+    if len(hb.draft_dst):
         input_ids[to_device(hb.draft_dst, device)] = drafts_flat[to_device(hb.draft_src, device)]
     return input_ids, positions, meta
 

@@ -23,9 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
-from compiled_spec.engine.batch import Span, greedy_accept
 from compiled_spec.engine.request import Request
 from compiled_spec.profile import phase
 
@@ -147,15 +147,15 @@ class EarlyPropose(EarlyPath):
                                      for q in reqs]):
             return self._late("kv_exhausted")
         # Each request's k + 1 verified positions, staged as if all were accepted.
-        spans = [Span(q.req_id, q.num_computed, k + 1) for q in reqs]
-        draft_rows = [r._draft_row[q.req_id] for q in reqs]
-        why = self.graph.stage(size, spans, row_start, draft_rows,
+        req_ids = [q.req_id for q in reqs]
+        starts = [q.num_computed for q in reqs]
+        draft_rows = [r._draft_row[i] for i in req_ids]
+        why = self.graph.stage(size, req_ids, starts, row_start, draft_rows,
                                [q.kv_limit for q in reqs], [q.seed for q in reqs],
                                [q.params.temperature for q in reqs])
         if why is not None:
             return self._late(why)
-        return EarlyStep(size=size, index={q.req_id: i for i, q in enumerate(reqs)},
-                         starts=[sp.start for sp in spans],
+        return EarlyStep(size=size, index={i: j for j, i in enumerate(req_ids)}, starts=starts,
                          same_rows=draft_rows == list(range(len(reqs))))
 
     def accept(self, step: EarlyStep, logits: torch.Tensor,  # [n, k+1, V]
@@ -172,10 +172,12 @@ class EarlyPropose(EarlyPath):
         copy = HostCopy(acc, g.acc_host[:acc.numel()], self._event)  # the step's one D2H
         with phase("propose"):
             step.drafts, step.probs = self.propose(step.size, n, target_hidden)
-        flat = r.to_host(copy, numpy=True).reshape(n, 2 * k + 1).tolist()
+        host = r.to_host(copy, numpy=True).reshape(n, 2 * k + 1)
         self.stats.early += 1
-        # The graph's rule, on the host: leading drafts equal to the argmax.
-        return [greedy_accept(row, row[k + 1:], k) for row in flat]
+        # The graph's rule, on the host: leading drafts equal to the argmax (vectorised: a
+        # Python scan per request was ~0.1 ms of the step at batch 64).
+        n_acc = np.cumprod(host[:, k + 1:] == host[:, :k], axis=1).sum(axis=1).tolist()
+        return [row[:m + 1] for row, m in zip(host[:, :k + 1].tolist(), n_acc)]
 
     def propose(self, size: int, n: int, target_hidden: torch.Tensor | list[torch.Tensor]
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:

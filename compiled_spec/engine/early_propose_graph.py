@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from capture.cuda_graphs import capture_graph
@@ -31,7 +32,7 @@ from capture.emulate import emulate_graph
 from capture.host_stage import put, staging
 from capture.pad import LiveBatch
 from compiled_spec.attention_metadata import AttentionMetadata
-from compiled_spec.engine.batch import Span, span_rows
+from compiled_spec.engine.batch import chain_rows
 from compiled_spec.engine.propose_graph import StepCapture, _Layout, stage_dummy, stage_tables
 
 if TYPE_CHECKING:
@@ -192,23 +193,25 @@ class EarlyProposeGraphs(EarlyGraphSurface):
 
     # ---- per step ----------------------------------------------------------------------------
     @torch.inference_mode()  # writes the inference-tensor buffers (see __init__)
-    def stage(self, b: int, spans: list[Span], row_start: list[int], draft_rows: list[int],
-              max_total: list[int], seeds: list[int], temperature: list[float]) -> str | None:
+    def stage(self, b: int, req_ids: list[int], starts: list[int], row_start: list[int],
+              draft_rows: list[int], max_total: list[int], seeds: list[int],
+              temperature: list[float]) -> str | None:
         """Write the padded inputs of a graph of size ``b`` on the host and upload them (before
-        the acceptance kernels, which read ``draft_rows``). Per request: ``spans`` its k + 1
-        verified positions (as if all were accepted), ``row_start`` its first target row. A
-        reason when they do not fit."""
-        n, q, w = len(spans), self.q, self.max_blocks
+        the acceptance kernels, which read ``draft_rows``). Per request: its k + 1 verified
+        positions from ``starts`` (as if all were accepted), ``row_start`` its first target
+        row. A reason when they do not fit."""
+        n, q, w = len(req_ids), self.q, self.max_blocks
         t = b * q
         alloc = self.base.allocator
-        tables = [alloc.tables[sp.req_id] for sp in spans]
+        tables = [alloc.tables[r] for r in req_ids]
         if max(map(len, tables)) > w:
             return "block_table_width"
-        starts = [sp.start for sp in spans]
         if max(starts) + q > self.bucket or max(max_total) > self.bucket:
             return "max_seq_len"
-        pos, slots, lens, qsl = span_rows(alloc, spans)  # [n*(k+1)] x2, [n], [n+1]
-        rows = [r0 + j for r0 in row_start for j in range(q)]
+        # [n*(k+1)] x2, [n]
+        pos, slots, lens = chain_rows(tables, alloc.page_size, starts, None, q)
+        rows = (np.asarray(row_start, dtype=np.int64)[:, None] + np.arange(q)).reshape(-1)
+        qsl = range(0, n * q + 1, q)
         h64, h32, l64, l32 = self.h64, self.h32, self.l64, self.l32
         put(l64.seg(h64, "positions"), pos, t, 0)
         put(l64.seg(h64, "slots"), slots, t, -1)

@@ -41,10 +41,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
+import numpy as np
 import torch
 
 from capture.host_stage import HostBatch
-from compiled_spec.engine.batch import Span, build_host_batch, to_device
+from compiled_spec.engine.batch import Span, build_chain_batch, to_device
 from compiled_spec.engine.early_propose import HostCopy
 from compiled_spec.engine.request import Request
 from compiled_spec.engine.stopping import stops_on_token
@@ -104,6 +105,7 @@ class VerifyAhead:
         self._launched: _Launched | None = None
         self._host: torch.Tensor | None = None  # pinned: the decode tokens' copy
         self._event = torch.cuda.Event() if runner.device.type == "cuda" else None
+        self._index: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}  # _draft_index
 
     def skip(self, why: str) -> None:
         _count(self.stats.skipped, why)
@@ -188,27 +190,40 @@ class VerifyAhead:
             _count(self.stats.skipped, why)
             return
         r, k = self.runner, self.runner.k
+        q1 = k + 1
         spans: list[Span] = []
-        host_ids: list[int] = []
-        dst: list[int] = []
-        src: list[int] = []
+        req_ids: list[int] = []
+        starts: list[int] = []
+        limits: list[int] = []
         tables, page = r.allocator.tables, r.allocator.page_size
-        for i, (q, toks) in enumerate(zip(reqs, new_tokens)):
+        for q, toks in zip(reqs, new_tokens):
             # This step verified from q.num_computed (one query token, then k drafts) and
             # emitted len(toks); the next starts at its last emitted token.
             start = q.num_computed + len(toks)
-            off = len(host_ids)
-            host_ids.append(toks[-1])
-            host_ids.extend([0] * k)  # filled from the drafts on the device
-            dst.extend(range(off + 1, off + 1 + k))
-            src.extend(range(i * k, (i + 1) * k))  # row i of the step's proposal
             # A request at its budget ends here (verified to kv_limit, it may have accepted
             # past it): its rows stay, for the others' row order, but inert past its blocks.
             limit = (min(q.kv_limit, len(tables[q.req_id]) * page)
                      if q.num_tokens + len(toks) >= q.max_total_tokens else None)
-            spans.append(Span(q.req_id, start, k + 1, limit))
-        self._launch(build_host_batch(r.allocator, spans, host_ids, dst, src), spans, k,
-                     step.drafts.reshape(-1))
+            spans.append(Span(q.req_id, start, q1, limit))
+            req_ids.append(q.req_id)
+            starts.append(start)
+            limits.append(start + q1 if limit is None else limit)
+        n = len(reqs)
+        host_ids = np.zeros(n * q1, dtype=np.int64)  # drafts filled from the device
+        host_ids[::q1] = [toks[-1] for toks in new_tokens]
+        dst, src = self._draft_index(n, k)
+        self._launch(build_chain_batch(r.allocator, req_ids, starts, limits, q1, host_ids, dst,
+                                       src), spans, k, step.drafts.reshape(-1))
+
+    def _draft_index(self, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(rows of the launched batch taking drafts, their flat index in the proposal): row
+        i * (k + 1) + 1 + j takes draft j of proposal row i (the same every step of n)."""
+        key = (n, k)
+        idx = self._index.get(key)
+        if idx is None:
+            dst = (np.arange(n)[:, None] * (k + 1) + 1 + np.arange(k)).reshape(-1)
+            idx = self._index[key] = (dst, np.arange(n * k))
+        return idx
 
     def _launch(self, hb: HostBatch, spans: list[Span], k: int,
                 drafts: torch.Tensor) -> None:  # [n * k] (chain) or [n] (decode), flat
@@ -248,8 +263,14 @@ class VerifyAhead:
             _count(self.stats.skipped, "kv_exhausted")
             return
         spans = [Span(q.req_id, q.num_computed + m, 1) for q, m in zip(reqs, num_new)]
-        self._launch(build_host_batch(r.allocator, spans, [0] * n, list(range(n)),
-                                      list(range(n))), spans, 0, tok)
+        every = self._every(n)  # row i takes token i (on the device)
+        self._launch(build_chain_batch(r.allocator, [sp.req_id for sp in spans],
+                                       [sp.start for sp in spans], None, 1,
+                                       np.zeros(n, dtype=np.int64), every, every), spans, 0, tok)
+
+    def _every(self, n: int) -> np.ndarray:
+        """[n] 0 .. n - 1 (made once per n)."""
+        return self._draft_index(n, 1)[1]
 
     def _why_not_decode(self, reqs: list[Request], num_new: list[int]) -> str | None:
         why = self._why_not_batch(reqs)
