@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from compiled_spec.engine.batch import to_device
 from compiled_spec.engine.request import Request
 from compiled_spec.profile import phase
 
@@ -158,13 +159,17 @@ class EarlyPropose(EarlyPath):
         return EarlyStep(size=size, index={i: j for j, i in enumerate(req_ids)}, starts=starts,
                          same_rows=draft_rows == list(range(len(reqs))))
 
-    def accept(self, step: EarlyStep, logits: torch.Tensor,  # [n, k+1, V]
-               target_hidden: torch.Tensor | list[torch.Tensor]) -> list[list[int]]:
+    def accept(self, step: EarlyStep, logits: torch.Tensor,  # [n, k+1, V] (or [N, ...])
+               target_hidden: torch.Tensor | list[torch.Tensor],
+               rows: list[int] | None = None) -> list[list[int]]:
         """Greedy acceptance with the proposal launched before the host reads it: the tokens
-        per request (accepted drafts, then the target's next token)."""
+        per request (accepted drafts, then the target's next token). ``rows``: each request's
+        row of ``logits`` when they hold more (a launch some of whose requests finished)."""
         r, g, k = self.runner, self.graph, self.runner.k
-        n = logits.shape[0]
-        target = logits.argmax(dim=-1)  # [n, k+1]
+        target = logits.argmax(dim=-1)  # [n, k+1] (or [N, k+1])
+        if rows is not None:
+            target = target.index_select(0, to_device(rows, r.device))
+        n = target.shape[0]
         drafts = r._drafts[:n] if step.same_rows else r._drafts.index_select(
             0, g.draft_rows(n))  # [n, k] the drafts this step verified
         acc = g.acc[:n]  # [n, 2k+1]

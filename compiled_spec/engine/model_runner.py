@@ -112,9 +112,11 @@ class ModelRunner:
     def execute(self, reqs: list[Request], num_new: list[int]) -> StepOutput:
         # The verify an early step launched for this batch (engine/verify_ahead.py), if it fits.
         ahead = self.ahead.take(reqs, num_new)
+        logit_rows = None  # with a launch taken for some of its requests: theirs (see Ahead)
         if ahead is not None:
             spans, num_draft = ahead.spans, ahead.num_draft
             logits, row_start, target_hidden = ahead.logits, ahead.row_start, ahead.target_hidden
+            logit_rows = ahead.rows
         else:
             with phase("prepare"):
                 hb, spans, num_draft = self._prepare(reqs, num_new)
@@ -127,9 +129,11 @@ class ModelRunner:
         early = None if self.early is None else self.early.plan(reqs, num_new, num_draft,
                                                                 row_start)
         clock.mark("plan")
+        if early is None and logit_rows is not None:  # the late paths read them in order
+            logits = logits.index_select(0, to_device(logit_rows, self.device))
         with phase("rejection_sample"):
             if early is not None:
-                new_tokens = self.early.accept(early, logits, target_hidden)
+                new_tokens = self.early.accept(early, logits, target_hidden, logit_rows)
             else:
                 new_tokens = self._accept(reqs, logits, num_draft, num_new)
         clock.mark("accept")

@@ -83,9 +83,12 @@ class Ahead:
 
     spans: list[Span]
     num_draft: list[int]
-    logits: torch.Tensor  # [n, k+1, V]
-    row_start: list[int]
+    logits: torch.Tensor  # [n, k+1, V], or the whole launch's [N, k+1, V] with ``rows``
+    row_start: list[int]  # each request's first row in target_hidden
     target_hidden: torch.Tensor | list[torch.Tensor]
+    # Some launched requests had finished: each request's row of ``logits`` (the launch's
+    # rows stay where they are: no gather of logits, hidden states or the fc per such step).
+    rows: list[int] | None = None
 
 
 def _count(d: dict[str, int], why: str) -> None:
@@ -306,14 +309,12 @@ class VerifyAhead:
                     or (k > 0 and r._draft_row.get(q.req_id) != i)):
                 _count(self.stats.discarded, "state")
                 return None
-        logits, hidden, spans = a.logits, a.target_hidden, a.spans
-        if len(keep) < len(a.spans):  # finished requests' rows dropped
-            logits = logits.index_select(0, to_device(keep, r.device))
-            _, hidden = self._kept_hidden(hidden, keep, k + 1)
-            spans = [a.spans[i] for i in keep]
+        n = len(keep)
+        if n < len(a.spans):  # finished requests' rows stay, unread
             self.stats.taken_subset += 1
-        else:
-            self.stats.taken += 1
-        n = len(spans)
-        return Ahead(spans=spans, num_draft=[k] * n, logits=logits,
-                     row_start=[i * (k + 1) for i in range(n)], target_hidden=hidden)
+            return Ahead(spans=[a.spans[i] for i in keep], num_draft=[k] * n, logits=a.logits,
+                         row_start=[i * (k + 1) for i in keep], target_hidden=a.target_hidden,
+                         rows=keep)
+        self.stats.taken += 1
+        return Ahead(spans=a.spans, num_draft=[k] * n, logits=a.logits,
+                     row_start=[i * (k + 1) for i in range(n)], target_hidden=a.target_hidden)
