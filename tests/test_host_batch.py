@@ -8,7 +8,8 @@ import random
 import pytest
 import torch
 
-from compiled_spec.engine.batch import Span, build_chain_batch, chain_rows, loop_rows, span_rows
+from compiled_spec.engine.batch import (SPAN_ROWS_NUMPY, Span, build_chain_batch, chain_rows,
+                                        loop_rows, span_rows, span_rows_np)
 from compiled_spec.engine.request import Request
 from compiled_spec.kv_cache import BlockAllocator
 from compiled_spec.sampling_params import SamplingParams
@@ -51,6 +52,38 @@ def test_span_and_loop_rows_match_the_allocator():
                     p = s.start + s.length + j
                     want = (p, alloc.slot(s.req_id, p)) if p < lim else (lim - 1, -1)
                     assert (pos[j][b], slots[j][b]) == want and lens[j][b] == want[0] + 1
+
+
+def test_span_rows_numpy_equals_the_loop():
+    """Prompt steps (many rows) take the vectorised ``span_rows_np``: the same rows as the
+    reference for spans of any length (0 included), write limits inside, at and before a span
+    (all inert: no table read), tables of different widths; a live row past its table raises."""
+    rng = random.Random(2)
+    paths = set()
+    for page in (1, 4, 16):
+        alloc = BlockAllocator(4000, page)
+        for r in range(12):
+            alloc.grow(r, 60 + 12 * r)
+        for _ in range(300):
+            spans = []
+            for r in rng.sample(range(12), rng.randint(1, 12)):
+                length = rng.choice([0, 1, rng.randint(2, 60), rng.randint(40, 60)])
+                start = rng.randint(0, 60 + 12 * r - length)
+                limit = rng.choice([None, max(1, start + rng.randint(-3, length + 2))])
+                spans.append(Span(r, start, length, limit))
+            want = _span_rows_ref(alloc, spans)
+            got = span_rows_np(alloc, spans)
+            assert [a.tolist() for a in got] == list(want), spans
+            # span_rows hands batches of SPAN_ROWS_NUMPY rows and more to it
+            out = span_rows(alloc, spans)
+            big = sum(s.length for s in spans) >= SPAN_ROWS_NUMPY
+            assert isinstance(out[0], list) != big and [list(a) for a in out] == list(want)
+            paths.add(big)
+    assert paths == {False, True}  # both ways were compared
+    alloc = BlockAllocator(100, 4)
+    alloc.grow(0, 8)
+    with pytest.raises(IndexError):
+        span_rows_np(alloc, [Span(0, 6, 4)])  # rows 8 and 9 have no block
 
 
 def test_chain_rows_equal_span_rows():
