@@ -143,6 +143,7 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
         d0, a0 = spec.num_drafting_steps, spec.num_accepted_tokens
         n0, s0, w0 = es.num_steps, es.step_s, es.host_wait_s
         hp0 = dict(es.host_phase_s)
+        vl0, vi0 = es.verify_launches, es.verify_launches_gpu_idle
         p0, ps0 = es.num_prefill_steps, es.prefill_step_s
         gc0, gcs0 = es.gc_full_collections, es.gc_full_s
         ep0 = es.early_propose.as_dict() if es.early_propose is not None else None
@@ -172,6 +173,9 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
             row.extra["host_phase_ms"] = {
                 p: round(1e3 * (s - hp0.get(p, 0.0)) / (es.num_steps - n0), 4)
                 for p, s in es.host_phase_s.items()}
+            if es.verify_launches > vl0:  # GPU only: host-bound (idle) or GPU-bound launches
+                row.extra["gpu_idle_at_verify"] = round(
+                    (es.verify_launches_gpu_idle - vi0) / (es.verify_launches - vl0), 4)
             # step_ms mixes the prompt steps (no CUDA graph) in; at batch b the b prompts come
             # in one or few steps, so the decode steps' own mean is given apart.
             n_pre, s_pre = es.num_prefill_steps - p0, es.prefill_step_s - ps0
@@ -279,7 +283,8 @@ def bench_ours(variants: list[Variant], kw: dict[str, Any], prompts: list[list[i
         for x in r:
             if "host_phase_ms" in x.extra:
                 print(f"{v.name}: batch {x.batch} host ms per step by phase: "
-                      f"{x.extra['host_phase_ms']}", flush=True)
+                      f"{x.extra['host_phase_ms']}; target launches finding the GPU idle: "
+                      f"{x.extra.get('gpu_idle_at_verify')}", flush=True)
         for x in r:  # whole rows in the log: a later variant that kills the process (a CUDA
             # fault aborts it) would otherwise take every row with it (twentieth session)
             print("ROW " + json.dumps(x.as_dict(), default=str), flush=True)

@@ -107,6 +107,7 @@ class LLMEngine:
         self.runner.host_wait_s = 0.0
         self.runner.clock.reset()
         self.stats.host_phase_s = self.runner.clock.seconds
+        self.runner.gpu_probe.launches = self.runner.gpu_probe.idle = 0
         self.scheduler.num_preemptions = 0
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
@@ -168,6 +169,8 @@ class LLMEngine:
         stats.step_s += dt
         stats.host_wait_s = self.runner.host_wait_s
         stats.host_phase_s = clock.seconds
+        probe = self.runner.gpu_probe
+        stats.verify_launches, stats.verify_launches_gpu_idle = probe.launches, probe.idle
         if GC_CLOCK.count != gc_n:  # a full collection paused this step (compiled_spec/gc_heap.py)
             stats.count_gc(GC_CLOCK.count - gc_n, GC_CLOCK.seconds - gc_s)
             self._obs = None  # no cost the policy should learn from

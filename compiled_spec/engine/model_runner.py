@@ -18,7 +18,7 @@ from compiled_spec.engine.batch import (Span, build_host_batch, build_sampling_t
                                         greedy_accept, host_batch_to_device, to_device,
                                         verify_logits)
 from compiled_spec.engine.early_propose import EarlyPropose, EarlyStep, HostCopy
-from compiled_spec.engine.host_clock import HostClock
+from compiled_spec.engine.host_clock import GpuIdleProbe, HostClock
 from compiled_spec.engine.logprobs import gather_logprobs
 from compiled_spec.engine.request import Request
 from compiled_spec.engine.verify_ahead import VerifyAhead
@@ -77,6 +77,7 @@ class ModelRunner:
         self.host_wait_s = 0.0
         # The step's host time by phase (the engine's clock, shared: engine/host_clock.py).
         self.clock = HostClock()
+        self.gpu_probe = GpuIdleProbe(self.device)  # did the GPU idle before each verify?
 
     def to_host(self, t: torch.Tensor | HostCopy, numpy: bool = False) -> list | np.ndarray:
         """The step's one device-to-host copy (a list, or an array for ``numpy``); the time it
@@ -155,11 +156,13 @@ class ModelRunner:
         run_host = getattr(self.target_fn, "run_host", None)
         clock = self.clock
         clock.mark("verify_build")
+        self.gpu_probe.before()
         if run_host is not None:  # CUDA graphs: staged straight into the static buffers
             hidden, aux = run_host(hb, drafts, self.aux_layer_ids)
         else:
             input_ids, positions, meta = host_batch_to_device(hb, self.device, drafts)
             hidden, aux = self.target_fn(input_ids, positions, meta, self.aux_layer_ids)
+        self.gpu_probe.after()
         clock.mark("verify_replay")
         logits, row_start = verify_logits(self._logits_fn(), hidden, spans, num_draft,
                                           self.device)

@@ -35,6 +35,11 @@ class EngineStats:
     host_wait_s: float = 0.0
     # Of step_s: seconds per phase of the step (engine/host_clock.py; "wait" = host_wait_s)
     host_phase_s: dict[str, float] = field(default_factory=dict)
+    # Target forwards launched on a GPU, and how many found it idle (every earlier launch's work
+    # done: host-bound there); few idle with slow host phases: launches blocked on a full
+    # queue, i.e. GPU-bound (engine/host_clock.py, GpuIdleProbe)
+    verify_launches: int = 0
+    verify_launches_gpu_idle: int = 0
     # speculation_policy="adaptive": its choices and estimates per batch bucket (.summary())
     policy: SpecPolicy | None = None
     # Speculative engines: steps that proposed before the host read their acceptance, and the
