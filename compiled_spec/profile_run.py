@@ -55,13 +55,14 @@ def run_profile(a: argparse.Namespace) -> int:
     llm.generate(prompts[:batch] if batch > 1 else prompts[0], warm)
     if batch > 1:  # the step cost without the profiler's own overhead, for comparison
         steps0, t0 = llm.stats.num_steps, time.perf_counter()
-        phases0 = dict(llm.stats.host_phase_s)
+        phases0, pre0 = dict(llm.stats.host_phase_s), llm.stats.num_prefill_steps
         llm.generate(prompts[:batch], sp)
         secs, steps = time.perf_counter() - t0, llm.stats.num_steps - steps0
         print(f"untraced: batch {batch}, {steps} engine steps in {secs:.2f} s "
               f"({1e3 * secs / max(steps, 1):.2f} ms each)")
-        print("host ms per step by phase: " + ", ".join(
-            f"{p} {1e3 * (s - phases0.get(p, 0.0)) / max(steps, 1):.3f}"
+        decode = max(steps - (llm.stats.num_prefill_steps - pre0), 1)
+        print("host ms per decode step by phase: " + ", ".join(
+            f"{p} {1e3 * (s - phases0.get(p, 0.0)) / decode:.3f}"
             for p, s in llm.stats.host_phase_s.items()))
     rows = getattr(a, "cprofile", 0)
     if rows:  # the host's share by Python function (cProfile slows Python; shares, not times)

@@ -44,3 +44,20 @@ def test_gpu_idle_probe_counts_launches_that_found_the_gpu_idle():
         probe.before()
         probe.after()
     assert (probe.launches, probe.idle, ev.records) == (4, 2, 4)
+
+
+def test_a_prompt_steps_phases_are_kept_apart(monkeypatch):
+    now = iter([0.0, 1.0, 2.0, 4.0, 10.0, 11.0, 13.0])
+    monkeypatch.setattr(host_clock.time, "perf_counter", lambda: next(now))
+    clock = HostClock()  # 0.0
+    clock.start()  # 1.0
+    clock.prompt_step()
+    clock.mark("schedule")  # 2.0: a prompt step's, from the step's start
+    clock.mark("verify")  # 4.0
+    clock.start()  # 10.0: the next step decodes
+    clock.mark("schedule")  # 11.0
+    clock.mark("verify")  # 13.0
+    assert clock.prompt_seconds == {"schedule": 1.0, "verify": 2.0}
+    assert clock.seconds == {"schedule": 1.0, "verify": 2.0}
+    clock.reset()
+    assert clock.seconds == clock.prompt_seconds == {}

@@ -142,7 +142,7 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
         spec, es = llm.stats.spec, llm.stats
         d0, a0 = spec.num_drafting_steps, spec.num_accepted_tokens
         n0, s0, w0 = es.num_steps, es.step_s, es.host_wait_s
-        hp0 = dict(es.host_phase_s)
+        hp0, php0 = dict(es.host_phase_s), dict(es.prompt_host_phase_s)
         vl0, vi0 = es.verify_launches, es.verify_launches_gpu_idle
         p0, ps0 = es.num_prefill_steps, es.prefill_step_s
         gc0, gcs0 = es.gc_full_collections, es.gc_full_s
@@ -169,10 +169,6 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
         if es.num_steps > n0:  # untraced: engine step time and the host's wait for the GPU in it
             row.extra["step_ms"] = round(1e3 * (es.step_s - s0) / (es.num_steps - n0), 4)
             row.extra["host_wait_ms"] = round(1e3 * (es.host_wait_s - w0) / (es.num_steps - n0), 4)
-            # where the step's host time went, per step (engine/host_clock.py)
-            row.extra["host_phase_ms"] = {
-                p: round(1e3 * (s - hp0.get(p, 0.0)) / (es.num_steps - n0), 4)
-                for p, s in es.host_phase_s.items()}
             if es.verify_launches > vl0:  # GPU only: host-bound (idle) or GPU-bound launches
                 row.extra["gpu_idle_at_verify"] = round(
                     (es.verify_launches_gpu_idle - vi0) / (es.verify_launches - vl0), 4)
@@ -186,6 +182,14 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
                 row.extra["prefill_step_ms_p50_max"] = _quantiles_ms(
                     list(es.recent_prefill_step_s)[-n_pre:], (0.5, 1.0), 3)
             n_dec = es.num_steps - n0 - n_pre
+            # where the steps' host time went, per decode step and per prompt step
+            # (engine/host_clock.py)
+            for key, now, then, n in (("host_phase_ms", es.host_phase_s, hp0, n_dec),
+                                      ("prompt_host_phase_ms", es.prompt_host_phase_s, php0,
+                                       n_pre)):
+                if n > 0:
+                    row.extra[key] = {p: round(1e3 * (s - then.get(p, 0.0)) / n, 4)
+                                      for p, s in now.items()}
             if n_dec > 0:
                 row.extra["decode_step_ms"] = round(1e3 * (es.step_s - s0 - s_pre) / n_dec, 4)
                 row.extra["decode_step_ms_p50_p90_max"] = _quantiles_ms(
@@ -282,9 +286,10 @@ def bench_ours(variants: list[Variant], kw: dict[str, Any], prompts: list[list[i
             flush=True)
         for x in r:
             if "host_phase_ms" in x.extra:
-                print(f"{v.name}: batch {x.batch} host ms per step by phase: "
+                print(f"{v.name}: batch {x.batch} host ms per decode step by phase: "
                       f"{x.extra['host_phase_ms']}; target launches finding the GPU idle: "
-                      f"{x.extra.get('gpu_idle_at_verify')}", flush=True)
+                      f"{x.extra.get('gpu_idle_at_verify')}; per prompt step: "
+                      f"{x.extra.get('prompt_host_phase_ms')}", flush=True)
         for x in r:  # whole rows in the log: a later variant that kills the process (a CUDA
             # fault aborts it) would otherwise take every row with it (twentieth session)
             print("ROW " + json.dumps(x.as_dict(), default=str), flush=True)

@@ -107,6 +107,7 @@ class LLMEngine:
         self.runner.host_wait_s = 0.0
         self.runner.clock.reset()
         self.stats.host_phase_s = self.runner.clock.seconds
+        self.stats.prompt_host_phase_s = self.runner.clock.prompt_seconds
         self.runner.gpu_probe.launches = self.runner.gpu_probe.idle = 0
         self.scheduler.num_preemptions = 0
 
@@ -153,6 +154,8 @@ class LLMEngine:
         clock.start()
         gc_n, gc_s = GC_CLOCK.count, GC_CLOCK.seconds
         batch = self.scheduler.schedule()
+        if not batch.empty and max(batch.num_new_tokens) > 1:
+            clock.prompt_step()
         clock.mark("schedule")
         finished = list(batch.aborted)
         stats = self.stats
@@ -168,7 +171,7 @@ class LLMEngine:
         dt = time.perf_counter() - t0
         stats.step_s += dt
         stats.host_wait_s = self.runner.host_wait_s
-        stats.host_phase_s = clock.seconds
+        stats.host_phase_s, stats.prompt_host_phase_s = clock.seconds, clock.prompt_seconds
         probe = self.runner.gpu_probe
         stats.verify_launches, stats.verify_launches_gpu_idle = probe.launches, probe.idle
         if GC_CLOCK.count != gc_n:  # a full collection paused this step (compiled_spec/gc_heap.py)

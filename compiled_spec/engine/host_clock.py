@@ -4,7 +4,8 @@ At batch 64 a chain step is host-bound (its wait for the GPU is ~5% of the step,
 session): what decides its speed is the host's own work, and a profiler or cProfile inflates
 exactly that work (per call, per op), so the phases are timed untraced here, by
 ``perf_counter`` marks at phase ends (~0.1 us each, a handful per step). The marks partition
-the step: their sum is ``EngineStats.step_s`` up to the step's first and last lines.
+the step: their sum is ``EngineStats.step_s`` up to the step's first and last lines (decode
+steps in ``seconds``, steps carrying a prompt in ``prompt_seconds``).
 """
 from __future__ import annotations
 
@@ -25,23 +26,34 @@ class HostClock:
     """Accumulates seconds per phase: ``start`` at the step's beginning, ``mark(phase)`` at the
     end of each phase (the time since the previous mark goes to ``phase``)."""
 
-    __slots__ = ("seconds", "_t")
+    __slots__ = ("seconds", "prompt_seconds", "_into", "_t")
 
     def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
+        self.seconds: dict[str, float] = {}  # decode steps (no prompt rows)
+        # Steps that carry a prompt chunk: a different path (late propose, varlen graph) whose
+        # phases would blur the decode steps' if summed with them.
+        self.prompt_seconds: dict[str, float] = {}
+        self._into = self.seconds
         self._t = time.perf_counter()
 
     def start(self) -> None:
+        self._into = self.seconds
         self._t = time.perf_counter()
+
+    def prompt_step(self) -> None:
+        """The step being timed carries a prompt: its phases (from the last mark on, the
+        schedule's included) go to ``prompt_seconds``."""
+        self._into = self.prompt_seconds
 
     def mark(self, phase: str) -> None:
         t = time.perf_counter()
-        s = self.seconds
+        s = self._into
         s[phase] = s.get(phase, 0.0) + (t - self._t)
         self._t = t
 
     def reset(self) -> None:
-        self.seconds = {}
+        self.seconds, self.prompt_seconds = {}, {}
+        self._into = self.seconds
 
 
 class GpuIdleProbe:

@@ -33,8 +33,10 @@ class EngineStats:
     # Of step_s: the host blocked in the steps' device-to-host copies (waiting for the GPU).
     # Small against step_s: the steps are host-bound, and the GPU idles for the rest.
     host_wait_s: float = 0.0
-    # Of step_s: seconds per phase of the step (engine/host_clock.py; "wait" = host_wait_s)
+    # Of step_s: seconds per phase of the decode steps (engine/host_clock.py; "wait" is the
+    # host_wait_s of those steps), and of the steps that carried a prompt (prefill_step_s)
     host_phase_s: dict[str, float] = field(default_factory=dict)
+    prompt_host_phase_s: dict[str, float] = field(default_factory=dict)
     # Target forwards launched on a GPU, and how many found it idle (every earlier launch's work
     # done: host-bound there); few idle with slow host phases: launches blocked on a full
     # queue, i.e. GPU-bound (engine/host_clock.py, GpuIdleProbe)
