@@ -105,7 +105,16 @@ def test_emulated_tree_graphs_equal_eager(trained_eagle3_pair, smollm2_gguf_path
     # Greedy tree steps draft early (tests/test_early_tree.py); steps near a request's end late.
     assert set(graphs.registry.runners) == {"target_decode", *TREE_GRAPHS, "tree_draft_early"}
     llm.engine.stats.spec = type(llm.stats.spec)()  # count the graphed run alone
-    assert _ids(llm) == eager
+    model = llm.engine.runner.model
+    readouts: list[int] = []  # eager readouts: the tree-verify graph computes its own logits
+    readout = model.compute_logits
+    model.compute_logits = lambda h: readouts.append(h.shape[0]) or readout(h)
+    prompt_steps0 = llm.stats.num_prefill_steps
+    try:
+        assert _ids(llm) == eager
+    finally:
+        del model.compute_logits
+    assert 0 < len(readouts) <= llm.stats.num_prefill_steps - prompt_steps0
     assert llm.stats.spec.as_dict() == eager_spec  # same drafts accepted at every position
     st = graphs.stats()
     for name in (*TREE_GRAPHS, "tree_draft_early"):

@@ -101,7 +101,7 @@ class GraphedTarget:
         if meta.tree_mask is not None:  # never a causal graph: they would ignore the mask
             if self.tree is None:
                 raise RuntimeError("tree attention reached an engine without a tree-verify graph")
-            return self.tree.run(tree_live(input_ids, positions, meta))
+            return self._split(self.tree.run(tree_live(input_ids, positions, meta)))
         runner = self._causal_runner(meta.max_query_len, meta.block_tables.shape[0])
         if runner is not None:
             return self._split(runner.run(LiveBatch(input_ids, positions, meta)))
@@ -133,10 +133,10 @@ class GraphedTarget:
             raise RuntimeError("tree attention reached an engine without a tree-verify graph")
         out = self.tree.run_host(hb, drafts_flat, extras)
         if out is not None:
-            return out
+            return self._split(out)
         input_ids, positions, meta = host_batch_to_device(hb, self.decode.buffers.device,
                                                           drafts_flat)
-        return self.tree.fn(LiveBatch(input_ids, positions, meta, extras=extras))
+        return self._split(self.tree.fn(LiveBatch(input_ids, positions, meta, extras=extras)))
 
     def run_host(self, hb: HostBatch, drafts_flat: torch.Tensor | None,
                  aux_layer_ids: tuple[int, ...] = ()) -> Any:
@@ -180,17 +180,20 @@ class EngineGraphs:
         top_tokens = max_seqs * (k + 1)
         tbufs = StaticBuffers(top_tokens, max_seqs, max_blocks, device)
         target_graph_fn = lambda b: target_fn(b.input_ids, b.positions, b.meta, aux_ids)  # noqa: E731
-        # Decode and verify steps want logits for every row: the lm_head is captured with them
-        # (an eager lm_head cost ~0.25 ms of host time per step at batch 64, twenty-third
-        # session). Tensor-parallel readouts gather across ranks: they stay eager.
+        # Decode, verify and tree-verify steps want logits for every row: the lm_head is
+        # captured with them (one launch fewer on the step's host path, the bf16 logits in
+        # the graph's pool instead of a fresh allocation each step). Tensor-parallel readouts
+        # gather across ranks: they stay eager.
         lm_head = runner.model.lm_head if getattr(runner.model, "tp", None) is None else None
         step_graph_fn = target_graph_fn if lm_head is None else (
             lambda b: with_logits(target_graph_fn(b), lm_head))
         decode = reg("target_decode", step_graph_fn, decode_sizes(policy, k > 0), tbufs)
         verify = reg("target_verify", step_graph_fn, verify_sizes(policy), tbufs,
                      query_len=k + 1) if k > 0 else None
+        tree_target = target_fn if lm_head is None else (
+            lambda *a: with_logits(target_fn(*a), lm_head))  # the tree graph's logits too
         tree_verify = None if tree is None else register_tree_verify(
-            reg, target_fn, tree, policy.batch_sizes, max_blocks, device, aux_ids)
+            reg, tree_target, tree, policy.batch_sizes, max_blocks, device, aux_ids)
         # One sequence's prompt step, padded to a captured query length (its own buffers: the
         # decode / verify ones hold max_seqs * (k + 1) tokens).
         prefill = []
