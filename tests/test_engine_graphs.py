@@ -294,3 +294,25 @@ def test_decode_and_verify_graphs_compute_the_logits(trained_eagle3_pair, smollm
     prompt_steps = llm.stats.num_prefill_steps - prompt_steps0
     # Eager readouts only in steps that carried a prompt (the padded batches of 3 included).
     assert 0 < len(calls) <= prompt_steps < steps, (calls, prompt_steps, steps)
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_bf16_graph_logits_give_eagers_tokens(trained_eagle3_pair, smollm2_gguf_path, spec):
+    """In bf16 the graphs hand their logits on in bf16 (greedy steps take the argmax, which the
+    exact upcast cannot change; sampling and logprobs upcast first): greedy, sampled and
+    logprob-reading requests in one batch give the eager engine's tokens and logprobs."""
+    target, head = trained_eagle3_pair
+    llm = _llm(target, smollm2_gguf_path, head if spec else None, dtype="bfloat16")
+    sp = [SamplingParams(max_tokens=m, temperature=t, seed=3, ignore_eos=True, logprobs=lp)
+          for m, t, lp in ((20, 0.0, None), (12, 0.7, None), (9, 0.0, 2), (16, 0.0, None),
+                           (5, 0.9, None))]
+
+    def run():
+        outs = llm.generate(PROMPTS, sp, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], outs[2].outputs[0].logprobs
+
+    eager, eager_lp = run()
+    _graphs(llm)
+    graphed, graphed_lp = run()
+    assert graphed == eager
+    assert graphed_lp == eager_lp and len(eager_lp) == 9

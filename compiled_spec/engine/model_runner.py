@@ -146,13 +146,15 @@ class ModelRunner:
             hidden=target_hidden, spans=spans, row_start=row_start, num_draft=num_draft)
         lp = None
         if any(r.params.logprobs is not None for r in reqs):
+            # (it upcasts the rows it reads, as apply_filters does: a graph's are the model dtype)
             lp = gather_logprobs(list(logits), new_tokens, [r.params.logprobs for r in reqs])
         return StepOutput(new_tokens=new_tokens, num_draft=num_draft, logprobs=lp)
 
     def _verify(self, hb: HostBatch, spans: list[Span], num_draft: list[int],
                 drafts: torch.Tensor | None,  # [B_prev * k] the last proposal's, flat
                 ) -> tuple[torch.Tensor, list[int], torch.Tensor | list[torch.Tensor]]:
-        """The target forward over ``hb``: (logits [B, K+1, V], row_start, target hidden)."""
+        """The target forward over ``hb``: (logits [B, K+1, V], row_start, target hidden); the
+        logits are fp32, or the model dtype where a graph computed them (``_logits_fn``)."""
         run_host = getattr(self.target_fn, "run_host", None)
         clock = self.clock
         clock.mark("verify_build")
@@ -164,8 +166,8 @@ class ModelRunner:
             hidden, aux = self.target_fn(input_ids, positions, meta, self.aux_layer_ids)
         self.gpu_probe.after()
         clock.mark("verify_replay")
-        logits, row_start = verify_logits(self._logits_fn(), hidden, spans, num_draft,
-                                          self.device)
+        logits, row_start = verify_logits(self._logits_fn(upcast=False), hidden, spans,
+                                          num_draft, self.device)
         clock.mark("verify_logits")
         # Decoding with a graphed propose to follow: its fc issued before the acceptance's
         # host wait (the O(batch) check only where there are graphs).
@@ -175,16 +177,21 @@ class ModelRunner:
             self.proposer.precombine(aux)
         return logits, row_start, aux if self.aux_layer_ids else hidden
 
-    def _logits_fn(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        """fp32 logits of target rows: those a graph replay computed with them (the whole
-        replay's rows, ``GraphedTarget.logits_for``), else the eager readout."""
+    def _logits_fn(self, upcast: bool = True) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Logits of target rows: those a graph replay computed with them (the whole replay's
+        rows, ``GraphedTarget.logits_for``), else the eager readout (fp32). ``upcast=False``
+        keeps a graph's in the model dtype: greedy steps only take their argmax, which the
+        upcast cannot change (it is exact), and the upcast of every row (a [T, V] write and a
+        read twice the size) is GPU time at batch 64; readers of probabilities upcast."""
         graph_logits = getattr(self.target_fn, "logits_for", None)
         if graph_logits is None:
             return self.model.compute_logits
 
         def logits(hidden: torch.Tensor) -> torch.Tensor:  # [R, h] -> [R, V]
             out = graph_logits(hidden)
-            return self.model.compute_logits(hidden) if out is None else out.float()
+            if out is None:
+                return self.model.compute_logits(hidden)
+            return out.float() if upcast else out
         return logits
 
     def _prepare(self, reqs: list[Request], num_new: list[int]
