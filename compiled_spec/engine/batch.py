@@ -132,9 +132,9 @@ def span_rows(allocator: BlockAllocator, spans: list[Span]
     return positions, slots, seq_lens, qsl
 
 
-# From this many tokens on, ``span_rows`` runs vectorised: a prompt step's thousands of rows took
-# milliseconds of per-token Python on the H200's host (twenty-third session); below it numpy's
-# per-call overhead would cost more than the loop.
+# From this many tokens on, ``span_rows`` runs vectorised (a prompt step at batch 64 has
+# thousands of rows, each a few Python operations); below it numpy's per-call overhead would
+# cost more than the loop.
 SPAN_ROWS_NUMPY = 256
 
 
@@ -172,8 +172,9 @@ def chain_rows(tables: list[list[int]], page: int, starts: list[int],
                limits: list[int] | None, q: int
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``span_rows`` for spans of one length ``q`` (a chain step: each request's last token
-    and k drafts), vectorised: at batch 64 the per-row Python of ``span_rows`` was ~0.1 ms of
-    every step's host time, twice a step (twenty-third session). ``tables``: each span's
+    and k drafts), vectorised: ``span_rows``' per-row Python had the largest own time in a
+    cProfile of a batch-64 step, called twice a step (twenty-third session). ``tables``: each
+    span's
     request's block table; ``limits``: each span's write limit (positions from it on are
     inert, as ``Span.write_limit``), or None for none. Returns positions [n*q], slots [n*q]
     (int64) and seq_lens [n]."""

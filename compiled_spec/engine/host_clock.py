@@ -1,8 +1,9 @@
 """Where an engine step's host time goes, by phase (``llm.stats.host_phase_s``).
 
-At batch 64 a chain step is host-bound (its wait for the GPU is ~5% of the step, twenty-second
-session): what decides its speed is the host's own work, and a profiler or cProfile inflates
-exactly that work (per call, per op), so the phases are timed untraced here, by
+At batch 64 a chain step's wait for the GPU is ~5% of the step (twenty-second session): its
+time is spent in the host's phases (the host's own work, or launches there blocking on a full
+queue: ``GpuIdleProbe`` tells them apart), and a profiler or cProfile inflates exactly that
+work (per call, per op), so the phases are timed untraced here, by
 ``perf_counter`` marks at phase ends (~0.1 us each, a handful per step). The marks partition
 the step: their sum is ``EngineStats.step_s`` up to the step's first and last lines (decode
 steps in ``seconds``, steps carrying a prompt in ``prompt_seconds``).

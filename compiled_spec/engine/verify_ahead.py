@@ -192,8 +192,8 @@ class VerifyAhead:
         starts: list[int] = []
         limits: list[int] = []
         tables, page, eos = r.allocator.tables, r.allocator.page_size, self.eos_token_ids
-        # One pass over the batch (at batch 64 each pass costs ~0.1 ms of the H200's host):
-        # whether a launch would pay (as ``num_ending`` and ``_why_not_ending``), and its spans.
+        # One pass over the batch (each per-request loop shows in a batch-64 step): whether a
+        # launch would pay (as ``num_ending`` and ``_why_not_ending``), and its spans.
         ending, not_spec, short = 0, False, False
         for q, toks in zip(reqs, new_tokens):
             n_tok = q.num_tokens + len(toks)
