@@ -7,13 +7,13 @@ nothing reads back from the device.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import accumulate, chain
+from itertools import accumulate
 from typing import Callable
 
 import numpy as np
 import torch
 
-from capture.host_stage import HostBatch
+from capture.host_stage import HostBatch, put_tables
 from compiled_spec.attention_metadata import AttentionMetadata
 from compiled_spec.engine.request import Request
 from compiled_spec.kv_cache import BlockAllocator
@@ -80,10 +80,8 @@ def _align(n: int, m: int) -> int:
 def padded_tables(tables: list[list[int]], width: int) -> np.ndarray:
     """[B, width] int32 block tables, zero-padded: one masked store of all entries (row-major,
     so in table order) instead of a padded Python list per row."""
-    lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
     out = np.zeros((len(tables), width), dtype=np.int32)
-    out[np.arange(width) < lens[:, None]] = np.fromiter(chain.from_iterable(tables),
-                                                        dtype=np.int32, count=int(lens.sum()))
+    put_tables(out, tables)
     return out
 
 
@@ -151,21 +149,28 @@ def span_rows_np(allocator: BlockAllocator, spans: list[Span]
     np.cumsum(lens, out=qsl[1:])
     seg = np.repeat(np.arange(n), lens)  # [T] each row's span
     pos = starts[seg] + np.arange(int(qsl[-1])) - qsl[:-1][seg]  # [T]
-    lim = limits[seg]
-    live = pos < lim
-    pos = np.where(live, pos, lim - 1)  # inert rows sit at the limit's last position
     # Only spans with a live row read a table (an all-inert span may have none), as span_rows.
     rows = [tables[s.req_id] if min(s.start + s.length, lim_i) > s.start else ()
             for s, lim_i in zip(spans, limits.tolist())]
     have = np.fromiter(map(len, rows), dtype=np.int64, count=n)
     tab = padded_tables(rows, max(1, int(have.max()) if n else 1))  # [n, W]
-    blk = pos // page
-    if np.any(live & (blk >= have[seg])):
+    pos, slots, live = _inert_rows(tab, seg, pos, limits[seg], page)
+    if np.any(live & (pos // page >= have[seg])):
         raise IndexError("span_rows: a live position lies past its request's block table")
-    slots = np.where(live, tab[seg, np.minimum(blk, tab.shape[1] - 1)] * page + pos % page, -1)
     last = qsl[1:] - 1  # each span's last row (a span of length 0: its start)
     seq_lens = np.where(lens > 0, pos[np.maximum(last, 0)] + 1 if len(pos) else 0, starts)
     return pos, slots, seq_lens, qsl
+
+
+def _inert_rows(tab: np.ndarray, row: np.ndarray, pos: np.ndarray, lim: np.ndarray, page: int
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(positions, slots, live) of rows at ``pos`` reading block-table row ``row`` of ``tab``
+    (both broadcast with ``pos``): a row at or past its limit ``lim`` is inert (as
+    ``Span.write_limit``), at position lim - 1 with slot -1."""
+    live = pos < lim
+    pos = np.where(live, pos, lim - 1)
+    blk = np.minimum(pos // page, tab.shape[1] - 1)  # inert rows may point past the table
+    return pos, np.where(live, tab[row, blk] * page + pos % page, -1), live
 
 
 def chain_rows(tables: list[list[int]], page: int, starts: list[int],
@@ -174,20 +179,14 @@ def chain_rows(tables: list[list[int]], page: int, starts: list[int],
     """``span_rows`` for spans of one length ``q`` (a chain step: each request's last token
     and k drafts), vectorised: ``span_rows``' per-row Python had the largest own time in a
     cProfile of a batch-64 step, called twice a step (twenty-third session). ``tables``: each
-    span's
-    request's block table; ``limits``: each span's write limit (positions from it on are
-    inert, as ``Span.write_limit``), or None for none. Returns positions [n*q], slots [n*q]
-    (int64) and seq_lens [n]."""
+    span's request's block table; ``limits``: each span's write limit (positions from it on
+    are inert, as ``Span.write_limit``), or None for none. Returns positions [n*q], slots
+    [n*q] (int64) and seq_lens [n]."""
     tab = padded_tables(tables, max(1, max(map(len, tables))))  # [n, W]
-    pos = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(q)  # [n, q]
-    if limits is None:
-        slots = np.take_along_axis(tab, pos // page, 1) * page + pos % page
-    else:
-        lim = np.asarray(limits, dtype=np.int64)[:, None]  # [n, 1]
-        live = pos < lim
-        pos = np.where(live, pos, lim - 1)  # inert rows sit at the limit's last position
-        blk = np.minimum(pos // page, tab.shape[1] - 1)  # inert rows may point past the table
-        slots = np.where(live, np.take_along_axis(tab, blk, 1) * page + pos % page, -1)
+    first = np.asarray(starts, dtype=np.int64)[:, None]  # [n, 1]
+    pos = first + np.arange(q)  # [n, q]
+    lim = first + q if limits is None else np.asarray(limits, dtype=np.int64)[:, None]
+    pos, slots, _ = _inert_rows(tab, np.arange(len(tables))[:, None], pos, lim, page)
     return pos.reshape(-1), slots.reshape(-1), pos[:, -1] + 1
 
 

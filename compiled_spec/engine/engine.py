@@ -154,7 +154,8 @@ class LLMEngine:
         clock.start()
         gc_n, gc_s = GC_CLOCK.count, GC_CLOCK.seconds
         batch = self.scheduler.schedule()
-        if not batch.empty and max(batch.num_new_tokens) > 1:
+        prompt = not batch.empty and max(batch.num_new_tokens) > 1  # carries a prompt chunk
+        if prompt:
             clock.prompt_step()
         clock.mark("schedule")
         finished = list(batch.aborted)
@@ -180,7 +181,7 @@ class LLMEngine:
         if self._obs is not None and stats.policy is not None:
             stats.policy.observe(self._obs[0], self._obs[1], dt, self._obs[2])
             self._obs = None
-        if max(batch.num_new_tokens) > 1:
+        if prompt:
             stats.num_prefill_steps += 1
             stats.prefill_step_s += dt
             stats.recent_prefill_step_s.append(dt)

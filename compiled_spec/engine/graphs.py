@@ -64,8 +64,8 @@ def with_logits(out: tuple[torch.Tensor, Any], lm_head: Callable[[torch.Tensor],
 
 class GraphedTarget:
     """Drop-in for ``ModelRunner.target_fn``: decode, verify or tree-verify graph, or (prefill)
-    none. Decode and verify graphs also compute the logits of every row: ``logits_for`` hands
-    them to the step that reads this replay's hidden states."""
+    none. Decode, verify and tree-verify graphs also compute the logits of every row:
+    ``logits_for`` hands them to the step that reads this replay's hidden states."""
 
     def __init__(self, fn: TargetFn, decode: GraphRunner, verify: GraphRunner | None,
                  verify_query_len: int, tree: GraphRunner | None = None,

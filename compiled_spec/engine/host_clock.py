@@ -16,16 +16,16 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-# Phases in step order (the engine's ``step`` and the runner's ``execute``).
-# "execute": the runner's work after its last mark (logprobs, a tree step's own phases);
-# "other": the step's statistics and whatever follows ``propose`` (prefix-cache registration).
-PHASES = ("schedule", "verify", "plan", "accept", "wait", "launch_ahead", "execute",
-          "bookkeeping", "propose", "other")
-
-
 class HostClock:
     """Accumulates seconds per phase: ``start`` at the step's beginning, ``mark(phase)`` at the
-    end of each phase (the time since the previous mark goes to ``phase``)."""
+    end of each phase (the time since the previous mark goes to ``phase``).
+
+    The engine's phases, in step order: ``schedule``; ``verify`` (taking a launched verify, or
+    the late verify's rest), within a verify ``verify_build`` / ``verify_replay`` /
+    ``verify_logits``; ``plan``; ``accept`` (before and after the host's ``wait``);
+    ``launch_ahead``; ``execute`` (the runner's work after its last mark: logprobs, a tree
+    step's own phases); ``bookkeeping``; ``propose``; ``other`` (the step's statistics and
+    whatever follows ``propose``, prefix-cache registration)."""
 
     __slots__ = ("seconds", "prompt_seconds", "_into", "_t")
 

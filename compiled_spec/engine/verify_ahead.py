@@ -172,8 +172,11 @@ class VerifyAhead:
         freed slots let the scheduler admit (the next batch would carry prompts). Waiting
         requests alone do not: with bulk admission (``SchedulerConfig.min_admit``) most steps
         of a full engine admit nothing."""
-        ending = self.num_ending(reqs, new_tokens)
-        if ending == len(reqs):
+        return self._why_not_ends(self.num_ending(reqs, new_tokens), len(reqs))
+
+    def _why_not_ends(self, ending: int, n: int) -> str | None:
+        """``_why_not_ending`` given how many of the step's ``n`` requests end."""
+        if ending == n:
             return "stopping"
         return "admitting" if self.admits_next(ending) else None
 
@@ -214,8 +217,8 @@ class VerifyAhead:
             req_ids.append(q.req_id)
             starts.append(start)
             limits.append(start + q1 if limit is None else limit)
-        why = ("stopping" if ending == len(reqs) else "admitting" if self.admits_next(ending)
-               else "not_spec" if not_spec else "short" if short else None)
+        why = (self._why_not_ends(ending, len(reqs))
+               or ("not_spec" if not_spec else "short" if short else None))
         if why is not None:
             _count(self.stats.skipped, why)
             return
