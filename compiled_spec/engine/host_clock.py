@@ -23,9 +23,11 @@ class HostClock:
     The engine's phases, in step order: ``schedule``; ``verify`` (taking a launched verify, or
     the late verify's rest), within a verify ``verify_build`` / ``verify_replay`` /
     ``verify_logits``; ``plan``; ``accept`` (before and after the host's ``wait``);
-    ``launch_ahead``; ``execute`` (the runner's work after its last mark: logprobs, a tree
-    step's own phases); ``bookkeeping``; ``propose``; ``other`` (the step's statistics and
-    whatever follows ``propose``, prefix-cache registration)."""
+    ``launch_ahead``; ``execute`` (the runner's work after its last mark: logprobs);
+    ``bookkeeping``; ``propose``; ``other`` (the step's statistics and
+    whatever follows ``propose``, prefix-cache registration).
+    A draft-tree step marks ``verify``, ``plan``, ``accept`` (up to the draft's launch, then the
+    host's walk of the trees and its token lists), ``wait`` and ``launch_ahead`` the same way."""
 
     __slots__ = ("seconds", "prompt_seconds", "_into", "_t")
 

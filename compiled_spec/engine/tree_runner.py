@@ -133,11 +133,14 @@ class TreeModelRunner(ModelRunner):
         n_nodes, dev, alloc = self.tree.num_draft_tokens, self.device, self.allocator
         # The verify the last step launched for this batch (engine/verify_ahead_tree.py).
         v = self.ahead.take_tree(reqs) or stage_and_verify(self, reqs)
+        clock = self.clock  # the tree step's host phases (engine/host_clock.py)
+        clock.mark("verify")
         in_tree, starts, qsl, dst = v.in_tree, v.starts, v.qsl, v.dst
         logits, target_hidden, tree_info = v.logits, v.target_hidden, v.tree_info
         all_tree = all(in_tree)
         # Staged while the verify runs; None: this step proposes late (the reason counted).
         early = self._early_tree = self.early.plan_tree(reqs, in_tree, starts)
+        clock.mark("plan")
         with phase("rejection_sample"):
             if all(r.params.greedy for r in reqs):  # host-known: no sampling tensors to upload
                 drawn = logits.argmax(dim=-1)  # [T]
@@ -169,6 +172,7 @@ class TreeModelRunner(ModelRunner):
             # Accept no more drafts than the request's budget leaves room for (plus the bonus).
             cap = np.array([reqs[i].max_total_tokens - reqs[i].num_tokens - 1 for i in t_idx])
             path, n_acc, bonus = accept_paths(h_tok, h_par, h_drawn, h_depth, d, cap)
+            clock.mark("accept")  # the host's walk of the copied trees
             # Each accepted node's KV moves from its tree slot (position root + node) to the
             # position of its depth; a node already there stays. Made in ``propose`` (an early
             # step's graph made them already).
@@ -197,7 +201,9 @@ class TreeModelRunner(ModelRunner):
             rows_by_req[r.req_id] = [qsl[i]] + [qsl[i] + j for j in nodes]
             row += 1
         if early is not None:  # the next trees' verify, before the engine's bookkeeping
+            clock.mark("accept")  # ... and the token lists it makes
             early.tree = self.ahead.launch_tree(reqs, starts, new_tokens, early.tree)
+            clock.mark("launch_ahead")
         # The first pass covers the root and the accepted nodes (positions are now sequential).
         self._pending = None if early is not None else _Pending(
             hidden=target_hidden, spans=spans, row_start=qsl[:-1], num_draft=[0] * len(reqs),
