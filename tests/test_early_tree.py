@@ -186,6 +186,10 @@ def test_tree_verify_ahead_equals_vanilla(engines, batch, monkeypatch):
             checked.append(len(reqs))
         return v
     monkeypatch.setattr(ahead, "take_tree", take_checked)
+    # Every launch verifies the early graph's trees where its replay left them (no copies).
+    g, held = spec.engine.runner.early.graph, []
+    holds_tree = g.holds_tree
+    monkeypatch.setattr(g, "holds_tree", lambda t, m: held.append(holds_tree(t, m)) or held[-1])
     ahead.enabled = True
     try:
         out, acc, early_st = _run(spec, True, PROMPTS, sps, batch)
@@ -205,6 +209,7 @@ def test_tree_verify_ahead_equals_vanilla(engines, batch, monkeypatch):
     # No step recovered from a fault (a recovery would recompute and hide a wrong input).
     assert st.num_step_faults == faults
     assert len(checked) == taken + subset
+    assert len(held) >= launched and all(held), held
 
 
 def test_early_tree_graph_writes_what_the_late_graphs_write(engines):

@@ -89,14 +89,22 @@ class EarlyTree(EarlyPath):
         then the replay: the host reads the copy while the draft runs."""
         g = self.graph
         n = drawn.shape[0]
-        acc = g.acc[:n]  # [n, 4, N]
-        acc[:, :3].copy_(tree_info.transpose(0, 1))
-        acc[:, 3].copy_(drawn)
-        copy = HostCopy(acc, g.acc_host[:acc.numel()], self._event)
+        acc, acc_host = g.acc_rows(n)  # [n, 4, N]
+        if not g.holds(tree_info):  # trees from the late path (the early graph's are in place)
+            acc[:, :3].copy_(tree_info.transpose(0, 1))
+        if drawn is not g.drawn(n):  # ``draw`` writes it in place
+            acc[:, 3].copy_(drawn)
+        copy = HostCopy(acc, acc_host, self._event)
         with phase("propose"):
             step.tree = self.propose(step.size, n, target_hidden)
         self.stats.early += 1
         return copy
+
+    def draw(self, logits: torch.Tensor, n: int) -> torch.Tensor:  # [n * N, V] -> [n, N]
+        """The target's argmax at every node, written straight into the graph's input."""
+        out = self.graph.drawn(n)  # [n, N], strided: the reduction writes it in place
+        torch.argmax(logits.view(n, out.shape[1], -1), dim=-1, out=out)
+        return out
 
     def propose(self, size: int, n: int, target_hidden: torch.Tensor | list[torch.Tensor]
                 ) -> DraftTree:

@@ -81,8 +81,15 @@ class EarlyTreeGraphs(EarlyGraphSurface):
             # target's argmax at each node; written after the verify, read by the replay, and
             # the step's one copy to the host (the host's acceptance reads the same numbers).
             self.acc = torch.zeros(bm, 4, self.n, dtype=torch.int64, device=self.device)
+            # The replay's trees, copied in the graph out of its pool (where the next verify's
+            # replay may reuse their blocks) into memory of their own: the tokens, parents and
+            # depths into acc[:, :3], where the next step's replay reads them (its acceptance
+            # input), the masks here. So neither the next verify's launch nor the next step's
+            # ``launch`` copies them (three eager launches a step on the host's path).
+            self.mask_out = torch.zeros(bm, self.n, self.n, dtype=torch.bool, device=self.device)
         self.acc_host, _ = staging(bm * 4 * self.n, torch.int64, self.device)
         self._graphs: dict[int, tuple[Any, Any]] = {}
+        self._views: dict[int, tuple[Any, ...]] = {}  # per n: views of acc (_views_for)
         self.capture_failures: list[dict[str, Any]] = []
         self.graph_replays = self.padded_rows = 0
 
@@ -126,6 +133,10 @@ class EarlyTreeGraphs(EarlyGraphSurface):
         # The accepted nodes' target KV to the positions of their depths (the late path's
         # host-made moves); the draft above never reads the target's KV.
         self.move_kv(moves)  # [2, b*D]
+        # acc was read above (stage), and the step's host copy of it was issued before the
+        # replay: from here on its first three planes hold the next step's trees.
+        self.acc[:b, :3].copy_(torch.stack(trees[:3], dim=1))  # [b, 3, N]
+        self.mask_out[:b].copy_(trees[3])  # [b, N, N]
         return trees
 
     # ---- start-up ----------------------------------------------------------------------------
@@ -183,12 +194,49 @@ class EarlyTreeGraphs(EarlyGraphSurface):
     def replay(self, b: int, n: int, target_hidden: torch.Tensor | list[torch.Tensor]
                ) -> tuple[torch.Tensor, ...]:
         """After ``acc`` [:n] is written: the fc output into the first pass's row source, the
-        replay, and the trees (tokens, parents, depth [n, N], mask [n, N, N]) as graph memory,
-        valid until the pool's next replay (the next verify copies what it reads first)."""
+        replay, and the trees (tokens, parents, depth [n, N], mask [n, N, N]) in the graph's
+        own memory (``trees``), valid until its next replay."""
         hidden = self.prop.base.combine(target_hidden)  # [T_target, h], usually precombined
         self.fp.buffers.extras["hidden"][:hidden.shape[0]].copy_(hidden)
-        graph, out = self._graphs[b]
+        graph, _ = self._graphs[b]
         graph.replay()
         self.graph_replays += 1
         self.padded_rows += b - n
-        return tuple(t[:n] for t in out) if b != n else tuple(out)
+        return self.trees(n)
+
+    def trees(self, n: int) -> tuple[torch.Tensor, ...]:
+        """The last replay's trees of requests 0..n-1: tokens, parents, depth [n, N] (rows of
+        ``acc``, strided) and mask [n, N, N]; the same view objects every step (made once
+        per n: each view is an op on the host's path), so ``holds`` is an identity test."""
+        return self._views_for(n)[1]
+
+    def _views_for(self, n: int) -> tuple[Any, ...]:
+        views = self._views.get(n)
+        if views is None:
+            info = self.acc[:n, :3].transpose(0, 1)  # [3, n, N]
+            views = self._views[n] = (
+                info, (info[0], info[1], info[2], self.mask_out[:n]),
+                self.acc[:n, 3],  # [n, N] drawn
+                self.acc[:n], self.acc_host[:n * 4 * self.n])  # [n, 4, N], its host copy
+        return views
+
+    def tree_info(self, n: int) -> torch.Tensor:  # [3, n, N] a view of acc
+        return self._views_for(n)[0]
+
+    def drawn(self, n: int) -> torch.Tensor:  # [n, N] the argmax plane of acc
+        return self._views_for(n)[2]
+
+    def acc_rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """acc [n, 4, N] and the pinned host buffer its copy lands in."""
+        views = self._views_for(n)
+        return views[3], views[4]
+
+    def holds_tree(self, tokens: torch.Tensor, mask: torch.Tensor) -> bool:
+        """Whether a tree's tokens and mask are the last replay's, in place."""
+        views = self._views.get(tokens.shape[0])
+        return views is not None and tokens is views[1][0] and mask is views[1][3]
+
+    def holds(self, tree_info: torch.Tensor) -> bool:
+        """Whether ``tree_info`` [3, n, N] is ``tree_info(n)`` (the trees in place)."""
+        views = self._views.get(tree_info.shape[1])
+        return views is not None and tree_info is views[0]

@@ -142,7 +142,9 @@ class TreeModelRunner(ModelRunner):
         early = self._early_tree = self.early.plan_tree(reqs, in_tree, starts)
         clock.mark("plan")
         with phase("rejection_sample"):
-            if all(r.params.greedy for r in reqs):  # host-known: no sampling tensors to upload
+            if early is not None:  # greedy, all trees: straight into the early graph's input
+                drawn = None
+            elif all(r.params.greedy for r in reqs):  # host-known: no sampling tensors
                 drawn = logits.argmax(dim=-1)  # [T]
             else:  # the token vanilla sampling would draw after each node (position + 1)
                 reps = [qsl[i + 1] - qsl[i] for i in range(len(reqs))]
@@ -152,7 +154,8 @@ class TreeModelRunner(ModelRunner):
                     positions = to_device(v.base, dev) + tree_info[2].reshape(-1)
                 drawn = sample_from_probs(apply_filters(logits, st),
                                           position_keys(st.seeds, positions + 1, STREAM_TOKEN))
-            at_nodes = (drawn if dst is None else drawn[dst]).view(-1, n_nodes)  # [B_t, N]
+            at_nodes = (self.early.draw(logits, len(reqs)) if drawn is None  # [B_t, N]
+                        else (drawn if dst is None else drawn[dst]).view(-1, n_nodes))
             t_idx = [i for i, t in enumerate(in_tree) if t]
             n_t, d = len(t_idx), self.tree.num_steps
             if early is not None:  # the next trees drafted before the host reads the copy

@@ -82,7 +82,9 @@ def verify_tree_host(rn: "TreeModelRunner", hb: HostBatch, tree: DraftTree,
 def tree_logits(rn: "TreeModelRunner", hidden: torch.Tensor,  # [T, h]
                 aux: Any) -> tuple[torch.Tensor, Any]:
     """(logits [T, V], the hidden the draft reads); EAGLE-3's fc issued for the next proposal."""
-    logits = rn._logits_fn()(hidden)  # [T, V] the tree graph's, else read out eagerly
+    # [T, V] the tree graph's (model dtype: argmax needs no upcast, samplers upcast the rows
+    # they read), else read out eagerly
+    logits = rn._logits_fn(upcast=False)(hidden)
     if rn.aux_layer_ids:  # the next proposal's fc, before the acceptance's host wait
         rn.proposer.precombine(aux)
     return logits, aux if rn.aux_layer_ids else hidden

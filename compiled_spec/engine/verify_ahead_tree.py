@@ -89,9 +89,14 @@ class TreeVerifyAhead(VerifyAhead):
                                    for q, root, toks in zip(reqs, roots, new_tokens)])
         rows = list(range(len(reqs)))
         hb = tree_host_batch(r, host, roots, rows)
-        # Copied before the verify: the trees are graph outputs its replay may reuse.
-        tree_info = torch.stack([tree.tokens, tree.parents, tree.depth])  # [3, B, N]
-        tree = DraftTree(tree_info[0], tree_info[1], tree_info[2], tree.mask.clone())
+        g = r.early.graph
+        if g is not None and g.holds_tree(tree.tokens, tree.mask):
+            # The early graph's trees, in memory of its own (early_tree_graph.py): valid until
+            # its next replay, which comes after everything reading them.
+            tree_info = g.tree_info(len(reqs))  # [3, B, N]
+        else:  # copied before the verify: graph outputs its replay may reuse
+            tree_info = torch.stack([tree.tokens, tree.parents, tree.depth])  # [3, B, N]
+            tree = DraftTree(tree_info[0], tree_info[1], tree_info[2], tree.mask.clone())
         with phase("verify"):
             logits, hidden = verify_tree_host(r, hb, tree, tree.depth, tree.mask)
         self._launched = _LaunchedTree(

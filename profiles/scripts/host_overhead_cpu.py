@@ -52,6 +52,9 @@ _CRIT_PROF: list[cProfile.Profile | None] = [None]  # --cprofile-critical: that 
 _SYNC_END_T: list[float | None] = [None]
 _CRIT_T_S = [0.0]
 _PROPOSE_GRAPHS: set[int] = set()  # ids of the propose graphs' (emulated) graph objects
+# The engine's HostClock (engine/host_clock.py): an emulated replay's run is moved out of its
+# phases, so host_phase_ms is host work alone, as on a GPU (where a replay is one launch).
+_CLOCK: list = [None]
 _orig_replay = EmulatedGraph.replay
 
 
@@ -72,6 +75,8 @@ def _timed_replay(self: EmulatedGraph) -> None:
     finally:
         dt = time.perf_counter() - t0
         _REPLAY_S[0] += dt
+        if _CLOCK[0] is not None and _IN_REPLAY[0] == 1:  # the outermost replay alone
+            _CLOCK[0]._t += dt
         if _SYNC_END_T[0] is not None:  # a replay is one launch: its emulated run is no host work
             _SYNC_END_T[0] += dt
         _IN_REPLAY[0] -= 1
@@ -100,7 +105,7 @@ class OpCounter(TorchDispatchMode):
 
 # Ops that only make views or host tensors: no kernel launch on a GPU.
 _NO_LAUNCH = {"slice", "narrow", "select", "view", "reshape", "detach", "detach_", "lift_fresh",
-              "expand", "unsqueeze", "squeeze", "as_strided", "t", "permute", "alias",
+              "expand", "unsqueeze", "squeeze", "as_strided", "t", "permute", "transpose", "alias",
               "resolve_conj", "resolve_neg", "_unsafe_view", "split", "unbind"}
 
 
@@ -152,6 +157,7 @@ def measure(name: str, llm: LLM, k: int, batch: int, tokens: int, ops: bool,
 
     eng = llm.engine
     to_host = eng.runner.to_host
+    _CLOCK[0] = eng.runner.clock
 
     def timed_to_host(*args, **kwargs):
         out = to_host(*args, **kwargs)
@@ -168,6 +174,7 @@ def measure(name: str, llm: LLM, k: int, batch: int, tokens: int, ops: bool,
     host_ms, replay_ms, crit_ms, counter = [], [], [], OpCounter(by_frame)
     crit_t_ms = []
     tokens_before = eng.stats.num_decode_tokens
+    phases_before = dict(eng.stats.host_phase_s)  # the engine's own clock (host_clock.py)
     steps = 0
     while eng.has_unfinished():
         # a copy's path to the next launch may span steps
@@ -195,6 +202,9 @@ def measure(name: str, llm: LLM, k: int, batch: int, tokens: int, ops: bool,
            "replay_ms_per_step_median": statistics.median(replay_ms),
            "sync_to_launch_ms_median": statistics.median(crit_ms),
            "sync_to_target_launch_ms_median": statistics.median(crit_t_ms)}
+    phases = {p: (s - phases_before.get(p, 0.0)) * 1e3 / max(1, steps)
+              for p, s in eng.stats.host_phase_s.items()}
+    row["host_phase_ms"] = {p: round(v, 4) for p, v in phases.items() if v > 0}
     st = graphs.stats()
     row["replays_per_step"] = round(st["replayed"] / max(1, steps), 2)
     row["without_graph"] = st["without_graph"]

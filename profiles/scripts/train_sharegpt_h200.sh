@@ -275,7 +275,11 @@ trees)
   [ "${LAUNCH:-0}" = 1 ] && timeout 150 python3 profiles/scripts/graph_launch_h200.py \
     --out "$OUT/graph_launch.json" > "$OUT/graph_launch.log" 2>&1
   [ -f "$OUT/graph_launch.log" ] && cat "$OUT/graph_launch.log"
-  timeout ${LIMIT:-420} python3 -m compiled_spec.cli bench --model "$M" --device ${DEVICE:-cuda} \
+  # SPY=1: the bench runs under py-spy (its wheel carried in .device/whl), sampling the host
+  # untraced, without pausing the process; trees.spy.txt.gz: collapsed stacks with counts.
+  SPYCMD=(); [ "${SPY:-0}" = 1 ] && SPYCMD=(~/site/bin/py-spy record --nonblocking --format raw
+    --rate ${SPY_RATE:-250} -o ~/trees.spy.txt --)
+  timeout ${LIMIT:-420} "${SPYCMD[@]}" python3 -m compiled_spec.cli bench --model "$M" --device ${DEVICE:-cuda} \
     --dtype ${DTYPE:-bfloat16} --prompts $D/question.jsonl \
     --batch-sizes ${BATCHES:-1} --draft "${DRAFT:-$(cat ~/best_head 2>/dev/null || echo smollm2-eagle3)}" \
     -k ${K:-5} --variants ${VARIANTS:-ours_eagle_compiled} --trees ${TREES:-4:16 8:32} --out-dir ~/bench_trees \
@@ -283,6 +287,7 @@ trees)
     --num-prompts ${NUM_PROMPTS:-5} --max-tokens ${MAX_TOKENS:-256} --trace-dir ~/traces \
     > "$OUT/trees.log" 2>&1
   cp ~/bench_trees/BENCHMARKS.md "$OUT/trees.md"; cp ~/bench_trees/benchmarks.json "$OUT/trees.json"
+  [ -f ~/trees.spy.txt ] && gzip -c ~/trees.spy.txt > "$OUT/trees.spy.txt.gz"
   T=$(ls -t ~/traces/*tree*/*.pt.trace.json 2>/dev/null | head -1)
   [ -n "$T" ] && gzip -c "$T" > "$OUT/tree_step.pt.trace.json.gz"
   # and the chain's (profiles/scripts/trace_gaps.py reads either: GPU idle per step and why)
