@@ -27,7 +27,9 @@ class HostClock:
     ``bookkeeping``; ``propose``; ``other`` (the step's statistics and
     whatever follows ``propose``, prefix-cache registration).
     A draft-tree step marks ``verify``, ``plan``, ``accept`` (up to the draft's launch, then the
-    host's walk of the trees and its token lists), ``wait`` and ``launch_ahead`` the same way."""
+    host's walk of the trees and its token lists), ``wait`` and ``launch_ahead`` the same way;
+    its tree verify (launched ahead, or the step's own) ``verify_build`` / ``verify_replay`` /
+    ``verify_logits`` as the chain's."""
 
     __slots__ = ("seconds", "prompt_seconds", "_into", "_t")
 

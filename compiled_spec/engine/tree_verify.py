@@ -71,12 +71,20 @@ def tree_host_batch(rn: "TreeModelRunner", host: HostLists, starts: list[int],
 
 def verify_tree_host(rn: "TreeModelRunner", hb: HostBatch, tree: DraftTree,
                      t_depth: torch.Tensor, t_mask: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """The tree-verify graph over ``hb``: (logits [T, V], the hidden the draft reads)."""
-    n_nodes = rn.tree.num_draft_tokens
+    """The tree-verify graph over ``hb``: (logits [T, V], the hidden the draft reads). Its
+    host phases are the chain verify's (``ModelRunner._verify``): build (up to here), replay
+    (staging and launch), logits."""
+    n_nodes, clock = rn.tree.num_draft_tokens, rn.clock
+    clock.mark("verify_build")
+    rn.gpu_probe.before()
     hidden, aux = rn.target_fn.run_tree_host(
         hb, tree.tokens.reshape(-1),
         {"depth": t_depth.reshape(-1), "tree_mask": t_mask.reshape(-1, n_nodes)})
-    return tree_logits(rn, hidden, aux)
+    rn.gpu_probe.after()
+    clock.mark("verify_replay")
+    out = tree_logits(rn, hidden, aux)
+    clock.mark("verify_logits")
+    return out
 
 
 def tree_logits(rn: "TreeModelRunner", hidden: torch.Tensor,  # [T, h]
