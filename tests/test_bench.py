@@ -226,3 +226,39 @@ def test_build_engine_takes_the_variants_flags(monkeypatch: pytest.MonkeyPatch) 
     assert [c.skinny_gemm for c in cfgs] == [True, True, True, True, False]
     # the prologues ride on the skinny GEMMs: the --ab skinny_gemm "off" engine has neither
     assert [c.skinny_gemm_prologues for c in cfgs] == [True, True, True, True, False]
+
+
+def test_timed_engine_reads_the_graphs_logits(tiny_hf_dir, monkeypatch) -> None:
+    """The bench times the target by wrapping it: the wrapped target must still hand the
+    engine its graphs' logits (``GraphedTarget.logits_for``). A bare timed function in its
+    place (until the twenty-fifth session) made every benchmarked decode and verify step read
+    its logits out eagerly, an lm_head GEMM and an fp32 upcast that users' engines never run."""
+    from capture import CapturePolicy
+    from compiled_spec import LLM
+    from compiled_spec.bench.ours import Variant, time_engine
+    from compiled_spec.compile import CompileConfig, capture_graphs, compile_models
+
+    llm = LLM(model=tiny_hf_dir, device="cpu", max_model_len=128, max_num_seqs=2,
+              dtype="float32")
+    runner = llm.engine.runner
+    llm._compiled = models = compile_models(runner, CompileConfig(inductor=False))
+    policy = CapturePolicy(max_batch_size=2, num_speculative_tokens=0, max_model_len=128,
+                           batch_sizes=(1, 2), seq_len_buckets=(128,))
+    capture_graphs(runner, models, policy, llm.config.cache.page_size, emulate=True)
+    from compiled_spec.engine.graphs import GraphedTarget
+
+    taken: list[bool] = []
+    logits_for = GraphedTarget.logits_for
+
+    def counted(self: GraphedTarget, hidden: torch.Tensor) -> torch.Tensor | None:
+        out = logits_for(self, hidden)
+        taken.append(out is not None)
+        return out
+    monkeypatch.setattr(GraphedTarget, "logits_for", counted)  # on the class, as the method
+    prompts = [[3, 7, 1, 4], [5, 2, 9]]
+    rows, _ = time_engine(llm, Variant("vanilla", None, True), prompts, [1, 2], 6, 0.0)
+    assert [r.batch for r in rows] == [1, 2]
+    # Every decode step (warm-up runs included) took its replay's logits; prompt steps (no
+    # graph here) read out eagerly.
+    decode_steps = sum(r.extra["steps"] - r.extra["prefill_steps"] for r in rows)
+    assert decode_steps > 0 and sum(taken) >= decode_steps, (taken, decode_steps)

@@ -98,6 +98,22 @@ def running_at_most(llm: Any, n: int) -> Iterator[None]:
         yield
 
 
+class TimedTarget:
+    """The runner's target with its call timed: every other attribute is the target's own.
+    A bare timed function in its place hid ``GraphedTarget.logits_for`` (a method, which
+    ``functools.wraps`` does not copy), so every benchmarked step read its logits out eagerly
+    (an lm_head GEMM and an fp32 upcast) instead of taking the graph's."""
+
+    def __init__(self, target: Any, timed: Any) -> None:
+        self._target, self._timed = target, timed
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._timed(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:  # only for what the instance does not hold
+        return getattr(self._target, name)
+
+
 def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: list[int],
                 max_tokens: int, startup: float, waves: int = 1
                 ) -> tuple[list[Row], list[list[int]]]:
@@ -112,8 +128,9 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
     # Decode / verify steps only (prefill is not a per-token cost); propose as a whole. A tree
     # verify has num_draft_tokens query rows per request (and its tree mask).
     target = runner.target_fn
-    runner.target_fn = timer.wrap("verify", target, when=lambda ids, pos, meta, *a: (
-        meta.max_query_len <= k + 1 or meta.tree_mask is not None))
+    runner.target_fn = TimedTarget(target, timer.wrap(
+        "verify", target, when=lambda ids, pos, meta, *a: (
+            meta.max_query_len <= k + 1 or meta.tree_mask is not None)))
     if hasattr(target, "run_host"):  # CUDA graphs: the engine stages host batches itself
         runner.target_fn.run_host = timer.wrap(  # type: ignore[attr-defined]
             "verify", target.run_host, when=lambda hb, *a: hb.max_query_len <= k + 1)
