@@ -75,6 +75,11 @@ class HostBatch:
     # [T]: each token's row in the row-source extras (``StaticBuffers(row_sources=...)``),
     # gathered inside the graph; empty for buffers without row sources.
     rows: list[int] = field(default_factory=list)
+    # (width, first): every request's rows are ``width`` wide and its columns first.. take the
+    # last width - first drafts of its row of a 2-D drafts tensor (request i, row i): the
+    # draft rows above in a form one strided copy stages (``HostStage.fill``), where the
+    # index lists cost a gather and a scatter. Set by callers whose rows line up so.
+    draft_grid: tuple[int, int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -126,7 +131,8 @@ class HostStage:
              max_seq_len: int, drafts_flat: torch.Tensor | None,
              extras: dict[str, torch.Tensor] | None = None) -> LiveBatch:
         """Stage ``hb`` padded to (padded_tokens, padded_seqs); returns the static views with
-        the graph's host ints. ``drafts_flat``: the device drafts that draft_src indexes;
+        the graph's host ints. ``drafts_flat``: the device drafts that draft_src indexes
+        (flat), or 2-D where ``hb.draft_grid`` places them;
         ``extras``: the buffers' extras as device tensors ([T, ...] or [B, ...]; a row source
         [R, ...] with R up to its buffer's rows, which ``hb.rows`` index)."""
         bufs, t, b = self.bufs, hb.num_tokens, hb.num_seqs
@@ -157,9 +163,12 @@ class HostStage:
             put(self._pos[j], pos, padded_tokens, 0)
             put(self._slots[j], slots, padded_tokens, -1)
             put(self._lens[j], lens, padded_seqs, 0)
-        n_d = len(hb.draft_dst)
-        self._dst[:n_d] = hb.draft_dst
-        self._src[:n_d] = hb.draft_src
+        # A grid of drafts (2-D drafts): one strided copy after the uploads, no index lists.
+        grid = hb.draft_grid if drafts_flat is not None and drafts_flat.dim() == 2 else None
+        n_d = 0 if grid is not None else len(hb.draft_dst)
+        if n_d:
+            self._dst[:n_d] = hb.draft_dst
+            self._src[:n_d] = hb.draft_src
         put(self._qsl, hb.query_start_loc, padded_seqs + 1, t)
         put_tables(self._tables[:padded_seqs], hb.tables)
         up = self._uploads.get((padded_tokens, padded_seqs))
@@ -172,11 +181,16 @@ class HostStage:
             dst.copy_(src, non_blocking=True)
         if self._uploaded is not None:
             self._uploaded.record()
-        if n_d:
+        if grid is not None:
+            w, first = grid
+            c = drafts_flat.shape[1]
+            bufs.input_ids[:t].view(t // w, w)[:, first:].copy_(  # [n, w - first]
+                drafts_flat[:t // w, c - (w - first):])
+        elif n_d:
             if drafts_flat is None:
                 raise ValueError("host batch has draft rows but no drafts were given")
-            bufs.input_ids.index_copy_(0, bufs.draft_dst[:n_d],
-                                       drafts_flat.index_select(0, bufs.draft_src[:n_d]))
+            bufs.input_ids.index_copy_(0, bufs.draft_dst[:n_d], drafts_flat.reshape(-1)
+                                       .index_select(0, bufs.draft_src[:n_d]))
         view = bufs._views(padded_tokens, padded_seqs, max_query_len, max_seq_len)
         for name, v in (extras or {}).items():  # padding rows zeroed, as StaticBuffers.fill
             dst = view.extras[name]

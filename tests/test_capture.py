@@ -397,6 +397,33 @@ def test_host_stage_equals_the_device_fill_path():
         stage.fill(small, 4, 2, 4, 64, None)
 
 
+@pytest.mark.parametrize("width,first,cols", [(3, 1, 2), (4, 1, 4), (1, 0, 1)])
+def test_host_stage_draft_grid_equals_the_index_lists(width, first, cols):
+    """``HostBatch.draft_grid`` (one strided copy of 2-D drafts: a chain's [n, k], a tree's
+    tokens [n, N] past the root, vanilla's [n, 1]) stages exactly what the batch's index lists
+    stage from the same drafts flattened, after a batch that used the lists."""
+    from capture.host_stage import HostBatch, HostStage
+
+    n = 3
+    drafts = torch.arange(100, 100 + (n + 1) * cols).view(n + 1, cols)  # a spare row: unread
+    taken = width - first  # the last ``taken`` columns of each request's row
+    dst = [i * width + first + j for i in range(n) for j in range(taken)]
+    src = [i * cols + cols - taken + j for i in range(n) for j in range(taken)]
+    t = n * width
+    ids = [7 + i if i % width < first else 0 for i in range(t)]
+    hb = HostBatch(input_ids=ids, positions=list(range(t)), slots=list(range(t)),
+                   seq_lens=[(i + 1) * width for i in range(n)],
+                   query_start_loc=list(range(0, t + 1, width)), tables=[[0, 1]] * n,
+                   max_query_len=width, max_seq_len=t, draft_dst=dst, draft_src=src)
+    bufs = StaticBuffers(16, 4, 8, CPU)
+    stage = HostStage(bufs)
+    want = stage.fill(hb, t, n, width, 64, drafts.reshape(-1)).input_ids.clone()
+    stage.fill(dataclasses.replace(hb, input_ids=[1] * t), t, n, width, 64, drafts.reshape(-1))  # stale rows
+    got = stage.fill(dataclasses.replace(hb, draft_grid=(width, first)), t, n, width, 64, drafts).input_ids
+    assert torch.equal(got, want)
+    assert got[dst].tolist() == drafts.reshape(-1)[src].tolist()
+
+
 def test_host_stage_of_a_loop_with_extras_equals_the_device_fill_path():
     """An S-step loop batch (a draft-tree expansion: per-step positions, slots, seq_lens) with a
     per-token and a per-sequence extra stages as StaticBuffers.fill pads it; a smaller batch

@@ -192,7 +192,8 @@ def chain_rows(tables: list[list[int]], page: int, starts: list[int],
 
 def build_chain_batch(allocator: BlockAllocator, req_ids: list[int], starts: list[int],
                       limits: list[int] | None, q: int, input_ids: np.ndarray,
-                      draft_dst: np.ndarray, draft_src: np.ndarray) -> HostBatch:
+                      draft_dst: np.ndarray, draft_src: np.ndarray,
+                      draft_grid: tuple[int, int] | None = None) -> HostBatch:
     """``build_host_batch`` of a chain step's spans (all of length ``q``, see ``chain_rows``),
     its lists numpy arrays."""
     tables = [allocator.tables[r] for r in req_ids]
@@ -200,7 +201,8 @@ def build_chain_batch(allocator: BlockAllocator, req_ids: list[int], starts: lis
     n = len(req_ids)
     return HostBatch(input_ids=input_ids, positions=positions, slots=slots, seq_lens=seq_lens,
                      query_start_loc=range(0, n * q + 1, q), tables=tables, max_query_len=q,
-                     max_seq_len=int(seq_lens.max()), draft_dst=draft_dst, draft_src=draft_src)
+                     max_seq_len=int(seq_lens.max()), draft_dst=draft_dst, draft_src=draft_src,
+                     draft_grid=draft_grid)
 
 
 def loop_rows(allocator: BlockAllocator, roots: list[Span], write_limits: list[int],
@@ -247,8 +249,9 @@ def host_batch_to_device(hb: HostBatch, device: torch.device,
     """(input_ids [T], positions [T], metadata) on ``device``; draft rows filled on device."""
     positions, meta = _host_metadata_to_device(hb, device)
     input_ids = to_device(hb.input_ids, device)  # [T]
-    if len(hb.draft_dst):
-        input_ids[to_device(hb.draft_dst, device)] = drafts_flat[to_device(hb.draft_src, device)]
+    if len(hb.draft_dst):  # drafts flat, or 2-D (``HostBatch.draft_grid``): src is flat
+        input_ids[to_device(hb.draft_dst, device)] = drafts_flat.reshape(-1)[
+            to_device(hb.draft_src, device)]
     return input_ids, positions, meta
 
 

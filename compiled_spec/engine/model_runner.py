@@ -151,7 +151,8 @@ class ModelRunner:
         return StepOutput(new_tokens=new_tokens, num_draft=num_draft, logprobs=lp)
 
     def _verify(self, hb: HostBatch, spans: list[Span], num_draft: list[int],
-                drafts: torch.Tensor | None,  # [B_prev * k] the last proposal's, flat
+                drafts: torch.Tensor | None,  # [B_prev * k] the last proposal's, flat (or
+                # [B, k] placed by ``hb.draft_grid``)
                 ) -> tuple[torch.Tensor, list[int], torch.Tensor | list[torch.Tensor]]:
         """The target forward over ``hb``: (logits [B, K+1, V], row_start, target hidden); the
         logits are fp32, or the model dtype where a graph computed them (``_logits_fn``)."""

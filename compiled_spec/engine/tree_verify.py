@@ -63,10 +63,14 @@ def tree_host_batch(rn: "TreeModelRunner", host: HostLists, starts: list[int],
     are gathered there from the trees' rows ``tree_rows``."""
     host_ids, base, slots, qsl, tables = host
     n_nodes = rn.tree.num_draft_tokens
+    # Request i verifying tree row i (the launch ahead's batch, an unchanged one): its nodes
+    # 1.. take row i of the tokens [n, N] in one strided copy (``verify_tree_host``).
+    grid = (n_nodes, 1) if tree_rows == list(range(len(tree_rows))) else None
     return HostBatch(input_ids=host_ids, positions=base, slots=slots,
                      seq_lens=[r + n_nodes for r in starts], query_start_loc=qsl,
                      tables=tables, max_query_len=n_nodes,
-                     max_seq_len=max(starts) + n_nodes, **rn._draft_rows(tree_rows))
+                     max_seq_len=max(starts) + n_nodes, draft_grid=grid,
+                     **rn._draft_rows(tree_rows))
 
 
 def verify_tree_host(rn: "TreeModelRunner", hb: HostBatch, tree: DraftTree,
@@ -78,7 +82,7 @@ def verify_tree_host(rn: "TreeModelRunner", hb: HostBatch, tree: DraftTree,
     clock.mark("verify_build")
     rn.gpu_probe.before()
     hidden, aux = rn.target_fn.run_tree_host(
-        hb, tree.tokens.reshape(-1),
+        hb, tree.tokens if hb.draft_grid else tree.tokens.reshape(-1),  # [n, N] or flat
         {"depth": t_depth.reshape(-1), "tree_mask": t_mask.reshape(-1, n_nodes)})
     rn.gpu_probe.after()
     clock.mark("verify_replay")

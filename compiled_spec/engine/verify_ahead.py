@@ -226,8 +226,9 @@ class VerifyAhead:
         host_ids = np.zeros(n * q1, dtype=np.int64)  # drafts filled from the device
         host_ids[::q1] = [toks[-1] for toks in new_tokens]
         dst, src = self._draft_index(n, k)
+        # Request i's rows take row i of the drafts [n, k]: one strided copy stages them.
         self._launch(build_chain_batch(r.allocator, req_ids, starts, limits, q1, host_ids, dst,
-                                       src), spans, k, step.drafts.reshape(-1))
+                                       src, (q1, 1)), spans, k, step.drafts)
 
     def _draft_index(self, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
         """(rows of the launched batch taking drafts, their flat index in the proposal): row
@@ -240,7 +241,7 @@ class VerifyAhead:
         return idx
 
     def _launch(self, hb: HostBatch, spans: list[Span], k: int,
-                drafts: torch.Tensor) -> None:  # [n * k] (chain) or [n] (decode), flat
+                drafts: torch.Tensor) -> None:  # [n, k] (chain) or [n, 1] (decode)
         """The target forward over ``hb`` (its draft rows read from ``drafts``), kept for the
         next step."""
         with phase("verify"):
@@ -280,7 +281,8 @@ class VerifyAhead:
         every = self._every(n)  # row i takes token i (on the device)
         self._launch(build_chain_batch(r.allocator, [sp.req_id for sp in spans],
                                        [sp.start for sp in spans], None, 1,
-                                       np.zeros(n, dtype=np.int64), every, every), spans, 0, tok)
+                                       np.zeros(n, dtype=np.int64), every, every, (1, 0)),
+                     spans, 0, tok.view(n, 1))
 
     def _every(self, n: int) -> np.ndarray:
         """[n] 0 .. n - 1 (made once per n)."""
