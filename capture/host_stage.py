@@ -194,7 +194,12 @@ class HostStage:
         view = bufs._views(padded_tokens, padded_seqs, max_query_len, max_seq_len)
         for name, v in (extras or {}).items():  # padding rows zeroed, as StaticBuffers.fill
             dst = view.extras[name]
-            (dst if dst.shape[0] == v.shape[0] else dst[:v.shape[0]]).copy_(v, non_blocking=True)
+            live = dst if dst.shape[0] == v.shape[0] else dst[:v.shape[0]]
+            # An extra its producer wrote in place (an early tree graph's depths and masks)
+            # needs no copy.
+            if (v.data_ptr() != live.data_ptr() or v.shape != live.shape
+                    or v.stride() != live.stride()):
+                live.copy_(v, non_blocking=True)
             # A row source's rows past the live ones are never read: not worth a launch.
             if dst.shape[0] > v.shape[0] and name not in bufs.sources:
                 dst[v.shape[0]:].zero_()

@@ -55,9 +55,12 @@ class EarlyTreeGraphs(EarlyGraphSurface):
     def __init__(self, late: "TreeProposeGraphs", prop: "TreeProposer",
                  allocator: "BlockAllocator", batch_sizes: tuple[int, ...], max_blocks: int,
                  bucket: int, move_kv: Callable[[torch.Tensor], None], pool: Any = None,
-                 emulate: bool = False, strict: bool = False) -> None:
+                 emulate: bool = False, strict: bool = False,
+                 verify_extras: dict[str, torch.Tensor] | None = None) -> None:
         """``move_kv(idx)``: moves the target's KV slots idx[0] -> idx[1] ([2, M] on the
-        device) in every layer, as the late path's ``TreeModelRunner._apply_moves``."""
+        device) in every layer, as the late path's ``TreeModelRunner._apply_moves``.
+        ``verify_extras``: the tree-verify graph's ``depth`` [bm * N] and ``tree_mask``
+        [bm * N, N] buffers, where the replay leaves its trees' depths and masks."""
         cfg = prop.cfg
         self.prop, self.allocator, self.device = prop, allocator, prop.device
         self.fp, self.ex = late.first_pass, late.expand  # whose buffers and bodies it reuses
@@ -82,11 +85,18 @@ class EarlyTreeGraphs(EarlyGraphSurface):
             # the step's one copy to the host (the host's acceptance reads the same numbers).
             self.acc = torch.zeros(bm, 4, self.n, dtype=torch.int64, device=self.device)
             # The replay's trees, copied in the graph out of its pool (where the next verify's
-            # replay may reuse their blocks) into memory of their own: the tokens, parents and
-            # depths into acc[:, :3], where the next step's replay reads them (its acceptance
-            # input), the masks here. So neither the next verify's launch nor the next step's
-            # ``launch`` copies them (three eager launches a step on the host's path).
-            self.mask_out = torch.zeros(bm, self.n, self.n, dtype=torch.bool, device=self.device)
+            # replay may reuse their blocks): the tokens, parents and depths into acc[:, :3],
+            # where the next step's replay reads them (its acceptance input); the depths and
+            # masks also into the tree-verify graph's own input buffers, where the next verify
+            # reads them. So neither the next verify's staging nor the next step's ``launch``
+            # copies them (five eager launches a step on the host's path). Those buffers are
+            # written by this replay and by a verify's staging alone, and the verify reading
+            # them runs before the next replay.
+            extras = verify_extras or {
+                "depth": torch.zeros(bm * self.n, dtype=torch.int64, device=self.device),
+                "tree_mask": torch.zeros(bm * self.n, self.n, dtype=torch.bool,
+                                         device=self.device)}
+            self.depth_out, self.mask_out = extras["depth"], extras["tree_mask"]
         self.acc_host, _ = staging(bm * 4 * self.n, torch.int64, self.device)
         self._graphs: dict[int, tuple[Any, Any]] = {}
         self._views: dict[int, tuple[Any, ...]] = {}  # per n: views of acc (_views_for)
@@ -136,7 +146,8 @@ class EarlyTreeGraphs(EarlyGraphSurface):
         # acc was read above (stage), and the step's host copy of it was issued before the
         # replay: from here on its first three planes hold the next step's trees.
         self.acc[:b, :3].copy_(torch.stack(trees[:3], dim=1))  # [b, 3, N]
-        self.mask_out[:b].copy_(trees[3])  # [b, N, N]
+        self.depth_out[:b * self.n].copy_(trees[2].reshape(-1))  # [b * N]
+        self.mask_out[:b * self.n].copy_(trees[3].reshape(-1, self.n))  # [b * N, N]
         return trees
 
     # ---- start-up ----------------------------------------------------------------------------
@@ -205,9 +216,10 @@ class EarlyTreeGraphs(EarlyGraphSurface):
         return self.trees(n)
 
     def trees(self, n: int) -> tuple[torch.Tensor, ...]:
-        """The last replay's trees of requests 0..n-1: tokens, parents, depth [n, N] (rows of
-        ``acc``, strided) and mask [n, N, N]; the same view objects every step (made once
-        per n: each view is an op on the host's path), so ``holds`` is an identity test."""
+        """The last replay's trees of requests 0..n-1: tokens, parents [n, N] (rows of
+        ``acc``, strided), depth [n, N] and mask [n, N, N] (the verify's buffers); the same
+        view objects every step (made once per n: each view is an op on the host's path), so
+        ``holds`` is an identity test."""
         return self._views_for(n)[1]
 
     def _views_for(self, n: int) -> tuple[Any, ...]:
@@ -215,7 +227,8 @@ class EarlyTreeGraphs(EarlyGraphSurface):
         if views is None:
             info = self.acc[:n, :3].transpose(0, 1)  # [3, n, N]
             views = self._views[n] = (
-                info, (info[0], info[1], info[2], self.mask_out[:n]),
+                info, (info[0], info[1], self.depth_out[:n * self.n].view(n, self.n),
+                       self.mask_out[:n * self.n].view(n, self.n, self.n)),
                 self.acc[:n, 3],  # [n, N] drawn
                 self.acc[:n], self.acc_host[:n * 4 * self.n])  # [n, 4, N], its host copy
         return views

@@ -226,7 +226,8 @@ class EngineGraphs:
                 self.propose_early = EarlyTreeGraphs(
                     self.propose, prop, runner.allocator, policy.batch_sizes, max_blocks,
                     policy.seq_len_buckets[-1], runner.move_kv, pool=self.registry.pool,
-                    emulate=emulate, strict=strict)
+                    emulate=emulate, strict=strict,
+                    verify_extras=None if tree_verify is None else tree_verify.buffers.extras)
                 self.registry.runners[EarlyTreeGraphs.name] = self.propose_early  # type: ignore
             return
         # One graph per batch size, at the largest bucket: the draft's attention is one layer,
