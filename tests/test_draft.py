@@ -212,7 +212,12 @@ def test_load_layout_and_api(head, target):
         d2t = load_file(f"{path}/model.safetensors")["d2t"]
         assert draft.d2t.dtype == torch.int64 and torch.equal(tids, draft_ids + d2t)
         assert bool((tids[1:] > tids[:-1]).all()) and int(tids.max()) < tcfg.vocab_size
-        assert draft.combine_aux([torch.randn(4, H)] * 3).shape == (4, H)
+        aux = [torch.randn(4, H) for _ in range(3)]
+        assert draft.combine_aux(aux).shape == (4, H)
+        # as CUDA graphs hand them over: concatenated in the graph (engine.graphs.with_logits)
+        assert torch.equal(draft.combine_aux([torch.cat(aux, -1)]), draft.combine_aux(aux))
+        with pytest.raises(ValueError, match=f"width {3 * H}, got {2 * H}"):
+            draft.combine_aux([torch.cat(aux[:2], -1)])
         assert draft.compute_logits(torch.randn(4, H)).shape == (4, vocab)
     assert draft.compute_logits(torch.randn(2, H)).dtype == torch.float32
 

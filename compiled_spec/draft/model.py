@@ -164,12 +164,19 @@ class EagleDraft(nn.Module):
 
     def combine_aux(self, aux: list[torch.Tensor]) -> torch.Tensor:  # -> [T, h]
         """Target states -> the draft's incoming hidden. EAGLE-3: ``aux`` are the target's
-        ``aux_layer_ids`` states, each [T, target_h], fused by fc. EAGLE-1: ``[final normed
+        ``aux_layer_ids`` states, each [T, target_h] (or one [T, 3 * target_h], concatenated
+        where a graph computed them), fused by fc. EAGLE-1: ``[final normed
         hidden]`` [T, h], returned unchanged (its fc runs inside forward, with the embedding)."""
         if self.config.method == "eagle3":
-            if len(aux) != len(self.config.aux_layer_ids):
-                raise ValueError(f"EAGLE-3 combine_aux expects {len(self.config.aux_layer_ids)} "
-                                 f"aux hidden states, got {len(aux)}")
+            n_aux = len(self.config.aux_layer_ids)
+            if len(aux) == 1 and n_aux > 1:  # concatenated already (engine.graphs.with_logits)
+                if aux[0].shape[-1] != self.fc.in_features:
+                    raise ValueError(f"EAGLE-3 combine_aux expects concatenated aux states of "
+                                     f"width {self.fc.in_features}, got {aux[0].shape[-1]}")
+                return self.fc(aux[0])  # [T, 3*target_h] -> [T, h]
+            if len(aux) != n_aux:
+                raise ValueError(f"EAGLE-3 combine_aux expects {n_aux} aux hidden states (or "
+                                 f"their concatenation), got {len(aux)}")
             return self.fc(torch.cat(aux, dim=-1))  # [T, 3*target_h] -> [T, h]
         if len(aux) != 1:
             raise ValueError(f"EAGLE-1 combine_aux expects [final hidden], got {len(aux)} tensors")

@@ -57,8 +57,13 @@ MIXED = f"{PREFILL}_mixed"  # prompt steps of several sequences
 
 def with_logits(out: tuple[torch.Tensor, Any], lm_head: Callable[[torch.Tensor], torch.Tensor]
                 ) -> tuple[torch.Tensor, Any, torch.Tensor]:
-    """(hidden [T, h], aux) -> (hidden, aux, lm_head(hidden) [T, V] in the model dtype)."""
+    """(hidden [T, h], aux) -> (hidden, aux, lm_head(hidden) [T, V] in the model dtype).
+    EAGLE-3's aux states leave the graph concatenated ([[T, 3 * h]]), as its eager fc reads
+    them (``EagleDraft.combine_aux``): the concatenation is a kernel in the graph instead of
+    an eager launch on every step's host path."""
     hidden, aux = out
+    if isinstance(aux, (list, tuple)) and len(aux) > 1:
+        aux = [torch.cat(list(aux), dim=-1)]
     return hidden, aux, lm_head(hidden)
 
 
