@@ -166,14 +166,18 @@ class EarlyPropose(EarlyPath):
         per request (accepted drafts, then the target's next token). ``rows``: each request's
         row of ``logits`` when they hold more (a launch some of whose requests finished)."""
         r, g, k = self.runner, self.graph, self.runner.k
-        target = logits.argmax(dim=-1)  # [n, k+1] (or [N, k+1])
-        if rows is not None:
-            target = target.index_select(0, to_device(rows, r.device))
-        n = target.shape[0]
-        drafts = r._drafts[:n] if step.same_rows else r._drafts.index_select(
-            0, g.draft_rows(n))  # [n, k] the drafts this step verified
+        n = logits.shape[0] if rows is None else len(rows)
         acc = g.acc[:n]  # [n, 2k+1]
-        torch.cat([target, drafts], dim=1, out=acc)
+        if rows is None:  # the argmax straight into acc
+            torch.argmax(logits, dim=-1, out=g.target(n))  # [n, k+1]
+        else:
+            acc[:, :k + 1].copy_(logits.argmax(dim=-1).index_select(
+                0, to_device(rows, r.device)))
+        # The drafts this step verified [n, k]: in place when the last early replay made them
+        # for these rows; else gathered in.
+        if not (step.same_rows and g.holds_drafts(r._drafts)):
+            acc[:, k + 1:].copy_(r._drafts[:n] if step.same_rows else r._drafts.index_select(
+                0, g.draft_rows(n)))
         copy = HostCopy(acc, g.acc_host[:acc.numel()], self._event)  # the step's one D2H
         with phase("propose"):
             step.drafts, step.probs = self.propose(step.size, n, target_hidden)

@@ -92,6 +92,9 @@ class EarlyProposeGraphs(EarlyGraphSurface):
             self.d32 = torch.zeros(self.l32.size, dtype=torch.int32, device=self.device)
             # [bm, 2k + 1]: per request the target's argmax over its k + 1 verified rows, then
             # the k drafts it verified; written before the replay, read by it, copied to host.
+            # The replay then writes its own drafts into acc[:, k + 1:], out of the graph pool
+            # and where the next step reads them: neither a copy out of the pool nor the next
+            # step's copy back in (two eager launches a step on the host's path).
             self.acc = torch.zeros(bm, 2 * k + 1, dtype=torch.int64, device=self.device)
             self._j = torch.arange(self.q, device=self.device)  # [k+1] row in a request's stride
             self._row0 = torch.arange(bm, device=self.device) * self.q  # [bm] first row each
@@ -104,6 +107,8 @@ class EarlyProposeGraphs(EarlyGraphSurface):
             self._o64 = torch.zeros(2 + tm + 2 * s * bm, dtype=torch.int64, device=self.device)
             self._o32 = torch.zeros(2 + s * bm, dtype=torch.int32, device=self.device)
         self.acc_host, _ = staging(bm * (2 * k + 1), torch.int64, self.device)
+        self._drafts_views: dict[int, torch.Tensor] = {}  # n -> acc[:n, k + 1:]
+        self._target_views: dict[int, torch.Tensor] = {}  # n -> acc[:n, :k + 1]
         self._graphs: dict[int, tuple[Any, Any]] = {}
         self.capture_failures: list[dict[str, Any]] = []
         self.graph_replays = self.padded_rows = 0
@@ -156,6 +161,7 @@ class EarlyProposeGraphs(EarlyGraphSurface):
         if self.steps == 0:
             tok, pq = p._pick(p.draft.compute_logits(for_logits[last]), v["temperature"],
                               v["seeds"], v["positions"][last] + 2)
+            v["acc"][:, q:].copy_(tok[:, None])  # as below
             return tok[:, None], (pq[:, None] if p.sample_drafts else None)
         # The pick and the loop's metadata: one compiled callable (compile=True); the loop's
         # buffers are the graph's own (the step graphs were compiled for them).
@@ -172,6 +178,7 @@ class EarlyProposeGraphs(EarlyGraphSurface):
                                    max_seq_len=self.bucket),
             extras={"feed": feed_last, "temperature": v["temperature"], "seeds": v["seeds"]}))
         drafts = torch.cat([tok[:, None], rest], dim=1)  # [b, k]
+        v["acc"][:, q:].copy_(drafts)  # acc was read above; the step's host copy came before
         return drafts, (torch.cat([pq[:, None], rest_q], dim=1) if p.sample_drafts else None)
 
     # ---- start-up ----------------------------------------------------------------------------
@@ -236,11 +243,32 @@ class EarlyProposeGraphs(EarlyGraphSurface):
     def replay(self, b: int, n: int, target_hidden: torch.Tensor | list[torch.Tensor]
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """After ``acc`` [:n] is written: the fc output into the static hidden buffer, the
-        replay, and (drafts [n, k], q [n, k, V] or None) copied out of the graph pool."""
+        replay, and (drafts [n, k] in ``acc`` (``drafts``), q [n, k, V] copied out of the
+        graph pool, or None)."""
         hidden = self.prop.combine(target_hidden)  # [T_target, h], usually precombined
         self.base.hidden[:hidden.shape[0]].copy_(hidden)
-        graph, (drafts, probs) = self._graphs[b]
+        graph, (_, probs) = self._graphs[b]
         graph.replay()
         self.graph_replays += 1
         self.padded_rows += b - n
-        return drafts[:n].clone(), (probs[:n].clone() if probs is not None else None)
+        return self.drafts(n), (probs[:n].clone() if probs is not None else None)
+
+    def drafts(self, n: int) -> torch.Tensor:
+        """[n, k] the last replay's drafts: a view of acc (rows strided), the same object
+        for every n (a view is an op on the host's path), valid until the next replay."""
+        d = self._drafts_views.get(n)
+        if d is None:
+            d = self._drafts_views[n] = self.acc[:n, self.q:]
+        return d
+
+    def target(self, n: int) -> torch.Tensor:
+        """[n, k + 1] the plane of acc the step's argmax is written into."""
+        t = self._target_views.get(n)
+        if t is None:
+            t = self._target_views[n] = self.acc[:n, :self.q]
+        return t
+
+    def holds_drafts(self, drafts: torch.Tensor) -> bool:
+        """Whether ``drafts`` [n, k] are the last replay's, in place (rows 0..n-1 of acc)."""
+        mine = self.acc[:, self.q:]
+        return drafts.data_ptr() == mine.data_ptr() and drafts.stride() == mine.stride()
