@@ -52,6 +52,14 @@ def put_tables(tab: np.ndarray, tables: list[list[int]]) -> None:
             chain.from_iterable(tables), dtype=tab.dtype, count=int(lens.sum()))
 
 
+def put_rows(buf: torch.Tensor, rows: torch.Tensor) -> None:
+    """``buf[:len(rows)] = rows`` on the device, unless ``rows`` are those very rows (a
+    producer that wrote into the buffer already: no launch)."""
+    dst = buf[:rows.shape[0]]
+    if rows.data_ptr() != dst.data_ptr() or rows.stride() != dst.stride():
+        dst.copy_(rows)
+
+
 Ints = list[int] | np.ndarray  # host integers of one step: a list, or a 1-D int64 array
 
 

@@ -218,6 +218,17 @@ def test_load_layout_and_api(head, target):
         assert torch.equal(draft.combine_aux([torch.cat(aux, -1)]), draft.combine_aux(aux))
         with pytest.raises(ValueError, match=f"width {3 * H}, got {2 * H}"):
             draft.combine_aux([torch.cat(aux[:2], -1)])
+        # written into a graph's input buffer (precombine): the same values, in place
+        buf = torch.zeros(6, H)
+        with torch.inference_mode():  # as the engine runs it
+            got = draft.combine_aux(aux, out=buf[:4])
+            assert got.data_ptr() == buf.data_ptr()
+            assert torch.equal(buf[:4], draft.combine_aux(aux))
+            draft.fc.bias = torch.nn.Parameter(torch.randn(H))  # addmm, as nn.Linear's
+            try:
+                assert torch.equal(draft.combine_aux(aux, out=buf[:4]), draft.combine_aux(aux))
+            finally:
+                draft.fc.bias = None
         assert draft.compute_logits(torch.randn(4, H)).shape == (4, vocab)
     assert draft.compute_logits(torch.randn(2, H)).dtype == torch.float32
 

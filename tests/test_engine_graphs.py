@@ -223,10 +223,10 @@ def test_fc_is_issued_before_the_acceptance_waits(trained_eagle3_pair, smollm2_g
 
     inside = []  # non-empty while precombine runs (its own combine call is not a propose's)
 
-    def precombine(self, target_hidden, active=None):  # noqa: ANN001
+    def precombine(self, target_hidden, active=None, out=None):  # noqa: ANN001
         inside.append(1)
         try:
-            pre(self, target_hidden, active)
+            pre(self, target_hidden, active, out)
         finally:
             inside.pop()
         if self._pre is not None:

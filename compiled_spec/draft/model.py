@@ -162,22 +162,34 @@ class EagleDraft(nn.Module):
             return self.embed_tokens(input_ids)
         return self.target.embed(input_ids)
 
-    def combine_aux(self, aux: list[torch.Tensor]) -> torch.Tensor:  # -> [T, h]
+    def combine_aux(self, aux: list[torch.Tensor],
+                    out: torch.Tensor | None = None) -> torch.Tensor:  # -> [T, h]
         """Target states -> the draft's incoming hidden. EAGLE-3: ``aux`` are the target's
         ``aux_layer_ids`` states, each [T, target_h] (or one [T, 3 * target_h], concatenated
-        where a graph computed them), fused by fc. EAGLE-1: ``[final normed
-        hidden]`` [T, h], returned unchanged (its fc runs inside forward, with the embedding)."""
+        where a graph computed them), fused by fc; ``out`` [T, h]: the fc writes there (a
+        graph's input buffer, so its replay copies nothing), by the GEMM ``nn.Linear`` runs.
+        EAGLE-1: ``[final normed hidden]`` [T, h], returned unchanged (its fc runs inside
+        forward, with the embedding)."""
         if self.config.method == "eagle3":
             n_aux = len(self.config.aux_layer_ids)
             if len(aux) == 1 and n_aux > 1:  # concatenated already (engine.graphs.with_logits)
                 if aux[0].shape[-1] != self.fc.in_features:
                     raise ValueError(f"EAGLE-3 combine_aux expects concatenated aux states of "
                                      f"width {self.fc.in_features}, got {aux[0].shape[-1]}")
-                return self.fc(aux[0])  # [T, 3*target_h] -> [T, h]
-            if len(aux) != n_aux:
+                x = aux[0]  # [T, 3*target_h]
+            elif len(aux) != n_aux:
                 raise ValueError(f"EAGLE-3 combine_aux expects {n_aux} aux hidden states (or "
                                  f"their concatenation), got {len(aux)}")
-            return self.fc(torch.cat(aux, dim=-1))  # [T, 3*target_h] -> [T, h]
+            else:
+                x = torch.cat(aux, dim=-1)  # [T, 3*target_h]
+            if out is None or x.dim() != 2 or (torch.is_grad_enabled()
+                                               and self.fc.weight.requires_grad):
+                return self.fc(x)  # -> [T, h] (out= has no autograd: training takes this)
+            # nn.Linear of a 2-D input is addmm with a bias, else mm: the same kernels, out=
+            w = self.fc.weight.t()
+            if self.fc.bias is not None:
+                return torch.addmm(self.fc.bias, x, w, out=out)
+            return torch.mm(x, w, out=out)
         if len(aux) != 1:
             raise ValueError(f"EAGLE-1 combine_aux expects [final hidden], got {len(aux)} tensors")
         return aux[0]

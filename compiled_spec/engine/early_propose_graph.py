@@ -29,7 +29,7 @@ import torch
 
 from capture.cuda_graphs import capture_graph
 from capture.emulate import emulate_graph
-from capture.host_stage import put, staging
+from capture.host_stage import put, put_rows, staging
 from capture.pad import LiveBatch
 from compiled_spec.attention_metadata import AttentionMetadata
 from compiled_spec.engine.batch import chain_rows
@@ -246,7 +246,7 @@ class EarlyProposeGraphs(EarlyGraphSurface):
         replay, and (drafts [n, k] in ``acc`` (``drafts``), q [n, k, V] copied out of the
         graph pool, or None)."""
         hidden = self.prop.combine(target_hidden)  # [T_target, h], usually precombined
-        self.base.hidden[:hidden.shape[0]].copy_(hidden)
+        put_rows(self.base.hidden, hidden)  # in place already when precombined (fc_out)
         graph, (_, probs) = self._graphs[b]
         graph.replay()
         self.graph_replays += 1

@@ -39,7 +39,7 @@ import torch
 
 from capture.cuda_graphs import capture_graph
 from capture.emulate import emulate_graph
-from capture.host_stage import put, put_tables, staging
+from capture.host_stage import put, put_rows, put_tables, staging
 from compiled_spec.engine.early_propose_graph import EarlyGraphSurface
 from compiled_spec.engine.propose_graph import _Layout
 
@@ -208,7 +208,7 @@ class EarlyTreeGraphs(EarlyGraphSurface):
         replay, and the trees (tokens, parents, depth [n, N], mask [n, N, N]) in the graph's
         own memory (``trees``), valid until its next replay."""
         hidden = self.prop.base.combine(target_hidden)  # [T_target, h], usually precombined
-        self.fp.buffers.extras["hidden"][:hidden.shape[0]].copy_(hidden)
+        put_rows(self.fp.buffers.extras["hidden"], hidden)  # in place when precombined
         graph, _ = self._graphs[b]
         graph.replay()
         self.graph_replays += 1

@@ -24,7 +24,7 @@ import torch
 
 from capture.cuda_graphs import capture_each, capture_graph
 from capture.emulate import emulate_graph
-from capture.host_stage import put, put_tables, staging
+from capture.host_stage import put, put_rows, put_tables, staging
 from capture.pad import LiveBatch
 from compiled_spec.attention_metadata import AttentionMetadata
 from compiled_spec.engine.batch import loop_rows, span_rows
@@ -142,6 +142,11 @@ class ProposeGraphs(StepCapture):
         self.graph_replays = self.padded_rows = self.eager_fallbacks = 0
         self.fallback_reasons: dict[str, int] = {}
 
+    def fc_out(self, rows: int) -> torch.Tensor | None:
+        """[rows, h] the graphs' hidden input, where EAGLE-3's fc may write (``precombine``);
+        None when a step has more target rows than it holds."""
+        return self.hidden[:rows] if rows <= self.hidden.shape[0] else None
+
     # ---- GraphRunner-compatible surface (assert_captured, stats) ---------------------------
     @property
     def enabled(self) -> bool:
@@ -255,7 +260,7 @@ class ProposeGraphs(StepCapture):
         # [T_target, n*h_target] -> [T_target, h] (EAGLE-1: the final hidden, as it is);
         # usually issued already, right after the verify (EagleProposer.precombine).
         hidden = self.prop.combine(target_hidden)
-        self.hidden[:hidden.shape[0]].copy_(hidden)
+        put_rows(self.hidden, hidden)  # no launch when precombine wrote it there (fc_out)
         self.graph_replays += 1
         self.padded_rows += b - n
         return b

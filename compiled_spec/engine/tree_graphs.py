@@ -106,3 +106,9 @@ class TreeProposeGraphs:
                               seq_extras={"feed": ((h,), dtype), "for_logits": ((h,), dtype)})
         self.expand = reg("tree_draft_expand", prop.expand, [s * K for s in batch_sizes], ebufs,
                           query_len=K, output_rows="seqs")
+
+    def fc_out(self, rows: int) -> torch.Tensor | None:
+        """[rows, h] the first pass's row source, where EAGLE-3's fc may write
+        (``TreeProposer.precombine``); None when a step has more target rows than it holds."""
+        src = self.first_pass.buffers.extras["hidden"]
+        return src[:rows] if rows <= src.shape[0] else None

@@ -60,15 +60,22 @@ class EagleProposer:
         self.target_vocab_size = target_vocab_size
         self.layer_names = draft.layer_names
 
-    def precombine(self, target_hidden: list[torch.Tensor], active: bool | None = None) -> None:
+    def precombine(self, target_hidden: list[torch.Tensor], active: bool | None = None,
+                   out: torch.Tensor | None = None) -> None:
         """Issue EAGLE-3's fc over the step's target rows right after the verify forward, before
         the host waits for the acceptance: the fc does not depend on which drafts are accepted,
         so it runs on the GPU while the host waits, instead of on the critical path between the
         acceptance and the next proposal (the graph paths run it over every target row anyway).
-        ``active``: whether a graph path will take it (default: this proposer has graphs)."""
+        ``active``: whether a graph path will take it (default: this proposer has graphs).
+        ``out``: where the fc writes (default: the chain graphs' hidden input, ``fc_out``), so
+        the replay reading it copies nothing. The graphs that read that buffer ran before this
+        verify's launch (stream order); the next to read it is the proposal of these states."""
         self._pre = None
         if self.graph is not None if active is None else active:
-            self._pre = (target_hidden, self.combine(target_hidden))
+            aux = target_hidden if isinstance(target_hidden, list) else [target_hidden]
+            if out is None and self.graph is not None:
+                out = self.graph.fc_out(aux[0].shape[0])
+            self._pre = (target_hidden, self.draft.combine_aux(aux, out))
 
     def combine(self, target_hidden: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
         """The draft's incoming hidden for every target row ([T, h]): what ``precombine``

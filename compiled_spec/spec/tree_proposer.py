@@ -68,7 +68,10 @@ class TreeProposer:
     def precombine(self, target_hidden: list[torch.Tensor]) -> None:
         """EAGLE-3's fc issued right after the verify (``EagleProposer.precombine``), for the
         graph path below."""
-        self.base.precombine(target_hidden, active=self.graph is not None)
+        g = self.graph
+        rows = (target_hidden if isinstance(target_hidden, list) else [target_hidden])[0].shape[0]
+        self.base.precombine(target_hidden, active=g is not None,
+                             out=None if g is None else g.fc_out(rows))
 
     # The compiled callables live on the chain proposer (compile.use_compiled swaps them).
     @property
