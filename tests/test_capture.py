@@ -424,6 +424,43 @@ def test_host_stage_draft_grid_equals_the_index_lists(width, first, cols):
     assert got[dst].tolist() == drafts.reshape(-1)[src].tolist()
 
 
+def test_host_stage_copies_no_extra_or_rows_already_in_place():
+    """An extra its producer wrote into the buffers (an early tree graph's depths and masks)
+    and rows already in a buffer (``put_rows``: a precombined fc) cost no copy launch; any
+    other source is copied."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from capture.host_stage import HostBatch, HostStage, put_rows
+
+    class Copies(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket is torch.ops.aten.copy_:
+                Copies.n += 1
+            return func(*args, **(kwargs or {}))
+
+    bufs = StaticBuffers(8, 2, 4, CPU, token_extras={"depth": ((), torch.int64)})
+    stage = HostStage(bufs)
+    hb = HostBatch(input_ids=[1, 2, 3, 4], positions=[0, 1, 2, 3], slots=[0, 1, 2, 3],
+                   seq_lens=[4], query_start_loc=[0, 4], tables=[[0]], max_query_len=4,
+                   max_seq_len=4)
+    own = bufs.extras["depth"][:4]
+    own.copy_(torch.tensor([0, 1, 1, 2]))
+    for extra, copies in ((own, 2), (torch.tensor([0, 1, 2, 2]), 3)):  # 2: the two uploads
+        Copies.n = 0
+        with Copies():
+            got = stage.fill(hb, 4, 1, 4, 4, None, {"depth": extra})
+        assert Copies.n == copies and torch.equal(got.extras["depth"], extra)
+    buf, rows = torch.zeros(6, 3), torch.randn(4, 3)
+    for src, copies in ((buf[:4], 0), (rows, 1)):
+        Copies.n = 0
+        with Copies():
+            put_rows(buf, src)
+        assert Copies.n == copies
+    assert torch.equal(buf[:4], rows)
+
+
 def test_host_stage_of_a_loop_with_extras_equals_the_device_fill_path():
     """An S-step loop batch (a draft-tree expansion: per-step positions, slots, seq_lens) with a
     per-token and a per-sequence extra stages as StaticBuffers.fill pads it; a smaller batch

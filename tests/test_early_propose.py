@@ -52,10 +52,14 @@ def _run(spec: LLM, early: bool, prompts, sps, batch: int) -> tuple[list[list[in
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-def test_early_propose_equals_vanilla_and_late(engines, batch):
+def test_early_propose_equals_vanilla_and_late(engines, batch, monkeypatch):
     """Mixed prompt lengths, requests ending at different steps (max_tokens, a stop token),
-    each verifying its full k up to its end (what passes its budget is dropped)."""
+    each verifying its full k up to its end (what passes its budget is dropped). Steps after
+    an early step verify the drafts where its replay left them (in acc: no copy)."""
     spec, vanilla = engines
+    g, held = spec.engine.runner.early.graph, []
+    holds_drafts = g.holds_drafts
+    monkeypatch.setattr(g, "holds_drafts", lambda d: held.append(holds_drafts(d)) or held[-1])
     prompts = PROMPTS + PROMPTS[:1]
     free = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
             for m in (7, 11, 16, 9, 20, 13)]
@@ -76,6 +80,7 @@ def test_early_propose_equals_vanilla_and_late(engines, batch):
     not_chain = early_st["late_reasons"].get("not_chain", 0)
     assert not_chain == len(prompts) if batch == 1 else 0 < not_chain <= len(prompts), early_st
     assert late_acc > 0 and early_acc == late_acc  # the device-side acceptance is the host's
+    assert any(held), held  # early steps in a row took the drafts in place
 
 
 def test_kv_nearly_exhausted_falls_back_and_says_so(engines):
