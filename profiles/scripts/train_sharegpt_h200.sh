@@ -50,6 +50,9 @@
 #                         issue 16's never-slower policy beside the always-drafting chain)
 #   bash profiles/scripts/train_sharegpt_h200.sh trees    # chain vs trees (bench --trees), their traces;
 #                         LAUNCH=1: first graph_launch_h200.py (host cost of a graph replay per node)
+#                         SPY=1: the bench under py-spy (its wheel in .device/whl: pip download
+#                         py-spy; trees.spy.txt.gz, collapsed stacks; too few decode samples at
+#                         250 Hz in the twenty-fifth session, the engine's clock marks ranked better)
 #                         AUTOTUNE=1 (bench, trees): --autotune-gemm (Inductor's GEMM autotuning)
 #                         SKINNY=1 (bench, trees): --skinny-gemm (our fused Triton GEMMs for few rows)
 #                         PDL=1 (bench, trees): --pdl (programmatic dependent launch for Inductor's
