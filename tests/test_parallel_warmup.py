@@ -43,3 +43,42 @@ def test_workers_launch_their_share_and_failures_are_counted(monkeypatch, capsys
     launched, failed = wp.wait(wp.start(good + [bad]), timeout_s=300)
     assert (launched, failed) == (3, 1)
     assert "attention warm-up worker failed" in capsys.readouterr().err
+
+
+def _fake_warmup(monkeypatch, slow: set[tuple[int, int]]):
+    """kernels.warmup._compile_in_workers with launches faked: a config in ``slow`` takes
+    0.3 s (a compile), the others nothing (a cache load); returns the workers' configs."""
+    import time
+
+    from kernels import warmup
+
+    def fake_warm(k, v, num_heads, q, s, configs):
+        for c in configs:
+            if c in slow:
+                time.sleep(0.3)
+        return configs
+
+    started: list[list[tuple[int, int]]] = []
+    monkeypatch.setattr(warmup, "warm_attention", fake_warm)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(wp, "start", lambda specs: started.extend(s["configs"] for s in specs)
+                        or specs)
+    monkeypatch.setattr(wp, "wait", lambda procs: (len(procs), 0))
+    return warmup._compile_in_workers, started
+
+
+def test_a_warm_cache_spawns_no_workers_though_the_first_launch_is_slow(monkeypatch):
+    # The H200 (twenty-sixth session): the process's first Triton launch cost >= 0.15 s on a
+    # warm cache, and timing it sent every warm start to 8 workers for ~4 s.
+    configs = [(1, s) for s in range(1, 9)]
+    run, started = _fake_warmup(monkeypatch, slow={configs[0]})
+    assert run(torch.zeros(2, 16, 1, 8), torch.zeros(2, 16, 1, 8), 4, configs) == {}
+    assert started == []
+
+
+def test_a_cold_cache_spreads_what_the_first_two_launches_left(monkeypatch):
+    configs = [(1, s) for s in range(1, 9)]
+    run, started = _fake_warmup(monkeypatch, slow=set(configs))
+    out = run(torch.zeros(2, 16, 1, 8), torch.zeros(2, 16, 1, 8), 4, configs)
+    assert out["parallel_workers"] == len(started) >= 1
+    assert sorted(tuple(c) for g in started for c in g) == configs[2:]
