@@ -174,6 +174,7 @@ class LLM(CompileMixin):
         # Dynamo tracing and CUDA-graph capture). Graphs first compiled at a later call (CPU: at
         # the first request) are not start-up.
         self.startup_s: dict[str, float] = {"load": time.perf_counter() - t_start}
+        self.startup_detail_s: dict[str, float] = {}
         self._cache_stats: CacheStats | None = None
         # Part of "load": compiling every attention launch configuration (CUDA only).
         self.startup_s["attention_warmup"] = float(self.engine.kernel_warmup["seconds"])

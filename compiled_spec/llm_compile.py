@@ -47,6 +47,10 @@ class CompileMixin:
     config: EngineConfig
     engine: LLMEngine
     startup_s: dict[str, float]
+    # Wall seconds inside compile + capture, by step: "compile_models" (wrapping the callables,
+    # loading precompiled artifacts), "capture <component>" (its dummy runs, the compiles they
+    # meet, the captures) and "capture rest"; the compile time of startup_s is spread over them.
+    startup_detail_s: dict[str, float]
     _compile_config: CompileConfig
     _compiled: CompiledModels | None
     _cache_stats: CacheStats | None
@@ -58,12 +62,19 @@ class CompileMixin:
             cc, ec = self._compile_config, self.config
             self._cache_stats = CacheStats.begin(activate_compile_cache(cc.cache_dir))
             self._compiled = compile_models(self.engine.runner, cc)
+            t_models = time.perf_counter()
+            self.startup_detail_s["compile_models"] = t_models - t0  # precompile loads
             if not cc.cudagraphs or ec.device.type != "cuda":
                 self._compiled.graphs_off = ("cudagraphs=False" if not cc.cudagraphs else
                                              f"device {ec.device} has no CUDA graphs")
             else:  # compiles (dynamic shapes) and captures every size by dummy runs
-                capture_graphs(self.engine.runner, self._compiled, engine_capture_policy(cc, ec),
-                               ec.cache.page_size, cc.strict_capture)
+                graphs = capture_graphs(self.engine.runner, self._compiled,
+                                        engine_capture_policy(cc, ec), ec.cache.page_size,
+                                        cc.strict_capture)
+                per = {f"capture {n}": s for n, s in graphs.registry.capture_s.items()}
+                self.startup_detail_s.update(per)
+                self.startup_detail_s["capture rest"] = (
+                    time.perf_counter() - t_models - sum(per.values()))
             compile_s = sum(g.compile_s for b in self._compiled.backends.values()
                             for g in b.graphs)
             self.startup_s["compile"] = compile_s

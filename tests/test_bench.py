@@ -62,6 +62,8 @@ def test_bench_cpu_smoke(tiny_hf_dir, mt_bench_path, tmp_path, capsys):
             # Start-up split and the compile cache's hits / misses, on the first batch's row.
             split, cache = r["extra"]["startup_split_s"], r["extra"]["compile_cache"]
             assert {"load", "compile", "capture"} <= split.keys(), split
+            # compile + capture by step (on the CPU no graph is captured: compile_models only)
+            assert "compile_models" in r["extra"]["startup_detail_s"], r["extra"]
             assert cache["fxgraph_hit"] + cache["fxgraph_miss"] > 0, cache
         elif engine.startswith("ours"):
             assert "compile_cache" not in r["extra"], (engine, batch)

@@ -73,6 +73,8 @@ def test_graphed_speculative_engine_equals_eager(trained_eagle3_pair, smollm2_gg
     st = graphs.stats()["components"]
     for name in ("target_verify", "draft_propose"):
         assert st[name]["graph_replays"] > 0, (name, st[name])
+    # each component's capture timed (its dummy runs at least: never zero)
+    assert all(c["capture_s"] > 0 for c in st.values()), st
     assert st["target_decode"]["prefill_calls"] > 0  # prefill never replays, and is counted
     assert graphs.stats()["padded_rows"] > 0  # batches of 3 pad to 4
     assert llm.stats.spec.num_drafting_steps > before

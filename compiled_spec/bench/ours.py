@@ -254,6 +254,8 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
             # (results/2026-12-01_h200_session8/), so the row says hits and misses itself.
             if b == batch_sizes[0]:
                 row.extra["startup_split_s"] = {k: round(s, 2) for k, s in llm.startup_s.items()}
+                row.extra["startup_detail_s"] = {k: round(s, 2)
+                                                 for k, s in llm.startup_detail_s.items()}
                 row.extra["compile_cache"] = llm.compile_cache
         rows.append(row)
     return rows, batch1_out
@@ -311,7 +313,8 @@ def bench_ours(variants: list[Variant], kw: dict[str, Any], prompts: list[list[i
             # fault aborts it) would otherwise take every row with it (twentieth session)
             print("ROW " + json.dumps(x.as_dict(), default=str), flush=True)
         if r and "startup_split_s" in r[0].extra:
-            print(f"{v.name}: start-up {r[0].extra['startup_split_s']} s, compile cache "
+            print(f"{v.name}: start-up {r[0].extra['startup_split_s']} s (compile + capture "
+                  f"by step: {r[0].extra['startup_detail_s']}), compile cache "
                   f"{r[0].extra['compile_cache']}", flush=True)
         del llm
         if torch.cuda.is_available():

@@ -278,6 +278,7 @@ def main() -> int:
         report["compile_and_capture_s"] = round(time.perf_counter() - t0, 2)
         report["capture_s"] = round(llm._compiled.graphs.capture_s, 2)
         report["startup_s"] = {k: round(v, 3) for k, v in llm.startup_s.items()}
+        report["startup_detail_s"] = {k: round(v, 3) for k, v in llm.startup_detail_s.items()}
         report["compile_cache"] = llm.compile_cache
         report["kernel_warmup"] = llm.engine.kernel_warmup  # parallel_* keys: workers compiled
         print("start-up", report, flush=True)
