@@ -189,3 +189,16 @@ def test_engine_capture_policy_sizes_prompt_graphs_from_the_engine():
     assert p.mixed_sizes == () and p.mixed_query_len == 0
     with pytest.raises(ValueError, match="mixed_graph_tokens"):
         CompileConfig(mixed_graph_tokens=-1)
+
+
+def test_prefill_graphs_share_the_decode_graphs_compile(bigram_eagle3, smollm2_gguf_path):
+    # One sequence in the prefill graphs' buffers made Dynamo specialize the metadata's sequence
+    # dimension to 1: a whole target compile more at start-up (3 target graphs, not 2).
+    target, _ = bigram_eagle3
+    counts = []
+    for sizes in ((), SIZES):
+        llm = with_emulated_graphs(LLM(model=target, tokenizer=smollm2_gguf_path,
+                                       max_model_len=128, max_num_seqs=4, page_size=4,
+                                       num_kv_blocks=128), 0, prefill_sizes=sizes)
+        counts.append(llm.compile_stats["target"]["graphs"])
+    assert counts[0] == counts[1], counts

@@ -203,9 +203,12 @@ class EngineGraphs:
         # decode / verify ones hold max_seqs * (k + 1) tokens).
         prefill = []
         if policy.prefill_sizes:
-            pbufs = StaticBuffers(policy.prefill_sizes[-1], 1, max_blocks, device)
+            # Two sequences, the second always padding (no tokens): with one, Dynamo
+            # specializes the metadata's sequence dimension to 1 and the whole target compiles
+            # once more for these graphs; with two they share the decode graphs' compile.
+            pbufs = StaticBuffers(policy.prefill_sizes[-1], 2, max_blocks, device)
             # a prompt of q tokens has a context of at least q: buckets below q hold none
-            prefill = [reg(f"{PREFILL}_{q}", target_graph_fn, [q], pbufs, query_len=q,
+            prefill = [reg(f"{PREFILL}_{q}", target_graph_fn, [q], pbufs, query_len=q, seqs=2,
                            seq_len_buckets=tuple(b for b in policy.seq_len_buckets if b >= q))
                        for q in policy.prefill_sizes if q <= policy.seq_len_buckets[-1]]
         # Several sequences' prompt steps: one varlen graph per token count, padded to max_seqs
