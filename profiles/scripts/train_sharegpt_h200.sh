@@ -314,7 +314,7 @@ warmstart)
       --variants ${VARIANTS:-ours_vanilla_compiled ours_eagle_compiled} ${TREES:+--trees $TREES} \
       ${PRECOMPILE:+--precompile} --num-prompts 1 --max-tokens 32 --out-dir ~/warmstart_$i \
       > "$OUT/warmstart_$i.log" 2>&1
-    echo "== run $i"; grep -E "start-up|tok/s \(step" "$OUT/warmstart_$i.log" | cut -c1-400
+    echo "== run $i"; grep -E "start-up|tok/s \(step" "$OUT/warmstart_$i.log" | cut -c1-900
   done ;;
 warm8b)
   # Issue 16: start-up of the Llama-3.1-8B shape (random weights, random 32k head) in fresh
@@ -324,7 +324,7 @@ warm8b)
     timeout ${LIMIT:-170} python3 profiles/scripts/graphs_h200.py --shape llama8b --startup-only \
       --tokenizer "$M" ${NO_PRECOMPILE:+--no-precompile} --out "$OUT/warm8b_$i.json" \
       > "$OUT/warm8b_$i.log" 2>&1
-    echo "== run $i rc=$?"; grep -E "^start-up" "$OUT/warm8b_$i.log" | cut -c1-700
+    echo "== run $i rc=$?"; grep -E "^start-up" "$OUT/warm8b_$i.log" | cut -c1-1200
   done ;;
 coldstart)
   # Issue 16: a cold start (empty Triton and compile caches) with the attention binaries
