@@ -27,6 +27,7 @@ from compiled_spec.parity import ParityReport, check_parity
 from compiled_spec.models.loader import load_model
 from compiled_spec.sampling_params import SamplingParams, as_int, sub_seed
 from compiled_spec.tokenizer import chat_ids, load_tokenizer
+from kernels import warmup_pending
 
 Prompt = str | list[int]
 
@@ -180,7 +181,14 @@ class LLM(CompileMixin):
         self.startup_s["attention_warmup"] = float(self.engine.kernel_warmup["seconds"])
         if compile:
             self.set_compiled(True)  # freezes the heap after the capture
-        elif self.config.gc_freeze:
+        t_join = time.perf_counter()
+        joined_here = bool(warmup_pending.PENDING)
+        warmup_pending.finish()  # the attention workers, if no launch joined them yet
+        if joined_here:  # eager engines: the warm-up's end, after the rest of start-up
+            self.startup_s["attention_warmup"] += time.perf_counter() - t_join
+        if "join_s" in self.engine.kernel_warmup:  # in whichever phase joined (capture, above)
+            self.startup_detail_s["attention_join"] = float(self.engine.kernel_warmup["join_s"])
+        if not compile and self.config.gc_freeze:
             self.startup_s["gc_freeze"] = freeze_startup_heap()
 
     def check_parity(self, prompts: Sequence[Prompt], sampling_params: SamplingParams | None = None,

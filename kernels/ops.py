@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import warmup_pending
 from kernels.attention_ref import (paged_attention_ref, paged_tree_attention_ref,
                                    rope_write_kv_ref, write_kv_ref)
 from kernels.skinny_gemm_ref import linear_ref, rmsnorm_linear_ref, silu_mul_linear_ref
@@ -12,6 +13,16 @@ from kernels.skinny_gemm_ref import linear_ref, rmsnorm_linear_ref, silu_mul_lin
 
 def _use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda
+
+
+def _attention_triton(t: torch.Tensor) -> bool:
+    """``_use_triton`` for the attention family, whose binaries a cold start may still be
+    compiling in worker processes: the first launch joins them (``kernels.warmup_pending``)."""
+    if not t.is_cuda:
+        return False
+    if warmup_pending.PENDING:
+        warmup_pending.finish()
+    return True
 
 
 @torch.library.custom_op("compiled_spec::write_kv", mutates_args=("k_cache", "v_cache"))
@@ -22,7 +33,7 @@ def write_kv(
     v_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64; -1 rows are not written
 ) -> None:
-    if _use_triton(key):
+    if _attention_triton(key):
         from kernels.attention_triton import write_kv_triton
 
         write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
@@ -49,7 +60,7 @@ def rope_write_kv(
     """Rope of q and k and ``write_kv`` of (roped k, v) as one op: one kernel on the GPU
     (``kernels.rope_kv_triton``). k_cache, v_cache and slot_mapping sit where ``write_kv``
     has them, so the passes that bind a layer's metadata read both alike."""
-    if _use_triton(qk):
+    if _attention_triton(qk):
         from kernels.rope_kv_triton import rope_write_kv_triton
 
         return rope_write_kv_triton(qk, value, k_cache, v_cache, slot_mapping, cos, sin,
@@ -74,7 +85,7 @@ def paged_attention(
     max_seq_len: int,
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    if _use_triton(query):
+    if _attention_triton(query):
         from kernels.attention_triton import paged_attention_triton
 
         return paged_attention_triton(
@@ -111,7 +122,7 @@ def paged_tree_attention(
     max_seq_len: int,
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    if _use_triton(query):
+    if _attention_triton(query):
         from kernels.attention_triton import paged_tree_attention_triton
 
         return paged_tree_attention_triton(query, k_cache, v_cache, block_tables, tree_start,

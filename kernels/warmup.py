@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 import kernels.warmup_parallel as parallel
+from kernels import warmup_pending
 from kernels.launch import BLOCK_N, reachable_configs
 
 
@@ -66,15 +67,31 @@ def warm_rope_write_kv(k_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_
     rope_write_kv_triton(qk, v, k_cache, v_cache, slots, cs, cs, num_heads)
 
 
-def warm_model_attention(layers: list[torch.nn.Module], max_query_len: int, max_seq_len: int
-                         ) -> dict[str, float | int]:
+def warm_model_attention(layers: list[torch.nn.Module], max_query_len: int, max_seq_len: int,
+                         defer: bool = False) -> dict[str, float | int]:
     """``warm_attention`` once per distinct attention shape among ``layers`` (modules with
     ``num_heads`` and bound ``k_cache`` / ``v_cache``). Returns {configs, seconds}, plus the
-    parallel_* counts of ``_compile_in_workers`` where workers compiled."""
+    parallel_* counts of ``_compile_in_workers`` where workers compiled. ``defer``: workers
+    that started are not waited for here; the first attention launch (or
+    ``kernels.warmup_pending.finish``) joins them and loads the binaries, and adds "join_s"
+    (its seconds) and the workers' counts to the returned dict then."""
+    warmup_pending.finish()  # an earlier engine's, never launched
     t0 = time.perf_counter()
     seen: set[tuple] = set()
-    n = 0
     out: dict[str, float | int] = {}
+    procs: list = []  # workers not waited for yet
+    serial: list[tuple[torch.Tensor, torch.Tensor, int, list[tuple[int, int]] | None]] = []
+
+    def wait_workers() -> None:
+        if not procs:
+            return
+        t1 = time.perf_counter()
+        launched, failed = parallel.wait(procs)
+        procs.clear()
+        out["parallel_configs"] = out.get("parallel_configs", 0) + launched
+        out["parallel_failed"] = out.get("parallel_failed", 0) + failed
+        out["parallel_s"] = round(out.get("parallel_s", 0) + time.perf_counter() - t1, 3)
+
     for attn in layers:
         k, v = attn.k_cache, attn.v_cache
         key = (attn.num_heads, tuple(k.shape[1:]), k.dtype, k.stride(), k.device)
@@ -82,30 +99,60 @@ def warm_model_attention(layers: list[torch.nn.Module], max_query_len: int, max_
             continue
         seen.add(key)
         configs = None
-        if k.is_cuda and parallel.enabled():
-            from kernels.attention_triton import num_sms
-
+        if _spreads(k):
             kvh = k.shape[2]
             configs = reachable_configs(attn.num_heads // kvh, kvh, max_query_len, max_seq_len,
-                                        num_sms(k))
-            for name, val in _compile_in_workers(k, v, attn.num_heads, configs).items():
-                out[name] = round(out.get(name, 0) + val, 3)
-        n += len(warm_attention(k, v, attn.num_heads, max_query_len, max_seq_len,
-                                configs=configs))
-        if k.is_cuda:  # the rope + KV-write kernel too: one padding row (slot -1), cache untouched
-            warm_rope_write_kv(k, v, attn.num_heads)
-            n += 1
-    if n and torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return {"configs": n, "seconds": round(time.perf_counter() - t0, 3), **out}
+                                        _sms(k))
+            if procs:  # another shape's workers first: this one's may share their binaries
+                wait_workers()
+            started = _compile_in_workers(k, v, attn.num_heads, configs)
+            if started:
+                procs += started
+                out["parallel_workers"] = out.get("parallel_workers", 0) + len(started)
+        serial.append((k, v, attn.num_heads, configs))
+
+    def join() -> None:
+        t1 = time.perf_counter()
+        wait_workers()
+        count = 0
+        for k, v, heads, configs in serial:  # from the cache the workers filled, or compiled
+            count += len(warm_attention(k, v, heads, max_query_len, max_seq_len,
+                                        configs=configs))
+            if k.is_cuda:  # the rope + KV-write kernel too: one padding row (slot -1)
+                warm_rope_write_kv(k, v, heads)
+                count += 1
+        if count and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        out["configs"] = count
+        out["join_s" if deferred else "serial_s"] = round(time.perf_counter() - t1, 3)
+
+    deferred = defer and bool(procs)
+    if deferred:
+        warmup_pending.PENDING.append(join)
+        out["configs"] = 0  # set by the join
+    else:
+        join()
+    out["seconds"] = round(time.perf_counter() - t0, 3)
+    return out
+
+
+def _spreads(k_cache: torch.Tensor) -> bool:
+    """Whether this cache's warm-up may use worker processes (CUDA, not switched off)."""
+    return k_cache.is_cuda and parallel.enabled()
+
+
+def _sms(k_cache: torch.Tensor) -> int | None:
+    from kernels.attention_triton import num_sms
+
+    return num_sms(k_cache)
 
 
 def _compile_in_workers(k: torch.Tensor, v: torch.Tensor, num_heads: int,
-                        configs: list[tuple[int, int]]) -> dict[str, float | int]:
+                        configs: list[tuple[int, int]]) -> list:
     """When the second of ``configs`` takes a compile (Triton's cache is cold), the others are
-    compiled by worker processes (``kernels.warmup_parallel``) before the serial warm-up, which
-    then loads them from the cache. Returns the workers' count, launches, failures and time
-    ({} when none ran)."""
+    compiled by worker processes (``kernels.warmup_parallel``), started here and left running;
+    the serial warm-up after them loads their binaries from the cache. Returns the workers
+    ([] when the cache is warm or nothing is left to share)."""
     # The process's first Triton launch pays one-time costs (driver, launcher stubs: ~0.2 s on
     # the H200 even from a warm cache, which sent warm starts to 8 workers for 4 s), so the
     # first configuration absorbs them and the second one's time says compile or load.
@@ -116,14 +163,10 @@ def _compile_in_workers(k: torch.Tensor, v: torch.Tensor, num_heads: int,
     torch.cuda.synchronize(k.device)
     rest = configs[2:]
     if not parallel.worth_spreading(time.perf_counter() - t0, len(rest)):
-        return {}  # warm cache (or nothing to share): the serial warm-up loads the rest
-    t1 = time.perf_counter()
+        return []  # warm cache (or nothing to share): the serial warm-up loads the rest
     groups = parallel.shares(rest, parallel.num_workers(len(rest)))
-    procs = parallel.start([parallel.spec_of(k, num_heads, g, rope=i == 0)
-                            for i, g in enumerate(groups)])
-    launched, failed = parallel.wait(procs)
-    return {"parallel_workers": len(procs), "parallel_configs": launched,
-            "parallel_failed": failed, "parallel_s": time.perf_counter() - t1}
+    return parallel.start([parallel.spec_of(k, num_heads, g, rope=i == 0)
+                           for i, g in enumerate(groups)])
 
 
 def _worker(spec: dict[str, Any]) -> None:

@@ -35,6 +35,15 @@ _ROOT = Path(__file__).resolve().parents[1]  # the directory holding the kernels
 COLD_S = 0.15
 
 
+OVERLAP_ENV = "COMPILED_SPEC_WARMUP_OVERLAP"
+
+
+def overlap_enabled() -> bool:
+    """Whether the engine leaves the workers running while the model compiles (joined at the
+    first attention launch, ``kernels.warmup_pending``); ``0`` waits for them at once."""
+    return os.environ.get(OVERLAP_ENV, "1") != "0"
+
+
 def enabled() -> bool:
     """Workers unless the environment says ``0`` (only CUDA engines ask)."""
     return os.environ.get(ENV, "1") != "0"

@@ -3,6 +3,7 @@ configurations are shared out, the workers launching their share (under the Trit
 here; on a GPU they compile into Triton's cache), and a failing worker counted and named."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kernels import warmup_parallel as wp
@@ -72,13 +73,55 @@ def test_a_warm_cache_spawns_no_workers_though_the_first_launch_is_slow(monkeypa
     # warm cache, and timing it sent every warm start to 8 workers for ~4 s.
     configs = [(1, s) for s in range(1, 9)]
     run, started = _fake_warmup(monkeypatch, slow={configs[0]})
-    assert run(torch.zeros(2, 16, 1, 8), torch.zeros(2, 16, 1, 8), 4, configs) == {}
+    assert run(torch.zeros(2, 16, 1, 8), torch.zeros(2, 16, 1, 8), 4, configs) == []
     assert started == []
 
 
 def test_a_cold_cache_spreads_what_the_first_two_launches_left(monkeypatch):
     configs = [(1, s) for s in range(1, 9)]
     run, started = _fake_warmup(monkeypatch, slow=set(configs))
-    out = run(torch.zeros(2, 16, 1, 8), torch.zeros(2, 16, 1, 8), 4, configs)
-    assert out["parallel_workers"] == len(started) >= 1
+    procs = run(torch.zeros(2, 16, 1, 8), torch.zeros(2, 16, 1, 8), 4, configs)
+    assert len(procs) == len(started) >= 1
     assert sorted(tuple(c) for g in started for c in g) == configs[2:]
+
+
+class _Attn(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_heads = 4
+        self.k_cache = torch.zeros(2, 16, 1, 8)  # [num_blocks, page_size, num_kv_heads, head_dim]
+        self.v_cache = torch.zeros(2, 16, 1, 8)
+
+
+@pytest.mark.parametrize("defer", [True, False])
+def test_a_cold_starts_workers_run_on_until_the_first_attention_launch(monkeypatch, defer):
+    # Cold start on the H200 (twenty-sixth session): 11-16 s of attention warm-up before the
+    # model's compile began. Deferred, the workers compile while the model does; the join
+    # (kernels.warmup_pending.finish, called by the first attention launch) waits for them and
+    # only then loads the binaries.
+    from kernels import warmup, warmup_pending
+
+    events: list[str] = []
+    monkeypatch.setattr(warmup, "_spreads", lambda k: True)
+    monkeypatch.setattr(warmup, "_sms", lambda k: 132)
+    monkeypatch.setattr(warmup, "_compile_in_workers",
+                        lambda k, v, h, configs: events.append("spawn") or ["p1", "p2"])
+    monkeypatch.setattr(wp, "wait", lambda procs: events.append(f"wait {len(procs)}") or (7, 0))
+    monkeypatch.setattr(warmup, "warm_attention",
+                        lambda k, v, h, q, s, configs: events.append("load") or configs)
+    monkeypatch.setattr(warmup_pending, "PENDING", [])
+    layers = [_Attn(), _Attn()]  # one shape: one warm-up
+    out = warmup.warm_model_attention(layers, 64, 256, defer=defer)
+    if defer:
+        assert events == ["spawn"] and len(warmup_pending.PENDING) == 1
+        assert out["configs"] == 0 and "join_s" not in out
+        warmup_pending.finish()
+        assert warmup_pending.PENDING == []
+        assert "join_s" in out
+    else:
+        assert warmup_pending.PENDING == [] and "serial_s" in out
+    assert events == ["spawn", "wait 2", "load"]  # loads only after the workers are done
+    assert out["parallel_workers"] == 2 and out["parallel_configs"] == 7
+    assert out["configs"] == len(reachable_configs(4, 1, 64, 256, 132))
+    warmup_pending.finish()  # nothing left: a no-op
+    assert events == ["spawn", "wait 2", "load"]

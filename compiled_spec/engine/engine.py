@@ -25,6 +25,7 @@ from compiled_spec.spec.metrics import SpecStats
 from compiled_spec.spec.policy import PLAIN, SPEC, SpecPolicy
 from compiled_spec.spec.proposer import EagleProposer
 from kernels.warmup import warm_model_attention
+from kernels.warmup_parallel import overlap_enabled
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,10 @@ class LLMEngine:
         # first request of each new prompt-length class.
         attn = [layer.self_attn for layer in model.model.layers]
         attn += [layer.self_attn for layer in draft.layers] if draft is not None else []
-        self.kernel_warmup = warm_model_attention(attn, cfg.max_model_len, cfg.max_model_len)
+        # A cold cache's compile workers keep running while the model compiles (start-up joins
+        # them at the first attention launch or at its end: kernels/warmup_pending.py).
+        self.kernel_warmup = warm_model_attention(attn, cfg.max_model_len, cfg.max_model_len,
+                                                  defer=overlap_enabled())
         tree = cfg.spec.tree if cfg.spec is not None else None
         self.tree = tree
         self.scheduler = Scheduler(cfg.scheduler, self.allocator,
