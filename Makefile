@@ -18,8 +18,9 @@ setup: $(VENV)/.installed
 demo: setup
 	$(VENV)/bin/compiled-spec generate --draft smollm2-eagle3 -k 3 --max-tokens 128
 
+# --durations: the slowest tests listed at the end (CI must stay under 30 minutes)
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 bench: setup
 	$(VENV)/bin/compiled-spec bench --num-prompts 4 --max-tokens 64 --batch-sizes 1 4 --out-dir profiles/cpu_bench
