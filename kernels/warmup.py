@@ -110,6 +110,7 @@ def warm_model_attention(layers: list[torch.nn.Module], max_query_len: int, max_
                 procs += started
                 out["parallel_workers"] = out.get("parallel_workers", 0) + len(started)
         serial.append((k, v, attn.num_heads, configs))
+    deferred = defer and bool(procs)
 
     def join() -> None:
         t1 = time.perf_counter()
@@ -126,7 +127,6 @@ def warm_model_attention(layers: list[torch.nn.Module], max_query_len: int, max_
         out["configs"] = count
         out["join_s" if deferred else "serial_s"] = round(time.perf_counter() - t1, 3)
 
-    deferred = defer and bool(procs)
     if deferred:
         warmup_pending.PENDING.append(join)
         out["configs"] = 0  # set by the join
