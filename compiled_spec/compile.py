@@ -80,10 +80,16 @@ class CompileConfig:
     # (capture.policy.mixed_sizes), each prompt at most the largest prefill graph's length;
     # 0 = none. Why: issue 16, the steady state at batch 64 (graphs.py).
     mixed_graph_tokens: int = 8192
+    # Issue 16 (cold start): Dynamo specializes a dynamic dimension whose first size is 0 or 1,
+    # so batch 1's decode (1 token, 1 sequence) and the prompt graphs each compiled the whole
+    # target (H200, 27th session: ~20 s apiece of a ~60 s cold start). Size-oblivious symbols
+    # (torch's backed_size_oblivious, as vLLM offers) keep size 1 symbolic: one graph serves
+    # every size. Scoped to our compiled calls, as use_duck_shape is.
+    size_oblivious: bool = True
 
     def __post_init__(self) -> None:
         for name in ("inductor", "dynamic", "cudagraphs", "strict_capture", "autotune_gemm",
-                     "skinny_gemm", "skinny_gemm_prologues", "pdl"):
+                     "skinny_gemm", "skinny_gemm_prologues", "pdl", "size_oblivious"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"CompileConfig.{name}={getattr(self, name)!r}: must be a bool")
         for name in ("prefill_graph_tokens", "mixed_graph_tokens"):
@@ -162,6 +168,9 @@ def compile_callable(fn: Any, backend: Any, cfg: CompileConfig,
         run = PrecompiledModule(name, fn, backend, cfg.dynamic, compiled,
                                 precompile_dir() / f"{name}-{key}.bin", stats)
 
+    # CompileConfig.size_oblivious (torch builds without the option keep 0/1 specialization)
+    oblivious = ({"backed_size_oblivious": cfg.size_oblivious}
+                 if hasattr(torch.fx.experimental._config, "backed_size_oblivious") else {})
     # A shape whose compile failed runs eagerly from then on, counted (compile_guard.py).
     guard = CompileGuard(getattr(fn, "__qualname__", type(fn).__name__), fn)
 
@@ -175,7 +184,7 @@ def compile_callable(fn: Any, backend: Any, cfg: CompileConfig,
         # pass then restarts the whole analysis to specialize them, so every target compile
         # traced the model and ran AOTAutograd twice (the first attempt's AOT cache entry never
         # hits: ~8.5 s of a 22 s warm start on the CPU, ninth session).
-        with torch.fx.experimental._config.patch(use_duck_shape=False), \
+        with torch.fx.experimental._config.patch(use_duck_shape=False, **oblivious), \
                 torch._dynamo.config.patch(specialize_float=True):
             return guard(run, *args, **kwargs)
 

@@ -31,7 +31,8 @@ def test_failed_shape_runs_eagerly_and_is_counted() -> None:
         assert all(x.shape[0] == 1 for x in example_inputs if isinstance(x, torch.Tensor))
         return gm.forward
 
-    f = compile_callable(_scale, backend, CompileConfig())
+    # 0/1 specialization on, so batch 1 is a graph of its own (the default keeps it symbolic)
+    f = compile_callable(_scale, backend, CompileConfig(size_oblivious=False))
     one = torch.ones(1, 4)
     assert torch.equal(f(one), _scale(one)) and len(compiles) == 1  # B = 1: compiled
     three = torch.arange(12.0).view(3, 4)
@@ -53,6 +54,20 @@ def test_failed_shape_runs_eagerly_and_is_counted() -> None:
     stats = CompiledModels(eager={}, compiled={"scale": f, "other": _scale}).stats()
     assert stats["compile_failures"] == {"scale": st}
     assert "compile_failures" not in CompiledModels(eager={}, compiled={}).stats()
+
+
+def test_size_one_shares_the_general_graph_by_default() -> None:
+    """CompileConfig.size_oblivious: batch 1 and batch 3 run one graph (a second compile of the
+    whole target at start-up otherwise); with it off, batch 1 is specialised."""
+    for oblivious, graphs in ((True, 1), (False, 2)):
+        torch._dynamo.reset()
+        seen = []
+        f = compile_callable(_scale, lambda gm, ex: seen.append(gm) or gm.forward,
+                             CompileConfig(size_oblivious=oblivious))
+        for b in (1, 3, 1, 5):
+            x = torch.arange(4.0 * b).view(b, 4)
+            assert torch.equal(f(x), _scale(x))
+        assert len(seen) == graphs, (oblivious, len(seen))
 
 
 def test_runtime_errors_are_not_remembered() -> None:

@@ -24,7 +24,7 @@ PROJECTED_TAUS = (2.0, 3.0, 4.0)
 # What `--ab` can compare, with the label of their "on" rows: CompileConfig flags, and the
 # engine option verify_ahead
 AB_FLAGS = {"pdl": "PDL", "skinny_gemm": "skinny GEMMs", "autotune_gemm": "GEMM autotuning",
-            "verify_ahead": "verify ahead"}
+            "verify_ahead": "verify ahead", "size_oblivious": "size-oblivious"}
 LLAMA8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
            "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
            "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 131072,

@@ -6,6 +6,7 @@ graphs each compiled callable ended with (each one a Dynamo trace + AOTAutograd 
     TORCHINDUCTOR_CACHE_DIR=/tmp/cc PYTHONPATH=. COMPILED_SPEC_PROGRESS=0 \\
         python profiles/scripts/capture_compiles_cpu.py 1 1     # batch sizes "1", Inductor on
     ... capture_compiles_cpu.py 1 1 1   # third argument 1: CompileConfig(precompile=True)
+    ... capture_compiles_cpu.py 1 0 0 0 # fourth argument 0: CompileConfig(size_oblivious=False)
 
 Run it twice on one cache directory for cold and warm.
 """
@@ -28,17 +29,18 @@ def main() -> None:
     sizes = tuple(int(x) for x in sys.argv[1].split(","))
     inductor = len(sys.argv) < 3 or sys.argv[2] != "0"
     precompile = len(sys.argv) > 3 and sys.argv[3] == "1"
+    oblivious = len(sys.argv) < 5 or sys.argv[4] != "0"
     llm = LLM(model=find_default_gguf(), draft="smollm2-eagle3", dtype="float32", device="cpu",
               max_model_len=256, max_num_seqs=max(sizes), num_speculative_tokens=5)
-    models = compile_models(llm.engine.runner, CompileConfig(inductor=inductor,
-                                                                   precompile=precompile))
+    models = compile_models(llm.engine.runner, CompileConfig(
+        inductor=inductor, precompile=precompile, size_oblivious=oblivious))
     llm._compiled = models
     policy = CapturePolicy(max_batch_size=max(sizes), num_speculative_tokens=5,
                            max_model_len=256, batch_sizes=sizes)
     t0 = time.perf_counter()
     use_compiled(llm.engine.runner, models, True)
     capture_graphs(llm.engine.runner, models, policy, llm.config.cache.page_size, emulate=True)
-    print(json.dumps({"batch_sizes": sizes, "inductor": inductor,
+    print(json.dumps({"batch_sizes": sizes, "inductor": inductor, "size_oblivious": oblivious,
                       "compile_and_capture_s": round(time.perf_counter() - t0, 1),
                       "graphs": {k: len(b.graphs) for k, b in models.backends.items()},
                       "precompile": models.precompile and models.precompile.as_dict()}))
