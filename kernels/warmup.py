@@ -60,8 +60,8 @@ def warm_rope_write_kv(k_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_
 
     _, _, kvh, d = k_cache.shape
     qkv = torch.zeros(1, (num_heads + 2 * kvh) * d, dtype=k_cache.dtype, device=k_cache.device)
-    qk = qkv[:, :(num_heads + kvh) * d].view(1, num_heads + kvh, d)
-    v = qkv[:, (num_heads + kvh) * d:].view(1, kvh, d)
+    qkv = qkv.view(1, num_heads + 2 * kvh, d)
+    qk, v = qkv[:, :num_heads + kvh], qkv[:, num_heads + kvh:]
     cs = torch.zeros(1, d, dtype=k_cache.dtype, device=k_cache.device)
     slots = torch.full((1,), -1, dtype=torch.int64, device=k_cache.device)
     rope_write_kv_triton(qk, v, k_cache, v_cache, slots, cs, cs, num_heads)

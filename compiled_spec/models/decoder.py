@@ -67,10 +67,9 @@ class Attention(nn.Module):
         num_tokens = hidden.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_proj is not None:
-            qkv = self.qkv_proj(hidden)  # [T, (heads + 2 * kv_heads) * head_dim]
-            q = qkv[:, :h * d].view(num_tokens, h, d)
-            k = qkv[:, h * d:(h + kvh) * d].view(num_tokens, kvh, d)
-            v = qkv[:, (h + kvh) * d:].view(num_tokens, kvh, d)
+            # viewed whole, then sliced: see _write_qkv
+            qkv = self.qkv_proj(hidden).view(num_tokens, h + 2 * kvh, d)
+            q, k, v = qkv[:, :h], qkv[:, h:h + kvh], qkv[:, h + kvh:]
         else:
             q = self.q_proj(hidden).view(num_tokens, h, d)
             k = self.k_proj(hidden).view(num_tokens, kvh, d)
@@ -93,9 +92,12 @@ class Attention(nn.Module):
             return q
         num_tokens = hidden.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(hidden)  # [T, (heads + 2 * kv_heads) * head_dim]
-        qk = qkv[:, :(h + kvh) * d].view(num_tokens, h + kvh, d)
-        v = qkv[:, (h + kvh) * d:].view(num_tokens, kvh, d)
+        # Viewed whole, then sliced (the same strides as slicing, then viewing): Inductor
+        # lowers a view of a non-contiguous slice by asking whether T == 1, which specialized
+        # batch 1's decode graph (1 token) and compiled the target a second time for every
+        # other size (CompileConfig.size_oblivious; 27th session).
+        qkv = self.qkv_proj(hidden).view(num_tokens, h + 2 * kvh, d)  # [T, heads + 2 kv, d]
+        qk, v = qkv[:, :h + kvh], qkv[:, h + kvh:]
         if ROPE_KV:
             # Rope and the KV write as one op (one kernel on the GPU instead of Inductor's
             # rope and the write), which returns the roped queries.
