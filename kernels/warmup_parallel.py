@@ -40,8 +40,11 @@ OVERLAP_ENV = "COMPILED_SPEC_WARMUP_OVERLAP"
 
 def overlap_enabled() -> bool:
     """Whether the engine leaves the workers running while the model compiles (joined at the
-    first attention launch, ``kernels.warmup_pending``); ``0`` waits for them at once."""
-    return os.environ.get(OVERLAP_ENV, "1") != "0"
+    first attention launch, ``kernels.warmup_pending``): ``1`` only. Off by default: on the
+    H200 (27th session, cold caches) the compile slowed by about what the load saved, the
+    workers and Inductor's compile sharing the CPU (SmolLM2 60.7 s waiting at once, 64.2 s
+    overlapped; the 8B shape 90.6 / 92.4 s)."""
+    return os.environ.get(OVERLAP_ENV, "0") == "1"
 
 
 def enabled() -> bool:

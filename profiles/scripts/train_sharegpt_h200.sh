@@ -331,26 +331,26 @@ coldstart)
   # compiled serially, then by worker processes (COMPILED_SPEC_PARALLEL_WARMUP=0 / 1,
   # kernels/warmup_parallel.py; on by default since the twentieth session measured this):
   # SmolLM2 vanilla via the bench, then the 8B shape via graphs_h200.py --startup-only (its
-  # JSON has kernel_warmup's parallel_* keys). PARS="0 1" by default; OVERLAP=0 waits for the
-  # workers before compiling (COMPILED_SPEC_WARMUP_OVERLAP; on by default since the
-  # twenty-sixth session: the workers compile while the model does, joined at the first
-  # attention launch). PARS=1 with OVERLAP=0 then OVERLAP=1: the overlap's A/B.
+  # JSON has kernel_warmup's parallel_* keys). PARS="0 1" by default; OVERLAP=1 leaves the
+  # workers compiling while the model does, joined at the first attention launch
+  # (COMPILED_SPEC_WARMUP_OVERLAP; off by default: the 27th session's A/B, PARS=1 with
+  # OVERLAP=0 then 1, measured no gain).
   for par in ${PARS:-0 1}; do
-    t=${par}_o${OVERLAP:-1}  # caches and logs per (parallel, overlap)
-    env COMPILED_SPEC_PARALLEL_WARMUP=$par COMPILED_SPEC_WARMUP_OVERLAP=${OVERLAP:-1} \
+    t=${par}_o${OVERLAP:-0}  # caches and logs per (parallel, overlap)
+    env COMPILED_SPEC_PARALLEL_WARMUP=$par COMPILED_SPEC_WARMUP_OVERLAP=${OVERLAP:-0} \
       TRITON_CACHE_DIR=/tmp/cold_tc_$t COMPILED_SPEC_CACHE_DIR=/tmp/cold_cc_$t \
       timeout ${LIMIT:-150} python3 -m compiled_spec.cli \
       bench --model "$M" --device cuda --dtype bfloat16 --prompts $D/question.jsonl --batch-sizes 1 \
       --variants ours_vanilla_compiled --num-prompts 1 --max-tokens 32 --out-dir /tmp/cold_$t \
       > "$OUT/coldstart_smollm2_$t.log" 2>&1
-    echo "== SmolLM2 parallel=$par overlap=${OVERLAP:-1} rc=$?"
+    echo "== SmolLM2 parallel=$par overlap=${OVERLAP:-0} rc=$?"
     grep -E "start-up" "$OUT/coldstart_smollm2_$t.log" | cut -c1-700
-    env COMPILED_SPEC_PARALLEL_WARMUP=$par COMPILED_SPEC_WARMUP_OVERLAP=${OVERLAP:-1} \
+    env COMPILED_SPEC_PARALLEL_WARMUP=$par COMPILED_SPEC_WARMUP_OVERLAP=${OVERLAP:-0} \
       TRITON_CACHE_DIR=/tmp/cold8_tc_$t COMPILED_SPEC_CACHE_DIR=/tmp/cold8_cc_$t \
       timeout ${LIMIT:-150} python3 \
       profiles/scripts/graphs_h200.py --shape llama8b --startup-only --tokenizer "$M" \
       --out "$OUT/coldstart_8b_$t.json" > /dev/null 2>&1
-    echo "== 8B parallel=$par overlap=${OVERLAP:-1} rc=$?"; python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['load_s'], d['compile_and_capture_s'], d['startup_s'], d['kernel_warmup'])" "$OUT/coldstart_8b_$t.json"
+    echo "== 8B parallel=$par overlap=${OVERLAP:-0} rc=$?"; python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['load_s'], d['compile_and_capture_s'], d['startup_s'], d['kernel_warmup'])" "$OUT/coldstart_8b_$t.json"
   done ;;
 inproc)
   # Issue 16 (nineteenth session): an EAGLE-3 engine that compiled in its own process ran batch
