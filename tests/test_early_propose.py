@@ -161,11 +161,11 @@ def test_early_and_late_graphs_share_the_draft_compiles(engines):
     """The early graph computes the loop's metadata on the device and the late graph stages it
     into views of its buffers: both must hand the draft callables tensors Dynamo's guards
     accept alike (dispatch keys: inference tensors; storage offsets >= 2), or every draft
-    callable compiles twice (the tenth session found 2 + 2 compiles where 1 + 1 do). Graphs
-    of batch 1 and of batches 2 and 4 are two classes (Dynamo's 0/1 specialisation): 2 each."""
+    callable compiles twice (the tenth session found 2 + 2 compiles where 1 + 1 do). Batch 1
+    shares the graph of batches 2 and 4 (size-oblivious symbols): 1 each."""
     engines  # noqa: B018  (the fixture captures and records the counts)
     counts = AFTER_CAPTURE
-    assert counts["draft_step"] == 2 and counts["draft_step_pick"] == 2, counts
+    assert counts["draft_step"] == 1 and counts["draft_step_pick"] == 1, counts
 
 
 def test_pick_and_plan_compiled_by_inductor_equals_eager(engines):

@@ -309,9 +309,11 @@ def test_early_tree_graph_body_is_capturable(engines):
 
 def test_early_and_late_tree_graphs_share_the_draft_compiles(engines):
     """The early graph runs the late graphs' bodies on their own static buffers, so the draft
-    callables see the tensors they were compiled for: one compile per batch class (batch 1 and
-    batch 4: Dynamo's 0/1 specialisation), not two (buffers of its own, inference tensors at
-    other offsets, made Dynamo compile every draft callable again)."""
+    callables see the tensors they were compiled for (buffers of its own, inference tensors
+    at other offsets, made Dynamo compile every draft callable again). The draft and layer 1's
+    top-k: one compile for batch 1 and batch 4 (size-oblivious symbols). The expansion and the
+    node selection: one per batch class, 1 and 4, their glue's reshapes of [B, K] buffers
+    guarding on strides that only size 1 leaves free (seconds of a start-up on the H200)."""
     engines  # noqa: B018  (the fixture captures and records the counts)
-    for name in ("draft_step", "tree_head", "tree_step", "tree_finish"):
-        assert AFTER_CAPTURE[name] == 2, AFTER_CAPTURE
+    want = {"draft_step": 1, "tree_head": 1, "tree_step": 2, "tree_finish": 2}
+    assert {n: AFTER_CAPTURE[n] for n in want} == want, AFTER_CAPTURE

@@ -1,6 +1,6 @@
 """compile=True must not recompile as requests grow: prompts crossing 1, 2, 3 and 4 KV pages, in
-a vanilla and an EAGLE-3 engine, compile each callable once per query-length class (T = 1 vs
-T >= 2, Dynamo's 0/1 specialisation) and never again. Before the fix a one-page block table
+a vanilla and an EAGLE-3 engine, compile each callable once (size-oblivious symbols: T = 1 shares
+the graph of T >= 2, CompileConfig.size_oblivious) and never again. Before the fix a one-page block table
 (specialised) and duck-sized dims (a 2-entry query_start_loc tied to a 2-block table) each cost a
 recompile mid-run."""
 from __future__ import annotations
@@ -38,7 +38,7 @@ def test_no_recompile_across_prompt_lengths(tiny_random, smollm2_gguf_path, tmp_
         llm.generate([[7] * n], sp)
         counts.append({k: v["graphs"] for k, v in llm.compile_stats.items()
                        if isinstance(v, dict) and "graphs" in v})
-    # Vanilla: decode (T = 1) and prefill (T >= 2). A chain: prefill and verify (T >= 2) only,
-    # since it verifies its full k up to the end (no one-token step).
-    assert counts[0]["target"] == (1 if spec else 2), counts
+    # One graph for prompts and decode (T = 1 included: no 0/1 specialization), in vanilla
+    # and in a chain engine alike.
+    assert counts[0]["target"] == 1, counts
     assert counts[-1] == counts[0], counts
