@@ -204,26 +204,24 @@ def test_prefill_graphs_share_the_decode_graphs_compile(bigram_eagle3, smollm2_g
     assert counts[0] == counts[1], counts
 
 
-@pytest.mark.parametrize("oblivious", [True, False])
 def test_batch_one_decode_and_prompt_graphs_compile_the_target_once(bigram_eagle3,
-                                                                    smollm2_gguf_path, want,
-                                                                    oblivious):
+                                                                    smollm2_gguf_path, want):
     """Through Inductor (CPU): batch 1's decode graph (1 token, 1 sequence) and the prompt
     graphs share one target compile. Dynamo's 0/1 specialization (CompileConfig.size_oblivious
     off) and Inductor's lowering of a view of a non-contiguous slice (the decoder's qkv split,
     which asked whether T == 1) each made batch 1 a graph of its own: a second whole-target
-    compile at start-up (~20 s on the H200)."""
+    compile at start-up (~20 s on the H200). Fails with size_oblivious=False (2 graphs; not run
+    in CI, for time: test_compile_guard checks the flag on a toy)."""
     from capture import CapturePolicy
     from compiled_spec.compile import CompileConfig, capture_graphs, compile_models
 
     target, _ = bigram_eagle3
     llm = LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=128, max_num_seqs=1,
               page_size=4, num_kv_blocks=64)
-    models = compile_models(llm.engine.runner, CompileConfig(size_oblivious=oblivious))
+    models = compile_models(llm.engine.runner, CompileConfig())
     llm._compiled = models
     policy = CapturePolicy(max_batch_size=1, num_speculative_tokens=0, max_model_len=128,
                            batch_sizes=(1,), seq_len_buckets=(128,), prefill_sizes=(16,))
     capture_graphs(llm.engine.runner, models, policy, 4, emulate=True)
-    assert models.backends["target"].graphs and len(models.backends["target"].graphs) == (
-        1 if oblivious else 2)
+    assert len(models.backends["target"].graphs) == 1
     assert _run(llm) == want  # the prompts one at a time: this engine holds one
