@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 import torch._inductor.config  # noqa: F401  (CompileConfig.pdl checks an option there)
-import torch.fx.experimental._config  # noqa: F401  (use_duck_shape, patched per call)
+import torch.fx.experimental._config  # noqa: F401  (patched per call: use_duck_shape, ...)
 
 from capture import CapturePolicy
 from compiled_spec.compile_guard import CompileGuard
@@ -168,9 +168,6 @@ def compile_callable(fn: Any, backend: Any, cfg: CompileConfig,
         run = PrecompiledModule(name, fn, backend, cfg.dynamic, compiled,
                                 precompile_dir() / f"{name}-{key}.bin", stats)
 
-    # CompileConfig.size_oblivious (torch builds without the option keep 0/1 specialization)
-    oblivious = ({"backed_size_oblivious": cfg.size_oblivious}
-                 if hasattr(torch.fx.experimental._config, "backed_size_oblivious") else {})
     # A shape whose compile failed runs eagerly from then on, counted (compile_guard.py).
     guard = CompileGuard(getattr(fn, "__qualname__", type(fn).__name__), fn)
 
@@ -184,7 +181,8 @@ def compile_callable(fn: Any, backend: Any, cfg: CompileConfig,
         # pass then restarts the whole analysis to specialize them, so every target compile
         # traced the model and ran AOTAutograd twice (the first attempt's AOT cache entry never
         # hits: ~8.5 s of a 22 s warm start on the CPU, ninth session).
-        with torch.fx.experimental._config.patch(use_duck_shape=False, **oblivious), \
+        with torch.fx.experimental._config.patch(use_duck_shape=False,
+                                                 backed_size_oblivious=cfg.size_oblivious), \
                 torch._dynamo.config.patch(specialize_float=True):
             return guard(run, *args, **kwargs)
 

@@ -1,8 +1,8 @@
 """compile=True must not recompile as requests grow: prompts crossing 1, 2, 3 and 4 KV pages, in
 a vanilla and an EAGLE-3 engine, compile each callable once (size-oblivious symbols: T = 1 shares
-the graph of T >= 2, CompileConfig.size_oblivious) and never again. Before the fix a one-page block table
-(specialised) and duck-sized dims (a 2-entry query_start_loc tied to a 2-block table) each cost a
-recompile mid-run."""
+the graph of T >= 2, CompileConfig.size_oblivious) and never again. Before the fix a one-page
+block table (specialised) and duck-sized dims (a 2-entry query_start_loc tied to a 2-block
+table) each cost a recompile mid-run."""
 from __future__ import annotations
 
 import json
