@@ -33,6 +33,7 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 JIT: list[str] = []
+REPRS: list[tuple[str, str]] = []  # (kernel, Triton's repr: options and per-argument key)
 AUTOTUNE: list[tuple[str, float]] = []
 
 
@@ -40,9 +41,31 @@ def cubins(root: Path) -> set[str]:
     return {str(p) for p in root.rglob("*.cubin")} if root.is_dir() else set()
 
 
+def _args(rep: str) -> list[str]:
+    """The per-argument part of Triton's repr ("name: key" items)."""
+    return [a.strip() for a in rep.partition("](")[2].rstrip(")").split(", ")]
+
+
+def closest_diff(name: str, rep: str, earlier: list[tuple[str, str]]) -> list[str]:
+    """How ``rep`` differs from the nearest earlier binary of the same kernel: the arguments
+    whose specialisation (or constexpr value) differs, as "was -> now"."""
+    mine = _args(rep)
+    best: list[str] | None = None
+    for n, r in earlier:
+        if n != name or r == rep:
+            continue
+        theirs = _args(r)
+        diff = [f"{b} -> {a}" for a, b in zip(mine, theirs) if a != b]
+        if r.partition("](")[0] != rep.partition("](")[0]:
+            diff.insert(0, f"{r.partition('](')[0]} -> {rep.partition('](')[0]}")
+        if best is None or len(diff) < len(best):
+            best = diff
+    return best if best is not None else ["(first of its kernel)"]
+
+
 def stepped(name: str, fn: Callable[[], Any], root: Path) -> Any:
     """Run ``fn`` and print its seconds and what it compiled."""
-    before, j0, a0 = cubins(root), len(JIT), len(AUTOTUNE)
+    before, j0, a0, r0 = cubins(root), len(JIT), len(AUTOTUNE), len(REPRS)
     t0 = time.perf_counter()
     out = fn()
     dt = time.perf_counter() - t0
@@ -51,6 +74,9 @@ def stepped(name: str, fn: Callable[[], Any], root: Path) -> Any:
     print(f"STEP {name}: {dt:.2f} s; new binaries {sum(new.values())} {dict(new)}; "
           f"JIT here {collections.Counter(JIT[j0:])}; autotuned {len(tuned)} kernels "
           f"{sum(s for _, s in tuned):.2f} s {[n for n, _ in tuned][:8]}", flush=True)
+    if r0:  # a binary of a kernel met before: which specialisation is new
+        for kname, rep in REPRS[r0:]:
+            print(f"  NEW {kname}: {closest_diff(kname, rep, REPRS[:r0])}", flush=True)
     return out
 
 
@@ -86,6 +112,7 @@ def install(root: Path) -> None:
             name = getattr(fn, "name", None) or getattr(
                 getattr(fn, "jit_function", None), "__name__", repr(fn))
             JIT.append(f"{name}{' (in memory)' if kwargs.get('already_compiled') else ''}")
+            REPRS.append((str(name), str(kwargs.get("repr", ""))))
             return False
 
         knobs.runtime.jit_post_compile_hook = hook

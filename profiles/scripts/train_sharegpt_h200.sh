@@ -364,12 +364,12 @@ coldcap)
     --device cuda --dtype bfloat16 --prompts $D/question.jsonl --batch-sizes 1 \
     --variants ours_vanilla_compiled --num-prompts 1 --max-tokens 32 --out-dir /tmp/cap_b \
     > "$OUT/coldcap_smollm2.log" 2>&1
-  echo "== SmolLM2 rc=$?"; grep -E "^STEP|^TOTAL|start-up \{" "$OUT/coldcap_smollm2.log" | cut -c1-600
+  echo "== SmolLM2 rc=$?"; grep -E "^STEP|^  NEW|^TOTAL|start-up \{" "$OUT/coldcap_smollm2.log" | cut -c1-600
   env TRITON_CACHE_DIR=/tmp/cap8_tc COMPILED_SPEC_CACHE_DIR=/tmp/cap8_cc timeout ${LIMIT:-150} \
     python3 profiles/scripts/cold_capture_h200.py profiles/scripts/graphs_h200.py \
     --shape llama8b --startup-only --tokenizer "$M" --out "$OUT/coldcap_8b.json" \
     > "$OUT/coldcap_8b.log" 2>&1
-  echo "== 8B rc=$?"; grep -E "^STEP|^TOTAL" "$OUT/coldcap_8b.log" | cut -c1-600
+  echo "== 8B rc=$?"; grep -E "^STEP|^  NEW|^TOTAL" "$OUT/coldcap_8b.log" | cut -c1-600
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['load_s'], d['compile_and_capture_s'], d['startup_s'])" "$OUT/coldcap_8b.json" ;;
 inproc)
   # Issue 16 (nineteenth session): an EAGLE-3 engine that compiled in its own process ran batch
