@@ -47,7 +47,8 @@ def reset_counter(counter_ptr):
     tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
 
 
-@triton.jit(do_not_specialize=["num_seqs", "stride_ls"])
+@triton.jit(do_not_specialize=["num_seqs", "stride_ls"],
+            do_not_specialize_on_alignment=["query_start_loc_ptr"])  # kernels/launch.py
 def _merge_splits_kernel(
     part_ptr, lse_ptr, out_ptr, query_start_loc_ptr, num_seqs,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,

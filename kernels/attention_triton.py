@@ -30,7 +30,11 @@ from kernels.write_kv_triton import write_kv_triton  # noqa: F401  (re-exported)
 
 # Per-call integers kept off the specialisation key (kernels.launch): a new value class would
 # otherwise compile a new binary mid-serving. All are scalar offsets (no vectorised access).
-@triton.jit(do_not_specialize=["stride_bt", "stride_ls", "kv_chunk", "num_seqs", "num_tokens"])
+# So are the metadata pointers' 16-byte alignment (see kernels/launch.py).
+@triton.jit(do_not_specialize=["stride_bt", "stride_ls", "kv_chunk", "num_seqs", "num_tokens"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr",
+                                            "query_start_loc_ptr", "tree_start_ptr",
+                                            "tree_mask_ptr"])
 def _paged_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, lse_ptr, counter_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, num_seqs, num_tokens,

@@ -8,7 +8,14 @@ length class. So the policy is written here once, used by the kernel wrapper, an
 ``reachable_configs`` so that start-up can compile every configuration an engine can meet
 (``kernels.warmup``). The integer arguments that vary per call are kept off the specialisation
 key (``do_not_specialize`` in the kernels: the block-table row stride, the split buffers' token
-stride, the sequence count of the merge kernel).
+stride, the sequence count of the merge kernel). Pointers are specialised on 16-byte alignment
+too, and the engine's metadata (block tables, sequence lengths, query starts, slot mappings) are
+views into packed buffers at any int32 offset, while the warm-up's are fresh tensors: each
+binary the warm-up built was compiled again for the engine's first launch, 0.5-1.3 s each,
+inside the capture of the decode, verify, draft and every prefill size (twenty-eighth
+session's cold starts on the H200: ~4 s of SmolLM2's, ~7 s of the 8B shape's). Those pointers
+are scalar loads, so the kernels take them with ``do_not_specialize_on_alignment``: one
+binary whatever their offset.
 """
 from __future__ import annotations
 

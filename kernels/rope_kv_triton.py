@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slot_ptr"])  # kernels/launch.py
 def _rope_write_kv_kernel(
     qk_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     stride_qkt, stride_qkh, stride_vt, stride_vh, stride_ct, stride_st, stride_ot, stride_oh,

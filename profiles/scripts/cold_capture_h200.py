@@ -33,7 +33,7 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 JIT: list[str] = []
-REPRS: list[tuple[str, str]] = []  # (kernel, Triton's repr: options and per-argument key)
+REPRS: list[tuple[str, str]] = []  # (kernel, spec_repr)
 AUTOTUNE: list[tuple[str, float]] = []
 
 
@@ -41,23 +41,35 @@ def cubins(root: Path) -> set[str]:
     return {str(p) for p in root.rglob("*.cubin")} if root.is_dir() else set()
 
 
+def spec_repr(compile: dict[str, Any]) -> str:
+    """One binary's specialisation as "; "-joined items: constexpr values (c:), argument types
+    (s:) and attributes such as 16-divisibility (a:). Triton's own ``repr`` argument cannot
+    serve: it indexes the string cache key as if it were a tuple."""
+    items = [f"c:{k}={v}" for k, v in sorted((compile.get("constants") or {}).items(),
+                                             key=str)]
+    items += [f"s:{k}={v}" for k, v in sorted((compile.get("signature") or {}).items(),
+                                              key=str)]
+    for attrs in (compile.get("configs") or [{}])[:1]:
+        items += [f"a:{k}={v}" for k, v in sorted(attrs.items(), key=str)]
+    items.append(f"o:warps={compile.get('num_warps')},stages={compile.get('num_stages')}")
+    return "; ".join(items)
+
+
 def _args(rep: str) -> list[str]:
-    """The per-argument part of Triton's repr ("name: key" items)."""
-    return [a.strip() for a in rep.partition("](")[2].rstrip(")").split(", ")]
+    return rep.split("; ")
 
 
 def closest_diff(name: str, rep: str, earlier: list[tuple[str, str]]) -> list[str]:
-    """How ``rep`` differs from the nearest earlier binary of the same kernel: the arguments
-    whose specialisation (or constexpr value) differs, as "was -> now"."""
+    """How ``rep`` differs from the nearest earlier binary of the same kernel: its items
+    missing here (-) and new here (+)."""
     mine = _args(rep)
     best: list[str] | None = None
     for n, r in earlier:
         if n != name or r == rep:
             continue
         theirs = _args(r)
-        diff = [f"{b} -> {a}" for a, b in zip(mine, theirs) if a != b]
-        if r.partition("](")[0] != rep.partition("](")[0]:
-            diff.insert(0, f"{r.partition('](')[0]} -> {rep.partition('](')[0]}")
+        diff = [f"-{b}" for b in theirs if b not in mine] + [f"+{a}" for a in mine
+                                                            if a not in theirs]
         if best is None or len(diff) < len(best):
             best = diff
     return best if best is not None else ["(first of its kernel)"]
@@ -112,7 +124,7 @@ def install(root: Path) -> None:
             name = getattr(fn, "name", None) or getattr(
                 getattr(fn, "jit_function", None), "__name__", repr(fn))
             JIT.append(f"{name}{' (in memory)' if kwargs.get('already_compiled') else ''}")
-            REPRS.append((str(name), str(kwargs.get("repr", ""))))
+            REPRS.append((str(name), spec_repr(kwargs.get("compile") or {})))
             return False
 
         knobs.runtime.jit_post_compile_hook = hook
