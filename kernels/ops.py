@@ -146,7 +146,11 @@ def row_topk_ref(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest of each row of ``x`` [R, N]: (values [R, k] float32, descending; indices
     [R, k] int64), ties to the smaller index (a stable descending sort)."""
     vals, idx = torch.sort(x.float(), dim=-1, descending=True, stable=True)
-    return vals[:, :k].contiguous(), idx[:, :k].contiguous()
+    # Row-major [R, k] as the fake says, also for one row: .contiguous() would keep the
+    # sort's row stride N there (a size-1 dimension's stride does not count for contiguity),
+    # and a compiled callable taking that output guards on it and compiles again at R > 1.
+    return (vals[:, :k].clone(memory_format=torch.contiguous_format),
+            idx[:, :k].clone(memory_format=torch.contiguous_format))
 
 
 @torch.library.custom_op("compiled_spec::row_topk", mutates_args=())

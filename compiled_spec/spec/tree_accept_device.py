@@ -111,10 +111,13 @@ def early_tree_stage(acc: torch.Tensor,  # [b, 4, N] tokens, parents, depth, dra
     root = start + n_acc + 1  # [b] the expansion's first position
     step = torch.arange(steps, device=dev)[:, None, None]  # [S, 1, 1]
     pos = (root[None, :, None] + step).expand(steps, b, topk)  # [S, b, K]
-    slot_pos = root[None, :, None] + step * topk + torch.arange(topk, device=dev)  # [S, b, K]
-    col = (slot_pos // page).clamp(max=w - 1)
-    block = tables.long().gather(1, col.permute(1, 0, 2).reshape(b, steps * topk))  # [b, S*K]
-    block = block.view(b, steps, topk).permute(1, 0, 2)  # [S, b, K]
+    # Built request-major, [b, S, K], so the table lookup reshapes a fresh tensor: reshaping
+    # an [S, b, K] permute made Dynamo guard on b == 1 (whether it could be a view) and
+    # compile batch 1 apart.
+    slot_bsk = root[:, None, None] + step.view(1, steps, 1) * topk         + torch.arange(topk, device=dev)  # [b, S, K]
+    col = (slot_bsk // page).clamp(max=w - 1).reshape(b, steps * topk)  # [b, S*K]
+    block = tables.long().gather(1, col).view(b, steps, topk).permute(1, 0, 2)  # [S, b, K]
+    slot_pos = slot_bsk.permute(1, 0, 2)  # [S, b, K]
     writes = (slot_pos < covered[None, :, None]) & live[None, :, None]
     ex_slots = torch.where(writes, block * page + slot_pos % page, -1)
     ex_pos = torch.where(live[None, :, None], pos, 0)
