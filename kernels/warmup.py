@@ -150,23 +150,35 @@ def _sms(k_cache: torch.Tensor) -> int | None:
 def _compile_in_workers(k: torch.Tensor, v: torch.Tensor, num_heads: int,
                         configs: list[tuple[int, int]]) -> list:
     """When the second of ``configs`` takes a compile (Triton's cache is cold), the others are
-    compiled by worker processes (``kernels.warmup_parallel``), started here and left running;
-    the serial warm-up after them loads their binaries from the cache. Returns the workers
-    ([] when the cache is warm or nothing is left to share)."""
+    compiled by worker processes (``kernels.warmup_parallel``), left running; the serial
+    warm-up after them loads their binaries from the cache. Returns the workers ([] when the
+    cache is warm or nothing is left to share)."""
+    rest = configs[2:]
+    # The workers start before the two launches that tell a cold cache from a warm one: a
+    # worker's own start (interpreter, torch, CUDA context) is most of its time, and waiting
+    # for the verdict first put ~2.9 s of in-process compiles ahead of it on a cold H200 (the
+    # 8B shape, twenty-eighth session). A warm verdict stops them unfinished.
+    shareable = parallel.worth_spreading(float("inf"), len(rest))  # enough left to share out
+    procs = parallel.start(
+        [parallel.spec_of(k, num_heads, g, rope=i == 0)
+         for i, g in enumerate(parallel.shares(rest, parallel.num_workers(len(rest))))]
+    ) if shareable else []
     # The process's first Triton launch pays one-time costs (driver, launcher stubs: ~0.2 s on
     # the H200 even from a warm cache, which sent warm starts to 8 workers for 4 s), so the
     # first configuration absorbs them and the second one's time says compile or load.
-    warm_attention(k, v, num_heads, 1, 1, configs=configs[:1])
-    torch.cuda.synchronize(k.device)
-    t0 = time.perf_counter()
-    warm_attention(k, v, num_heads, 1, 1, configs=configs[1:2])
-    torch.cuda.synchronize(k.device)
-    rest = configs[2:]
+    try:
+        warm_attention(k, v, num_heads, 1, 1, configs=configs[:1])
+        torch.cuda.synchronize(k.device)
+        t0 = time.perf_counter()
+        warm_attention(k, v, num_heads, 1, 1, configs=configs[1:2])
+        torch.cuda.synchronize(k.device)
+    except BaseException:
+        parallel.stop(procs)
+        raise
     if not parallel.worth_spreading(time.perf_counter() - t0, len(rest)):
-        return []  # warm cache (or nothing to share): the serial warm-up loads the rest
-    groups = parallel.shares(rest, parallel.num_workers(len(rest)))
-    return parallel.start([parallel.spec_of(k, num_heads, g, rope=i == 0)
-                           for i, g in enumerate(groups)])
+        parallel.stop(procs)  # warm cache: the serial warm-up loads the rest at once
+        return []
+    return procs
 
 
 def _worker(spec: dict[str, Any]) -> None:

@@ -15,7 +15,9 @@ with cold caches (twentieth session) the attention warm-up took 9.88 s instead o
 SmolLM2 and 11.31 s instead of 17.37 s for the Llama-3.1-8B shape (8 workers, 17
 configurations, none failed); each worker's own start (CUDA context, Triton import) is most
 of the 9.4 s they took. A worker that fails or times out costs only its time: the serial
-warm-up after it compiles whatever is missing.
+warm-up after it compiles whatever is missing. So the workers start first, while the engine's
+process launches the two configurations whose second one says whether the cache is cold, and
+are stopped unfinished (``stop``) when it says warm.
 """
 from __future__ import annotations
 
@@ -86,6 +88,15 @@ def start(specs: list[dict[str, Any]]) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-m", "kernels.warmup", json.dumps(s)],
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             for s in specs]
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    """Stop workers no longer wanted (a warm cache) and reap them; what they compiled so far
+    stays in Triton's cache, which writes each binary whole."""
+    for p in procs:
+        p.kill()
+    for p in procs:
+        p.communicate()
 
 
 def wait(procs: list[subprocess.Popen], timeout_s: float = 180.0) -> tuple[int, int]:

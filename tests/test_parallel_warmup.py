@@ -48,7 +48,8 @@ def test_workers_launch_their_share_and_failures_are_counted(monkeypatch, capsys
 
 def _fake_warmup(monkeypatch, slow: set[tuple[int, int]]):
     """kernels.warmup._compile_in_workers with launches faked: a config in ``slow`` takes
-    0.3 s (a compile), the others nothing (a cache load); returns the workers' configs."""
+    0.3 s (a compile), the others nothing (a cache load); returns it, the workers' configs
+    and the workers stopped (as their configs), in the order of the calls in ``events``."""
     import time
 
     from kernels import warmup
@@ -60,29 +61,61 @@ def _fake_warmup(monkeypatch, slow: set[tuple[int, int]]):
         return configs
 
     started: list[list[tuple[int, int]]] = []
-    monkeypatch.setattr(warmup, "warm_attention", fake_warm)
+    stopped: list[list[tuple[int, int]]] = []
+    events: list[str] = []
+
+    def start(specs):
+        events.append("start")
+        started.extend(s["configs"] for s in specs)
+        return specs
+
+    def warm(k, v, num_heads, q, s, configs):
+        events.append(f"launch {configs}")
+        return fake_warm(k, v, num_heads, q, s, configs)
+
+    monkeypatch.setattr(warmup, "warm_attention", warm)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(wp, "start", lambda specs: started.extend(s["configs"] for s in specs)
-                        or specs)
+    monkeypatch.setattr(wp, "start", start)
+    monkeypatch.setattr(wp, "stop", lambda procs: stopped.extend(s["configs"] for s in procs))
     monkeypatch.setattr(wp, "wait", lambda procs: (len(procs), 0))
-    return warmup._compile_in_workers, started
+    return warmup._compile_in_workers, started, stopped, events
 
 
-def test_a_warm_cache_spawns_no_workers_though_the_first_launch_is_slow(monkeypatch):
+def test_a_warm_cache_stops_its_workers_though_the_first_launch_is_slow(monkeypatch):
     # The H200 (twenty-sixth session): the process's first Triton launch cost >= 0.15 s on a
-    # warm cache, and timing it sent every warm start to 8 workers for ~4 s.
+    # warm cache, and timing it sent every warm start to 8 workers for ~4 s. The second
+    # launch decides; the workers started before it are stopped, not waited for.
     configs = [(1, s) for s in range(1, 9)]
-    run, started = _fake_warmup(monkeypatch, slow={configs[0]})
+    run, started, stopped, events = _fake_warmup(monkeypatch, slow={configs[0]})
     assert run(torch.zeros(2, 16, 1, 8), torch.zeros(2, 16, 1, 8), 4, configs) == []
-    assert started == []
+    assert started and stopped == started
 
 
 def test_a_cold_cache_spreads_what_the_first_two_launches_left(monkeypatch):
+    # The workers start before the two in-process launches (their own start-up is most of
+    # their time), and are kept when the second launch compiled.
     configs = [(1, s) for s in range(1, 9)]
-    run, started = _fake_warmup(monkeypatch, slow=set(configs))
+    run, started, stopped, events = _fake_warmup(monkeypatch, slow=set(configs))
     procs = run(torch.zeros(2, 16, 1, 8), torch.zeros(2, 16, 1, 8), 4, configs)
-    assert len(procs) == len(started) >= 1
+    assert len(procs) == len(started) >= 1 and stopped == []
     assert sorted(tuple(c) for g in started for c in g) == configs[2:]
+    assert events == ["start", f"launch {configs[:1]}", f"launch {configs[1:2]}"]
+
+
+def test_too_few_configurations_start_no_workers(monkeypatch):
+    configs = [(1, 1), (1, 2), (1, 4)]  # one left after the two in-process launches
+    run, started, stopped, events = _fake_warmup(monkeypatch, slow=set(configs))
+    assert run(torch.zeros(2, 16, 1, 8), torch.zeros(2, 16, 1, 8), 4, configs) == []
+    assert started == [] and "start" not in events
+
+
+def test_stopped_workers_are_killed_and_reaped():
+    import signal
+
+    k = torch.zeros(6, 16, 3, 32)  # [num_blocks, page_size, num_kv_heads, head_dim]
+    procs = wp.start([wp.spec_of(k, 9, [(8, 1)], rope=False) for _ in range(2)])
+    wp.stop(procs)  # well before a worker is through importing torch
+    assert [p.returncode for p in procs] == [-signal.SIGKILL] * 2
 
 
 class _Attn(torch.nn.Module):
