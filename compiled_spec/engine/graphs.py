@@ -204,8 +204,10 @@ class EngineGraphs:
         prefill = []
         if policy.prefill_sizes:
             # Two sequences, the second always padding (no tokens): with one, Dynamo
-            # specializes the metadata's sequence dimension to 1 and the whole target compiles
-            # once more for these graphs; with two they share the decode graphs' compile.
+            # specializes a 0/1 value of the metadata and the whole target compiles once more
+            # for these graphs; with two they share the decode graphs' compile. Size-oblivious
+            # symbols do not cover it: the query starts' storage offset in the packed buffer
+            # (below 2 with one sequence) is what it guards on then (twenty-eighth session).
             pbufs = StaticBuffers(policy.prefill_sizes[-1], 2, max_blocks, device)
             # a prompt of q tokens has a context of at least q: buckets below q hold none
             prefill = [reg(f"{PREFILL}_{q}", target_graph_fn, [q], pbufs, query_len=q, seqs=2,
