@@ -114,7 +114,8 @@ def early_tree_stage(acc: torch.Tensor,  # [b, 4, N] tokens, parents, depth, dra
     # Built request-major, [b, S, K], so the table lookup reshapes a fresh tensor: reshaping
     # an [S, b, K] permute made Dynamo guard on b == 1 (whether it could be a view) and
     # compile batch 1 apart.
-    slot_bsk = root[:, None, None] + step.view(1, steps, 1) * topk         + torch.arange(topk, device=dev)  # [b, S, K]
+    slot_bsk = (root[:, None, None] + step.view(1, steps, 1) * topk
+                + torch.arange(topk, device=dev))  # [b, S, K]
     col = (slot_bsk // page).clamp(max=w - 1).reshape(b, steps * topk)  # [b, S*K]
     block = tables.long().gather(1, col).view(b, steps, topk).permute(1, 0, 2)  # [S, b, K]
     slot_pos = slot_bsk.permute(1, 0, 2)  # [S, b, K]
