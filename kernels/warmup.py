@@ -59,8 +59,8 @@ def warm_rope_write_kv(k_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_
     from kernels.rope_kv_triton import rope_write_kv_triton
 
     _, _, kvh, d = k_cache.shape
-    qkv = torch.zeros(1, (num_heads + 2 * kvh) * d, dtype=k_cache.dtype, device=k_cache.device)
-    qkv = qkv.view(1, num_heads + 2 * kvh, d)
+    # [1, heads + 2 kv, d]: the decoder's qkv view (models/decoder.py, _write_qkv)
+    qkv = torch.zeros(1, num_heads + 2 * kvh, d, dtype=k_cache.dtype, device=k_cache.device)
     qk, v = qkv[:, :num_heads + kvh], qkv[:, num_heads + kvh:]
     cs = torch.zeros(1, d, dtype=k_cache.dtype, device=k_cache.device)
     slots = torch.full((1,), -1, dtype=torch.int64, device=k_cache.device)
@@ -158,11 +158,10 @@ def _compile_in_workers(k: torch.Tensor, v: torch.Tensor, num_heads: int,
     # worker's own start (interpreter, torch, CUDA context) is most of its time, and waiting
     # for the verdict first put ~2.9 s of in-process compiles ahead of it on a cold H200 (the
     # 8B shape, twenty-eighth session). A warm verdict stops them unfinished.
-    shareable = parallel.worth_spreading(float("inf"), len(rest))  # enough left to share out
     procs = parallel.start(
         [parallel.spec_of(k, num_heads, g, rope=i == 0)
          for i, g in enumerate(parallel.shares(rest, parallel.num_workers(len(rest))))]
-    ) if shareable else []
+    ) if parallel.enough_to_share(len(rest)) else []
     # The process's first Triton launch pays one-time costs (driver, launcher stubs: ~0.2 s on
     # the H200 even from a warm cache, which sent warm starts to 8 workers for 4 s), so the
     # first configuration absorbs them and the second one's time says compile or load.

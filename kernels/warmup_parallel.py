@@ -54,10 +54,15 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1") != "0"
 
 
+def enough_to_share(num_rest: int) -> bool:
+    """Whether enough configurations remain to be worth a worker process."""
+    return num_rest >= 2
+
+
 def worth_spreading(first_s: float, num_rest: int) -> bool:
     """Whether the first configuration's time says Triton's cache is cold (a compile, not a
     load) and enough configurations remain to share out."""
-    return first_s >= COLD_S and num_rest >= 2
+    return first_s >= COLD_S and enough_to_share(num_rest)
 
 
 def num_workers(num_configs: int) -> int:
@@ -108,8 +113,7 @@ def wait(procs: list[subprocess.Popen], timeout_s: float = 180.0) -> tuple[int, 
         try:
             out, err = p.communicate(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            p.kill()
-            p.communicate()
+            stop([p])
             failed += 1
             print(f"compiled_spec: attention warm-up worker killed after {timeout_s:.0f} s",
                   file=sys.stderr)
