@@ -55,9 +55,10 @@ class CompileConfig:
     # launch each at decode sizes): o_proj + residual measured 3.31 vs 4.72 us on the H200
     # (kernels.bench_gemm, sixteenth session). Off until measured end to end.
     skinny_gemm: bool = False
-    # With skinny_gemm: the RMSNorm / SiLU-and-mul prologues folded in too. Every prologue
-    # fusion measured slower than Inductor's separate kernel + cuBLAS (same benchmark), and the
-    # fifteenth session's end-to-end run with them halved vanilla's tokens/s; for benchmarks.
+    # With skinny_gemm: the RMSNorm prologues and gate_up's SiLU-and-mul epilogue folded in
+    # too (a decoder layer in 4 GEMM launches instead of 7 kernels). Their first form (a pass
+    # over x before the GEMM, SiLU-and-mul as down's prologue) measured slower than Inductor's
+    # kernels + cuBLAS; the factored norm and gated epilogue (twenty-ninth session) replaced it.
     skinny_gemm_prologues: bool = False
     # Issue 16: save the target's Dynamo + Inductor result (torch's aot_compile) in the compile
     # cache and load it on the next start-up instead of tracing (compiled_spec/precompile.py).

@@ -42,8 +42,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="with --compile: the target's residual adds fused into Triton GEMMs for "
                    "few rows (passes.skinny_gemm; CUDA, M <= 64)")
     p.add_argument("--skinny-gemm-prologues", action="store_true",
-                   help="with --skinny-gemm: RMSNorm and SiLU-and-mul fused into them too "
-                   "(slower on the H200; for benchmarks)")
+                   help="with --skinny-gemm: the RMSNorms and gate_up's SiLU-and-mul fused "
+                   "into them too (4 GEMM launches per decoder layer)")
     p.add_argument("--pdl", action="store_true",
                    help="with --compile: Inductor's Triton kernels use programmatic dependent "
                    "launch (Hopper and newer; shortens the gaps between kernels)")

@@ -11,6 +11,8 @@ Sections (each with its own time budget; what is left when it runs out is skippe
   inductor: torch.compile(mode="max-autotune-no-cudagraphs") of F.linear
   fused:    the unfused ops compiled by Inductor as the engine runs them (norm / silu*mul /
             residual kernels + cuBLAS) vs one fused launch of ours under each candidate config
+            (the decoder layer as ``--skinny-gemm --skinny-gemm-prologues`` runs it: RMSNorm +
+            qkv, o_proj + residual, RMSNorm + gate_up + SiLU-and-mul, down + residual)
 """
 from __future__ import annotations
 
@@ -31,11 +33,11 @@ SHAPES = {"qkv": (576, 960), "o_proj": (576, 576), "gate_up": (576, 3072),
           "down": (1536, 576), "lm_head": (576, 49152)}  # name: (K, N)
 MS = (1, 6, 16, 48, 2, 4, 8, 32)  # the sizes that matter most first, in case time runs out
 LAYER_GEMMS = ("qkv", "o_proj", "gate_up", "down")
-# (variant, shape, prologue, residual): the fusions the decoder layer offers
-FUSED = [("rmsnorm+qkv", "qkv", "rmsnorm", False), ("o_proj+residual", "o_proj", None, True),
-         ("rmsnorm+gate_up", "gate_up", "rmsnorm", False),
-         ("silu_mul+down+residual", "down", "silu_mul", True),
-         ("rmsnorm+lm_head", "lm_head", "rmsnorm", False)]
+# (variant, shape, prologue, epilogue): the fusions the decoder layer offers
+FUSED = [("rmsnorm+qkv", "qkv", "rmsnorm", None), ("o_proj+residual", "o_proj", None, "residual"),
+         ("rmsnorm+gate_up+silu_mul", "gate_up", "rmsnorm", "gated"),
+         ("down+residual", "down", None, "residual"),
+         ("rmsnorm+lm_head", "lm_head", "rmsnorm", None)]
 # Seconds per section, checked between cases (one case, an autotuned compile, can run over):
 # the default run stays inside a 10-minute device call; results are saved after each section.
 LIMITS = {"linear": 150.0, "inductor": 150.0, "fused": 90.0}
@@ -73,48 +75,48 @@ def time_us(fn: Callable[[int], object], copies: int, iters: int = 10) -> float:
 
 
 class Case:
-    """Inputs of one (shape, M, prologue, residual) with the weight copied to defeat the L2."""
+    """Inputs of one (shape, M, prologue, epilogue) with the weight copied to defeat the L2;
+    a gated case's N is the weight's ([gate; up]), its output has N / 2 columns."""
 
-    def __init__(self, k: int, n: int, m: int, prologue: str | None, residual: bool,
+    def __init__(self, k: int, n: int, m: int, prologue: str | None, epilogue: str | None,
                  dev: str, dtype: torch.dtype, max_copies: int) -> None:
         g = torch.Generator().manual_seed(m * 7919 + n)
-        k_in = 2 * k if prologue == "silu_mul" else k
 
         def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
             return (torch.randn(*shape, generator=g) * scale).to(dev, dtype)
 
-        self.x = rand(m, k_in)  # [M, K] ([M, 2K] for silu_mul)
+        self.x = rand(m, k)  # [M, K]
         w = rand(n, k, scale=k ** -0.5)  # [N, K]
         self.copies = max(1, min(max_copies, math.ceil(FLUSH_BYTES / w.nbytes)))
         self.ws = [w] + [w.clone() for _ in range(self.copies - 1)]
         self.nw = rand(k, scale=0.1) + 1 if prologue == "rmsnorm" else None  # [K]
-        self.res = rand(m, n) if residual else None  # [M, N]
-        self.prologue, self.bytes = prologue, w.nbytes
+        self.res = rand(m, n) if epilogue == "residual" else None  # [M, N]
+        self.gated, self.bytes = epilogue == "gated", w.nbytes
+        self.n_out = n // 2 if self.gated else n
 
     def args(self, i: int = 0) -> tuple:
         """The fused op's tensor arguments with weight copy i (what a compiled graph takes)."""
         return (self.x, self.nw, self.ws[i], self.res)
 
     def ref(self, i: int = 0) -> torch.Tensor:  # [M, N]
-        return unfused(self.prologue, *self.args(i))
+        return unfused(self.gated, *self.args(i))
 
     def ours(self, i: int = 0, config=None) -> torch.Tensor:  # [M, N]
         from kernels.skinny_gemm_triton import skinny_gemm_triton
 
         return skinny_gemm_triton(self.x, self.ws[i], norm_weight=self.nw, eps=EPS,
-                                  silu_mul=self.prologue == "silu_mul", residual=self.res,
-                                  config=config)
+                                  gated=self.gated, residual=self.res, config=config)
 
 
-def unfused(prologue: str | None, x: torch.Tensor, nw: torch.Tensor | None, w: torch.Tensor,
+def unfused(gated: bool, x: torch.Tensor, nw: torch.Tensor | None, w: torch.Tensor,
             res: torch.Tensor | None) -> torch.Tensor:  # [M, N]
     """The model's unfused ops (``kernels.skinny_gemm_ref``)."""
-    from kernels.skinny_gemm_ref import linear_ref, rmsnorm_linear_ref, silu_mul_linear_ref
+    from kernels.skinny_gemm_ref import gated_linear_ref, linear_ref, rmsnorm_linear_ref
 
-    if prologue == "rmsnorm":
+    if gated:
+        return gated_linear_ref(x, nw, EPS, w)
+    if nw is not None:
         return rmsnorm_linear_ref(x, nw, EPS, w, res)
-    if prologue == "silu_mul":
-        return silu_mul_linear_ref(x, w, res)
     return linear_ref(x, w, res)
 
 
@@ -130,8 +132,8 @@ def run(args: argparse.Namespace, save: Callable[[dict], None]) -> dict:
     dtype = torch.bfloat16
     dry = args.dry_run
     shapes, ms, max_copies = ({"tiny": (96, 40)}, (1, 5), 2) if dry else (SHAPES, args.ms, 512)
-    fused = [("rmsnorm+tiny", "tiny", "rmsnorm", False), ("silu_mul+tiny+residual", "tiny",
-              "silu_mul", True)] if dry else FUSED
+    fused = [("rmsnorm+tiny", "tiny", "rmsnorm", None), ("rmsnorm+tiny+silu_mul", "tiny",
+              "rmsnorm", "gated"), ("tiny+residual", "tiny", None, "residual")] if dry else FUSED
     notes, rows = [], []
     result = dict(device=torch.cuda.get_device_name() if dev == "cuda" else "cpu (dry run)",
                   torch=torch.__version__, dtype="bfloat16", rows=rows, notes=notes)
@@ -150,7 +152,7 @@ def run(args: argparse.Namespace, save: Callable[[dict], None]) -> dict:
             for name, (k, n) in shapes.items():
                 if sec.over():
                     continue
-                case = Case(k, n, m, None, False, dev, dtype, max_copies)
+                case = Case(k, n, m, None, None, dev, dtype, max_copies)
                 add("linear", name, m, "cublas", time_us(lambda i: F.linear(case.x, case.ws[i]),
                                                          case.copies), case)
                 pick = gemm_config(m, n, k)
@@ -167,7 +169,7 @@ def run(args: argparse.Namespace, save: Callable[[dict], None]) -> dict:
             for name, (k, n) in shapes.items():
                 if sec.over():
                     continue
-                case = Case(k, n, m, None, False, dev, dtype, max_copies)
+                case = Case(k, n, m, None, None, dev, dtype, max_copies)
                 lin = torch.compile(lambda x, w: F.linear(x, w), dynamic=False, **mode)
                 t0 = time.perf_counter()
                 err = rel_err(lin(case.x, case.ws[0]), case.ref())
@@ -179,21 +181,23 @@ def run(args: argparse.Namespace, save: Callable[[dict], None]) -> dict:
     if "fused" in args.sections:
         sec = Section("fused", args.limit_scale * LIMITS["fused"], notes)
         for m in ms:
-            for variant, name, prologue, residual in fused:
+            for variant, name, prologue, epilogue in fused:
                 if sec.over():
                     continue
                 k, n = shapes[name]
-                case = Case(k, n, m, prologue, residual, dev, dtype, max_copies)
+                case = Case(k, n, m, prologue, epilogue, dev, dtype, max_copies)
                 # Tensors as arguments (an int index would be a guard: one graph per copy).
-                base = torch.compile(lambda x, nw, w, r, p=prologue: unfused(p, x, nw, w, r),
+                base = torch.compile(lambda x, nw, w, r, gt=case.gated: unfused(gt, x, nw, w, r),
                                      dynamic=False, **(dict(backend="eager") if dry else {}))
                 add("fused", name, m, f"{variant} unfused (inductor + cublas)",
                     time_us(lambda i: base(*case.args(i)), case.copies), case,
                     rel_err(base(*case.args(0)), case.ref()))
                 # Every candidate config, the pick first: the pick was chosen on plain GEMMs
                 # (eleventh session), and a prologue changes what a program holds in registers.
-                pick = gemm_config(m, n, k)
-                for cfg in candidates(m, n, k)[:2 if dry else None]:
+                pick = gemm_config(m, case.n_out, k)
+                cands = [c for c in candidates(m, case.n_out, k)
+                         if not (case.gated and c.split_k > 1)]  # gating needs whole sums
+                for cfg in cands[:2 if dry else None]:
                     err = rel_err(case.ours(0, cfg), case.ref())
                     add("fused", name, m, f"{variant} fused (ours)",
                         time_us(lambda i: case.ours(i, cfg), case.copies), case, err,

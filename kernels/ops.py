@@ -8,7 +8,8 @@ import torch
 from kernels import warmup_pending
 from kernels.attention_ref import (paged_attention_ref, paged_tree_attention_ref,
                                    rope_write_kv_ref, write_kv_ref)
-from kernels.skinny_gemm_ref import linear_ref, rmsnorm_linear_ref, silu_mul_linear_ref
+from kernels.skinny_gemm_ref import (gated_linear_ref, linear_ref, qkv_rope_write_kv_ref,
+                                     rmsnorm_linear_ref)
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -186,9 +187,9 @@ def _(x, k) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.new_empty(r, k, dtype=torch.float32), x.new_empty(r, k, dtype=torch.int64))
 
 
-# Skinny GEMMs (batch-1 decode / verify): one launch for linear (+ a fused RMSNorm or
-# SiLU-and-mul prologue, + a residual). The Triton kernel runs on CUDA for M <= MAX_M rows;
-# elsewhere (CPU, prefill-sized M) the exact unfused PyTorch ops run, cuBLAS on the GPU.
+# Skinny GEMMs (batch-1 decode / verify): one launch for linear (+ a fused RMSNorm prologue,
+# + a residual or the gated MLP's SiLU-and-mul). The Triton kernel runs on CUDA for M <= MAX_M
+# rows; elsewhere (CPU, prefill-sized M) the exact unfused PyTorch ops run, cuBLAS on the GPU.
 def _skinny(x: torch.Tensor) -> bool:
     from kernels.gemm_config import MAX_M
 
@@ -222,16 +223,50 @@ def rmsnorm_linear(x: torch.Tensor,  # [M, K]
     return rmsnorm_linear_ref(x, norm_weight, eps, weight, residual)
 
 
-@torch.library.custom_op("compiled_spec::silu_mul_linear", mutates_args=())
-def silu_mul_linear(gate_up: torch.Tensor,  # [M, 2K]: [gate | up]
-                    weight: torch.Tensor,  # [N, K]
-                    residual: torch.Tensor | None = None,  # [M, N]
-                    ) -> torch.Tensor:  # [M, N]: residual + (silu(gate) * up) @ weight^T
-    if _skinny(gate_up):
+@torch.library.custom_op("compiled_spec::gated_linear", mutates_args=())
+def gated_linear(x: torch.Tensor,  # [M, K]
+                 norm_weight: torch.Tensor | None,  # [K]: RMSNorm prologue, or None
+                 eps: float,
+                 weight: torch.Tensor,  # [2N, K] = [gate; up] (the fused gate_up projection)
+                 ) -> torch.Tensor:  # [M, N]: silu(gate) * up of rmsnorm(x) @ weight^T
+    """The gated MLP's first half (RMSNorm, gate_up, SiLU-and-mul) as one op: one launch on
+    the GPU at decode sizes."""
+    if _skinny(x):
         from kernels.skinny_gemm_triton import skinny_gemm_triton
 
-        return skinny_gemm_triton(gate_up, weight, silu_mul=True, residual=residual)
-    return silu_mul_linear_ref(gate_up, weight, residual)
+        return skinny_gemm_triton(x, weight, norm_weight=norm_weight, eps=eps, gated=True)
+    return gated_linear_ref(x, norm_weight, eps, weight)
+
+
+@torch.library.custom_op("compiled_spec::qkv_rope_write_kv", mutates_args=("k_cache", "v_cache"))
+def qkv_rope_write_kv(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [(heads + 2 kv heads) * head_dim, K]: the fused qkv projection
+    k_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [M] int64; -1 rows are not written
+    cos: torch.Tensor,  # [M, head_dim]
+    sin: torch.Tensor,  # [M, head_dim]
+    num_heads: int,
+    norm_weight: torch.Tensor | None,  # [K]: the layer's input RMSNorm, or None
+    eps: float,
+) -> torch.Tensor:  # [M, num_heads, head_dim] the roped queries
+    """``rope_write_kv`` with its qkv projection (and the norm before it) inside: one launch on
+    the GPU at decode sizes (``kernels.qkv_rope_triton``). k_cache, v_cache and slot_mapping
+    sit where ``write_kv`` has them, so the passes that bind a layer's metadata read all alike."""
+    half = k_cache.shape[-1] // 2
+    if _skinny(x) and half >= 16 and half & (half - 1) == 0:  # tl.dot tiles of a half head
+        from kernels.qkv_rope_triton import qkv_rope_write_kv_triton
+
+        return qkv_rope_write_kv_triton(x, weight, k_cache, v_cache, slot_mapping, cos, sin,
+                                        num_heads, norm_weight, eps)
+    return qkv_rope_write_kv_ref(x, weight, k_cache, v_cache, slot_mapping, cos, sin, num_heads,
+                                 norm_weight, eps)
+
+
+@qkv_rope_write_kv.register_fake
+def _(x, weight, k_cache, v_cache, slot_mapping, cos, sin, num_heads, norm_weight, eps):
+    return x.new_empty(x.shape[0], num_heads, k_cache.shape[-1])
 
 
 def _gemm_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -248,6 +283,6 @@ def _(x, norm_weight, eps, weight, residual=None) -> torch.Tensor:
     return _gemm_out(x, weight)
 
 
-@silu_mul_linear.register_fake
-def _(gate_up, weight, residual=None) -> torch.Tensor:
-    return _gemm_out(gate_up, weight)
+@gated_linear.register_fake
+def _(x, norm_weight, eps, weight) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0] // 2)

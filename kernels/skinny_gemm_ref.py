@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.attention_ref import rope_write_kv_ref
+
 
 def rms_norm_ref(x: torch.Tensor,  # [M, K]
                  weight: torch.Tensor,  # [K]
@@ -41,7 +43,29 @@ def rmsnorm_linear_ref(x: torch.Tensor,  # [M, K]
     return _plus(F.linear(rms_norm_ref(x, norm_weight, eps), weight), residual)
 
 
-def silu_mul_linear_ref(gate_up: torch.Tensor,  # [M, 2K]
-                        weight: torch.Tensor,  # [N, K]
-                        residual: torch.Tensor | None = None) -> torch.Tensor:  # [M, N]
-    return _plus(F.linear(silu_mul_ref(gate_up), weight), residual)
+def gated_linear_ref(x: torch.Tensor,  # [M, K]
+                     norm_weight: torch.Tensor | None,  # [K], or None: no RMSNorm
+                     eps: float,
+                     weight: torch.Tensor,  # [2N, K] = [gate; up]
+                     ) -> torch.Tensor:  # [M, N]: silu(gate) * up of (rmsnorm(x)) @ weight^T
+    a = x if norm_weight is None else rms_norm_ref(x, norm_weight, eps)
+    return silu_mul_ref(F.linear(a, weight))
+
+
+def qkv_rope_write_kv_ref(x: torch.Tensor,  # [M, K]
+                          weight: torch.Tensor,  # [(heads + 2 kv heads) * head_dim, K]
+                          k_cache: torch.Tensor,  # [num_blocks, page_size, kv_heads, head_dim]
+                          v_cache: torch.Tensor,
+                          slot_mapping: torch.Tensor,  # [M] int64, -1 = skip
+                          cos: torch.Tensor,  # [M, head_dim]
+                          sin: torch.Tensor,  # [M, head_dim]
+                          num_heads: int,
+                          norm_weight: torch.Tensor | None,  # [K], or None: no RMSNorm
+                          eps: float) -> torch.Tensor:  # [M, heads, head_dim] roped queries
+    """The attention block's ``_write_qkv``: [RMSNorm ->] the fused qkv projection, viewed as
+    heads and split, then ``rope_write_kv``."""
+    head_dim, kv_heads = k_cache.shape[-1], k_cache.shape[-2]
+    a = x if norm_weight is None else rms_norm_ref(x, norm_weight, eps)
+    qkv = F.linear(a, weight).view(x.shape[0], num_heads + 2 * kv_heads, head_dim)
+    return rope_write_kv_ref(qkv[:, :num_heads + kv_heads], qkv[:, num_heads + kv_heads:],
+                             k_cache, v_cache, slot_mapping, cos, sin, num_heads)

@@ -22,7 +22,9 @@ PAGED_ATTENTION = torch.ops.compiled_spec.paged_attention
 WRITE_KV = torch.ops.compiled_spec.write_kv
 # write_kv with the rope of q and k inside (same k_cache / v_cache / slot_mapping positions)
 ROPE_WRITE_KV = torch.ops.compiled_spec.rope_write_kv
-KV_WRITES = (WRITE_KV, ROPE_WRITE_KV)
+# ... and with the qkv projection too (passes.skinny_gemm; same positions again)
+QKV_ROPE_WRITE_KV = torch.ops.compiled_spec.qkv_rope_write_kv
+KV_WRITES = (WRITE_KV, ROPE_WRITE_KV, QKV_ROPE_WRITE_KV)
 
 # Placeholder meta key the backend uses to remember where each graph input comes from
 # (an ``InputSpec`` from passes.pipeline); passes copy it along when they move placeholders.

@@ -1,20 +1,26 @@
 """``SkinnyGemmFusion``: rewrite the decoder's norm / activation / residual around each linear
-into one fused skinny-GEMM op (``kernels.ops``), a single Triton launch at decode sizes.
+into fused skinny-GEMM ops (``kernels.ops``), single Triton launches at decode sizes.
 
 On Dynamo's graph (torch level) of ``compiled_spec.models``:
-  RMSNorm -> linear                      => compiled_spec::rmsnorm_linear(x, w_norm, eps, W)
-  chunk(gate_up, 2) -> silu(g) * u -> linear  => compiled_spec::silu_mul_linear(gate_up, W)
-  r + linear(...) (the linear's only user) => the op above, or skinny_linear, with residual=r
-With ``prologues=True`` a decoder layer's 4 GEMMs carry its 2 RMSNorms, its SiLU-and-mul and
-both residual adds. By default (``prologues=False``) only the residual epilogues are fused: o_proj
-and down become ``skinny_linear(x, W, residual=r)``, and the norms and SiLU-and-mul stay Inductor's
-kernels in front of cuBLAS. Measured on the H200 (sixteenth session, CUDA-graph replay, L2-cold
-weights, M = 1): o_proj + residual 3.31 us fused vs 4.72 unfused, while every prologue fusion lost
-even under its best tile config (RMSNorm + qkv 5.73 vs 4.68, RMSNorm + gate_up 6.18 vs 5.43,
-SiLU-mul + down + residual 10.59 vs 7.70): the prologue costs the kernel more than the separate
-kernel it saves. The ops compute exactly the unfused ops where the Triton kernel does not run
-(CPU; more than ``MAX_M`` rows on the GPU, i.e. prefill), so only the GPU's bf16 rounding inside
-the kernel differs. Off by default (``CompileConfig.skinny_gemm``) until measured end to end.
+  r + linear(...) (the linear's only user)  => skinny_linear(x, W, residual=r), or with a norm:
+  RMSNorm -> linear                          => compiled_spec::rmsnorm_linear(x, w_norm, eps, W)
+  [RMSNorm ->] linear(gate_up) -> chunk(2) -> silu(g) * u
+                                             => compiled_spec::gated_linear(x, w_norm, eps, W)
+  [RMSNorm ->] linear(qkv) -> view as heads -> [:, :h + kvh], [:, h + kvh:] -> rope_write_kv
+                                             => compiled_spec::qkv_rope_write_kv(x, W, caches,
+                                                slot_mapping, cos, sin, h, w_norm, eps)
+By default (``prologues=False``) only the residual epilogues are fused: o_proj and down become
+``skinny_linear(x, W, residual=r)`` and the norms and SiLU-and-mul stay Inductor's kernels in
+front of cuBLAS. With ``prologues=True`` a decoder layer is 4 launches around attention: RMSNorm +
+qkv + rope + KV write, o_proj + residual, RMSNorm + gate_up + SiLU-and-mul, down + residual,
+where the default runs 9 kernels (two add + norm, four GEMMs, SiLU-and-mul, rope + KV write). The sixteenth session's H200 measurements (CUDA-graph replay, L2-cold
+weights, M = 1) are why the prologues were redone: o_proj + residual ran 3.31 us fused vs 4.72
+unfused, but a norm prologue that first passed over x lost (RMSNorm + qkv 5.73 vs 4.68) and a
+SiLU-and-mul prologue on down lost badly (10.59 vs 7.70), so the norm now factors out of the
+dot product and SiLU-and-mul moved to gate_up's epilogue (``kernels.skinny_gemm_triton``). The
+ops compute exactly the unfused ops where the Triton kernel does not run (CPU; more than
+``MAX_M`` rows on the GPU, i.e. prefill), so only the GPU's bf16 rounding inside the kernel
+differs. Off by default (``CompileConfig.skinny_gemm``) until measured end to end.
 
 RMSNorm as traced: ``h = x.float(); w * (h * rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))
 .to(x.dtype)``; the casts may be gone (NoOpElimination on an fp32 model), so values are
@@ -32,7 +38,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from passes.base import GraphPass
-from passes.graph_utils import get_arg, is_op, node_val, same_size, trace_to_root
+from passes.graph_utils import (ROPE_WRITE_KV, get_arg, is_op, node_val, same_size,
+                                trace_to_root)
 
 OPS = torch.ops.compiled_spec
 _LINEAR = (torch._C._nn.linear, F.linear)
@@ -133,6 +140,66 @@ def match_silu_mul(value: Any) -> fx.Node | None:
     return gate_up
 
 
+def match_gated(lin: fx.Node) -> fx.Node | None:
+    """The node ``silu(gate) * up`` when it is all that reads ``lin``'s output (through
+    chunk(2, -1), each half read once), else None: the linear is the gated MLP's gate_up."""
+    chunk = next(iter(lin.users)) if len(lin.users) == 1 else None
+    if chunk is None or len(chunk.users) != 2:
+        return None
+    halves = list(chunk.users)
+    if not all(is_op(h, operator.getitem) and len(h.users) == 1 for h in halves):
+        return None
+    gate = next((h for h in halves if h.args[1] == 0), None)
+    silu = next(iter(gate.users)) if gate is not None else None
+    if silu is None or len(silu.users) != 1:
+        return None
+    mul = next(iter(silu.users))
+    if match_silu_mul(mul) is not lin or not all(next(iter(h.users)) in (silu, mul)
+                                                 for h in halves):
+        return None
+    return mul
+
+
+def _slice_index(node: fx.Node) -> tuple[Any, Any] | None:
+    """``x[:, a:b]`` as a getitem: (a, b), else None."""
+    if not is_op(node, operator.getitem) or not isinstance(node.args[1], tuple):
+        return None
+    idx = node.args[1]
+    if len(idx) != 2 or idx[0] != slice(None) or not isinstance(idx[1], slice) \
+            or idx[1].step not in (None, 1):
+        return None
+    return idx[1].start, idx[1].stop
+
+
+def match_qkv_rope(lin: fx.Node) -> fx.Node | None:
+    """The ``rope_write_kv`` node fed by the fused qkv projection ``lin`` alone, viewed as
+    [T, heads + 2 kv heads, head_dim] and sliced into (q and k, v): the decoder's
+    ``_write_qkv``; else None."""
+    view = next(iter(lin.users)) if len(lin.users) == 1 else None
+    vv = node_val(view) if view is not None else None
+    if not isinstance(vv, torch.Tensor) or vv.dim() != 3 or len(view.users) != 2 \
+            or not _call(view, (torch.reshape,), "view") and not _call(view, (), "reshape"):
+        return None
+    first = [n for n in view.users if (_slice_index(n) or (1,))[0] in (None, 0)]
+    if len(first) != 1:
+        return None
+    qk, v = first[0], next(n for n in view.users if n is not first[0])
+    rope = next(iter(qk.users)) if len(qk.users) == 1 else None
+    if rope is None or not is_op(rope, ROPE_WRITE_KV) or list(v.users) != [rope] \
+            or rope.args[:2] != (qk, v):
+        return None
+    h, split = get_arg(rope, 7, "num_heads"), vv.shape[1]
+    kc = node_val(get_arg(rope, 2, "k_cache"))
+    if not isinstance(h, int) or kc is None or kc.dim() != 4:
+        return None
+    kvh = kc.shape[-2]
+    if not (same_size([split, vv.shape[2]], [h + 2 * kvh, kc.shape[-1]])
+            and _slice_index(qk) in ((None, h + kvh), (0, h + kvh))
+            and _slice_index(v) in ((h + kvh, None), (h + kvh, split))):
+        return None
+    return rope
+
+
 def _erase_unused(graph: fx.Graph, node: fx.Node) -> None:
     """Erase ``node`` and then whatever upstream of it is left without users: the unfused chain
     (kept where something else still reads it). Only plain torch calls: never placeholders or
@@ -155,9 +222,8 @@ def _erase_unused(graph: fx.Graph, node: fx.Node) -> None:
 
 
 class SkinnyGemmFusion(GraphPass):
-    """Each rewritten linear counts once (its prologue and residual fold into the same node).
-    ``prologues``: also fold RMSNorm and SiLU-and-mul into the GEMM (see the module docstring
-    for why that is off by default)."""
+    """Each rewritten linear counts once (its norm, gating or residual fold into the same node).
+    ``prologues``: also fold RMSNorm and SiLU-and-mul in (see the module docstring)."""
 
     def __init__(self, keep_graphs: bool = False, prologues: bool = False) -> None:
         super().__init__(keep_graphs)
@@ -165,46 +231,71 @@ class SkinnyGemmFusion(GraphPass):
         self._kinds: dict[str, int] = {}
 
     def config(self) -> dict[str, Any]:
-        return {"prologues": self.prologues}
+        return {"prologues": self.prologues, "form": "factored-norm+gated-epilogue"}
 
     def details(self) -> dict[str, Any]:
         return dict(self._kinds)
 
     def apply(self, gm: fx.GraphModule) -> int:
-        self._kinds = {"rmsnorm": 0, "silu_mul": 0, "residual": 0}
+        self._kinds = {"rmsnorm": 0, "gated": 0, "residual": 0, "rope_kv": 0}
         graph = gm.graph
         count = 0
         for lin in list(graph.nodes):
-            if not _call(lin, _LINEAR) or get_arg(lin, 2, "bias") is not None:
+            if getattr(lin, "_erased", False) or not _call(lin, _LINEAR) \
+                    or get_arg(lin, 2, "bias") is not None:
                 continue
             inp, weight = lin.args[0], get_arg(lin, 1, "weight")
             out_val = node_val(lin)
             if out_val is None or out_val.dim() != 2:
                 continue
-            residual, add = self._residual(lin, out_val)
             norm = match_rmsnorm(inp) if self.prologues else None
-            gate_up = None if norm or not self.prologues else match_silu_mul(inp)
-            if norm is None and gate_up is None and residual is None:
+            x, w_norm, eps = norm if norm is not None else (inp, None, 0.0)
+            mul = match_gated(lin) if self.prologues else None
+            rope = match_qkv_rope(lin) if self.prologues and mul is None else None
+            residual, add = ((None, None) if mul is not None or rope is not None
+                             else self._residual(lin, out_val))
+            if norm is None and mul is None and rope is None and residual is None:
                 continue
-            with graph.inserting_before(add if add is not None else lin):
-                if norm is not None:
-                    x, w_norm, eps = norm
+            if rope is not None:
+                self._fold_qkv(graph, rope, x, weight, w_norm, eps)
+                self._kinds["rmsnorm"] += norm is not None
+                self._kinds["rope_kv"] += 1
+                count += 1
+                continue
+            replaced = mul if mul is not None else add if add is not None else lin
+            with graph.inserting_before(replaced):
+                if mul is not None:
+                    new = graph.call_function(OPS.gated_linear.default, (x, w_norm, eps, weight))
+                elif norm is not None:
                     new = graph.call_function(OPS.rmsnorm_linear.default,
                                               (x, w_norm, eps, weight, residual))
-                elif gate_up is not None:
-                    new = graph.call_function(OPS.silu_mul_linear.default,
-                                              (gate_up, weight, residual))
                 else:
                     new = graph.call_function(OPS.skinny_linear.default, (inp, weight, residual))
-            replaced = add if add is not None else lin
             new.meta.update(replaced.meta)
             replaced.replace_all_uses_with(new)
             _erase_unused(graph, replaced)
             self._kinds["rmsnorm"] += norm is not None
-            self._kinds["silu_mul"] += gate_up is not None
+            self._kinds["gated"] += mul is not None
             self._kinds["residual"] += residual is not None
             count += 1
         return count
+
+    @staticmethod
+    def _fold_qkv(graph: fx.Graph, rope: fx.Node, x: Any, weight: Any, w_norm: Any,
+                  eps: float) -> None:
+        """``rope`` (rope_write_kv) becomes qkv_rope_write_kv over ``x``; the projection, its
+        view and slices (and the norm, unless read elsewhere) go."""
+        _, _, kc, vc, slots, cos, sin, h = (get_arg(rope, i, f) for i, f in enumerate(
+            ("qk", "value", "k_cache", "v_cache", "slot_mapping", "cos", "sin", "num_heads")))
+        with graph.inserting_before(rope):
+            new = graph.call_function(OPS.qkv_rope_write_kv.default,
+                                      (x, weight, kc, vc, slots, cos, sin, h, w_norm, eps))
+        new.meta.update(rope.meta)
+        rope.replace_all_uses_with(new)
+        inputs = rope.args[:2]
+        graph.erase_node(rope)  # a mutating op: _erase_unused never erases one
+        for n in inputs:
+            _erase_unused(graph, n)
 
     @staticmethod
     def _residual(lin: fx.Node, out_val: Any) -> tuple[fx.Node | None, fx.Node | None]:

@@ -1,6 +1,6 @@
 """``SkinnyGemmFusion`` (passes/skinny_gemm.py): on a tiny CausalLM built from our decoder (q/k/v
 and gate/up fused as the engine does), with prologues each layer's RMSNorm -> qkv, o_proj +
-residual, RMSNorm -> gate_up and SiLU*mul -> down + residual become one fused op each; by default
+residual, RMSNorm -> gate_up -> SiLU*mul and down + residual become one fused op each; by default
 only o_proj + residual and down + residual do, the norms and SiLU*mul staying as they were. The
 unfused nodes are gone, and the CPU reference path returns exactly the eager model's values. Off
 by default; a traced eps, a biased linear and a non-matching graph are left alone."""
@@ -57,7 +57,9 @@ def _counts(gm) -> dict[str, int]:
     return {"linear": n(torch._C._nn.linear), "rsqrt": n(torch.rsqrt, "rsqrt"),
             "silu": n(F.silu), "add": n(operator.add),
             "rmsnorm_linear": count_ops(gm, OPS.rmsnorm_linear),
-            "silu_mul_linear": count_ops(gm, OPS.silu_mul_linear),
+            "gated_linear": count_ops(gm, OPS.gated_linear),
+            "rope_write_kv": count_ops(gm, OPS.rope_write_kv),
+            "qkv_rope_write_kv": count_ops(gm, OPS.qkv_rope_write_kv),
             "skinny_linear": count_ops(gm, OPS.skinny_linear)}
 
 
@@ -90,12 +92,15 @@ def test_decoder_layers_fuse_and_numerics_are_unchanged(dtype) -> None:
     old, new = _counts(before), _counts(backend.compiled[0].gm)
     assert old["linear"] == 4 * LAYERS and old["rsqrt"] == 2 * LAYERS + 1  # + the final norm
     # adds gone: both residuals and both norms' "+ eps" per layer
+    # per layer: RMSNorm + qkv + rope + KV write, o_proj + residual, RMSNorm + gate_up +
+    # SiLU*mul, down + residual
+    assert old["rope_write_kv"] == LAYERS and old["qkv_rope_write_kv"] == 0
     assert new == {"linear": 0, "rsqrt": 1, "silu": 0, "add": old["add"] - 4 * LAYERS,
-                   "rmsnorm_linear": 2 * LAYERS, "silu_mul_linear": LAYERS,
-                   "skinny_linear": LAYERS}
+                   "rmsnorm_linear": 0, "gated_linear": LAYERS, "rope_write_kv": 0,
+                   "qkv_rope_write_kv": LAYERS, "skinny_linear": 2 * LAYERS}
     assert backend.match_counts["SkinnyGemmFusion"] == 4 * LAYERS
     assert backend.graphs[0].details["SkinnyGemmFusion"] == {
-        "rmsnorm": 2 * LAYERS, "silu_mul": LAYERS, "residual": 2 * LAYERS}
+        "rmsnorm": 2 * LAYERS, "gated": LAYERS, "residual": 2 * LAYERS, "rope_kv": LAYERS}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -107,11 +112,12 @@ def test_default_fuses_only_the_residual_epilogues(dtype) -> None:
     # their norms, and SiLU*mul stays: only the two residual adds per layer are gone.
     assert new == {"linear": 2 * LAYERS + old["linear"] - 4 * LAYERS,
                    "rsqrt": old["rsqrt"], "silu": old["silu"],
-                   "add": old["add"] - 2 * LAYERS, "rmsnorm_linear": 0, "silu_mul_linear": 0,
+                   "add": old["add"] - 2 * LAYERS, "rmsnorm_linear": 0, "gated_linear": 0,
+                   "rope_write_kv": LAYERS, "qkv_rope_write_kv": 0,
                    "skinny_linear": 2 * LAYERS}
     assert backend.match_counts["SkinnyGemmFusion"] == 2 * LAYERS
     assert backend.graphs[0].details["SkinnyGemmFusion"] == {
-        "rmsnorm": 0, "silu_mul": 0, "residual": 2 * LAYERS}
+        "rmsnorm": 0, "gated": 0, "residual": 2 * LAYERS, "rope_kv": 0}
     ids = {p.uuid() for p in (SkinnyGemmFusion(), SkinnyGemmFusion(prologues=True))}
     assert len(ids) == 2  # the option is part of the compile-cache key
 
@@ -158,3 +164,20 @@ def test_unmatched_and_traced_eps_are_left_alone() -> None:
     norm, lin = RMSNorm(16, 1e-6), nn.Linear(16, 8, bias=False)
     torch.compile(lambda x: lin(norm(x)), backend=backend, fullgraph=True, dynamic=True)(x)
     assert backend.match_counts["SkinnyGemmFusion"] == 0
+
+
+def test_gate_up_read_elsewhere_is_not_gated() -> None:
+    """The gated op replaces silu(g) * u only when nothing else reads g or u."""
+    backend = make_backend(hoist_fc=False, per_layer_metadata=False, skinny_gemm=True,
+                           skinny_prologues=True, inductor=False)
+    lin = nn.Linear(16, 24, bias=False)
+
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [M, 16] -> [M, 12] x 2
+        g, u = lin(x).chunk(2, dim=-1)
+        return F.silu(g) * u, g
+
+    x = torch.randn(3, 16)
+    with torch._dynamo.config.patch(specialize_float=True):
+        got = torch.compile(fn, backend=backend, fullgraph=True, dynamic=True)(x)
+    assert backend.match_counts["SkinnyGemmFusion"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(got, fn(x)))
