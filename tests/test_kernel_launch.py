@@ -76,9 +76,11 @@ from kernels.attention_merge_triton import _merge_splits_kernel
 from kernels.attention_triton import _paged_attn_kernel
 from kernels.rope_kv_triton import _rope_write_kv_kernel
 from kernels.write_kv_triton import _write_kv_kernel
+from kernels.qkv_rope_triton import _qkv_rope_kv_kernel
 buf = torch.zeros(64, dtype=torch.int32)
 out = {}
-for k in (_paged_attn_kernel, _merge_splits_kernel, _rope_write_kv_kernel, _write_kv_kernel):
+for k in (_paged_attn_kernel, _merge_splits_kernel, _rope_write_kv_kernel, _write_kv_kernel,
+          _qkv_rope_kv_kernel):
     for p in k.params:
         if p.name.endswith("_ptr"):  # Triton's key for a fresh tensor and for a view 4 bytes in
             keys = {native_specialize_impl(BaseBackend, t, False, not p.do_not_specialize,
@@ -109,7 +111,7 @@ def test_metadata_pointers_share_one_binary_whatever_their_offset():
     assert run.returncode == 0, run.stderr[-2000:]
     keys = json.loads(run.stdout.strip().splitlines()[-1])
     meta = {n: c for n, c in keys.items() if n.split(".")[1] in METADATA_PTRS}
-    assert len(meta) == 8, sorted(keys)  # 5 in attention, 1 in the merge, a slot map in two
+    assert len(meta) == 9, sorted(keys)  # 5 in attention, 1 in the merge, a slot map in three
     assert all(c == 1 for c in meta.values()), meta
     # The probe does tell the two apart where alignment is specialised (vectorised data).
     assert keys["_paged_attn_kernel.q_ptr"] == 2

@@ -57,7 +57,9 @@ def _reference(d: dict, prologue: str, epilogue: str) -> torch.Tensor:  # [M, N]
     return linear_ref(d["x"], d["w"], res)
 
 
-def _worker() -> None:
+def _worker(device: str = "cpu") -> None:
+    """Under TRITON_INTERPRET=1 (the tests), or ``python tests/test_skinny_gemm.py --cuda`` on
+    a GPU: every form against the reference before a device session times it."""
     from kernels.skinny_gemm_triton import skinny_gemm_triton
 
     g = torch.Generator().manual_seed(0)
@@ -65,7 +67,7 @@ def _worker() -> None:
     for name, m, dtype_name, cfg in RUNS:
         dtype = getattr(torch, dtype_name)
         for prologue, epilogue in FORMS:
-            d = _inputs(m, epilogue == "gated", dtype, g)
+            d = {k: v.to(device) for k, v in _inputs(m, epilogue == "gated", dtype, g).items()}
             call = dict(norm_weight=d["nw"] if prologue == "rmsnorm" else None, eps=1e-5,
                         gated=epilogue == "gated",
                         residual=d["res"] if epilogue == "residual" else None, config=cfg)
@@ -161,3 +163,5 @@ def test_launch_policy() -> None:
 
 if __name__ == "__main__" and "--worker" in sys.argv:
     _worker()
+elif __name__ == "__main__" and "--cuda" in sys.argv:
+    _worker("cuda")
