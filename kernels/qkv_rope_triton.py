@@ -26,8 +26,8 @@ def _qkv_rope_kv_kernel(
     M, K, stride_xm, stride_wn, stride_ct, stride_st, stride_qt, stride_qh,
     stride_cb, stride_cp, stride_ch,  # k_cache and v_cache share strides (checked on the host)
     num_heads, num_kv_heads, page_size, eps,
-    HALF: tl.constexpr, NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
+    HALF: tl.constexpr, NORM: tl.constexpr, NW_IN_A: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     pid = tl.program_id(0)
     head = pid // (HALF // BLOCK_N)  # 0 .. heads + 2 kv heads - 1, in the qkv weight's order
@@ -36,7 +36,8 @@ def _qkv_rope_kv_kernel(
     m_ok = offs_m < M
     ss = tl.zeros([BLOCK_M], dtype=tl.float32)
     lo, hi, ss = _k_loop(x_ptr, w_ptr, nw_ptr, offs_m, head * 2 * HALF + lane, lane < HALF, HALF,
-                         M, K, stride_xm, stride_wn, 0, tl.cdiv(K, BLOCK_K), ss, NORM, True, 1,
+                         M, K, stride_xm, stride_wn, 0, tl.cdiv(K, BLOCK_K), ss, NORM, NW_IN_A,
+                         True, 1,
                          BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, DOT_FP32)
     if NORM:
         rstd = tl.rsqrt(ss / K + eps)[:, None]
@@ -97,6 +98,7 @@ def qkv_rope_write_kv_triton(
     norm_weight: torch.Tensor | None = None,  # [K]: RMSNorm prologue
     eps: float = 0.0,
     config: GemmConfig | None = None,
+    norm_in_weight: bool = False,  # weight's columns scaled by the norm weight already
 ) -> torch.Tensor:  # [M, num_heads, head_dim] the roped queries
     m, k = x.shape
     head_dim, num_kv_heads = k_cache.shape[-1], k_cache.shape[-2]
@@ -123,7 +125,8 @@ def qkv_rope_write_kv_triton(
         slot_mapping, m, k, x.stride(0), weight.stride(0), cos.stride(0), sin.stride(0),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         num_heads, num_kv_heads, k_cache.shape[1], float(eps),
-        HALF=half, NORM=norm_weight is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        HALF=half, NORM=norm_weight is not None or norm_in_weight,
+        NW_IN_A=norm_weight is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot, DOT_FP32=_dot_in_fp32(x.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return q
