@@ -3,6 +3,9 @@
 One shape per run (a target and an EAGLE-3 head):
   python profiles/scripts/graphs_h200.py --shape smollm2 --model ~/m/model.gguf --draft HEAD --out F.json
   python profiles/scripts/graphs_h200.py --shape llama8b --out F.json   (random Llama-3.1-8B + 32k head)
+  python profiles/scripts/graphs_h200.py --shape smollm2-random --tokenizer TOK --out F.json
+      (SmolLM2-135M's shape with random weights: no GGUF to carry; --skinny-gemm
+      [--skinny-gemm-prologues] A/B the fused decoder-layer GEMMs at the kernel level)
 
 Reports start-up (load; torch.compile + capture by dummy runs), then at a 512-token context and
 batch 1: the target forward at T = 1 / 4 / 8 tokens (eager, compiled, compiled + graph) and the
@@ -34,6 +37,13 @@ from compiled_spec.compile import CompileConfig, capture_graphs, use_compiled  #
 from compiled_spec.engine.batch import Span, build_metadata  # noqa: E402
 from compiled_spec.engine.graphs import EngineGraphs  # noqa: E402
 from compiled_spec.bench.run import LLAMA8B, TINY  # noqa: E402
+
+# SmolLM2-135M-Instruct's shape (the GGUF's metadata), for random-weight runs
+SMOLLM2 = dict(LLAMA8B, vocab_size=49152, hidden_size=576, intermediate_size=1536,
+               num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+               max_position_embeddings=8192, rope_theta=100000.0, rope_scaling=None,
+               tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+RANDOM_SHAPES = {"llama8b": LLAMA8B, "tiny": TINY, "smollm2-random": SMOLLM2}
 from compiled_spec.bench.timing import weight_bytes  # noqa: E402
 from compiled_spec.spec.proposer import ProposeBatch  # noqa: E402
 
@@ -93,8 +103,8 @@ def build(args: argparse.Namespace, tmp: Path) -> tuple[LLM, float]:
     from compiled_spec.models.config import ModelConfig
 
     model, draft = args.model, args.draft
-    if args.shape in ("llama8b", "tiny"):
-        cfg = LLAMA8B if args.shape == "llama8b" else TINY
+    if args.shape in RANDOM_SHAPES:
+        cfg = RANDOM_SHAPES[args.shape]
         (tmp / "t").mkdir()
         (tmp / "t" / "config.json").write_text(json.dumps(cfg))
         model = f"random:{tmp / 't'}"
@@ -109,7 +119,9 @@ def build(args: argparse.Namespace, tmp: Path) -> tuple[LLM, float]:
               max_num_seqs=1, kv_cache_memory_gib=4,
               compile_config=CompileConfig(capture_batch_sizes=(1,), inductor=args.inductor,
                                            autotune_gemm=args.autotune_gemm,
-                                           precompile=args.precompile))
+                                           precompile=args.precompile,
+                                           skinny_gemm=args.skinny_gemm,
+                                           skinny_gemm_prologues=args.skinny_gemm_prologues))
     return llm, time.perf_counter() - t0
 
 
@@ -239,7 +251,7 @@ def end_to_end(llm: LLM, prompts_file: str, n: int, max_tokens: int, skip_eager:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", choices=["smollm2", "llama8b", "tiny"], required=True)
+    ap.add_argument("--shape", choices=["smollm2", *RANDOM_SHAPES], required=True)
     ap.add_argument("--device", default="cuda", help="cpu: a dry run with emulated graphs")
     ap.add_argument("--no-inductor", dest="inductor", action="store_false")
     ap.add_argument("--model", default=None)
@@ -251,6 +263,10 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--autotune-gemm", action="store_true",
                     help="Inductor's GEMM autotuning (Triton templates vs cuBLAS per shape)")
+    ap.add_argument("--skinny-gemm", action="store_true",
+                    help="the target's residual adds fused into our skinny GEMMs")
+    ap.add_argument("--skinny-gemm-prologues", action="store_true",
+                    help="with --skinny-gemm: norms, SiLU-and-mul and rope + KV write too")
     ap.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=None,
                     help="the target from torch's aot_compile artifacts (default: on for CUDA)")
     ap.add_argument("--startup-only", action="store_true",
