@@ -111,9 +111,28 @@ def capture_graph(run: Callable[[], Any], pool: Any = None, warmup_iters: int = 
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = run()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            out = run()
+    except Exception:
+        _stop_routing_to_pool(graph)
+        raise
     return graph, out
+
+
+def _stop_routing_to_pool(graph: torch.cuda.CUDAGraph) -> None:
+    """After a capture raised: torch's capture_end throws before it tells the caching allocator
+    to stop routing allocations into the graph's pool, and every later capture into that pool
+    then fails at its start ("beginAllocateToPool: already recording to mempool_id", H200,
+    twenty-ninth session: one failed prompt-size capture took the draft's graphs with it).
+    Best effort: torch's private call, absent or refusing on some versions."""
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if end is None:
+        return
+    try:
+        end(torch.cuda.current_device(), graph.pool())
+    except Exception:  # already stopped, or no pool: nothing left to undo
+        pass
 
 
 class GraphRunner:

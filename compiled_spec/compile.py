@@ -55,11 +55,13 @@ class CompileConfig:
     # launch each at decode sizes): o_proj + residual measured 3.31 vs 4.72 us on the H200
     # (kernels.bench_gemm, sixteenth session). Off until measured end to end.
     skinny_gemm: bool = False
-    # With skinny_gemm: the RMSNorm prologues and gate_up's SiLU-and-mul epilogue folded in
-    # too (a decoder layer in 4 GEMM launches instead of 7 kernels). Their first form (a pass
-    # over x before the GEMM, SiLU-and-mul as down's prologue) measured slower than Inductor's
-    # kernels + cuBLAS; the factored norm and gated epilogue (twenty-ninth session) replaced it.
-    skinny_gemm_prologues: bool = False
+    # With skinny_gemm: gate_up's SiLU-and-mul and qkv's rope + KV write folded into their
+    # GEMMs too (8 kernels per decoder layer instead of 10 at decode sizes; each fusion won at
+    # the kernel level on the H200, twenty-ninth session). Off until measured end to end.
+    skinny_gemm_layer: bool = False
+    # With skinny_gemm: the RMSNorms folded into the GEMMs after them as well. Slower on the
+    # H200 (the norm costs the GEMM more than Inductor's norm kernel); for benchmarks.
+    skinny_gemm_norms: bool = False
     # Issue 16: save the target's Dynamo + Inductor result (torch's aot_compile) in the compile
     # cache and load it on the next start-up instead of tracing (compiled_spec/precompile.py).
     # None = on for CUDA engines: a warm start on the H200 (torch 2.11) took 5.1-6.7 s with it,
@@ -90,7 +92,8 @@ class CompileConfig:
 
     def __post_init__(self) -> None:
         for name in ("inductor", "dynamic", "cudagraphs", "strict_capture", "autotune_gemm",
-                     "skinny_gemm", "skinny_gemm_prologues", "pdl", "size_oblivious"):
+                     "skinny_gemm", "skinny_gemm_layer", "skinny_gemm_norms", "pdl",
+                     "size_oblivious"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"CompileConfig.{name}={getattr(self, name)!r}: must be a bool")
         for name in ("prefill_graph_tokens", "mixed_graph_tokens"):
@@ -100,8 +103,9 @@ class CompileConfig:
         if self.precompile is not None and not isinstance(self.precompile, bool):
             raise ValueError(f"CompileConfig.precompile={self.precompile!r}: a bool, or None "
                              "(on for CUDA engines)")
-        if self.skinny_gemm_prologues and not self.skinny_gemm:
-            raise ValueError("CompileConfig.skinny_gemm_prologues=True needs skinny_gemm=True")
+        for opt in ("skinny_gemm_layer", "skinny_gemm_norms"):
+            if getattr(self, opt) and not self.skinny_gemm:
+                raise ValueError(f"CompileConfig.{opt}=True needs skinny_gemm=True")
         if self.pdl and not hasattr(torch._inductor.config.triton, "enable_pdl"):
             raise ValueError(f"CompileConfig.pdl=True: torch {torch.__version__}'s Inductor has "
                              "no triton.enable_pdl option")
@@ -236,7 +240,8 @@ def compile_models(runner: ModelRunner, cfg: CompileConfig) -> CompiledModels:
     eager: dict[str, Any] = {"target": runner.target_fn}
     backends = {"target": backend(hoist_fc=False, per_layer_metadata=False,
                                   skinny_gemm=cfg.skinny_gemm,
-                                  skinny_prologues=cfg.skinny_gemm_prologues)}
+                                  skinny_layer=cfg.skinny_gemm_layer,
+                                  skinny_norms=cfg.skinny_gemm_norms)}
     prop = runner.proposer
     stats = PrecompileStats() if precompile_on(cfg, runner.model) else None
     pre = None

@@ -41,9 +41,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skinny-gemm", action="store_true",
                    help="with --compile: the target's residual adds fused into Triton GEMMs for "
                    "few rows (passes.skinny_gemm; CUDA, M <= 64)")
-    p.add_argument("--skinny-gemm-prologues", action="store_true",
-                   help="with --skinny-gemm: the RMSNorms and gate_up's SiLU-and-mul fused "
-                   "into them too (4 GEMM launches per decoder layer)")
+    p.add_argument("--skinny-gemm-layer", action="store_true",
+                   help="with --skinny-gemm: gate_up's SiLU-and-mul and qkv's rope + KV write "
+                   "fused into them too (8 kernels per decoder layer instead of 10)")
+    p.add_argument("--skinny-gemm-norms", action="store_true",
+                   help="with --skinny-gemm: the RMSNorms fused into the GEMMs too (slower on "
+                   "the H200; for benchmarks)")
     p.add_argument("--pdl", action="store_true",
                    help="with --compile: Inductor's Triton kernels use programmatic dependent "
                    "launch (Hopper and newer; shortens the gaps between kernels)")
@@ -89,16 +92,17 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
     sizes = getattr(a, "cuda_graph_sizes", None)
     autotune = getattr(a, "autotune_gemm", False)
     skinny = getattr(a, "skinny_gemm", False)
-    prologues = getattr(a, "skinny_gemm_prologues", False)
+    layer = getattr(a, "skinny_gemm_layer", False)
+    norms = getattr(a, "skinny_gemm_norms", False)
     pre = getattr(a, "precompile", None)
     pdl = getattr(a, "pdl", False)
-    if (a.compile_cache_dir is not None or sizes or autotune or skinny or prologues
+    if (a.compile_cache_dir is not None or sizes or autotune or skinny or layer or norms
             or pre is not None or pdl):
         from compiled_spec.compile import CompileConfig
 
         kw["compile_config"] = CompileConfig(cache_dir=a.compile_cache_dir,
                                              capture_batch_sizes=tuple(sizes or ()),
                                              autotune_gemm=autotune, skinny_gemm=skinny,
-                                             skinny_gemm_prologues=prologues,
+                                             skinny_gemm_layer=layer, skinny_gemm_norms=norms,
                                              precompile=pre, pdl=pdl)
     return kw

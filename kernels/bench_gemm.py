@@ -11,8 +11,9 @@ Sections (each with its own time budget; what is left when it runs out is skippe
   inductor: torch.compile(mode="max-autotune-no-cudagraphs") of F.linear
   fused:    the unfused ops compiled by Inductor as the engine runs them (norm / silu*mul /
             residual kernels + cuBLAS) vs one fused launch of ours under each candidate config
-            (the decoder layer as ``--skinny-gemm --skinny-gemm-prologues`` runs it: RMSNorm +
-            qkv, o_proj + residual, RMSNorm + gate_up + SiLU-and-mul, down + residual)
+            (the decoder layer as ``--skinny-gemm --skinny-gemm-layer --skinny-gemm-norms``
+            runs it: RMSNorm + qkv, o_proj + residual, RMSNorm + gate_up + SiLU-and-mul,
+            down + residual; qkv's rope + KV write: profiles/scripts/fused_layer_gemms_h200.py)
 """
 from __future__ import annotations
 

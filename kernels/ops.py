@@ -9,7 +9,7 @@ from kernels import warmup_pending
 from kernels.attention_ref import (paged_attention_ref, paged_tree_attention_ref,
                                    rope_write_kv_ref, write_kv_ref)
 from kernels.skinny_gemm_ref import (gated_linear_ref, linear_ref, qkv_rope_write_kv_ref,
-                                     rmsnorm_linear_ref)
+                                     rms_norm_ref, rmsnorm_linear_ref)
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -260,6 +260,15 @@ def qkv_rope_write_kv(
 
         return qkv_rope_write_kv_triton(x, weight, k_cache, v_cache, slot_mapping, cos, sin,
                                         num_heads, norm_weight, eps)
+    if _attention_triton(x):  # prefill-sized M on the GPU: cuBLAS, then the rope + KV kernel
+        # (the reference's KV write selects rows on the host: no good inside a CUDA graph)
+        from kernels.rope_kv_triton import rope_write_kv_triton
+
+        a = x if norm_weight is None else rms_norm_ref(x, norm_weight, eps)
+        kvh, d = k_cache.shape[-2], k_cache.shape[-1]
+        qkv = torch.nn.functional.linear(a, weight).view(x.shape[0], num_heads + 2 * kvh, d)
+        return rope_write_kv_triton(qkv[:, :num_heads + kvh], qkv[:, num_heads + kvh:], k_cache,
+                                    v_cache, slot_mapping, cos, sin, num_heads)
     return qkv_rope_write_kv_ref(x, weight, k_cache, v_cache, slot_mapping, cos, sin, num_heads,
                                  norm_weight, eps)
 

@@ -49,11 +49,11 @@ POST_GRAD_ORDER: list[type[GraphPass]] = [UnfuseResidualAddmm]
 
 def default_passes(hoist_fc: bool = True, per_layer_metadata: bool = True,
                    keep_graphs: bool = False, skinny_gemm: bool = False,
-                   skinny_prologues: bool = False) -> list[GraphPass]:
+                   skinny_layer: bool = False, skinny_norms: bool = False) -> list[GraphPass]:
     skip = {HoistEagle3Fc: not hoist_fc, BindPerLayerAttnMetadata: not per_layer_metadata,
             SkinnyGemmFusion: not skinny_gemm}
     options: dict[type[GraphPass], dict[str, Any]] = {
-        SkinnyGemmFusion: {"prologues": skinny_prologues}}
+        SkinnyGemmFusion: {"layer": skinny_layer, "norms": skinny_norms}}
     return [cls(keep_graphs=keep_graphs, **options.get(cls, {})) for cls in PASS_ORDER
             if not skip.get(cls, False)]
 
@@ -255,7 +255,8 @@ class CompiledSpecBackend:
 
 def make_backend(passes: list[GraphPass] | None = None, hoist_fc: bool = True, *,
                  per_layer_metadata: bool = True, skinny_gemm: bool = False,
-                 skinny_prologues: bool = False, inductor: bool = True,
+                 skinny_layer: bool = False, skinny_norms: bool = False,
+                 inductor: bool = True,
                  inductor_config: dict[str, Any] | None = None,
                  wrap_compiled: Callable[[Callable[..., Any], fx.GraphModule],
                                          Callable[..., Any]] | None = None,
@@ -268,10 +269,10 @@ def make_backend(passes: list[GraphPass] | None = None, hoist_fc: bool = True, *
     hoist_fc: EAGLE-3 first-pass drafts; a target or EAGLE-1 graph has nothing to hoist.
     per_layer_metadata: drafts; the target shares one metadata across layers by design, so give
         it ``False`` (else each of its layers would get its own metadata inputs).
-    skinny_gemm: add ``SkinnyGemmFusion`` to the default passes (norm / SiLU-and-mul /
-        residual folded into fused GEMM ops); off until measured on the GPU.
-    skinny_prologues: that pass folds the RMSNorm / SiLU-and-mul prologues too, not only the
-        residual epilogues (slower on the H200: passes/skinny_gemm.py).
+    skinny_gemm: add ``SkinnyGemmFusion`` to the default passes (residual adds folded into
+        fused GEMM ops); off until measured on the GPU.
+    skinny_layer: that pass also folds gate_up's SiLU-and-mul and qkv's rope + KV write;
+        skinny_norms: and the RMSNorms (slower on the H200: passes/skinny_gemm.py).
     inductor_config: Inductor config patches for every compiled graph.
     wrap_compiled: ``(compiled, gm) -> callable`` around the compiled remainder only (e.g. a
         CUDA graph capture); the hoisted fc always runs outside it.
@@ -279,7 +280,7 @@ def make_backend(passes: list[GraphPass] | None = None, hoist_fc: bool = True, *
     """
     if passes is None:
         passes = default_passes(hoist_fc, per_layer_metadata, keep_graphs, skinny_gemm,
-                                skinny_prologues)
+                                skinny_layer, skinny_norms)
     drop = (() if hoist_fc else (HoistEagle3Fc,)) + \
         (() if per_layer_metadata else (BindPerLayerAttnMetadata,))
     passes = [p for p in passes if not isinstance(p, drop)]

@@ -9,18 +9,20 @@ On Dynamo's graph (torch level) of ``compiled_spec.models``:
   [RMSNorm ->] linear(qkv) -> view as heads -> [:, :h + kvh], [:, h + kvh:] -> rope_write_kv
                                              => compiled_spec::qkv_rope_write_kv(x, W, caches,
                                                 slot_mapping, cos, sin, h, w_norm, eps)
-By default (``prologues=False``) only the residual epilogues are fused: o_proj and down become
+By default only the residual epilogues are fused: o_proj and down become
 ``skinny_linear(x, W, residual=r)`` and the norms and SiLU-and-mul stay Inductor's kernels in
-front of cuBLAS. With ``prologues=True`` a decoder layer is 4 launches around attention: RMSNorm +
-qkv + rope + KV write, o_proj + residual, RMSNorm + gate_up + SiLU-and-mul, down + residual,
-where the default runs 9 kernels (two add + norm, four GEMMs, SiLU-and-mul, rope + KV write). The sixteenth session's H200 measurements (CUDA-graph replay, L2-cold
-weights, M = 1) are why the prologues were redone: o_proj + residual ran 3.31 us fused vs 4.72
-unfused, but a norm prologue that first passed over x lost (RMSNorm + qkv 5.73 vs 4.68) and a
-SiLU-and-mul prologue on down lost badly (10.59 vs 7.70), so the norm now factors out of the
-dot product and SiLU-and-mul moved to gate_up's epilogue (``kernels.skinny_gemm_triton``). The
-ops compute exactly the unfused ops where the Triton kernel does not run (CPU; more than
-``MAX_M`` rows on the GPU, i.e. prefill), so only the GPU's bf16 rounding inside the kernel
-differs. Off by default (``CompileConfig.skinny_gemm``) until measured end to end.
+front of cuBLAS. ``layer=True`` also folds gate_up's SiLU-and-mul and qkv's rope + KV write into
+their GEMMs: a decoder layer is then 8 kernels instead of 10 (per layer: two RMSNorms, qkv +
+rope + KV write, attention and its split merge, o_proj + residual, gate_up + SiLU-and-mul,
+down + residual). ``norms=True`` folds the RMSNorms into the GEMM after them as well (6
+kernels), which measured slower on the H200 (twenty-ninth session, CUDA-graph replay, L2-cold
+weights, M = 1): the norm costs the GEMM 2.6-3.5 us against the separate norm kernel's ~1 us
+(qkv + rope + KV write 4.71 us without the norm, 7.30-8.25 with it, 6.38 unfused), while the
+epilogues win (qkv + rope + KV write 4.71 vs 5.41 for cuBLAS + the rope kernel, gate_up +
+SiLU-and-mul 4.57 vs 5.40 for cuBLAS + Inductor's kernel). The ops compute exactly the
+unfused ops where the Triton kernels do not run (CPU; more than ``MAX_M`` rows on the GPU, i.e.
+prefill), so only the GPU's bf16 rounding inside the kernels differs. Off by default
+(``CompileConfig.skinny_gemm``) until measured end to end.
 
 RMSNorm as traced: ``h = x.float(); w * (h * rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))
 .to(x.dtype)``; the casts may be gone (NoOpElimination on an fp32 model), so values are
@@ -222,16 +224,19 @@ def _erase_unused(graph: fx.Graph, node: fx.Node) -> None:
 
 
 class SkinnyGemmFusion(GraphPass):
-    """Each rewritten linear counts once (its norm, gating or residual fold into the same node).
-    ``prologues``: also fold RMSNorm and SiLU-and-mul in (see the module docstring)."""
+    """Each rewritten linear counts once (its norm, gating, rope or residual fold into the same
+    node). ``layer``: gate_up's SiLU-and-mul and qkv's rope + KV write fold in too; ``norms``:
+    the RMSNorms before the GEMMs as well (see the module docstring)."""
 
-    def __init__(self, keep_graphs: bool = False, prologues: bool = False) -> None:
+    def __init__(self, keep_graphs: bool = False, layer: bool = False,
+                 norms: bool = False) -> None:
         super().__init__(keep_graphs)
-        self.prologues = prologues
+        self.layer = layer
+        self.norms = norms
         self._kinds: dict[str, int] = {}
 
     def config(self) -> dict[str, Any]:
-        return {"prologues": self.prologues, "form": "factored-norm+gated-epilogue"}
+        return {"layer": self.layer, "norms": self.norms}
 
     def details(self) -> dict[str, Any]:
         return dict(self._kinds)
@@ -248,10 +253,10 @@ class SkinnyGemmFusion(GraphPass):
             out_val = node_val(lin)
             if out_val is None or out_val.dim() != 2:
                 continue
-            norm = match_rmsnorm(inp) if self.prologues else None
+            norm = match_rmsnorm(inp) if self.norms else None
             x, w_norm, eps = norm if norm is not None else (inp, None, 0.0)
-            mul = match_gated(lin) if self.prologues else None
-            rope = match_qkv_rope(lin) if self.prologues and mul is None else None
+            mul = match_gated(lin) if self.layer else None
+            rope = match_qkv_rope(lin) if self.layer and mul is None else None
             residual, add = ((None, None) if mul is not None or rope is not None
                              else self._residual(lin, out_val))
             if norm is None and mul is None and rope is None and residual is None:

@@ -217,7 +217,7 @@ def test_build_engine_takes_the_variants_flags(monkeypatch: pytest.MonkeyPatch) 
 
     seen = []
     monkeypatch.setattr(compiled_spec, "LLM", lambda **kw: seen.append(kw) or object())
-    kw = dict(model="m", pdl=False, skinny_gemm=True, skinny_gemm_prologues=True, page_size=16)
+    kw = dict(model="m", pdl=False, skinny_gemm=True, skinny_gemm_layer=True, page_size=16)
     for flags in ({}, {"pdl": False}, {"pdl": True}):
         build_engine(Variant("v", None, True, flags=flags), dict(kw), [[1, 2]], [1], 4)
     build_engine(Variant("v", None, True), dict(kw, pdl=True), [[1, 2]], [1], 4)
@@ -226,8 +226,8 @@ def test_build_engine_takes_the_variants_flags(monkeypatch: pytest.MonkeyPatch) 
     cfgs = [s["compile_config"] for s in seen]
     assert [c.pdl for c in cfgs] == [False, False, True, True, False]
     assert [c.skinny_gemm for c in cfgs] == [True, True, True, True, False]
-    # the prologues ride on the skinny GEMMs: the --ab skinny_gemm "off" engine has neither
-    assert [c.skinny_gemm_prologues for c in cfgs] == [True, True, True, True, False]
+    # the layer fusions ride on the skinny GEMMs: the --ab skinny_gemm "off" engine has neither
+    assert [c.skinny_gemm_layer for c in cfgs] == [True, True, True, True, False]
 
 
 def test_timed_engine_reads_the_graphs_logits(tiny_hf_dir, monkeypatch) -> None:

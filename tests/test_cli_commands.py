@@ -125,9 +125,12 @@ def test_autotune_gemm_reaches_the_compile_config():
         CompileConfig(autotune_gemm="yes")  # type: ignore[arg-type]
     # --skinny-gemm: the fused skinny-GEMM pass, off unless asked for
     skinny = engine_kwargs(p.parse_args(["--skinny-gemm"]))["compile_config"]
-    assert skinny.skinny_gemm is True and skinny.skinny_gemm_prologues is False
-    both = engine_kwargs(p.parse_args(["--skinny-gemm", "--skinny-gemm-prologues"]))
-    assert both["compile_config"].skinny_gemm_prologues is True
+    assert skinny.skinny_gemm is True and skinny.skinny_gemm_layer is False
+    both = engine_kwargs(p.parse_args(["--skinny-gemm", "--skinny-gemm-layer"]))
+    assert both["compile_config"].skinny_gemm_layer is True
+    assert both["compile_config"].skinny_gemm_norms is False
+    norms = engine_kwargs(p.parse_args(["--skinny-gemm", "--skinny-gemm-norms"]))
+    assert norms["compile_config"].skinny_gemm_norms is True
     assert cfg.skinny_gemm is False
     assert engine_kwargs(p.parse_args(["--precompile"]))["compile_config"].precompile is True
     assert engine_kwargs(p.parse_args(["--no-precompile"]))["compile_config"].precompile is False

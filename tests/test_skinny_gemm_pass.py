@@ -1,6 +1,7 @@
 """``SkinnyGemmFusion`` (passes/skinny_gemm.py): on a tiny CausalLM built from our decoder (q/k/v
-and gate/up fused as the engine does), with prologues each layer's RMSNorm -> qkv, o_proj +
-residual, RMSNorm -> gate_up -> SiLU*mul and down + residual become one fused op each; by default
+and gate/up fused as the engine does), with layer + norm fusions each layer's RMSNorm -> qkv ->
+rope + KV write, o_proj + residual, RMSNorm -> gate_up -> SiLU*mul and down + residual become one
+fused op each, with layer fusions alone the same less the norms; by default
 only o_proj + residual and down + residual do, the norms and SiLU*mul staying as they were. The
 unfused nodes are gone, and the CPU reference path returns exactly the eager model's values. Off
 by default; a traced eps, a biased linear and a non-matching graph are left alone."""
@@ -63,12 +64,13 @@ def _counts(gm) -> dict[str, int]:
             "skinny_linear": count_ops(gm, OPS.skinny_linear)}
 
 
-def _fuse(dtype: torch.dtype, prologues: bool):
+def _fuse(dtype: torch.dtype, layer: bool, norms: bool = False):
     """(graph before the passes, backend) after compiling ``tiny_lm`` once; the compiled call
     returns exactly the eager model's logits (the ops' CPU path is the unfused computation)."""
     model = tiny_lm(dtype)
     backend = make_backend(hoist_fc=False, per_layer_metadata=False, skinny_gemm=True,
-                           skinny_prologues=prologues, inductor=False, keep_graphs=True)
+                           skinny_layer=layer, skinny_norms=norms, inductor=False,
+                           keep_graphs=True)
     before = {}
 
     def spy(gm, example_inputs):
@@ -88,7 +90,7 @@ def _fuse(dtype: torch.dtype, prologues: bool):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decoder_layers_fuse_and_numerics_are_unchanged(dtype) -> None:
-    before, backend = _fuse(dtype, prologues=True)
+    before, backend = _fuse(dtype, layer=True, norms=True)
     old, new = _counts(before), _counts(backend.compiled[0].gm)
     assert old["linear"] == 4 * LAYERS and old["rsqrt"] == 2 * LAYERS + 1  # + the final norm
     # adds gone: both residuals and both norms' "+ eps" per layer
@@ -106,7 +108,7 @@ def test_decoder_layers_fuse_and_numerics_are_unchanged(dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_default_fuses_only_the_residual_epilogues(dtype) -> None:
     """The H200 measured every prologue fusion slower than the unfused ops (passes/skinny_gemm)."""
-    before, backend = _fuse(dtype, prologues=False)
+    before, backend = _fuse(dtype, layer=False)
     old, new = _counts(before), _counts(backend.compiled[0].gm)
     # o_proj and down take their residual; qkv, gate_up and lm_head stay plain linears behind
     # their norms, and SiLU*mul stays: only the two residual adds per layer are gone.
@@ -118,22 +120,39 @@ def test_default_fuses_only_the_residual_epilogues(dtype) -> None:
     assert backend.match_counts["SkinnyGemmFusion"] == 2 * LAYERS
     assert backend.graphs[0].details["SkinnyGemmFusion"] == {
         "rmsnorm": 0, "gated": 0, "residual": 2 * LAYERS, "rope_kv": 0}
-    ids = {p.uuid() for p in (SkinnyGemmFusion(), SkinnyGemmFusion(prologues=True))}
-    assert len(ids) == 2  # the option is part of the compile-cache key
+    ids = {p.uuid() for p in (SkinnyGemmFusion(), SkinnyGemmFusion(layer=True),
+                              SkinnyGemmFusion(layer=True, norms=True))}
+    assert len(ids) == 3  # the options are part of the compile-cache key
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_fusions_without_the_norms(dtype) -> None:
+    """The default layer form: SiLU*mul and rope + KV write fold in, the norms stay Inductor's."""
+    before, backend = _fuse(dtype, layer=True)
+    old, new = _counts(before), _counts(backend.compiled[0].gm)
+    assert new == {"linear": old["linear"] - 4 * LAYERS, "rsqrt": old["rsqrt"], "silu": 0,
+                   "add": old["add"] - 2 * LAYERS, "rmsnorm_linear": 0, "gated_linear": LAYERS,
+                   "rope_write_kv": 0, "qkv_rope_write_kv": LAYERS, "skinny_linear": 2 * LAYERS}
+    assert backend.graphs[0].details["SkinnyGemmFusion"] == {
+        "rmsnorm": 0, "gated": LAYERS, "residual": 2 * LAYERS, "rope_kv": LAYERS}
 
 
 def test_off_by_default_and_validated() -> None:
     assert CompileConfig().skinny_gemm is False
-    assert CompileConfig(skinny_gemm=True).skinny_gemm_prologues is False
+    assert CompileConfig(skinny_gemm=True).skinny_gemm_layer is False
+    assert CompileConfig(skinny_gemm=True).skinny_gemm_norms is False
     with pytest.raises(ValueError, match="skinny_gemm"):
         CompileConfig(skinny_gemm=1)
-    with pytest.raises(ValueError, match="skinny_gemm_prologues=True needs skinny_gemm"):
-        CompileConfig(skinny_gemm_prologues=True)
+    with pytest.raises(ValueError, match="skinny_gemm_layer=True needs skinny_gemm"):
+        CompileConfig(skinny_gemm_layer=True)
+    with pytest.raises(ValueError, match="skinny_gemm_norms=True needs skinny_gemm"):
+        CompileConfig(skinny_gemm_norms=True)
     assert not any(isinstance(p, SkinnyGemmFusion) for p in default_passes())
     fusion = [p for p in default_passes(skinny_gemm=True) if isinstance(p, SkinnyGemmFusion)]
-    assert len(fusion) == 1 and fusion[0].prologues is False
-    assert [p.prologues for p in default_passes(skinny_gemm=True, skinny_prologues=True)
-            if isinstance(p, SkinnyGemmFusion)] == [True]
+    assert len(fusion) == 1 and fusion[0].layer is False and fusion[0].norms is False
+    assert [(p.layer, p.norms) for p in default_passes(skinny_gemm=True, skinny_layer=True,
+                                                       skinny_norms=True)
+            if isinstance(p, SkinnyGemmFusion)] == [(True, True)]
     assert PASS_ORDER[-1] is SkinnyGemmFusion
 
 
@@ -169,7 +188,7 @@ def test_unmatched_and_traced_eps_are_left_alone() -> None:
 def test_gate_up_read_elsewhere_is_not_gated() -> None:
     """The gated op replaces silu(g) * u only when nothing else reads g or u."""
     backend = make_backend(hoist_fc=False, per_layer_metadata=False, skinny_gemm=True,
-                           skinny_prologues=True, inductor=False)
+                           skinny_layer=True, inductor=False)
     lin = nn.Linear(16, 24, bias=False)
 
     def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [M, 16] -> [M, 12] x 2

@@ -52,7 +52,8 @@ def build_engine(v: Variant, kw: dict[str, Any], prompts: list[list[int]],
     kw = dict(kw)
     autotune = kw.pop("autotune_gemm", False)  # compiled engines only
     skinny = kw.pop("skinny_gemm", False)
-    prologues = kw.pop("skinny_gemm_prologues", False)
+    layer = kw.pop("skinny_gemm_layer", False)
+    norms = kw.pop("skinny_gemm_norms", False)
     pre = kw.pop("precompile", None)
     pdl = kw.pop("pdl", False)
     top = max(batch_sizes)
@@ -60,8 +61,10 @@ def build_engine(v: Variant, kw: dict[str, Any], prompts: list[list[int]],
     if v.compile:
         flags = dict(autotune_gemm=autotune, skinny_gemm=skinny, precompile=pre, pdl=pdl)
         flags |= v.flags
-        # the prologues ride on the skinny GEMMs: an --ab skinny_gemm pair's "off" has neither
-        flags["skinny_gemm_prologues"] = prologues and flags["skinny_gemm"]
+        # the layer / norm fusions ride on the skinny GEMMs: an --ab skinny_gemm pair's "off"
+        # has none of them
+        flags["skinny_gemm_layer"] = layer and flags["skinny_gemm"]
+        flags["skinny_gemm_norms"] = norms and flags["skinny_gemm"]
         kw["compile_config"] = CompileConfig(capture_batch_sizes=tuple(sorted(batch_sizes)),
                                              **flags)
     if v.draft is None:

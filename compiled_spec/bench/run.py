@@ -141,7 +141,8 @@ def run_bench(a: argparse.Namespace) -> int:
               min_admit=getattr(a, "min_admit", None),
               autotune_gemm=getattr(a, "autotune_gemm", False),
               skinny_gemm=getattr(a, "skinny_gemm", False),
-              skinny_gemm_prologues=getattr(a, "skinny_gemm_prologues", False),
+              skinny_gemm_layer=getattr(a, "skinny_gemm_layer", False),
+              skinny_gemm_norms=getattr(a, "skinny_gemm_norms", False),
               precompile=getattr(a, "precompile", None), pdl=getattr(a, "pdl", False))
     batch_sizes = sorted(set(a.batch_sizes))
 

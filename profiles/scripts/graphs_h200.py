@@ -5,7 +5,7 @@ One shape per run (a target and an EAGLE-3 head):
   python profiles/scripts/graphs_h200.py --shape llama8b --out F.json   (random Llama-3.1-8B + 32k head)
   python profiles/scripts/graphs_h200.py --shape smollm2-random --tokenizer TOK --out F.json
       (SmolLM2-135M's shape with random weights: no GGUF to carry; --skinny-gemm
-      [--skinny-gemm-prologues] A/B the fused decoder-layer GEMMs at the kernel level)
+      [--skinny-gemm-layer] [--skinny-gemm-norms] A/B the fused decoder-layer GEMMs)
 
 Reports start-up (load; torch.compile + capture by dummy runs), then at a 512-token context and
 batch 1: the target forward at T = 1 / 4 / 8 tokens (eager, compiled, compiled + graph) and the
@@ -121,7 +121,8 @@ def build(args: argparse.Namespace, tmp: Path) -> tuple[LLM, float]:
                                            autotune_gemm=args.autotune_gemm,
                                            precompile=args.precompile,
                                            skinny_gemm=args.skinny_gemm,
-                                           skinny_gemm_prologues=args.skinny_gemm_prologues))
+                                           skinny_gemm_layer=args.skinny_gemm_layer,
+                                           skinny_gemm_norms=args.skinny_gemm_norms))
     return llm, time.perf_counter() - t0
 
 
@@ -265,8 +266,10 @@ def main() -> int:
                     help="Inductor's GEMM autotuning (Triton templates vs cuBLAS per shape)")
     ap.add_argument("--skinny-gemm", action="store_true",
                     help="the target's residual adds fused into our skinny GEMMs")
-    ap.add_argument("--skinny-gemm-prologues", action="store_true",
-                    help="with --skinny-gemm: norms, SiLU-and-mul and rope + KV write too")
+    ap.add_argument("--skinny-gemm-layer", action="store_true",
+                    help="with --skinny-gemm: SiLU-and-mul and rope + KV write too")
+    ap.add_argument("--skinny-gemm-norms", action="store_true",
+                    help="with --skinny-gemm: the RMSNorms too")
     ap.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=None,
                     help="the target from torch's aot_compile artifacts (default: on for CUDA)")
     ap.add_argument("--startup-only", action="store_true",
