@@ -205,6 +205,10 @@ def skinny_linear(x: torch.Tensor,  # [M, K]
         from kernels.skinny_gemm_triton import skinny_gemm_triton
 
         return skinny_gemm_triton(x, weight, residual=residual)
+    if residual is not None and x.is_cuda:  # prefill-sized M: the add in cuBLAS's epilogue
+        # (one launch, as the unfused graph's add is fused into the next norm; one rounding
+        # of product + residual instead of two)
+        return torch.addmm(residual, x, weight.t())
     return linear_ref(x, weight, residual)
 
 
@@ -235,6 +239,11 @@ def gated_linear(x: torch.Tensor,  # [M, K]
         from kernels.skinny_gemm_triton import skinny_gemm_triton
 
         return skinny_gemm_triton(x, weight, norm_weight=norm_weight, eps=eps, gated=True)
+    if x.is_cuda:  # prefill-sized M: cuBLAS, then SiLU-and-mul in one launch
+        from kernels.skinny_gemm_triton import silu_mul_triton
+
+        a = x if norm_weight is None else rms_norm_ref(x, norm_weight, eps)
+        return silu_mul_triton(torch.nn.functional.linear(a, weight))
     return gated_linear_ref(x, norm_weight, eps, weight)
 
 

@@ -148,6 +148,32 @@ def _split_k_reduce(part_ptr, y_ptr, res_ptr, M, N, stride_ym, stride_rm,
     tl.store(y_ptr + m * stride_ym + n, out, mask=mask)
 
 
+@triton.jit(do_not_specialize=["M"])
+def _silu_mul_kernel(gu_ptr, y_ptr, M, N, stride_gm, stride_ym, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    g = tl.load(gu_ptr + row * stride_gm + offs, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(gu_ptr + row * stride_gm + N + offs, mask=ok, other=0.0).to(tl.float32)
+    s = (g / (1.0 + tl.exp(-g))).to(y_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(y_ptr + row * stride_ym + offs, (s * up).to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:  # [M, 2N] -> [M, N]
+    """silu(gate) * up of a [gate | up] row, rounded as the model's two ops are, in one launch
+    (PyTorch's chunk / silu / mul is two kernels): the gated op's path for prefill-sized M."""
+    m, n2 = gate_up.shape
+    n = n2 // 2
+    y = gate_up.new_empty(m, n)
+    if m == 0:
+        return y
+    gate_up = gate_up if gate_up.stride(1) == 1 else gate_up.contiguous()
+    block = min(1024, triton.next_power_of_2(n))
+    _silu_mul_kernel[(m, triton.cdiv(n, block))](gate_up, y, m, n, gate_up.stride(0),
+                                                   y.stride(0), BLOCK=block)
+    return y
+
+
 def skinny_gemm_triton(x: torch.Tensor,  # [M, K]
                        weight: torch.Tensor,  # [N, K] ([2N, K] = [gate; up] when gated)
                        norm_weight: torch.Tensor | None = None,  # [K]: RMSNorm prologue

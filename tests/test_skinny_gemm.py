@@ -83,14 +83,23 @@ def _worker(device: str = "cpu") -> None:
             ref = _reference(d, prologue, epilogue).float()
             err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
             out[key] = [y.dtype == dtype and y.shape == ref.shape, err]
+    from kernels.skinny_gemm_ref import silu_mul_ref
+    from kernels.skinny_gemm_triton import silu_mul_triton
+
+    for dtype_name in ("float32", "bfloat16"):  # prefill-sized gated op: the SiLU-and-mul launch
+        gu = (torch.randn(70, 2 * 1100, generator=g) * 3).to(getattr(torch, dtype_name))
+        y, ref = silu_mul_triton(gu.to(device)), silu_mul_ref(gu).to(device)
+        err = ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+        out[f"silu_mul_{dtype_name}"] = [y.shape == ref.shape and y.dtype == ref.dtype, err]
     print("RESULTS " + json.dumps(out))
 
 
 def test_triton_skinny_gemm_matches_the_reference() -> None:
     res = run_interpreted(__file__)
-    assert len(res) == len(RUNS) * len(FORMS), res
+    assert len(res) == len(RUNS) * len(FORMS) + 2, res
     bad = {k: v for k, v in res.items()
-           if not (v[0] and v[1] < (GATED_TOL if k.endswith("gated") else TOL)[k.split("_")[2]])}
+           if not (v[0] and v[1] < (GATED_TOL if k.endswith("gated") else TOL)[k.split("_")[-1]
+                                    if k.startswith("silu_mul") else k.split("_")[2]])}
     assert not bad, bad
 
 
