@@ -1,29 +1,14 @@
-"""The paged-KV attention, top-k and skinny-GEMM ops, registered with torch.library so
-torch.compile traces them as opaque nodes (with fake implementations for shape propagation) and
-our passes can find them."""
+"""The paged-KV attention and top-k ops (and, through ``kernels.gemm_ops``, the skinny-GEMM
+ones), registered with torch.library so torch.compile traces them as opaque nodes (with fake
+implementations for shape propagation) and our passes can find them."""
 from __future__ import annotations
 
 import torch
 
-from kernels import warmup_pending
 from kernels.attention_ref import (paged_attention_ref, paged_tree_attention_ref,
                                    rope_write_kv_ref, write_kv_ref)
-from kernels.skinny_gemm_ref import (gated_linear_ref, linear_ref, qkv_rope_write_kv_ref,
-                                     rms_norm_ref, rmsnorm_linear_ref)
-
-
-def _use_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda
-
-
-def _attention_triton(t: torch.Tensor) -> bool:
-    """``_use_triton`` for the attention family, whose binaries a cold start may still be
-    compiling in worker processes: the first launch joins them (``kernels.warmup_pending``)."""
-    if not t.is_cuda:
-        return False
-    if warmup_pending.PENDING:
-        warmup_pending.finish()
-    return True
+from kernels.dispatch import attention_triton as _attention_triton
+from kernels.dispatch import use_triton as _use_triton
 
 
 @torch.library.custom_op("compiled_spec::write_kv", mutates_args=("k_cache", "v_cache"))
@@ -187,120 +172,5 @@ def _(x, k) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.new_empty(r, k, dtype=torch.float32), x.new_empty(r, k, dtype=torch.int64))
 
 
-# Skinny GEMMs (batch-1 decode / verify): one launch for linear (+ a fused RMSNorm prologue,
-# + a residual or the gated MLP's SiLU-and-mul). The Triton kernel runs on CUDA for M <= MAX_M
-# rows; elsewhere (CPU, prefill-sized M) the exact unfused PyTorch ops run, cuBLAS on the GPU.
-def _skinny(x: torch.Tensor) -> bool:
-    from kernels.gemm_config import MAX_M
-
-    return _use_triton(x) and x.shape[0] <= MAX_M
-
-
-@torch.library.custom_op("compiled_spec::skinny_linear", mutates_args=())
-def skinny_linear(x: torch.Tensor,  # [M, K]
-                  weight: torch.Tensor,  # [N, K]
-                  residual: torch.Tensor | None = None,  # [M, N]
-                  ) -> torch.Tensor:  # [M, N]: residual + x @ weight^T
-    if _skinny(x):
-        from kernels.skinny_gemm_triton import skinny_gemm_triton
-
-        return skinny_gemm_triton(x, weight, residual=residual)
-    if residual is not None and x.is_cuda:  # prefill-sized M: the add in cuBLAS's epilogue
-        # (one launch, as the unfused graph's add is fused into the next norm; one rounding
-        # of product + residual instead of two)
-        return torch.addmm(residual, x, weight.t())
-    return linear_ref(x, weight, residual)
-
-
-@torch.library.custom_op("compiled_spec::rmsnorm_linear", mutates_args=())
-def rmsnorm_linear(x: torch.Tensor,  # [M, K]
-                   norm_weight: torch.Tensor,  # [K]
-                   eps: float,
-                   weight: torch.Tensor,  # [N, K]
-                   residual: torch.Tensor | None = None,  # [M, N]
-                   ) -> torch.Tensor:  # [M, N]: residual + rmsnorm(x) @ weight^T
-    if _skinny(x):
-        from kernels.skinny_gemm_triton import skinny_gemm_triton
-
-        return skinny_gemm_triton(x, weight, norm_weight=norm_weight, eps=eps,
-                                  residual=residual)
-    return rmsnorm_linear_ref(x, norm_weight, eps, weight, residual)
-
-
-@torch.library.custom_op("compiled_spec::gated_linear", mutates_args=())
-def gated_linear(x: torch.Tensor,  # [M, K]
-                 norm_weight: torch.Tensor | None,  # [K]: RMSNorm prologue, or None
-                 eps: float,
-                 weight: torch.Tensor,  # [2N, K] = [gate; up] (the fused gate_up projection)
-                 ) -> torch.Tensor:  # [M, N]: silu(gate) * up of rmsnorm(x) @ weight^T
-    """The gated MLP's first half (RMSNorm, gate_up, SiLU-and-mul) as one op: one launch on
-    the GPU at decode sizes."""
-    if _skinny(x):
-        from kernels.skinny_gemm_triton import skinny_gemm_triton
-
-        return skinny_gemm_triton(x, weight, norm_weight=norm_weight, eps=eps, gated=True)
-    if x.is_cuda:  # prefill-sized M: cuBLAS, then SiLU-and-mul in one launch
-        from kernels.skinny_gemm_triton import silu_mul_triton
-
-        a = x if norm_weight is None else rms_norm_ref(x, norm_weight, eps)
-        return silu_mul_triton(torch.nn.functional.linear(a, weight))
-    return gated_linear_ref(x, norm_weight, eps, weight)
-
-
-@torch.library.custom_op("compiled_spec::qkv_rope_write_kv", mutates_args=("k_cache", "v_cache"))
-def qkv_rope_write_kv(
-    x: torch.Tensor,  # [M, K]
-    weight: torch.Tensor,  # [(heads + 2 kv heads) * head_dim, K]: the fused qkv projection
-    k_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_heads, head_dim]
-    slot_mapping: torch.Tensor,  # [M] int64; -1 rows are not written
-    cos: torch.Tensor,  # [M, head_dim]
-    sin: torch.Tensor,  # [M, head_dim]
-    num_heads: int,
-    norm_weight: torch.Tensor | None,  # [K]: the layer's input RMSNorm, or None
-    eps: float,
-) -> torch.Tensor:  # [M, num_heads, head_dim] the roped queries
-    """``rope_write_kv`` with its qkv projection (and the norm before it) inside: one launch on
-    the GPU at decode sizes (``kernels.qkv_rope_triton``). k_cache, v_cache and slot_mapping
-    sit where ``write_kv`` has them, so the passes that bind a layer's metadata read all alike."""
-    half = k_cache.shape[-1] // 2
-    if _skinny(x) and half >= 16 and half & (half - 1) == 0:  # tl.dot tiles of a half head
-        from kernels.qkv_rope_triton import qkv_rope_write_kv_triton
-
-        return qkv_rope_write_kv_triton(x, weight, k_cache, v_cache, slot_mapping, cos, sin,
-                                        num_heads, norm_weight, eps)
-    if _attention_triton(x):  # prefill-sized M on the GPU: cuBLAS, then the rope + KV kernel
-        # (the reference's KV write selects rows on the host: no good inside a CUDA graph)
-        from kernels.rope_kv_triton import rope_write_kv_triton
-
-        a = x if norm_weight is None else rms_norm_ref(x, norm_weight, eps)
-        kvh, d = k_cache.shape[-2], k_cache.shape[-1]
-        qkv = torch.nn.functional.linear(a, weight).view(x.shape[0], num_heads + 2 * kvh, d)
-        return rope_write_kv_triton(qkv[:, :num_heads + kvh], qkv[:, num_heads + kvh:], k_cache,
-                                    v_cache, slot_mapping, cos, sin, num_heads)
-    return qkv_rope_write_kv_ref(x, weight, k_cache, v_cache, slot_mapping, cos, sin, num_heads,
-                                 norm_weight, eps)
-
-
-@qkv_rope_write_kv.register_fake
-def _(x, weight, k_cache, v_cache, slot_mapping, cos, sin, num_heads, norm_weight, eps):
-    return x.new_empty(x.shape[0], num_heads, k_cache.shape[-1])
-
-
-def _gemm_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], weight.shape[0])
-
-
-@skinny_linear.register_fake
-def _(x, weight, residual=None) -> torch.Tensor:
-    return _gemm_out(x, weight)
-
-
-@rmsnorm_linear.register_fake
-def _(x, norm_weight, eps, weight, residual=None) -> torch.Tensor:
-    return _gemm_out(x, weight)
-
-
-@gated_linear.register_fake
-def _(x, norm_weight, eps, weight) -> torch.Tensor:
-    return x.new_empty(x.shape[0], weight.shape[0] // 2)
+# The skinny-GEMM ops live in their own module; importing this one registers them too.
+from kernels import gemm_ops  # noqa: E402,F401

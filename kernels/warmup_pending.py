@@ -5,7 +5,7 @@ of start-up, whichever comes first, joins them: it waits for the workers, then l
 binary with one launch each. On the H200 a cold start spent 11-16 s in that warm-up before
 compiling anything (twenty-sixth session); the model's compile takes longer than the workers.
 
-Kept apart from ``kernels.warmup`` so ``kernels.ops`` checks the list without importing it.
+Kept apart from ``kernels.warmup`` so ``kernels.dispatch`` checks the list without importing it.
 """
 from __future__ import annotations
 

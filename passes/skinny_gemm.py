@@ -1,5 +1,5 @@
 """``SkinnyGemmFusion``: rewrite the decoder's norm / activation / residual around each linear
-into fused skinny-GEMM ops (``kernels.ops``), single Triton launches at decode sizes.
+into fused skinny-GEMM ops (``kernels.gemm_ops``), single Triton launches at decode sizes.
 
 On Dynamo's graph (torch level) of ``compiled_spec.models``:
   r + linear(...) (the linear's only user)  => skinny_linear(x, W, residual=r), or with a norm:

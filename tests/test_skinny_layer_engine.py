@@ -25,7 +25,7 @@ K = 3
 def _worker(root: str, tok: str) -> None:
     import torch
 
-    import kernels.ops as ops
+    import kernels.gemm_ops as ops
     import kernels.qkv_rope_triton as qkv_mod
     import kernels.skinny_gemm_triton as gemm_mod
     from capture import CapturePolicy

@@ -31,7 +31,7 @@ def main() -> None:
     a = p.parse_args()
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("run under TRITON_INTERPRET=1 (the kernels on the CPU)")
-    import kernels.ops as ops
+    import kernels.gemm_ops as ops
     from compiled_spec import LLM, SamplingParams
     from compiled_spec.compile import CompileConfig
 
