@@ -1,7 +1,8 @@
 """Issue 16 (twenty-ninth session): the decoder layer's fused launches at decode sizes against the
 unfused kernels the engine runs today, us per call from CUDA-graph replay, weights L2-cold.
 
-Rows (M = 1 and 6, bf16, SmolLM2's shapes, our kernels at gemm_config's pick and at BLOCK_K 64):
+Rows (M = 1 and 6, bf16, SmolLM2's shapes, our kernels at gemm_config's pick, at BLOCK_K 64,
+and for M <= 8 with CUDA-core FMA tiles instead of tl.dot):
   qkv:      unfused = [Inductor RMSNorm] + cuBLAS + rope_write_kv kernel; fused = qkv_rope
             with the norm weight in A, in W (pre-scaled columns), or without a norm
   gate_up:  unfused = [Inductor RMSNorm] + cuBLAS + Inductor SiLU-and-mul; fused = gated GEMM,
@@ -21,7 +22,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kernels.gemm_config import GemmConfig, gemm_config
+from kernels.gemm_config import GemmConfig, block_m_for, gemm_config
 from kernels.graph_timer import graph_us
 from kernels.qkv_rope_triton import qkv_config, qkv_rope_write_kv_triton
 from kernels.rope_kv_triton import rope_write_kv_triton
@@ -81,13 +82,17 @@ def main() -> None:
             return rope_write_kv_triton(qkv[:, :H + KVH], qkv[:, H + KVH:], kc, vc, slots, cos,
                                         sin, H)
 
-        want = unfused_qkv(0)
+        want, want_plain = unfused_qkv(0), unfused_qkv(0, False)
         row("qkv", m, "unfused: norm + cuBLAS + rope_kv", unfused_qkv, copies, 0.0)
         row("qkv", m, "unfused, no norm: cuBLAS + rope_kv", lambda i: unfused_qkv(i, False),
             copies, 0.0)
         row("qkv", m, "cuBLAS alone", lambda i: F.linear(x, wqs[i]), copies)
         pick = qkv_config(m, wq.shape[0], HID, D // 2)
-        for cfg in (pick, GemmConfig(pick.block_m, pick.block_n, 64, num_stages=3)):
+        qkv_cfgs = [pick, GemmConfig(pick.block_m, pick.block_n, 64, num_stages=3)]
+        if m <= 8:  # CUDA-core FMA tiles: 8-lane halves, 60 programs instead of 30
+            qkv_cfgs += [GemmConfig(block_m_for(m, False), 8, bk, use_dot=False)
+                         for bk in (64, 128)]
+        for cfg in qkv_cfgs:
             e = rel(qkv_rope_write_kv_triton(x, wq, kc, vc, slots, cos, sin, H, nw, EPS,
                                              config=cfg), want)
             row("qkv", m, "fused: norm (w in A) + qkv + rope_kv",
@@ -99,9 +104,11 @@ def main() -> None:
                 lambda i: qkv_rope_write_kv_triton(x, wqs_n[i], kc, vc, slots, cos, sin, H,
                                                    None, EPS, config=cfg, norm_in_weight=True),
                 copies, e, cfg)
+            e = rel(qkv_rope_write_kv_triton(x, wq, kc, vc, slots, cos, sin, H, config=cfg),
+                    want_plain)
             row("qkv", m, "fused, no norm: qkv + rope_kv",
                 lambda i: qkv_rope_write_kv_triton(x, wqs[i], kc, vc, slots, cos, sin, H,
-                                                   config=cfg), copies, None, cfg)
+                                                   config=cfg), copies, e, cfg)
             row("qkv", m, "ours plain GEMM",
                 lambda i: skinny_gemm_triton(x, wqs[i], config=cfg), copies, None, cfg)
         del wqs, wqs_n
@@ -117,8 +124,12 @@ def main() -> None:
             lambda i: gate_c(F.linear(x, wgs[i])), copies, 0.0)
         row("gate_up", m, "cuBLAS alone", lambda i: F.linear(x, wgs[i]), copies)
         pick = gemm_config(m, INTER, HID)
-        for cfg in (pick, GemmConfig(pick.block_m, pick.block_n, 64, num_stages=3),
-                    GemmConfig(pick.block_m, 32, 64, num_stages=3)):
+        gate_cfgs = [pick, GemmConfig(pick.block_m, pick.block_n, 64, num_stages=3),
+                     GemmConfig(pick.block_m, 32, 64, num_stages=3)]
+        if m <= 8:
+            gate_cfgs += [GemmConfig(block_m_for(m, False), bn, 64, use_dot=False)
+                          for bn in (8, 16)]
+        for cfg in gate_cfgs:
             e = rel(skinny_gemm_triton(x, wg, norm_weight=nw, eps=EPS, gated=True, config=cfg),
                     want)
             row("gate_up", m, "fused: norm (w in A) + gate_up + silu_mul",
@@ -129,9 +140,9 @@ def main() -> None:
             row("gate_up", m, "fused: norm (w in W) + gate_up + silu_mul",
                 lambda i: skinny_gemm_triton(x, wgs_n[i], eps=EPS, gated=True, config=cfg,
                                              norm_in_weight=True), copies, e, cfg)
+            e = rel(skinny_gemm_triton(x, wg, gated=True, config=cfg), gate_c(F.linear(x, wg)))
             row("gate_up", m, "fused, no norm: gate_up + silu_mul",
-                lambda i: skinny_gemm_triton(x, wgs[i], gated=True, config=cfg), copies, None,
-                cfg)
+                lambda i: skinny_gemm_triton(x, wgs[i], gated=True, config=cfg), copies, e, cfg)
             row("gate_up", m, "ours plain GEMM (2I columns)",
                 lambda i: skinny_gemm_triton(x, wgs[i], config=cfg), copies, None, cfg)
         del wgs, wgs_n
