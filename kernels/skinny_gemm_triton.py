@@ -22,6 +22,8 @@ up to a bf16 ulp; exact math in fp32).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -30,6 +32,18 @@ import triton.language as tl
 # interpreter, which runs tl.dot on bf16 tiles as matmuls of their raw bits.
 from kernels.attention_triton import _dot_in_fp32
 from kernels.gemm_config import GemmConfig, gemm_config
+
+# COMPILED_SPEC_GEMM_PDL=1: our GEMM kernels are launched with programmatic dependent launch
+# and fetch their first weights before waiting for the kernel ahead (``_k_loop``). Off until
+# timed on the H200: a kernel ahead that never lets its dependents launch early (cuBLAS, our
+# attention) leaves nothing to overlap; Inductor's kernels do with ``CompileConfig.pdl``.
+PDL = os.environ.get("COMPILED_SPEC_GEMM_PDL", "0") == "1"
+
+
+def pdl_launch(x: torch.Tensor, allowed: bool = True) -> dict:
+    """The launch's GDC constexpr and, when on, Triton's PDL launch option."""
+    on = PDL and allowed and x.is_cuda
+    return {"GDC": 1, "launch_pdl": True} if on else {"GDC": 0}
 
 
 @triton.jit
@@ -44,40 +58,73 @@ def _mma(a, w, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
+def _a_tile(x_ptr, nw_ptr, offs_m, offs_k, m_ok, k_ok, stride_xm, sq, NORM: tl.constexpr,
+            NW_IN_A: tl.constexpr, SPLIT_K: tl.constexpr):
+    """One K step's A tile [BLOCK_M, BLOCK_K] (x, or x * w_norm) and the squares' sums."""
+    a = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+    if NORM:
+        xf = a.to(tl.float32)
+        if SPLIT_K == 1:  # else the caller summed all of K before
+            sq += xf * xf
+        if NW_IN_A:
+            nw = tl.load(nw_ptr + offs_k, mask=k_ok, other=0.0)
+            a = (xf * nw.to(tl.float32)[None, :]).to(a.dtype)
+    return a, sq
+
+
+@triton.jit
+def _w_tile(w_ptr, offs_n, n_ok, offs_k, k_ok, stride_wn):
+    """W read as its transpose [BLOCK_K, BLOCK_N]; each column is a contiguous weight row."""
+    return tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None],
+                   mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+
+
+@triton.jit
 def _k_loop(x_ptr, w_ptr, nw_ptr, offs_m, offs_n, n_ok, pair_rows, M, K, stride_xm, stride_wn,
             k_begin, steps, ss, NORM: tl.constexpr, NW_IN_A: tl.constexpr,
             PAIRED: tl.constexpr, SPLIT_K: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-            USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr):
+            USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, GDC: tl.constexpr):
     """This program's K steps: (acc [BLOCK_M, BLOCK_N] over W rows offs_n, acc2 over rows
     offs_n + pair_rows when PAIRED (gate / up, a head's two rope halves), ss + each row's sum
     of x^2 with NORM and one K split). With NORM the caller applies rstd; the norm weight
     scales A here (NW_IN_A) or was folded into W's columns beforehand. The squares add up
     lane by lane and are summed across lanes once after the loop: a cross-lane reduction per
     K step sat on the loop's critical path (the first form, 6.4 us vs 3.3 for the GEMM alone
-    at M = 1 on the H200)."""
+    at M = 1 on the H200).
+    GDC (1: launched with programmatic dependent launch): the first K step's weights, which no
+    kernel writes, are loaded while the kernel before is still running; then the program waits
+    for it (griddepcontrol.wait: its outputs, x among them, are visible after) and lets the
+    kernel after it launch, which does the same. Nothing is read from or written to memory
+    another kernel writes before the wait."""
     m_ok = offs_m < M
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    for i in range(0, steps):
+    if GDC:
+        offs_k = k_begin + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        w = _w_tile(w_ptr, offs_n, n_ok, offs_k, k_ok, stride_wn)
+        w2 = w
+        if PAIRED:
+            w2 = _w_tile(w_ptr, offs_n + pair_rows, n_ok, offs_k, k_ok, stride_wn)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+        a, sq = _a_tile(x_ptr, nw_ptr, offs_m, offs_k, m_ok, k_ok, stride_xm, sq, NORM,
+                        NW_IN_A, SPLIT_K)
+        acc += _mma(a, w, USE_DOT, DOT_FP32)
+        if PAIRED:
+            acc2 += _mma(a, w2, USE_DOT, DOT_FP32)
+    for i in range(GDC, steps):  # GDC: step 0 done above
         offs_k = k_begin + i * BLOCK_K + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
-        a = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-        if NORM:
-            xf = a.to(tl.float32)
-            if SPLIT_K == 1:  # else the caller summed all of K before
-                sq += xf * xf
-            if NW_IN_A:
-                nw = tl.load(nw_ptr + offs_k, mask=k_ok, other=0.0)
-                a = (xf * nw.to(tl.float32)[None, :]).to(a.dtype)
-        # W read as its transpose [BLOCK_K, BLOCK_N]; each column is a contiguous weight row.
-        w_mask = k_ok[:, None] & n_ok[None, :]
-        w_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None]
-        acc += _mma(a, tl.load(w_ptrs, mask=w_mask, other=0.0), USE_DOT, DOT_FP32)
+        a, sq = _a_tile(x_ptr, nw_ptr, offs_m, offs_k, m_ok, k_ok, stride_xm, sq, NORM,
+                        NW_IN_A, SPLIT_K)
+        acc += _mma(a, _w_tile(w_ptr, offs_n, n_ok, offs_k, k_ok, stride_wn), USE_DOT,
+                    DOT_FP32)
         if PAIRED:
-            acc2 += _mma(a, tl.load(w_ptrs + pair_rows * stride_wn, mask=w_mask, other=0.0),
+            acc2 += _mma(a, _w_tile(w_ptr, offs_n + pair_rows, n_ok, offs_k, k_ok, stride_wn),
                          USE_DOT, DOT_FP32)
     if NORM and SPLIT_K == 1:
         ss += tl.sum(sq, axis=1)
@@ -89,7 +136,8 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, res_ptr, part_ptr,
                         M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
                         NORM: tl.constexpr, NW_IN_A: tl.constexpr, GATED: tl.constexpr,
                         HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr):
+                        SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
+                        GDC: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -108,7 +156,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, res_ptr, part_ptr,
     acc, acc_up, ss = _k_loop(x_ptr, w_ptr, nw_ptr, offs_m, offs_n, offs_n < N, N, M, K,
                               stride_xm, stride_wn, pid_k * steps * BLOCK_K, steps, ss,
                               NORM, NW_IN_A, GATED, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K,
-                              USE_DOT, DOT_FP32)
+                              USE_DOT, DOT_FP32, GDC)
     if NORM:
         rstd = tl.rsqrt(ss / K + eps)  # [BLOCK_M]; padding rows: finite, times a zero sum
         acc = acc * rstd[:, None]
@@ -228,7 +276,8 @@ def skinny_gemm_triton(x: torch.Tensor,  # [M, K]
         NW_IN_A=norm_weight is not None, GATED=gated,
         HAS_RES=residual is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, USE_DOT=cfg.use_dot,
-        DOT_FP32=_dot_in_fp32(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        DOT_FP32=_dot_in_fp32(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_launch(x, cfg.split_k == 1))
     if cfg.split_k > 1:
         block = 1024
         _split_k_reduce[(triton.cdiv(m * n, block),)](

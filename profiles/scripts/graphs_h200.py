@@ -122,7 +122,8 @@ def build(args: argparse.Namespace, tmp: Path) -> tuple[LLM, float]:
                                            precompile=args.precompile,
                                            skinny_gemm=args.skinny_gemm,
                                            skinny_gemm_layer=args.skinny_gemm_layer,
-                                           skinny_gemm_norms=args.skinny_gemm_norms))
+                                           skinny_gemm_norms=args.skinny_gemm_norms,
+                                           pdl=args.pdl))
     return llm, time.perf_counter() - t0
 
 
@@ -270,6 +271,9 @@ def main() -> int:
                     help="with --skinny-gemm: SiLU-and-mul and rope + KV write too")
     ap.add_argument("--skinny-gemm-norms", action="store_true",
                     help="with --skinny-gemm: the RMSNorms too")
+    ap.add_argument("--pdl", action="store_true",
+                    help="Inductor's kernels with programmatic dependent launch (ours too with "
+                         "COMPILED_SPEC_GEMM_PDL=1)")
     ap.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=None,
                     help="the target from torch's aot_compile artifacts (default: on for CUDA)")
     ap.add_argument("--startup-only", action="store_true",
