@@ -53,8 +53,11 @@ def _merge_splits_kernel(
     part_ptr, lse_ptr, out_ptr, query_start_loc_ptr, num_seqs,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
     head_dim,
-    NUM_SPLITS: tl.constexpr, DIM_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DIM_PAD: tl.constexpr, GDC: tl.constexpr,
 ):
+    if GDC:  # launched with PDL (kernels.dispatch): wait for the attention, free the next
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     s = tl.arange(0, NUM_SPLITS)  # [S]

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from kernels.attention_merge_triton import (COUNTER_SLOTS, FUSED_MERGE, _merge_splits_kernel,
                                             last_to_arrive, reset_counter, split_counters)
+from kernels.dispatch import pdl_launch
 from kernels.launch import BLOCK_N, attention_launch, merge_chunk_for
 from kernels.write_kv_triton import write_kv_triton  # noqa: F401  (re-exported)
 
@@ -50,8 +51,11 @@ def _paged_attn_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DOT_FP32: tl.constexpr, TREE: tl.constexpr, FUSED_MERGE: tl.constexpr,
-    MERGE_CHUNK: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr, GDC: tl.constexpr,
 ):
+    if GDC:  # launched with PDL (kernels.dispatch): wait for the kernel ahead, free the next
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     seq = tl.program_id(0)
     q_block = tl.program_id(1) // NUM_SPLITS
     split = tl.program_id(1) % NUM_SPLITS
@@ -270,13 +274,14 @@ def _paged_attention(
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n, DIM_PAD=dim_pad,
         NUM_SPLITS=num_splits, DOT_FP32=_dot_in_fp32(query.dtype), TREE=tree, FUSED_MERGE=fused,
         MERGE_CHUNK=merge_chunk_for(block_q * group_pad, dim_pad, num_splits),
+        **pdl_launch(query),
     )
     if num_splits > 1 and not fused:
         _merge_splits_kernel[(num_tokens, num_heads)](
             part, lse, out, query_start_loc, num_seqs,
             part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1), head_dim,
-            NUM_SPLITS=num_splits, DIM_PAD=dim_pad,
+            NUM_SPLITS=num_splits, DIM_PAD=dim_pad, **pdl_launch(query),
         )
     return out
 

@@ -16,8 +16,9 @@ import triton
 import triton.language as tl
 
 from kernels.attention_triton import _dot_in_fp32
+from kernels.dispatch import pdl_launch
 from kernels.gemm_config import GemmConfig, gemm_config
-from kernels.skinny_gemm_triton import _k_loop, pdl_launch
+from kernels.skinny_gemm_triton import _k_loop
 
 
 @triton.jit(do_not_specialize=["M"], do_not_specialize_on_alignment=["slot_ptr"])

@@ -22,8 +22,6 @@ up to a bf16 ulp; exact math in fp32).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -31,19 +29,9 @@ import triton.language as tl
 # fp32 stays fp32 (F.linear uses no TF32 by default); bf16 is upcast only under the CPU
 # interpreter, which runs tl.dot on bf16 tiles as matmuls of their raw bits.
 from kernels.attention_triton import _dot_in_fp32
+from kernels.dispatch import pdl_launch
 from kernels.gemm_config import GemmConfig, gemm_config
 
-# COMPILED_SPEC_GEMM_PDL=1: our GEMM kernels are launched with programmatic dependent launch
-# and fetch their first weights before waiting for the kernel ahead (``_k_loop``). Off until
-# timed on the H200: a kernel ahead that never lets its dependents launch early (cuBLAS, our
-# attention) leaves nothing to overlap; Inductor's kernels do with ``CompileConfig.pdl``.
-PDL = os.environ.get("COMPILED_SPEC_GEMM_PDL", "0") == "1"
-
-
-def pdl_launch(x: torch.Tensor, allowed: bool = True) -> dict:
-    """The launch's GDC constexpr and, when on, Triton's PDL launch option."""
-    on = PDL and allowed and x.is_cuda
-    return {"GDC": 1, "launch_pdl": True} if on else {"GDC": 0}
 
 
 @triton.jit

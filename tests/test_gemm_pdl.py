@@ -1,8 +1,8 @@
-"""Programmatic dependent launch in our GEMM kernels (``COMPILED_SPEC_GEMM_PDL=1``): the path
-only a Hopper GPU runs (griddepcontrol has no interpreter form), compiled here for sm_90 by
-Triton's own pipeline down to PTX (no GPU needed): with GDC the skinny GEMM and the qkv + rope
-kernel hold exactly one wait and one launch-dependents each, without it none; and the launch
-option stays off for CPU tensors and split-K launches."""
+"""Programmatic dependent launch in our decoder-layer kernels (``COMPILED_SPEC_GEMM_PDL=1``): the
+path only a Hopper GPU runs (griddepcontrol has no interpreter form), compiled here for sm_90 by
+Triton's own pipeline down to PTX (no GPU needed): with GDC the skinny GEMM, the qkv + rope
+kernel, attention and the split merge hold exactly one wait and one launch-dependents each,
+without it none; and the launch option stays off for CPU tensors and split-K launches."""
 from __future__ import annotations
 
 import json
@@ -17,12 +17,17 @@ _PTX = """
 import json, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from kernels.attention_merge_triton import _merge_splits_kernel
+from kernels.attention_triton import _paged_attn_kernel
 from kernels.skinny_gemm_triton import _skinny_gemm_kernel
 from kernels.qkv_rope_triton import _qkv_rope_kv_kernel
+FP32 = {"part_ptr", "lse_ptr"}
+INT = {"counter_ptr", "block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr",
+       "tree_start_ptr", "tree_mask_ptr", "slot_ptr"}
 
 def count(k, consts):
-    sig = {n: ("*bf16" if n.endswith("_ptr") else "fp32" if n == "eps" else "i32")
-           for n in k.arg_names}
+    sig = {n: ("*fp32" if n in FP32 else "*i32" if n in INT else "*bf16" if n.endswith("_ptr")
+               else "fp32" if n in ("eps", "qk_scale") else "i32") for n in k.arg_names}
     sig.update({c: "constexpr" for c in consts})
     src = ASTSource(k, sig, constexprs={(k.arg_names.index(c),): v for c, v in consts.items()})
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -33,9 +38,14 @@ gemm = dict(NORM=False, NW_IN_A=False, GATED=True, HAS_RES=False, BLOCK_M=16, BL
             BLOCK_K=128, SPLIT_K=1, USE_DOT=True, DOT_FP32=False)
 qkv = dict(HALF=32, NORM=False, NW_IN_A=False, BLOCK_M=16, BLOCK_N=16, BLOCK_K=128,
            USE_DOT=True, DOT_FP32=False)
+attn = dict(GROUP=3, GROUP_PAD=4, BLOCK_Q=4, BLOCK_N=64, DIM_PAD=64, NUM_SPLITS=32,
+            DOT_FP32=False, TREE=False, FUSED_MERGE=False, MERGE_CHUNK=1)
+merge = dict(NUM_SPLITS=32, DIM_PAD=64)
 print(json.dumps({f"{name}{g}": count(k, dict(c, GDC=g)) for g in (0, 1)
                   for name, k, c in (("gemm", _skinny_gemm_kernel, gemm),
-                                     ("qkv", _qkv_rope_kv_kernel, qkv))}))
+                                     ("qkv", _qkv_rope_kv_kernel, qkv),
+                                     ("attn", _paged_attn_kernel, attn),
+                                     ("merge", _merge_splits_kernel, merge))}))
 """
 
 
@@ -47,11 +57,12 @@ def test_gdc_path_compiles_for_hopper_with_one_wait_and_one_trigger() -> None:
                          text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
-    assert got == {"gemm0": [0, 0], "qkv0": [0, 0], "gemm1": [1, 1], "qkv1": [1, 1]}, got
+    assert got == {f"{k}{g}": [g, g] for k in ("gemm", "qkv", "attn", "merge")
+                   for g in (0, 1)}, got
 
 
 def test_pdl_launch_option(monkeypatch) -> None:
-    import kernels.skinny_gemm_triton as sg
+    import kernels.dispatch as sg
 
     x = torch.zeros(2, 2)
     monkeypatch.setattr(sg, "PDL", False)
