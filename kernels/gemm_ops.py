@@ -9,7 +9,7 @@ import torch
 
 from kernels.dispatch import attention_triton, use_triton
 from kernels.skinny_gemm_ref import (gated_linear_ref, linear_ref, qkv_rope_write_kv_ref,
-                                     rms_norm_ref, rmsnorm_linear_ref)
+                                     rmsnorm_linear_ref)
 
 
 def _skinny(x: torch.Tensor) -> bool:
@@ -64,8 +64,7 @@ def gated_linear(x: torch.Tensor,  # [M, K]
     if x.is_cuda:  # prefill-sized M: cuBLAS, then SiLU-and-mul in one launch
         from kernels.skinny_gemm_triton import silu_mul_triton
 
-        a = x if norm_weight is None else rms_norm_ref(x, norm_weight, eps)
-        return silu_mul_triton(torch.nn.functional.linear(a, weight))
+        return gated_linear_ref(x, norm_weight, eps, weight, silu_mul=silu_mul_triton)
     return gated_linear_ref(x, norm_weight, eps, weight)
 
 
@@ -91,17 +90,13 @@ def qkv_rope_write_kv(
 
         return qkv_rope_write_kv_triton(x, weight, k_cache, v_cache, slot_mapping, cos, sin,
                                         num_heads, norm_weight, eps)
+    kernel = {}
     if attention_triton(x):  # prefill-sized M on the GPU: cuBLAS, then the rope + KV kernel
-        # (the reference's KV write selects rows on the host: no good inside a CUDA graph)
         from kernels.rope_kv_triton import rope_write_kv_triton
 
-        a = x if norm_weight is None else rms_norm_ref(x, norm_weight, eps)
-        kvh, d = k_cache.shape[-2], k_cache.shape[-1]
-        qkv = torch.nn.functional.linear(a, weight).view(x.shape[0], num_heads + 2 * kvh, d)
-        return rope_write_kv_triton(qkv[:, :num_heads + kvh], qkv[:, num_heads + kvh:], k_cache,
-                                    v_cache, slot_mapping, cos, sin, num_heads)
+        kernel = {"rope_write_kv": rope_write_kv_triton}
     return qkv_rope_write_kv_ref(x, weight, k_cache, v_cache, slot_mapping, cos, sin, num_heads,
-                                 norm_weight, eps)
+                                 norm_weight, eps, **kernel)
 
 
 @qkv_rope_write_kv.register_fake

@@ -11,6 +11,8 @@ rope kernel's and Inductor's math). Rows with slot -1 (padding) leave the cache 
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
@@ -83,9 +85,7 @@ def _qkv_rope_kv_kernel(
 def qkv_config(m: int, n: int, k: int, half: int) -> GemmConfig:
     """The skinny GEMM's pick for this shape with N tiles that fit a half head."""
     cfg = gemm_config(m, n, k)
-    bn = min(cfg.block_n, half)
-    return GemmConfig(cfg.block_m, bn, cfg.block_k, 1, cfg.use_dot, cfg.num_warps,
-                      cfg.num_stages)
+    return replace(cfg, block_n=min(cfg.block_n, half), split_k=1)
 
 
 def qkv_rope_write_kv_triton(

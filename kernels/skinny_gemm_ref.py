@@ -3,6 +3,8 @@
 path of a rewritten graph computes bit for bit what the original graph did."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -43,13 +45,18 @@ def rmsnorm_linear_ref(x: torch.Tensor,  # [M, K]
     return _plus(F.linear(rms_norm_ref(x, norm_weight, eps), weight), residual)
 
 
+def _normed(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    return x if norm_weight is None else rms_norm_ref(x, norm_weight, eps)
+
+
 def gated_linear_ref(x: torch.Tensor,  # [M, K]
                      norm_weight: torch.Tensor | None,  # [K], or None: no RMSNorm
                      eps: float,
                      weight: torch.Tensor,  # [2N, K] = [gate; up]
+                     silu_mul: Callable[[torch.Tensor], torch.Tensor] = silu_mul_ref,
                      ) -> torch.Tensor:  # [M, N]: silu(gate) * up of (rmsnorm(x)) @ weight^T
-    a = x if norm_weight is None else rms_norm_ref(x, norm_weight, eps)
-    return silu_mul_ref(F.linear(a, weight))
+    """``silu_mul``: the SiLU-and-mul to run (the GPU's prefill-sized path passes its kernel)."""
+    return silu_mul(F.linear(_normed(x, norm_weight, eps), weight))
 
 
 def qkv_rope_write_kv_ref(x: torch.Tensor,  # [M, K]
@@ -61,11 +68,14 @@ def qkv_rope_write_kv_ref(x: torch.Tensor,  # [M, K]
                           sin: torch.Tensor,  # [M, head_dim]
                           num_heads: int,
                           norm_weight: torch.Tensor | None,  # [K], or None: no RMSNorm
-                          eps: float) -> torch.Tensor:  # [M, heads, head_dim] roped queries
+                          eps: float,
+                          rope_write_kv: Callable[..., torch.Tensor] = rope_write_kv_ref,
+                          ) -> torch.Tensor:  # [M, heads, head_dim] roped queries
     """The attention block's ``_write_qkv``: [RMSNorm ->] the fused qkv projection, viewed as
-    heads and split, then ``rope_write_kv``."""
+    heads and split, then ``rope_write_kv`` (the GPU's prefill-sized path passes its kernel:
+    the reference's KV write selects rows on the host, no good inside a CUDA graph)."""
     head_dim, kv_heads = k_cache.shape[-1], k_cache.shape[-2]
-    a = x if norm_weight is None else rms_norm_ref(x, norm_weight, eps)
-    qkv = F.linear(a, weight).view(x.shape[0], num_heads + 2 * kv_heads, head_dim)
-    return rope_write_kv_ref(qkv[:, :num_heads + kv_heads], qkv[:, num_heads + kv_heads:],
-                             k_cache, v_cache, slot_mapping, cos, sin, num_heads)
+    qkv = F.linear(_normed(x, norm_weight, eps), weight).view(x.shape[0],
+                                                              num_heads + 2 * kv_heads, head_dim)
+    return rope_write_kv(qkv[:, :num_heads + kv_heads], qkv[:, num_heads + kv_heads:],
+                         k_cache, v_cache, slot_mapping, cos, sin, num_heads)

@@ -46,6 +46,14 @@ def _mma(a, w, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
+def _silu_mul(g, up, ty: tl.constexpr):
+    """silu(gate) * up from fp32 values already rounded to ``ty``: silu rounded, then the
+    product, as the model's two ops round (the gated epilogue and the SiLU-and-mul kernel)."""
+    s = (g / (1.0 + tl.exp(-g))).to(ty).to(tl.float32)
+    return (s * up).to(ty)
+
+
+@triton.jit
 def _a_tile(x_ptr, nw_ptr, offs_m, offs_k, m_ok, k_ok, stride_xm, sq, NORM: tl.constexpr,
             NW_IN_A: tl.constexpr, SPLIT_K: tl.constexpr):
     """One K step's A tile [BLOCK_M, BLOCK_K] (x, or x * w_norm) and the squares' sums."""
@@ -123,8 +131,8 @@ def _k_loop(x_ptr, w_ptr, nw_ptr, offs_m, offs_n, n_ok, pair_rows, M, K, stride_
 def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, res_ptr, part_ptr,
                         M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
                         NORM: tl.constexpr, NW_IN_A: tl.constexpr, GATED: tl.constexpr,
-                        HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
+                        HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
                         GDC: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -152,11 +160,9 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, res_ptr, part_ptr,
     out_mask = m_ok[:, None] & (offs_n[None, :] < N)
     if SPLIT_K == 1:
         out = acc.to(y_ptr.dtype.element_ty)
-        if GATED:  # silu(gate) * up, each rounded to the dtype as the model's ops are
-            g = out.to(tl.float32)
-            s = (g / (1.0 + tl.exp(-g))).to(y_ptr.dtype.element_ty)
-            up = acc_up.to(y_ptr.dtype.element_ty)
-            out = (s.to(tl.float32) * up.to(tl.float32)).to(y_ptr.dtype.element_ty)
+        if GATED:
+            ty = y_ptr.dtype.element_ty
+            out = _silu_mul(out.to(tl.float32), acc_up.to(ty).to(tl.float32), ty)
         if HAS_RES:  # round the product first, then add (as residual + linear(...) does)
             res = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :],
                           mask=out_mask, other=0.0)
@@ -191,8 +197,7 @@ def _silu_mul_kernel(gu_ptr, y_ptr, M, N, stride_gm, stride_ym, BLOCK: tl.conste
     ok = offs < N
     g = tl.load(gu_ptr + row * stride_gm + offs, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(gu_ptr + row * stride_gm + N + offs, mask=ok, other=0.0).to(tl.float32)
-    s = (g / (1.0 + tl.exp(-g))).to(y_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(y_ptr + row * stride_ym + offs, (s * up).to(y_ptr.dtype.element_ty), mask=ok)
+    tl.store(y_ptr + row * stride_ym + offs, _silu_mul(g, up, y_ptr.dtype.element_ty), mask=ok)
 
 
 def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:  # [M, 2N] -> [M, N]
