@@ -29,6 +29,7 @@ from capture import CapturePolicy
 from compiled_spec.compile_guard import CompileGuard
 from compiled_spec.engine.graphs import EngineGraphs
 from compiled_spec.engine.model_runner import ModelRunner
+from compiled_spec.gemm_policy import SkinnyChoice, resolve_skinny
 from compiled_spec.precompile import PrecompiledModule, PrecompileStats, cache_key, precompile_dir
 from compiled_spec.spec.tree_accept_device import early_tree_stage
 from passes import make_backend
@@ -52,13 +53,14 @@ class CompileConfig:
     # compiling takes longer.
     autotune_gemm: bool = False
     # The target's residual adds folded into skinny-GEMM ops (passes.skinny_gemm; one Triton
-    # launch each at decode sizes): o_proj + residual measured 3.31 vs 4.72 us on the H200
-    # (kernels.bench_gemm, sixteenth session). Off until measured end to end.
-    skinny_gemm: bool = False
+    # launch each at decode sizes). None = decided per target (compiled_spec/gemm_policy.py:
+    # on for CUDA, 16-bit dtypes and small layer weights, where the H200 measured every bench
+    # row faster; off for the 8B shape's large weights and for fp32, measured slower).
+    skinny_gemm: bool | None = None
     # With skinny_gemm: gate_up's SiLU-and-mul and qkv's rope + KV write folded into their
-    # GEMMs too (8 kernels per decoder layer instead of 10 at decode sizes; each fusion won at
-    # the kernel level on the H200, twenty-ninth session). Off until measured end to end.
-    skinny_gemm_layer: bool = False
+    # GEMMs too (8 kernels per decoder layer instead of 10 at decode sizes). None = as
+    # skinny_gemm resolves.
+    skinny_gemm_layer: bool | None = None
     # With skinny_gemm: the RMSNorms folded into the GEMMs after them as well. Slower on the
     # H200 (the norm costs the GEMM more than Inductor's norm kernel); for benchmarks.
     skinny_gemm_norms: bool = False
@@ -92,10 +94,13 @@ class CompileConfig:
 
     def __post_init__(self) -> None:
         for name in ("inductor", "dynamic", "cudagraphs", "strict_capture", "autotune_gemm",
-                     "skinny_gemm", "skinny_gemm_layer", "skinny_gemm_norms", "pdl",
-                     "size_oblivious"):
+                     "skinny_gemm_norms", "pdl", "size_oblivious"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"CompileConfig.{name}={getattr(self, name)!r}: must be a bool")
+        for name in ("skinny_gemm", "skinny_gemm_layer"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise ValueError(f"CompileConfig.{name}={getattr(self, name)!r}: a bool, or "
+                                 "None (decided per target)")
         for name in ("prefill_graph_tokens", "mixed_graph_tokens"):
             t = getattr(self, name)
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
@@ -104,7 +109,7 @@ class CompileConfig:
             raise ValueError(f"CompileConfig.precompile={self.precompile!r}: a bool, or None "
                              "(on for CUDA engines)")
         for opt in ("skinny_gemm_layer", "skinny_gemm_norms"):
-            if getattr(self, opt) and not self.skinny_gemm:
+            if getattr(self, opt) and self.skinny_gemm is not True:
                 raise ValueError(f"CompileConfig.{opt}=True needs skinny_gemm=True")
         if self.pdl and not hasattr(torch._inductor.config.triton, "enable_pdl"):
             raise ValueError(f"CompileConfig.pdl=True: torch {torch.__version__}'s Inductor has "
@@ -126,6 +131,7 @@ class CompiledModels:
     graphs: EngineGraphs | None = None  # CUDA graphs over the compiled callables, once captured
     graphs_off: str | None = None  # why there are none (CPU device, cudagraphs=False)
     precompile: PrecompileStats | None = None  # CompileConfig.precompile: loads, saves, why not
+    skinny: SkinnyChoice | None = None  # the target's skinny GEMMs as resolved (gemm_policy.py)
     # Graphs per compiled callable when start-up ended (None: it has not): any compiled later
     # ran inside a request, which start-up's dummy runs are there to prevent.
     startup_graphs: dict[str, int] | None = None
@@ -151,6 +157,8 @@ class CompiledModels:
         late = self.compiled_after_startup()
         if late:
             out["compiled_after_startup"] = late
+        if self.skinny is not None:
+            out["skinny_gemm"] = asdict(self.skinny)
         out["cuda_graphs"] = self.graphs.stats() if self.graphs is not None else {
             "off": self.graphs_off or "not captured"}
         # callables run eagerly for shapes they failed to compile for (none: left out)
@@ -238,9 +246,9 @@ def compile_models(runner: ModelRunner, cfg: CompileConfig) -> CompiledModels:
     backend = functools.partial(make_backend, inductor=cfg.inductor,
                                 inductor_config=inductor_config(cfg))
     eager: dict[str, Any] = {"target": runner.target_fn}
+    skinny = resolve_skinny(cfg.skinny_gemm, cfg.skinny_gemm_layer, runner.model)
     backends = {"target": backend(hoist_fc=False, per_layer_metadata=False,
-                                  skinny_gemm=cfg.skinny_gemm,
-                                  skinny_layer=cfg.skinny_gemm_layer,
+                                  skinny_gemm=skinny.gemm, skinny_layer=skinny.layer,
                                   skinny_norms=cfg.skinny_gemm_norms)}
     prop = runner.proposer
     stats = PrecompileStats() if precompile_on(cfg, runner.model) else None
@@ -248,7 +256,8 @@ def compile_models(runner: ModelRunner, cfg: CompileConfig) -> CompiledModels:
     if stats is not None:
         # Everything outside the module that shapes its graph (the module's own config, dtype
         # and device are read from it); k changes the verify's token counts (dynamic anyway).
-        parts = {"k": getattr(prop, "k", 0), **asdict(cfg)}
+        parts = {"k": getattr(prop, "k", 0), **asdict(cfg),
+                 "skinny_gemm": skinny.gemm, "skinny_gemm_layer": skinny.layer}
         parts.pop("cache_dir")  # where the file lives, not what it holds
         parts.pop("precompile")  # None (the CUDA default) and True save the same artifacts
         pre = ("target", stats, parts)
@@ -291,7 +300,8 @@ def compile_models(runner: ModelRunner, cfg: CompileConfig) -> CompiledModels:
         stats.traced.update({n: "a proposer method: Dynamo's guard pickler fails on its state"
                              for n in compiled
                              if n.startswith(("step_pick", "pick_plan", "tree_"))})
-    return CompiledModels(eager=eager, compiled=compiled, backends=backends, precompile=stats)
+    return CompiledModels(eager=eager, compiled=compiled, backends=backends, precompile=stats,
+                          skinny=skinny)
 
 
 def capture_graphs(runner: ModelRunner, models: CompiledModels, policy: CapturePolicy,

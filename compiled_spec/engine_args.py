@@ -38,12 +38,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--autotune-gemm", action="store_true",
                    help="with --compile: Inductor times its Triton GEMM templates against cuBLAS "
                    "per matmul shape and keeps the faster (longer compile)")
-    p.add_argument("--skinny-gemm", action="store_true",
+    p.add_argument("--skinny-gemm", action=argparse.BooleanOptionalAction, default=None,
                    help="with --compile: the target's residual adds fused into Triton GEMMs for "
-                   "few rows (passes.skinny_gemm; CUDA, M <= 64)")
-    p.add_argument("--skinny-gemm-layer", action="store_true",
-                   help="with --skinny-gemm: gate_up's SiLU-and-mul and qkv's rope + KV write "
-                   "fused into them too (8 kernels per decoder layer instead of 10)")
+                   "few rows (passes.skinny_gemm; CUDA, M <= 64; default: on for CUDA, 16-bit "
+                   "dtypes and small layer weights, compiled_spec/gemm_policy.py)")
+    p.add_argument("--skinny-gemm-layer", action=argparse.BooleanOptionalAction, default=None,
+                   help="with the skinny GEMMs: gate_up's SiLU-and-mul and qkv's rope + KV write "
+                   "fused into them too (8 kernels per decoder layer instead of 10; default: "
+                   "with the skinny GEMMs)")
     p.add_argument("--skinny-gemm-norms", action="store_true",
                    help="with --skinny-gemm: the RMSNorms fused into the GEMMs too (slower on "
                    "the H200; for benchmarks)")
@@ -91,13 +93,13 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
               draft_tensor_parallel=a.draft_tensor_parallel)
     sizes = getattr(a, "cuda_graph_sizes", None)
     autotune = getattr(a, "autotune_gemm", False)
-    skinny = getattr(a, "skinny_gemm", False)
-    layer = getattr(a, "skinny_gemm_layer", False)
+    skinny = getattr(a, "skinny_gemm", None)
+    layer = getattr(a, "skinny_gemm_layer", None)
     norms = getattr(a, "skinny_gemm_norms", False)
     pre = getattr(a, "precompile", None)
     pdl = getattr(a, "pdl", False)
-    if (a.compile_cache_dir is not None or sizes or autotune or skinny or layer or norms
-            or pre is not None or pdl):
+    if (a.compile_cache_dir is not None or sizes or autotune or skinny is not None
+            or layer is not None or norms or pre is not None or pdl):
         from compiled_spec.compile import CompileConfig
 
         kw["compile_config"] = CompileConfig(cache_dir=a.compile_cache_dir,

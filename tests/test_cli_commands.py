@@ -123,15 +123,19 @@ def test_autotune_gemm_reaches_the_compile_config():
     assert inductor_config(CompileConfig()) == {}
     with pytest.raises(ValueError, match="autotune_gemm"):
         CompileConfig(autotune_gemm="yes")  # type: ignore[arg-type]
-    # --skinny-gemm: the fused skinny-GEMM pass, off unless asked for
+    # --[no-]skinny-gemm: the fused skinny-GEMM pass; unset, decided per target (gemm_policy)
     skinny = engine_kwargs(p.parse_args(["--skinny-gemm"]))["compile_config"]
-    assert skinny.skinny_gemm is True and skinny.skinny_gemm_layer is False
+    assert skinny.skinny_gemm is True and skinny.skinny_gemm_layer is None
+    off = engine_kwargs(p.parse_args(["--no-skinny-gemm"]))["compile_config"]
+    assert off.skinny_gemm is False
+    assert engine_kwargs(p.parse_args(["--skinny-gemm", "--no-skinny-gemm-layer"]))[
+        "compile_config"].skinny_gemm_layer is False
     both = engine_kwargs(p.parse_args(["--skinny-gemm", "--skinny-gemm-layer"]))
     assert both["compile_config"].skinny_gemm_layer is True
     assert both["compile_config"].skinny_gemm_norms is False
     norms = engine_kwargs(p.parse_args(["--skinny-gemm", "--skinny-gemm-norms"]))
     assert norms["compile_config"].skinny_gemm_norms is True
-    assert cfg.skinny_gemm is False
+    assert cfg.skinny_gemm is None and "compile_config" not in engine_kwargs(p.parse_args([]))
     assert engine_kwargs(p.parse_args(["--precompile"]))["compile_config"].precompile is True
     assert engine_kwargs(p.parse_args(["--no-precompile"]))["compile_config"].precompile is False
     # unset: None, resolved per engine (on for CUDA weights, off for the CPU's)

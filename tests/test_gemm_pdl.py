@@ -69,6 +69,11 @@ def test_pdl_launch_option(monkeypatch) -> None:
     assert sg.pdl_launch(x) == {"GDC": 0}
     monkeypatch.setattr(sg, "PDL", True)
     assert sg.pdl_launch(x) == {"GDC": 0}  # a CPU tensor: the interpreter has no griddepcontrol
-    cuda_like = type("T", (), {"is_cuda": True})()
-    assert sg.pdl_launch(cuda_like) == {"GDC": 1, "launch_pdl": True}
-    assert sg.pdl_launch(cuda_like, allowed=False) == {"GDC": 0}  # split-K: reads x first
+    def cuda_like(rows: int) -> object:
+        return type("T", (), {"is_cuda": True, "shape": (rows, 576)})()
+
+    assert sg.pdl_launch(cuda_like(1)) == {"GDC": 1, "launch_pdl": True}
+    assert sg.pdl_launch(cuda_like(sg.PDL_MAX_ROWS)) == {"GDC": 1, "launch_pdl": True}
+    assert sg.pdl_launch(cuda_like(1), allowed=False) == {"GDC": 0}  # split-K: reads x first
+    # a wide launch (EAGLE-3's 96-row verify at batch 16) measured slower with PDL
+    assert sg.pdl_launch(cuda_like(sg.PDL_MAX_ROWS + 32)) == {"GDC": 0}

@@ -137,12 +137,17 @@ def test_layer_fusions_without_the_norms(dtype) -> None:
         "rmsnorm": 0, "gated": LAYERS, "residual": 2 * LAYERS, "rope_kv": LAYERS}
 
 
-def test_off_by_default_and_validated() -> None:
-    assert CompileConfig().skinny_gemm is False
-    assert CompileConfig(skinny_gemm=True).skinny_gemm_layer is False
+def test_decided_per_target_by_default_and_validated() -> None:
+    # None: compiled_spec/gemm_policy.py decides per target (tests/test_gemm_policy.py)
+    assert CompileConfig().skinny_gemm is None and CompileConfig().skinny_gemm_layer is None
+    assert CompileConfig(skinny_gemm=True).skinny_gemm_layer is None
     assert CompileConfig(skinny_gemm=True).skinny_gemm_norms is False
     with pytest.raises(ValueError, match="skinny_gemm"):
         CompileConfig(skinny_gemm=1)
+    with pytest.raises(ValueError, match="skinny_gemm_layer"):
+        CompileConfig(skinny_gemm=True, skinny_gemm_layer="yes")
+    with pytest.raises(ValueError, match="skinny_gemm_norms=True needs skinny_gemm"):
+        CompileConfig(skinny_gemm_norms=True, skinny_gemm=None)
     with pytest.raises(ValueError, match="skinny_gemm_layer=True needs skinny_gemm"):
         CompileConfig(skinny_gemm_layer=True)
     with pytest.raises(ValueError, match="skinny_gemm_norms=True needs skinny_gemm"):

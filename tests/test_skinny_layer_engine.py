@@ -3,7 +3,8 @@ kernels actually running: on the CPU under the Triton interpreter (in a subproce
 are made to take their kernels for CPU tensors, as they do for CUDA ones), a vanilla and an
 EAGLE engine over tiny Llamas whose head_dim (32) the qkv + rope kernel takes, with emulated
 CUDA graphs: one whose output depends on its attention (vanilla), one whose next token depends
-on the current one alone, so that a mirror EAGLE-1 head drafts some tokens right (speculative).
+on the current one alone, so that a mirror EAGLE-1 head drafts some tokens right (speculative,
+as a chain and as a draft tree: the fusions are on by default on CUDA, trees included).
 In fp32 each must write its default engine's greedy output token for token, and the speculative
 engine must accept exactly as many drafts as without the fusions: the kernels only reorder fp32
 sums. (On the H200 the fusions moved bf16 tau by ~10%; this pins down that the
@@ -53,19 +54,24 @@ def _worker(root: str, tok: str) -> None:
     for fused in (False, True):
         ops._skinny = (lambda x: x.shape[0] <= 64) if fused else (lambda x: False)
         cfg = CompileConfig(inductor=False, skinny_gemm=fused, skinny_gemm_layer=fused)
-        for draft in (None, head):
+        for kind in ("vanilla", "spec", "tree"):
+            draft = None if kind == "vanilla" else head
+            extra = {} if draft is None else {"num_speculative_tokens": K}
+            if kind == "tree":  # a draft tree verifies 6 nodes a request (tree attention)
+                extra.update(speculative_topk=2, speculative_num_draft_tokens=6)
             llm = LLM(model=target if draft else attn_target, tokenizer=tok, draft=draft,
-                      max_model_len=128, max_num_seqs=4, dtype="float32",
-                      **({"num_speculative_tokens": K} if draft else {}))
+                      max_model_len=128, max_num_seqs=4, dtype="float32", **extra)
             models = compile_models(llm.engine.runner, cfg)
             llm._compiled = models
-            policy = CapturePolicy(max_batch_size=4, num_speculative_tokens=K if draft else 0,
+            spec = llm.config.spec
+            policy = CapturePolicy(max_batch_size=4, num_speculative_tokens=0 if spec is None
+                                   else spec.num_speculative_tokens,
                                    max_model_len=128, batch_sizes=(1, 4),
                                    seq_len_buckets=(128,))
             capture_graphs(llm.engine.runner, models, policy, llm.config.cache.page_size,
                            emulate=True)
             res = llm.generate(PROMPTS, sp, use_tqdm=False)
-            name = ("fused" if fused else "default") + ("_spec" if draft else "_vanilla")
+            name = ("fused_" if fused else "default_") + kind
             out[name] = {"ids": [o.outputs[0].token_ids for o in res],
                          "tau": llm.stats.spec.mean_acceptance_length if draft else None,
                          "matches": models.backends["target"].match_counts}
@@ -79,15 +85,18 @@ def test_fused_layer_kernels_change_neither_output_nor_acceptance(tmp_path,
 
     res = run_interpreted(__file__, flag=f"--worker={tmp_path}::{smollm2_gguf_path}",
                           timeout=900)
-    for kind in ("vanilla", "spec"):
+    for kind in ("vanilla", "spec", "tree"):
         want = res[f"default_{kind}"]["ids"]
         assert len(want) == len(PROMPTS) and all(len(ids) == 10 for ids in want)
         assert res[f"fused_{kind}"]["ids"] == want, kind
-    assert res["fused_spec"]["tau"] == res["default_spec"]["tau"] > 1.0, res  # some accepted
+    assert res["default_tree"]["ids"] == res["default_spec"]["ids"]  # the same target
+    for kind in ("spec", "tree"):  # some drafts accepted, exactly as many with the fusions
+        assert res[f"fused_{kind}"]["tau"] == res[f"default_{kind}"]["tau"] > 1.0, res
     # the pass placed the fused ops (2 layers: qkv, o_proj, gate_up, down each, in every
     # target graph) and their kernels ran: decode and verify steps (<= 64 rows)
-    n = res["fused_vanilla"]["matches"]["SkinnyGemmFusion"]
-    assert n > 0 and n % 8 == 0
+    for kind in ("vanilla", "tree"):
+        n = res[f"fused_{kind}"]["matches"]["SkinnyGemmFusion"]
+        assert n > 0 and n % 8 == 0, kind
     assert res["default_vanilla"]["matches"].get("SkinnyGemmFusion", 0) == 0
     assert res["calls"]["qkv"] > 0 and res["calls"]["gemm"] > 3 * res["calls"]["qkv"] - 1
 

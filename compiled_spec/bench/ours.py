@@ -51,8 +51,8 @@ def build_engine(v: Variant, kw: dict[str, Any], prompts: list[list[int]],
 
     kw = dict(kw)
     autotune = kw.pop("autotune_gemm", False)  # compiled engines only
-    skinny = kw.pop("skinny_gemm", False)
-    layer = kw.pop("skinny_gemm_layer", False)
+    skinny = kw.pop("skinny_gemm", None)  # None: the engine decides (gemm_policy.py)
+    layer = kw.pop("skinny_gemm_layer", None)
     norms = kw.pop("skinny_gemm_norms", False)
     pre = kw.pop("precompile", None)
     pdl = kw.pop("pdl", False)
@@ -63,8 +63,8 @@ def build_engine(v: Variant, kw: dict[str, Any], prompts: list[list[int]],
         flags |= v.flags
         # the layer / norm fusions ride on the skinny GEMMs: an --ab skinny_gemm pair's "off"
         # has none of them
-        flags["skinny_gemm_layer"] = layer and flags["skinny_gemm"]
-        flags["skinny_gemm_norms"] = norms and flags["skinny_gemm"]
+        flags["skinny_gemm_layer"] = False if flags["skinny_gemm"] is False else layer
+        flags["skinny_gemm_norms"] = norms and flags["skinny_gemm"] is True
         kw["compile_config"] = CompileConfig(capture_batch_sizes=tuple(sorted(batch_sizes)),
                                              **flags)
     if v.draft is None:

@@ -140,8 +140,8 @@ def run_bench(a: argparse.Namespace) -> int:
               num_speculative_tokens=k, draft_sampling=a.draft_sampling,
               min_admit=getattr(a, "min_admit", None),
               autotune_gemm=getattr(a, "autotune_gemm", False),
-              skinny_gemm=getattr(a, "skinny_gemm", False),
-              skinny_gemm_layer=getattr(a, "skinny_gemm_layer", False),
+              skinny_gemm=getattr(a, "skinny_gemm", None),
+              skinny_gemm_layer=getattr(a, "skinny_gemm_layer", None),
               skinny_gemm_norms=getattr(a, "skinny_gemm_norms", False),
               precompile=getattr(a, "precompile", None), pdl=getattr(a, "pdl", False))
     batch_sizes = sorted(set(a.batch_sizes))

@@ -4,8 +4,8 @@ One shape per run (a target and an EAGLE-3 head):
   python profiles/scripts/graphs_h200.py --shape smollm2 --model ~/m/model.gguf --draft HEAD --out F.json
   python profiles/scripts/graphs_h200.py --shape llama8b --out F.json   (random Llama-3.1-8B + 32k head)
   python profiles/scripts/graphs_h200.py --shape smollm2-random --tokenizer TOK --out F.json
-      (SmolLM2-135M's shape with random weights: no GGUF to carry; --skinny-gemm
-      [--skinny-gemm-layer] [--skinny-gemm-norms] A/B the fused decoder-layer GEMMs)
+      (SmolLM2-135M's shape with random weights: no GGUF to carry; --[no-]skinny-gemm
+      [--[no-]skinny-gemm-layer] [--skinny-gemm-norms] A/B the fused decoder-layer GEMMs)
 
 Reports start-up (load; torch.compile + capture by dummy runs), then at a 512-token context and
 batch 1: the target forward at T = 1 / 4 / 8 tokens (eager, compiled, compiled + graph) and the
@@ -265,10 +265,11 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--autotune-gemm", action="store_true",
                     help="Inductor's GEMM autotuning (Triton templates vs cuBLAS per shape)")
-    ap.add_argument("--skinny-gemm", action="store_true",
-                    help="the target's residual adds fused into our skinny GEMMs")
-    ap.add_argument("--skinny-gemm-layer", action="store_true",
-                    help="with --skinny-gemm: SiLU-and-mul and rope + KV write too")
+    ap.add_argument("--skinny-gemm", action=argparse.BooleanOptionalAction, default=None,
+                    help="the target's residual adds fused into our skinny GEMMs (default: the "
+                         "engine's, compiled_spec/gemm_policy.py)")
+    ap.add_argument("--skinny-gemm-layer", action=argparse.BooleanOptionalAction, default=None,
+                    help="with the skinny GEMMs: SiLU-and-mul and rope + KV write too")
     ap.add_argument("--skinny-gemm-norms", action="store_true",
                     help="with --skinny-gemm: the RMSNorms too")
     ap.add_argument("--pdl", action="store_true",

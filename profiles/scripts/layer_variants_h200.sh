@@ -3,7 +3,8 @@
 # under launch variants, one fresh process each on one compile cache (graphs_h200.py, random
 # weights: no GGUF needed, so it runs right after `train_sharegpt_h200.sh setup0`).
 #   SHAPE=smollm2-random|llama8b   VARIANTS (in order; each LIMIT seconds at most):
-#     default    the engine's defaults (no skinny GEMMs)
+#     default    the engine's defaults (skinny GEMMs decided per target, gemm_policy.py)
+#     unfused    --no-skinny-gemm
 #     layer      --skinny-gemm --skinny-gemm-layer
 #     pdl        layer + programmatic dependent launch for ours and Inductor's kernels
 #                (COMPILED_SPEC_GEMM_PDL=1 --pdl)
@@ -19,6 +20,7 @@ for v in ${VARIANTS:-layer pdl pdl_merge}; do
   E=""; A="--skinny-gemm --skinny-gemm-layer"
   case $v in
   default) A="" ;;
+  unfused) A="--no-skinny-gemm" ;;
   layer) ;;
   pdl) E="COMPILED_SPEC_GEMM_PDL=1"; A="$A --pdl" ;;
   merge) E="COMPILED_SPEC_FUSED_MERGE=1" ;;

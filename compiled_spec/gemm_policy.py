@@ -1,0 +1,63 @@
+"""Whether an engine's target runs our skinny GEMMs (passes/skinny_gemm.py) when its
+``CompileConfig`` leaves it to us (``skinny_gemm=None``, the default).
+
+Measured on the H200 (thirtieth session, profiles/results/2026-12-04_h200_session30/):
+- SmolLM2-135M (largest layer weight 3072 x 576 = 1.8M elements), bf16: every row of the bench
+  gains with the GEMMs and the layer fusions: vanilla batch 4 / 16 by 7.5 / 5.2% (batch 1 by
+  8.8% in the twenty-ninth session), EAGLE-3 batch 4 / 16 by 14 / 7.4%; a verify of 96 rows
+  (beyond the kernels' 64, so cuBLAS with the residual in its epilogue) ties.
+- The Llama-3.1-8B shape (weights of 16.8M-117M elements), bf16: the decode call is slower with
+  them (5.47 vs 4.76 ms): cuBLAS streams large weights better than our split-K tiles.
+- fp32: slower (3.33 vs 1.17 ms per SmolLM2 token): the kernels are tuned for 16-bit tiles.
+So the default is on for CUDA, 16-bit dtypes and targets whose largest projection stays within
+``AUTO_MAX_WEIGHT`` elements (between the two shapes measured, nearer the one that gains).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+AUTO_MAX_WEIGHT = 4 * 1024 * 1024  # elements of the largest decoder-layer projection
+AUTO_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class SkinnyChoice:
+    gemm: bool  # residual adds into our skinny GEMMs
+    layer: bool  # with gemm: SiLU-and-mul and rope + KV write too
+    why: str  # what decided it (engine stats)
+
+
+def largest_layer_weight(model: torch.nn.Module) -> int:
+    """Elements of the largest 2-D weight of a Linear in the model (lm_head excluded: it runs
+    outside the compiled graph); 0 when there is none."""
+    sizes = [m.weight.numel() for name, m in model.named_modules()
+             if isinstance(m, torch.nn.Linear) and not name.endswith("lm_head")]
+    return max(sizes, default=0)
+
+
+def skinny_auto(device_type: str, dtype: torch.dtype, largest_weight: int) -> tuple[bool, str]:
+    """The default for one target: (on, why)."""
+    if device_type != "cuda":
+        return False, f"auto: off on {device_type} (Triton GEMMs for CUDA)"
+    if dtype not in AUTO_DTYPES:
+        return False, f"auto: off for {dtype} (tuned for 16-bit tiles; fp32 measured slower)"
+    if largest_weight > AUTO_MAX_WEIGHT:
+        return False, (f"auto: off, largest layer weight {largest_weight} elements > "
+                       f"{AUTO_MAX_WEIGHT} (cuBLAS measured faster on large weights)")
+    return True, f"auto: on, largest layer weight {largest_weight} <= {AUTO_MAX_WEIGHT} elements"
+
+
+def resolve_skinny(gemm: bool | None, layer: bool | None, model: torch.nn.Module) -> SkinnyChoice:
+    """``CompileConfig.skinny_gemm`` / ``skinny_gemm_layer`` with None resolved for ``model``:
+    the GEMMs by ``skinny_auto``, the layer fusions as the GEMMs go."""
+    if gemm is None:
+        param = next(model.parameters(), None)
+        if param is None:
+            gemm, why = False, "auto: off, the model has no parameters"
+        else:
+            gemm, why = skinny_auto(param.device.type, param.dtype, largest_layer_weight(model))
+    else:
+        why = f"set: skinny_gemm={gemm}"
+    return SkinnyChoice(gemm, gemm if layer is None else (layer and gemm), why)

@@ -1,0 +1,76 @@
+"""Whether a target gets our skinny GEMMs by default (compiled_spec/gemm_policy.py): on for
+CUDA, 16-bit dtypes and small layer weights (SmolLM2 measured faster on the H200), off for the
+8B shape's weights, fp32 and the CPU; an explicit setting always wins, and the engine's stats
+say what was decided and why."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compiled_spec.gemm_policy import (AUTO_MAX_WEIGHT, largest_layer_weight, resolve_skinny,
+                                       skinny_auto)
+
+SMOLLM2_GATE_UP = 2 * 1536 * 576
+LLAMA8B_O_PROJ = 4096 * 4096  # the 8B shape's smallest projection
+
+
+@pytest.mark.parametrize("device, dtype, weight, on", [
+    ("cuda", torch.bfloat16, SMOLLM2_GATE_UP, True),
+    ("cuda", torch.float16, SMOLLM2_GATE_UP, True),
+    ("cuda", torch.bfloat16, AUTO_MAX_WEIGHT, True),
+    ("cuda", torch.bfloat16, AUTO_MAX_WEIGHT + 1, False),
+    ("cuda", torch.bfloat16, LLAMA8B_O_PROJ, False),
+    ("cuda", torch.float32, SMOLLM2_GATE_UP, False),
+    ("cpu", torch.bfloat16, SMOLLM2_GATE_UP, False),
+])
+def test_auto_rule(device: str, dtype: torch.dtype, weight: int, on: bool) -> None:
+    got, why = skinny_auto(device, dtype, weight)
+    assert got is on
+    assert why.startswith("auto: on" if on else "auto: off")
+
+
+class _Toy(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(16, 32), torch.nn.Linear(32, 8)])
+        self.lm_head = torch.nn.Linear(32, 1000)  # outside the compiled graph: not counted
+
+
+def test_largest_layer_weight_leaves_out_lm_head() -> None:
+    assert largest_layer_weight(_Toy()) == 32 * 16
+    assert largest_layer_weight(torch.nn.Sequential()) == 0
+
+
+def test_explicit_settings_win_and_layer_follows() -> None:
+    toy = _Toy()
+    assert (resolve_skinny(None, None, toy).gemm, resolve_skinny(None, None, toy).layer) == \
+        (False, False)
+    assert "auto: off on cpu" in resolve_skinny(None, None, toy).why
+    on = resolve_skinny(True, None, toy)
+    assert (on.gemm, on.layer, on.why) == (True, True, "set: skinny_gemm=True")
+    assert resolve_skinny(True, False, toy).layer is False
+    off = resolve_skinny(False, None, toy)
+    assert (off.gemm, off.layer) == (False, False)
+    assert resolve_skinny(None, None, torch.nn.Sequential()).gemm is False
+
+
+def test_engine_reports_the_choice(tmp_path, smollm2_gguf_path) -> None:
+    from compiled_spec import LLM
+    from compiled_spec.compile import CompileConfig, compile_models
+    from tests.spec_models import write_bigram_target
+
+    target = write_bigram_target(tmp_path / "t", vocab=64, hidden=64, layers=1)
+    llm = LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=64, max_num_seqs=2,
+              dtype="float32")
+    auto = compile_models(llm.engine.runner, CompileConfig(inductor=False)).stats()
+    assert auto["skinny_gemm"]["gemm"] is False and "auto: off on cpu" in auto["skinny_gemm"]["why"]
+    forced = compile_models(llm.engine.runner, CompileConfig(inductor=False, skinny_gemm=True))
+    assert forced.stats()["skinny_gemm"] == {"gemm": True, "layer": True,
+                                             "why": "set: skinny_gemm=True"}
+    from passes.skinny_gemm import SkinnyGemmFusion
+
+    fusion = [p for p in forced.backends["target"].pass_manager.passes if isinstance(p, SkinnyGemmFusion)]
+    assert len(fusion) == 1 and fusion[0].layer is True
+    assert not any(isinstance(p, SkinnyGemmFusion)
+                   for p in compile_models(llm.engine.runner, CompileConfig(inductor=False))
+                   .backends["target"].pass_manager.passes)
