@@ -22,6 +22,17 @@ def write_kv_ref(
     v_flat.index_copy_(0, slots, value[valid].to(v_cache.dtype))
 
 
+def rope_table_ref(
+    positions: torch.Tensor,  # [num_tokens] int
+    cos_cache: torch.Tensor,  # [max_positions, head_dim] fp32
+    sin_cache: torch.Tensor,  # [max_positions, head_dim] fp32
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:  # [num_tokens, head_dim] each, in dtype
+    """The rope tables' rows at ``positions``, gathered in fp32 and cast to ``dtype`` (as HF
+    Llama computes them)."""
+    return cos_cache[positions].to(dtype), sin_cache[positions].to(dtype)
+
+
 def rope_write_kv_ref(
     qk: torch.Tensor,  # [num_tokens, num_heads + num_kv_heads, head_dim], not yet roped
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]

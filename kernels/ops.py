@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from kernels.attention_ref import (paged_attention_ref, paged_tree_attention_ref,
-                                   rope_write_kv_ref, write_kv_ref)
+                                   rope_table_ref, rope_write_kv_ref, write_kv_ref)
 from kernels.dispatch import attention_triton as _attention_triton
 from kernels.dispatch import use_triton as _use_triton
 
@@ -30,6 +30,32 @@ def write_kv(
 @write_kv.register_fake
 def _(key, value, k_cache, v_cache, slot_mapping) -> None:
     return None
+
+
+@torch.library.custom_op("compiled_spec::rope_table", mutates_args=())
+def rope_table(
+    positions: torch.Tensor,  # [num_tokens] int
+    cos_cache: torch.Tensor,  # [max_positions, head_dim] fp32
+    sin_cache: torch.Tensor,  # [max_positions, head_dim] fp32
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:  # [num_tokens, head_dim] each, in dtype
+    """A step's cos / sin rows, as an opaque op so that each is one buffer in the compiled
+    graph. Gathered inline, they reached Inductor as an unrealized gather, and Inductor makes
+    a copy of such an input for every op that takes it: each layer's rope op (rope_write_kv or
+    qkv_rope_write_kv) got its own two copies (the CPU wrapper code: two [T, head_dim] buffers
+    per layer; SmolLM2's decode call on the H200: 10 kernels gathering them, thirtieth
+    session)."""
+    if _use_triton(positions):
+        from kernels.rope_kv_triton import rope_table_triton
+
+        return rope_table_triton(positions, cos_cache, sin_cache, dtype)
+    return rope_table_ref(positions, cos_cache, sin_cache, dtype)
+
+
+@rope_table.register_fake
+def _(positions, cos_cache, sin_cache, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (positions.shape[0], cos_cache.shape[1])
+    return cos_cache.new_empty(shape, dtype=dtype), cos_cache.new_empty(shape, dtype=dtype)
 
 
 @torch.library.custom_op("compiled_spec::rope_write_kv", mutates_args=("k_cache", "v_cache"))

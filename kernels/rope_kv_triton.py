@@ -87,3 +87,54 @@ def rope_write_kv_triton(
         KV_PAD=triton.next_power_of_2(num_kv_heads),
     )
     return q_out
+
+
+@triton.jit
+def _rope_table_kernel(pos_ptr, cos_cache_ptr, sin_cache_ptr, cos_ptr, sin_ptr, num_tokens,
+                       max_positions, stride_cache, HEAD_DIM: tl.constexpr,
+                       DIM_PAD: tl.constexpr, BLOCK_T: tl.constexpr, TO_BF16: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
+    cols = tl.arange(0, DIM_PAD)[None, :]  # [1, DIM_PAD]
+    rmask = rows < num_tokens
+    mask = rmask[:, None] & (cols < HEAD_DIM)
+    pos = tl.load(pos_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    # A padding row's position may be anything: never read outside the tables for it.
+    pos = tl.minimum(tl.maximum(pos, 0), max_positions - 1)
+    src = pos[:, None] * stride_cache + cols
+    dst = rows[:, None].to(tl.int64) * HEAD_DIM + cols
+    c = tl.load(cos_cache_ptr + src, mask=mask)
+    s = tl.load(sin_cache_ptr + src, mask=mask)
+    if TO_BF16:  # round to nearest even by hand: the interpreter's cast truncates
+        c, s = _bf16_rne(c), _bf16_rne(s)
+    tl.store(cos_ptr + dst, c.to(cos_ptr.dtype.element_ty), mask=mask)
+    tl.store(sin_ptr + dst, s.to(sin_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bf16_rne(x):
+    """fp32 -> bf16 rounded to nearest even, as torch's cast does (finite inputs)."""
+    b = x.to(tl.int32, bitcast=True)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+    return b.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+def rope_table_triton(
+    positions: torch.Tensor,  # [num_tokens] int
+    cos_cache: torch.Tensor,  # [max_positions, head_dim] fp32
+    sin_cache: torch.Tensor,  # [max_positions, head_dim] fp32
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:  # [num_tokens, head_dim] each, in dtype
+    """The rows of both tables at ``positions``, cast to ``dtype``: one launch for what the
+    gather and the casts of ``kernels.attention_ref.rope_table_ref`` do."""
+    num_tokens, head_dim = positions.shape[0], cos_cache.shape[1]
+    assert cos_cache.stride() == sin_cache.stride() and cos_cache.stride(1) == 1
+    cos = torch.empty((num_tokens, head_dim), dtype=dtype, device=positions.device)
+    sin = torch.empty((num_tokens, head_dim), dtype=dtype, device=positions.device)
+    if num_tokens:
+        block_t = 16
+        _rope_table_kernel[(triton.cdiv(num_tokens, block_t),)](
+            positions, cos_cache, sin_cache, cos, sin, num_tokens, cos_cache.shape[0],
+            cos_cache.stride(0),
+            HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_T=block_t,
+            TO_BF16=dtype == torch.bfloat16)
+    return cos, sin

@@ -55,8 +55,9 @@ def warm_attention(k_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_head
 def warm_rope_write_kv(k_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_heads, head_dim]
                        v_cache: torch.Tensor, num_heads: int) -> None:
     """Compile the rope + KV-write kernel for this cache (one token, slot -1: nothing written),
-    laid out as the decoder passes it: q/k and v as views of one fused qkv row."""
-    from kernels.rope_kv_triton import rope_write_kv_triton
+    laid out as the decoder passes it: q/k and v as views of one fused qkv row; and the rope
+    table gather that feeds it (fp32 tables of a multiple of 16 rows, as models have)."""
+    from kernels.rope_kv_triton import rope_table_triton, rope_write_kv_triton
 
     _, _, kvh, d = k_cache.shape
     # [1, heads + 2 kv, d]: the decoder's qkv view (models/decoder.py, _write_qkv)
@@ -65,6 +66,9 @@ def warm_rope_write_kv(k_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_
     cs = torch.zeros(1, d, dtype=k_cache.dtype, device=k_cache.device)
     slots = torch.full((1,), -1, dtype=torch.int64, device=k_cache.device)
     rope_write_kv_triton(qk, v, k_cache, v_cache, slots, cs, cs, num_heads)
+    table = torch.zeros(16, d, dtype=torch.float32, device=k_cache.device)
+    rope_table_triton(torch.zeros(1, dtype=torch.int64, device=k_cache.device), table, table,
+                      k_cache.dtype)
 
 
 def warm_model_attention(layers: list[torch.nn.Module], max_query_len: int, max_seq_len: int,

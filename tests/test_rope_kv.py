@@ -98,7 +98,28 @@ def _worker(device: str = "cpu") -> None:
             "v": bool(torch.equal(tv, rv.to(vc.dtype))),
             "shape": list(got.shape) == [qk.shape[0], heads, d],
         }
+    results["rope_table"] = _rope_table_case(device)
     print("RESULTS " + json.dumps(results))
+
+
+def _rope_table_case(device: str) -> dict:
+    """The rope-table gather kernel: exactly the reference's rows and casts (a copy, no math),
+    over more rows than one program holds, with a padding row's stray positions clamped."""
+    from compiled_spec.models.layers import RotaryEmbedding
+    from kernels.attention_ref import rope_table_ref
+    from kernels.rope_kv_triton import rope_table_triton
+
+    rope = RotaryEmbedding(64, 100, 10000.0, None)
+    cc, sc = rope.cos_cache.to(device), rope.sin_cache.to(device)
+    pos = torch.tensor([0, 99, 3, 57, 57, 12] * 4 + [1], device=device)
+    out = {}
+    for dt in (torch.float32, torch.bfloat16):
+        got, want = rope_table_triton(pos, cc, sc, dt), rope_table_ref(pos, cc, sc, dt)
+        out[str(dt)] = all(torch.equal(a, b) and a.dtype == dt for a, b in zip(got, want))
+    stray = rope_table_triton(torch.tensor([-1, 100, 5000], device=device), cc, sc,
+                              torch.float32)
+    out["clamped"] = torch.equal(stray[0], cc[[0, 99, 99]])
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +133,11 @@ def triton_results() -> dict:
 def test_triton_kernel_matches_reference(triton_results: dict, case) -> None:
     r = triton_results[str(case)]
     assert r == {"q": True, "k": True, "v": True, "shape": True}, r
+
+
+def test_rope_table_kernel_matches_reference(triton_results: dict) -> None:
+    r = triton_results["rope_table"]
+    assert r == {"torch.float32": True, "torch.bfloat16": True, "clamped": True}, r
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kernels.ops  # noqa: F401  (registers compiled_spec::rope_table)
 from compiled_spec.models.config import Llama3RopeScaling
 
 
@@ -86,9 +87,10 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor,  # [T] int64
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # Gathered in fp32 then cast to the activation dtype, as HF does.
-        cos = self.cos_cache[positions].to(dtype)  # [T, head_dim]
-        sin = self.sin_cache[positions].to(dtype)
+        # Gathered in fp32 then cast to the activation dtype, as HF does; one op, so that the
+        # compiled graph holds one buffer of each that every layer reads (kernels/ops.py).
+        cos, sin = torch.ops.compiled_spec.rope_table(positions, self.cos_cache, self.sin_cache,
+                                                      dtype)  # [T, head_dim] each
         return cos, sin
 
 
