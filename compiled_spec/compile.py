@@ -30,6 +30,7 @@ from compiled_spec.compile_guard import CompileGuard
 from compiled_spec.engine.graphs import EngineGraphs
 from compiled_spec.engine.model_runner import ModelRunner
 from compiled_spec.gemm_policy import SkinnyChoice, resolve_skinny
+from kernels.dispatch import pdl_scope
 from compiled_spec.precompile import PrecompiledModule, PrecompileStats, cache_key, precompile_dir
 from compiled_spec.spec.tree_accept_device import early_tree_stage
 from passes import make_backend
@@ -70,10 +71,11 @@ class CompileConfig:
     # 12.8-13.7 s without (eighteenth session). Off by default on the CPU, where engines are
     # mostly tests and CI runs that start cold: there the aot_compile save only adds time.
     precompile: bool | None = None
-    # Programmatic dependent launch for Inductor's Triton kernels (Hopper and newer): a kernel
-    # launches while its predecessor drains and waits on-device for its inputs, hiding part of
-    # the ~0.5 us gap between the ~450 small kernels of a SmolLM2 step (H200 trace, twelfth
-    # session). Our own Triton and cuBLAS kernels launch as before. Off until measured.
+    # Programmatic dependent launch (Hopper and newer) for Inductor's Triton kernels and ours
+    # (kernels/dispatch.py, ours for launches of up to 64 rows): a kernel launches while its
+    # predecessor drains and waits on-device for its inputs. With the fused layer, SmolLM2's
+    # vanilla batch 1 went from 0.98 to 0.78 ms/token on the H200, but EAGLE-3's 96-row verify
+    # got slower (thirtieth session): off until a batch sweep decides.
     pdl: bool = False
     # One-sequence prompt steps of up to this many query tokens replay CUDA graphs padded to
     # 16, 32, ... tokens (capture.policy.prefill_sizes); 0 = none. Why: without a graph a
@@ -194,9 +196,10 @@ def compile_callable(fn: Any, backend: Any, cfg: CompileConfig,
         # pass then restarts the whole analysis to specialize them, so every target compile
         # traced the model and ran AOTAutograd twice (the first attempt's AOT cache entry never
         # hits: ~8.5 s of a 22 s warm start on the CPU, ninth session).
+        # cfg.pdl: our kernels launched from this call (or captured from it) on PDL too.
         with torch.fx.experimental._config.patch(use_duck_shape=False,
                                                  backed_size_oblivious=cfg.size_oblivious), \
-                torch._dynamo.config.patch(specialize_float=True):
+                torch._dynamo.config.patch(specialize_float=True), pdl_scope(cfg.pdl):
             return guard(run, *args, **kwargs)
 
     call.__wrapped__ = compiled  # type: ignore[attr-defined]

@@ -50,8 +50,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="with --skinny-gemm: the RMSNorms fused into the GEMMs too (slower on "
                    "the H200; for benchmarks)")
     p.add_argument("--pdl", action="store_true",
-                   help="with --compile: Inductor's Triton kernels use programmatic dependent "
-                   "launch (Hopper and newer; shortens the gaps between kernels)")
+                   help="with --compile: Inductor's Triton kernels and ours (up to 64 rows) use "
+                   "programmatic dependent launch (Hopper and newer; shortens the gaps between "
+                   "kernels)")
     p.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=None,
                    help="with --compile: save the target's compiled result (torch's aot_compile) "
                    "in the compile cache and load it on later starts instead of tracing "

@@ -3,6 +3,9 @@ elsewhere (shared by ``kernels.ops`` and ``kernels.gemm_ops``); and how our kern
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 
@@ -23,21 +26,34 @@ def attention_triton(t: torch.Tensor) -> bool:
     return True
 
 
-# COMPILED_SPEC_GEMM_PDL=1: our kernels of the decoder layer (the skinny GEMMs, qkv + rope + KV
-# write, attention and its split merge) launch with programmatic dependent launch: each lets
-# the next launch as soon as it has waited for the one before (griddepcontrol), and a GEMM
-# fetches its first weights before that wait. With Inductor's kernels on PDL as well
-# (``CompileConfig.pdl``) a layer's whole chain overlaps launch and weight latency: on the H200
-# (thirtieth session) SmolLM2's decode call went from 0.884 to 0.775 ms and vanilla batch 1 from
-# 0.98 to 0.78 ms/token. Only launches of up to PDL_MAX_ROWS rows: EAGLE-3's 96-row verify
-# (batch 16) was slower with it (1.46-1.60 vs 1.27 ms), early-launched programs holding SMs
-# the GEMMs before them still needed. Off by default until a batch sweep says where it pays.
-PDL = os.environ.get("COMPILED_SPEC_GEMM_PDL", "0") == "1"
+# Programmatic dependent launch for our kernels of the decoder layer (the skinny GEMMs, qkv +
+# rope + KV write, attention and its split merge): each lets the next launch as soon as it has
+# waited for the one before (griddepcontrol), and a GEMM fetches its first weights before that
+# wait. On inside ``pdl_scope(True)``, which an engine with ``CompileConfig.pdl`` (Inductor's
+# kernels on PDL too) holds around its compiled calls, so a capture records it into the graph;
+# COMPILED_SPEC_GEMM_PDL=1 turns it on for every engine of the process. With both halves a
+# layer's whole chain overlaps launch and weight latency: on the H200 (thirtieth session)
+# SmolLM2's fused decode call went from 0.884 to 0.775 ms, vanilla batch 1 from 0.98 to 0.78
+# ms/token. Only launches of up to PDL_MAX_ROWS rows: EAGLE-3's 96-row verify (batch 16) was
+# slower with it (1.46-1.60 vs 1.27 ms), early-launched programs holding SMs that the GEMM
+# before them still needed.
+ENV_PDL = os.environ.get("COMPILED_SPEC_GEMM_PDL", "0") == "1"
 PDL_MAX_ROWS = 64
+_PDL: ContextVar[bool] = ContextVar("compiled_spec_pdl", default=ENV_PDL)
+
+
+@contextmanager
+def pdl_scope(on: bool) -> Iterator[None]:
+    """Our kernels launch with PDL inside (or always, under COMPILED_SPEC_GEMM_PDL=1)."""
+    token = _PDL.set(on or ENV_PDL)
+    try:
+        yield
+    finally:
+        _PDL.reset(token)
 
 
 def pdl_launch(x: torch.Tensor, allowed: bool = True) -> dict:
     """A launch's GDC constexpr and, when on, Triton's PDL launch option (CUDA only: the
     interpreter has no griddepcontrol). ``x``: the launch's activations, rows first."""
-    on = PDL and allowed and x.is_cuda and x.shape[0] <= PDL_MAX_ROWS
+    on = _PDL.get() and allowed and x.is_cuda and x.shape[0] <= PDL_MAX_ROWS
     return {"GDC": 1, "launch_pdl": True} if on else {"GDC": 0}

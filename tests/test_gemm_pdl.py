@@ -1,8 +1,9 @@
-"""Programmatic dependent launch in our decoder-layer kernels (``COMPILED_SPEC_GEMM_PDL=1``): the
+"""Programmatic dependent launch in our decoder-layer kernels (``CompileConfig.pdl``): the
 path only a Hopper GPU runs (griddepcontrol has no interpreter form), compiled here for sm_90 by
 Triton's own pipeline down to PTX (no GPU needed): with GDC the skinny GEMM, the qkv + rope
 kernel, attention and the split merge hold exactly one wait and one launch-dependents each,
-without it none; and the launch option stays off for CPU tensors and split-K launches."""
+without it none; and the launch option: on only inside an engine's PDL scope (its compiled
+calls, captures included), never for CPU tensors, split-K launches or more than 64 rows."""
 from __future__ import annotations
 
 import json
@@ -61,19 +62,66 @@ def test_gdc_path_compiles_for_hopper_with_one_wait_and_one_trigger() -> None:
                    for g in (0, 1)}, got
 
 
-def test_pdl_launch_option(monkeypatch) -> None:
+def test_pdl_launch_option() -> None:
     import kernels.dispatch as sg
 
-    x = torch.zeros(2, 2)
-    monkeypatch.setattr(sg, "PDL", False)
-    assert sg.pdl_launch(x) == {"GDC": 0}
-    monkeypatch.setattr(sg, "PDL", True)
-    assert sg.pdl_launch(x) == {"GDC": 0}  # a CPU tensor: the interpreter has no griddepcontrol
     def cuda_like(rows: int) -> object:
         return type("T", (), {"is_cuda": True, "shape": (rows, 576)})()
 
-    assert sg.pdl_launch(cuda_like(1)) == {"GDC": 1, "launch_pdl": True}
-    assert sg.pdl_launch(cuda_like(sg.PDL_MAX_ROWS)) == {"GDC": 1, "launch_pdl": True}
-    assert sg.pdl_launch(cuda_like(1), allowed=False) == {"GDC": 0}  # split-K: reads x first
-    # a wide launch (EAGLE-3's 96-row verify at batch 16) measured slower with PDL
-    assert sg.pdl_launch(cuda_like(sg.PDL_MAX_ROWS + 32)) == {"GDC": 0}
+    assert not sg.ENV_PDL  # CI runs without COMPILED_SPEC_GEMM_PDL
+    assert sg.pdl_launch(cuda_like(1)) == {"GDC": 0}  # off outside an engine's PDL scope
+    with sg.pdl_scope(True):
+        # a CPU tensor: the interpreter has no griddepcontrol
+        assert sg.pdl_launch(torch.zeros(2, 2)) == {"GDC": 0}
+        assert sg.pdl_launch(cuda_like(1)) == {"GDC": 1, "launch_pdl": True}
+        assert sg.pdl_launch(cuda_like(sg.PDL_MAX_ROWS)) == {"GDC": 1, "launch_pdl": True}
+        assert sg.pdl_launch(cuda_like(1), allowed=False) == {"GDC": 0}  # split-K: reads x first
+        # a wide launch (EAGLE-3's 96-row verify at batch 16) measured slower with PDL
+        assert sg.pdl_launch(cuda_like(sg.PDL_MAX_ROWS + 32)) == {"GDC": 0}
+        with sg.pdl_scope(False):
+            assert sg.pdl_launch(cuda_like(1)) == {"GDC": 0}
+        assert sg.pdl_launch(cuda_like(1)) == {"GDC": 1, "launch_pdl": True}
+    assert sg.pdl_launch(cuda_like(1)) == {"GDC": 0}
+
+
+_SEEN: list[bool] = []
+
+
+@torch.library.custom_op("cs_test::pdl_probe", mutates_args=())
+def _pdl_probe(x: torch.Tensor) -> torch.Tensor:
+    import kernels.dispatch as sg
+
+    _SEEN.append(sg._PDL.get())  # what our ops' launches would read at run time
+    return x.clone()
+
+
+@_pdl_probe.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class _Probe(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.cs_test.pdl_probe(x) + 1
+
+
+def test_engine_config_scopes_our_pdl_to_its_compiled_calls() -> None:
+    """``CompileConfig.pdl`` puts our kernels on PDL for the engine's own compiled calls (and so
+    its captures), not process-wide: another engine in the process (``--ab pdl``'s "off") and
+    code outside the calls launch without it."""
+    from compiled_spec.compile import CompileConfig, compile_callable
+
+    def backend(gm, example_inputs):  # noqa: ANN001
+        return gm.forward
+
+    backend.uuid = lambda: "probe"  # type: ignore[attr-defined]
+    x = torch.zeros(3)
+    for pdl in (True, False):
+        _SEEN.clear()
+        torch._dynamo.reset()
+        call = compile_callable(_Probe(), backend, CompileConfig(pdl=pdl))
+        assert torch.equal(call(x), x + 1) and torch.equal(call(x), x + 1)
+        assert _SEEN and set(_SEEN) == {pdl}, (pdl, _SEEN)
+    import kernels.dispatch as sg
+
+    assert sg._PDL.get() is False

@@ -273,8 +273,8 @@ def main() -> int:
     ap.add_argument("--skinny-gemm-norms", action="store_true",
                     help="with --skinny-gemm: the RMSNorms too")
     ap.add_argument("--pdl", action="store_true",
-                    help="Inductor's kernels with programmatic dependent launch (ours too with "
-                         "COMPILED_SPEC_GEMM_PDL=1)")
+                    help="Inductor's kernels and ours with programmatic dependent launch "
+                         "(CompileConfig.pdl)")
     ap.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=None,
                     help="the target from torch's aot_compile artifacts (default: on for CUDA)")
     ap.add_argument("--startup-only", action="store_true",

@@ -7,7 +7,8 @@
 #     unfused    --no-skinny-gemm
 #     layer      --skinny-gemm --skinny-gemm-layer
 #     pdl        layer + programmatic dependent launch for ours and Inductor's kernels
-#                (COMPILED_SPEC_GEMM_PDL=1 --pdl)
+#                (--pdl; the thirtieth session ran it with COMPILED_SPEC_GEMM_PDL=1 too, which
+#                --pdl has implied since)
 #     merge      layer + attention's split merge in the split kernel (COMPILED_SPEC_FUSED_MERGE=1)
 #     pdl_merge  both
 # Logs and JSONs go into one archive, $OUT/layer_$SHAPE.tgz ($OUT brings back 8 files at most).
@@ -22,9 +23,9 @@ for v in ${VARIANTS:-layer pdl pdl_merge}; do
   default) A="" ;;
   unfused) A="--no-skinny-gemm" ;;
   layer) ;;
-  pdl) E="COMPILED_SPEC_GEMM_PDL=1"; A="$A --pdl" ;;
+  pdl) A="$A --pdl" ;;
   merge) E="COMPILED_SPEC_FUSED_MERGE=1" ;;
-  pdl_merge) E="COMPILED_SPEC_GEMM_PDL=1 COMPILED_SPEC_FUSED_MERGE=1"; A="$A --pdl" ;;
+  pdl_merge) E="COMPILED_SPEC_FUSED_MERGE=1"; A="$A --pdl" ;;
   *) echo "unknown variant $v"; continue ;;
   esac
   t0=$(date +%s)
