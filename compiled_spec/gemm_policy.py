@@ -43,6 +43,8 @@ def skinny_auto(device_type: str, dtype: torch.dtype, largest_weight: int) -> tu
         return False, f"auto: off on {device_type} (Triton GEMMs for CUDA)"
     if dtype not in AUTO_DTYPES:
         return False, f"auto: off for {dtype} (tuned for 16-bit tiles; fp32 measured slower)"
+    if largest_weight <= 0:
+        return False, "auto: off, no Linear layer to size (not our decoder's layout)"
     if largest_weight > AUTO_MAX_WEIGHT:
         return False, (f"auto: off, largest layer weight {largest_weight} elements > "
                        f"{AUTO_MAX_WEIGHT} (cuBLAS measured faster on large weights)")

@@ -22,6 +22,7 @@ LLAMA8B_O_PROJ = 4096 * 4096  # the 8B shape's smallest projection
     ("cuda", torch.bfloat16, LLAMA8B_O_PROJ, False),
     ("cuda", torch.float32, SMOLLM2_GATE_UP, False),
     ("cpu", torch.bfloat16, SMOLLM2_GATE_UP, False),
+    ("cuda", torch.bfloat16, 0, False),  # no Linear found: not a layout the pass knows
 ])
 def test_auto_rule(device: str, dtype: torch.dtype, weight: int, on: bool) -> None:
     got, why = skinny_auto(device, dtype, weight)
