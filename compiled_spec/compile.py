@@ -30,9 +30,9 @@ from compiled_spec.compile_guard import CompileGuard
 from compiled_spec.engine.graphs import EngineGraphs
 from compiled_spec.engine.model_runner import ModelRunner
 from compiled_spec.gemm_policy import SkinnyChoice, resolve_skinny
-from kernels.dispatch import pdl_scope
 from compiled_spec.precompile import PrecompiledModule, PrecompileStats, cache_key, precompile_dir
 from compiled_spec.spec.tree_accept_device import early_tree_stage
+from kernels.dispatch import pdl_scope
 from passes import make_backend
 
 

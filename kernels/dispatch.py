@@ -35,8 +35,8 @@ def attention_triton(t: torch.Tensor) -> bool:
 # layer's whole chain overlaps launch and weight latency: on the H200 (thirtieth session)
 # SmolLM2's fused decode call went from 0.884 to 0.775 ms, vanilla batch 1 from 0.98 to 0.78
 # ms/token. Only launches of up to PDL_MAX_ROWS rows: EAGLE-3's 96-row verify (batch 16) was
-# slower with it (1.46-1.60 vs 1.27 ms), early-launched programs holding SMs that the GEMM
-# before them still needed.
+# slower with it (1.46-1.60 vs 1.27 ms); likely (not yet profiled) early-launched programs
+# holding SM slots that the wider GEMM before them still needed.
 ENV_PDL = os.environ.get("COMPILED_SPEC_GEMM_PDL", "0") == "1"
 PDL_MAX_ROWS = 64
 _PDL: ContextVar[bool] = ContextVar("compiled_spec_pdl", default=ENV_PDL)
