@@ -264,3 +264,6 @@ def test_timed_engine_reads_the_graphs_logits(tiny_hf_dir, monkeypatch) -> None:
     # graph here) read out eagerly.
     decode_steps = sum(r.extra["steps"] - r.extra["prefill_steps"] for r in rows)
     assert decode_steps > 0 and sum(taken) >= decode_steps, (taken, decode_steps)
+    # each row says whether the target ran the fused layer, and why (gemm_policy.py)
+    assert rows[0].extra["skinny_gemm"]["gemm"] is False
+    assert rows[0].extra["skinny_gemm"]["why"].startswith("auto: off on cpu")

@@ -250,6 +250,8 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
             # prefill of a new shape class recompiles; those seconds land in tokens/s).
             row.extra["compiled_graphs"] = {n: c["graphs"] for n, c in llm.compile_stats.items()
                                             if isinstance(c, dict) and "graphs" in c}
+            if "skinny_gemm" in llm.compile_stats:  # the fused layer, as the engine decided it
+                row.extra["skinny_gemm"] = llm.compile_stats["skinny_gemm"]
             if "compiled_after_startup" in llm.compile_stats:  # in a request: start-up missed it
                 row.extra["compiled_after_startup"] = llm.compile_stats["compiled_after_startup"]
             # Where start-up went, and whether the persistent cache served it: on the H200 one
