@@ -58,3 +58,12 @@ def test_report_arithmetic() -> None:
     assert "| down | 6 | 4.00 | 2.00 | 2.00 | a | - | 2.00x | 2.0e-03 |" in text  # b slower
     assert "| x | 6 | 6.00 | 3.00 | 2.00x | 2.50 | c | 1.0e-03 |" in text  # pick, then best
     assert "| 6 | 16.00 | 8.00 |" in text and "- note: n1" in text
+
+
+def test_llama8b_shapes_are_the_layer_gemms() -> None:
+    from kernels.bench_gemm import MODELS, parse_args
+
+    assert parse_args(["--out", "x.json"]).model == "smollm2"
+    assert parse_args(["--out", "x.json", "--model", "llama8b"]).model == "llama8b"
+    assert tuple(MODELS["llama8b"]) == LAYER_GEMMS
+    assert MODELS["llama8b"]["gate_up"] == (4096, 2 * 14336)  # K, N of the fused projection
