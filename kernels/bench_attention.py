@@ -144,6 +144,23 @@ def bench() -> None:
                       f"{t_one:8.1f} {t_ref:8.1f} {kv_bytes / t_tri / 1e3:8.0f}")
 
 
+def split_sweep() -> None:
+    """Decode attention by forced split count: the heuristic splits down to one key block per
+    program, which on the 8B shape cost 5.9 + 2.5 us (split kernel + merge) per layer in its
+    decode graph (thirtieth session), against ~0.5 us of KV reads at 512 tokens."""
+    splits = (1, 2, 4, 8, 16, 32)
+    print("\ndecode (q_len 1, bf16) by forced split count; us per call from CUDA-graph replay")
+    print(f"{'shape':8s} {'batch':>5s} {'ctx':>5s} {'heur':>7s} "
+          + " ".join(f"{s:>7d}" for s in splits))
+    for name, (h, kvh, d) in SHAPES.items():
+        for batch, ctx in ((1, 512), (1, 2048), (4, 512), (16, 512)):
+            args = attn_args(make_batch([(ctx - 1, 1)] * batch, h, kvh, d, torch.bfloat16))
+            heur = time_graph(lambda: paged_attention_triton(*args))
+            ts = [time_graph(lambda s=s: _paged_attention(*args, num_splits=s)) for s in splits]
+            cells = " ".join(f"{t:7.1f}" for t in ts)
+            print(f"{name:8s} {batch:5d} {ctx:5d} {heur:7.1f} {cells}")
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("bench_attention needs a CUDA GPU (Triton kernels); none found, nothing to do.")
@@ -151,6 +168,7 @@ def main() -> int:
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     ok = check()
     bench()
+    split_sweep()
     print("\nall checks passed" if ok else "\nSOME CHECKS FAILED")
     return 0 if ok else 1
 

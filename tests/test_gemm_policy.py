@@ -70,7 +70,8 @@ def test_engine_reports_the_choice(tmp_path, smollm2_gguf_path) -> None:
                                              "why": "set: skinny_gemm=True"}
     from passes.skinny_gemm import SkinnyGemmFusion
 
-    fusion = [p for p in forced.backends["target"].pass_manager.passes if isinstance(p, SkinnyGemmFusion)]
+    passes = forced.backends["target"].pass_manager.passes
+    fusion = [p for p in passes if isinstance(p, SkinnyGemmFusion)]
     assert len(fusion) == 1 and fusion[0].layer is True
     assert not any(isinstance(p, SkinnyGemmFusion)
                    for p in compile_models(llm.engine.runner, CompileConfig(inductor=False))
