@@ -55,8 +55,8 @@ class CompileConfig:
     autotune_gemm: bool = False
     # The target's residual adds folded into skinny-GEMM ops (passes.skinny_gemm; one Triton
     # launch each at decode sizes). None = decided per target (compiled_spec/gemm_policy.py:
-    # on for CUDA, 16-bit dtypes and small layer weights, where the H200 measured every bench
-    # row faster; off for the 8B shape's large weights and for fp32, measured slower).
+    # on for CUDA, 16-bit dtypes and small layer weights, where every bench row measured on the
+    # H200 was faster; off for the 8B shape's large weights and for fp32, measured slower).
     skinny_gemm: bool | None = None
     # With skinny_gemm: gate_up's SiLU-and-mul and qkv's rope + KV write folded into their
     # GEMMs too (8 kernels per decoder layer instead of 10 at decode sizes). None = as

@@ -2,10 +2,11 @@
 ``CompileConfig`` leaves it to us (``skinny_gemm=None``, the default).
 
 Measured on the H200 (thirtieth session, profiles/results/2026-12-04_h200_session30/):
-- SmolLM2-135M (largest layer weight 3072 x 576 = 1.8M elements), bf16: every row of the bench
+- SmolLM2-135M (largest layer weight 3072 x 576 = 1.8M elements), bf16: every bench row measured
   gains with the GEMMs and the layer fusions: vanilla batch 4 / 16 by 7.5 / 5.2% (batch 1 by
-  8.8% in the twenty-ninth session), EAGLE-3 batch 4 / 16 by 14 / 7.4%; a verify of 96 rows
-  (beyond the kernels' 64, so cuBLAS with the residual in its epilogue) ties.
+  8.8% and 64 by 4.7% in the twenty-ninth session), EAGLE-3 batch 4 / 16 by 14 / 7.4%; a verify
+  of 96 rows (beyond the kernels' 64, so cuBLAS with the residual in its epilogue) ties.
+  EAGLE-3 at batch 64 (384-row verifies) is not yet measured on that path.
 - The Llama-3.1-8B shape (weights of 16.8M-117M elements), bf16: the decode call is slower with
   them (5.47 vs 4.76 ms): cuBLAS streams large weights better than our split-K tiles.
 - fp32: slower (3.33 vs 1.17 ms per SmolLM2 token): the kernels are tuned for 16-bit tiles.
