@@ -33,7 +33,6 @@ from kernels.dispatch import pdl_launch
 from kernels.gemm_config import GemmConfig, gemm_config
 
 
-
 @triton.jit
 def _mma(a, w, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr):
     """a [BLOCK_M, BLOCK_K] @ w [BLOCK_K, BLOCK_N] in fp32."""
@@ -132,8 +131,8 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, res_ptr, part_ptr,
                         M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, eps,
                         NORM: tl.constexpr, NW_IN_A: tl.constexpr, GATED: tl.constexpr,
                         HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
-                        GDC: tl.constexpr):
+                        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr,
+                        DOT_FP32: tl.constexpr, GDC: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
