@@ -173,15 +173,18 @@ class CompiledModels:
 
 def compile_callable(fn: Any, backend: Any, cfg: CompileConfig,
                      precompile: tuple[str, PrecompileStats, dict[str, Any]] | None = None) -> Any:
-    """``precompile``: (name, stats, cache-key parts) to serve ``fn`` (an nn.Module) from
-    precompiled entries (compiled_spec/precompile.py), falling back to the traced callable."""
+    """``precompile``: (name, stats, cache-key parts) to serve ``fn`` (an nn.Module or a
+    module's bound method) from precompiled entries (compiled_spec/precompile.py), falling back
+    to the traced callable."""
     compiled = torch.compile(fn, backend=backend, dynamic=cfg.dynamic, fullgraph=True)
     run: Any = compiled
     if precompile is not None:
         name, stats, parts = precompile
-        key = cache_key(name, fn, backend.uuid(), parts)
-        run = PrecompiledModule(name, fn, backend, cfg.dynamic, compiled,
-                                precompile_dir() / f"{name}-{key}.bin", stats)
+        module, method = (fn, "forward") if isinstance(fn, torch.nn.Module) else (
+            fn.__self__, fn.__name__)
+        key = cache_key(name, module, backend.uuid(), {**parts, "method": method})
+        run = PrecompiledModule(name, module, backend, cfg.dynamic, compiled,
+                                precompile_dir() / f"{name}-{key}.bin", stats, method)
 
     # A shape whose compile failed runs eagerly from then on, counted (compile_guard.py).
     guard = CompileGuard(getattr(fn, "__qualname__", type(fn).__name__), fn)
@@ -255,7 +258,7 @@ def compile_models(runner: ModelRunner, cfg: CompileConfig) -> CompiledModels:
                                   skinny_norms=cfg.skinny_gemm_norms)}
     prop = runner.proposer
     stats = PrecompileStats() if precompile_on(cfg, runner.model) else None
-    pre = None
+    parts: dict[str, Any] = {}
     if stats is not None:
         # Everything outside the module that shapes its graph (the module's own config, dtype
         # and device are read from it); k changes the verify's token counts (dynamic anyway).
@@ -263,18 +266,24 @@ def compile_models(runner: ModelRunner, cfg: CompileConfig) -> CompiledModels:
                  "skinny_gemm": skinny.gemm, "skinny_gemm_layer": skinny.layer}
         parts.pop("cache_dir")  # where the file lives, not what it holds
         parts.pop("precompile")  # None (the CUDA default) and True save the same artifacts
-        pre = ("target", stats, parts)
-        stats.traced.update(dict.fromkeys(
-            ("first_pass", "step") if prop is not None else (),
-            "backend wraps the graph (_GraphRunner): not serializable"))
+        if prop is not None:  # the draft callables' modules: the draft's config, the pick's
+            parts.update(draft=repr(prop.draft.config),
+                         sample_drafts=getattr(prop, "sample_drafts", None),
+                         target_vocab=getattr(prop, "target_vocab_size", None))
+
+    def pre(name: str) -> tuple[str, PrecompileStats, dict[str, Any]] | None:
+        return None if stats is None else (name, stats, parts)
+
     compiled: dict[str, Any] = {"target": compile_callable(runner.model, backends["target"], cfg,
-                                                           pre)}
+                                                           pre("target"))}
     if prop is not None:
         eager.update(first_pass=prop.first_pass_fn, step=prop.step_fn)
         backends["draft_first_pass"] = backend(hoist_fc=True)
         backends["draft_step"] = backend(hoist_fc=False)
-        compiled["first_pass"] = compile_callable(prop.draft.forward_from_aux, backends["draft_first_pass"], cfg)
-        compiled["step"] = compile_callable(prop.draft, backends["draft_step"], cfg)
+        compiled["first_pass"] = compile_callable(prop.draft.forward_from_aux,
+                                                  backends["draft_first_pass"], cfg,
+                                                  pre("first_pass"))
+        compiled["step"] = compile_callable(prop.draft, backends["draft_step"], cfg, pre("step"))
         if hasattr(prop, "expand_step"):  # draft trees: each expansion and its glue as one graph
             glue = functools.partial(backend, hoist_fc=False,
                                      inductor_config=inductor_config(cfg) | TREE_GLUE_INDUCTOR)
@@ -289,20 +298,21 @@ def compile_models(runner: ModelRunner, cfg: CompileConfig) -> CompiledModels:
             compiled["tree_early_stage"] = compile_callable(
                 early_tree_stage, backends["tree_early_stage"], cfg)
             eager["tree_early_stage"] = early_tree_stage
-        if hasattr(prop, "step_and_pick"):  # chain drafting: step + pick as one graph
+            if stats is not None:
+                stats.traced.update({n: "the tree proposer's methods: Dynamo's guard pickler "
+                                     "fails on its state" for n in compiled
+                                     if n.startswith("tree_")})
+        if hasattr(prop, "picker"):  # chain drafting: step + pick as one graph
             eager["step_pick"] = prop.step_pick_fn
             backends["draft_step_pick"] = backend(hoist_fc=False)
-            compiled["step_pick"] = compile_callable(prop.step_and_pick, backends["draft_step_pick"],
-                                             cfg)
+            compiled["step_pick"] = compile_callable(prop.picker, backends["draft_step_pick"],
+                                                     cfg, pre("step_pick"))
             # an early step's pick + loop metadata (compiled on first use)
             eager["pick_plan"] = prop.pick_plan_fn
             backends["draft_pick_plan"] = backend(hoist_fc=False)
-            compiled["pick_plan"] = compile_callable(prop.pick_and_plan,
-                                                     backends["draft_pick_plan"], cfg)
-    if stats is not None:
-        stats.traced.update({n: "a proposer method: Dynamo's guard pickler fails on its state"
-                             for n in compiled
-                             if n.startswith(("step_pick", "pick_plan", "tree_"))})
+            compiled["pick_plan"] = compile_callable(prop.picker.pick_and_plan,
+                                                     backends["draft_pick_plan"], cfg,
+                                                     pre("pick_plan"))
     return CompiledModels(eager=eager, compiled=compiled, backends=backends, precompile=stats,
                           skinny=skinny)
 

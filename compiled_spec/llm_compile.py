@@ -76,7 +76,7 @@ class CompileMixin:
                 self.startup_detail_s["capture rest"] = (
                     time.perf_counter() - t_models - sum(per.values()))
             compile_s = sum(g.compile_s for b in self._compiled.backends.values()
-                            for g in b.graphs)
+                            for g in b.graphs if not g.precompiled)  # loaded: not this process's
             self.startup_s["compile"] = compile_s
             self.startup_s["capture"] = time.perf_counter() - t0 - compile_s
             if self._compiled.graphs is not None:

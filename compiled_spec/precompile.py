@@ -6,12 +6,15 @@ Python code (H200: 13 s of a 30.6 s start-up, ninth session). An ``AOTCompiledFu
 Dynamo's guards, the bytecode it generated and the backend's compiled graph (AOTAutograd's
 bundled cache entry, Inductor code included); loading one costs no trace.
 
-What it needs from our backend: the callable the backend returns must be serializable, i.e.
-AOTAutograd's bundled entry (``compile_fx``'s result, which has ``serialize``) returned as is.
-Only the target qualifies today: the drafts' backends wrap the compiled graph in
-``passes.pipeline._GraphRunner`` (the hoisted EAGLE-3 fc, per-layer metadata), which torch
-cannot serialize, and the chain's step + pick is a method of the proposer, whose state (the
-other compiled callables) Dynamo's guard pickler tries and fails to pickle. So they trace.
+What it needs from our backend: the callable the backend returns must be serializable. The
+target's is AOTAutograd's bundled entry (``compile_fx``'s result) as is. A draft's backend wraps
+its compiled graph in ``passes.pipeline.PlanRunner`` (the hoisted EAGLE-3 fc, the call plan,
+per-layer metadata): saved as the bundled entry, the plan and the hoisted GraphModule, and
+rebuilt at load bound to the loading engine's backend (``_SerializableRunner``). What torch
+compiles must be a module's method (``type(module).<method>`` with the module an argument,
+guarded like a module call), never a method of an object whose state Dynamo's guard pickler
+cannot pickle: the chain's step + pick is a module for this (``spec/draft_pick.py``). The draft
+tree's glue (the tree proposer's methods) still traces.
 
 One file per callable and configuration holds every specialisation compiled so far (a guard
 miss, e.g. batch 1's 0/1 specialisation, compiles and appends one more); a call tries each
@@ -25,11 +28,15 @@ import os
 import pickle
 import tempfile
 import time
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
+
+from passes.pipeline import CompiledSpecBackend, GraphStats, PlanRunner
 
 
 def available() -> str | None:
@@ -81,11 +88,59 @@ class _Serializable(_SerializableBase):  # type: ignore[misc, valid-type]
         return self._bundled(*args, **kwargs)
 
 
+# The backend a draft's PlanRunner is rebuilt for while ``PrecompiledModule`` loads its file:
+# deserialize_compile_artifacts is a classmethod torch calls with the bytes alone.
+_LOADING: ContextVar[CompiledSpecBackend | None] = ContextVar("compiled_spec_precompile_backend",
+                                                              default=None)
+
+
+@contextmanager
+def _loading_for(backend: Any) -> Iterator[None]:
+    token = _LOADING.set(backend if isinstance(backend, CompiledSpecBackend) else None)
+    try:
+        yield
+    finally:
+        _LOADING.reset(token)
+
+
+class _SerializableRunner(_SerializableBase):  # type: ignore[misc, valid-type]
+    """A draft's ``PlanRunner`` marked serializable: its compiled graph as AOTAutograd's bundled
+    entry, its call plan and its hoisted GraphModule (the EAGLE-3 fc, run eagerly) pickled.
+    The backend it reads per-layer metadata from is the loading engine's, not saved."""
+
+    def __init__(self, runner: PlanRunner) -> None:
+        self.runner = runner
+
+    @classmethod
+    def serialize_compile_artifacts(cls, fn: Any) -> bytes:
+        r = fn.runner
+        return pickle.dumps({"compiled": _Bundled.serialize_compile_artifacts(_Bundled(r.compiled)),
+                             "plan": r.plan, "hoisted": r.hoisted,
+                             "hoisted_args": r.hoisted_args})
+
+    @classmethod
+    def deserialize_compile_artifacts(cls, data: bytes) -> Any:
+        backend = _LOADING.get()
+        if backend is None:  # its per-layer metadata would never be bound: refuse, not guess
+            raise RuntimeError("a draft's saved graph runner loads only through "
+                               "PrecompiledModule with the engine's backend")
+        state = pickle.loads(data)
+        compiled = _Bundled.deserialize_compile_artifacts(state["compiled"])
+        return PlanRunner(compiled, state["plan"], state["hoisted"], state["hoisted_args"],
+                          backend)
+
+    def __call__(self, *args: Any) -> Any:
+        return self.runner(*args)
+
+
 def serializable_backend(backend: Any) -> Callable[..., Any]:
-    """``backend`` whose AOTAutograd results aot_compile can save on torch 2.11 and 2.13;
-    other results (the drafts' graph runners) pass through, and aot_compile refuses them."""
+    """``backend`` whose results aot_compile can save on torch 2.11 and 2.13: AOTAutograd's
+    entries, and the drafts' plan runners around one. Others (an eager backend's graph) pass
+    through, and aot_compile refuses them."""
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         out = backend(gm, example_inputs)
+        if isinstance(out, PlanRunner) and getattr(out.compiled, "serialize", None) is not None:
+            return _SerializableRunner(out)
         return _Serializable(out) if getattr(out, "serialize", None) is not None else out
 
     return compile_graph
@@ -127,13 +182,18 @@ class PrecompiledModule:
     failures go to ``traced`` (the ordinary ``torch.compile`` callable)."""
 
     def __init__(self, name: str, module: torch.nn.Module, backend: Any, dynamic: bool,
-                 traced: Callable[..., Any], path: Path, stats: PrecompileStats) -> None:
+                 traced: Callable[..., Any], path: Path, stats: PrecompileStats,
+                 method: str = "forward") -> None:
         self.name, self.module, self.backend, self.dynamic = name, module, backend, dynamic
+        self.method = method  # which of the module's methods this serves
         self.traced = traced
         self.path = path
         self.stats = stats
         self.entries: list[Any] = []  # AOTCompiledFunction, in the order they were compiled
-        self._blobs: list[bytes] = []  # their serialized form, rewritten on each new entry
+        # Their serialized form with the backend's stats of the graphs each compiled (our
+        # passes' matches), rewritten on each new entry; loading hands the stats back to the
+        # backend (marked precompiled), so ``compile_stats`` reads as on a traced start.
+        self._blobs: list[tuple[bytes, list[dict[str, Any]]]] = []
         self._unused: set[int] = set()  # loaded entries not yet counted as a hit
         self.off: str | None = available()  # set: every miss traces
         if self.off is not None:
@@ -152,8 +212,8 @@ class PrecompiledModule:
             # Tensor guards compare dispatch keys including the thread's local ones, taken when
             # the guards are rebuilt here: the engine calls under inference mode (no
             # ADInplaceOrView), so rebuild them under it too, else every guard fails.
-            with torch.inference_mode():
-                entries = [AOTCompiledFunction.deserialize(b) for b in blobs]
+            with torch.inference_mode(), _loading_for(self.backend):
+                entries = [AOTCompiledFunction.deserialize(b) for b, _ in blobs]
         except Exception as e:  # a torch upgrade, a truncated file: trace, say so, rewrite
             self.stats.fallbacks.append(f"{self.name}: load failed: {type(e).__name__}: "
                                         f"{str(e)[:200]}")
@@ -161,6 +221,8 @@ class PrecompiledModule:
         finally:
             self.stats.load_s += time.perf_counter() - t0
         self.entries, self._blobs = entries, list(blobs)
+        for _, graph_stats in blobs:
+            self._restore_stats(graph_stats)
         self._unused = set(range(len(entries)))
         self.stats.loaded += len(entries)
 
@@ -180,6 +242,13 @@ class PrecompiledModule:
                 return entry.fn(self.module, *args, **kwargs)
         return self.traced(*args, **kwargs)
 
+    def _restore_stats(self, graph_stats: list[dict[str, Any]]) -> None:
+        graphs = getattr(self.backend, "graphs", None)
+        if graphs is None:
+            return
+        for g in graph_stats:
+            graphs.append(GraphStats(**{**g, "index": len(graphs), "precompiled": True}))
+
     def _compile(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         from torch._dynamo.aot_compile import AOTCompiledFunction
 
@@ -189,11 +258,13 @@ class PrecompiledModule:
             # module call) rather than state the serializer would have to pickle.
             # torch.compile reads enable_aot_compile when it builds its wrapper (torch 2.11
             # defaults it off), so the patch covers both calls.
+            graphs_before = len(getattr(self.backend, "graphs", ()))
             with torch._dynamo.config.patch(enable_aot_compile=True):
-                fn = torch.compile(type(self.module).forward,
+                fn = torch.compile(getattr(type(self.module), self.method),
                                    backend=serializable_backend(self.backend),
                                    dynamic=self.dynamic, fullgraph=True)
                 entry = fn.aot_compile(((self.module, *args), kwargs))
+            graph_stats = [asdict(g) for g in getattr(self.backend, "graphs", [])[graphs_before:]]
             blob = AOTCompiledFunction.serialize(entry)
             # torch 2.13 returns an AOTCompileSaveResult, older versions the bytes themselves
             blob = getattr(blob, "serialized_data", blob)
@@ -203,7 +274,7 @@ class PrecompiledModule:
             self.stats.fallbacks.append(self.off)
             return None
         self.entries.append(entry)
-        self._blobs.append(blob)
+        self._blobs.append((blob, graph_stats))
         self.stats.compiled += 1
         try:
             _atomic_write(self.path, pickle.dumps(self._blobs))

@@ -13,7 +13,7 @@ Graph inputs: Dynamo calls the returned callable with the original graph's input
 and buffers such as the KV caches included, as placeholders). Passes may remove inputs or add
 new ones, so before the passes every placeholder is tagged ``InputSpec("arg", i)`` and passes tag
 the placeholders they create; afterwards the final placeholders' tags form the call plan that
-``_GraphRunner`` follows at run time (identity plan + nothing hoisted: the compiled callable is
+``PlanRunner`` follows at run time (identity plan + nothing hoisted: the compiled callable is
 returned as is, zero overhead).
 """
 from __future__ import annotations
@@ -97,6 +97,9 @@ class GraphStats:
     hoisted: bool
     inductor: bool
     compile_s: float
+    # Loaded from a precompiled file (compiled_spec/precompile.py) rather than compiled in this
+    # process; compile_s is then the original compile's.
+    precompiled: bool = False
 
 
 @dataclass
@@ -105,20 +108,23 @@ class CompiledGraph:
 
     gm: fx.GraphModule  # the transformed graph handed to Inductor / run eagerly
     hoisted: HoistedPart | None
-    fn: Callable[..., Any]  # what Dynamo calls: a _GraphRunner, or the compiled graph itself
+    fn: Callable[..., Any]  # what Dynamo calls: a PlanRunner, or the compiled graph itself
 
 
-class _GraphRunner:
+class PlanRunner:
     """Calls the compiled graph with inputs gathered by the plan. The hoisted part (EAGLE-3 fc)
     runs first, eagerly: a plain GraphModule call, once per call, outside ``compiled`` and thus
     outside any CUDA graph that ``wrap_compiled`` put around it."""
 
     def __init__(self, compiled: Callable[..., Any], plan: list[InputSpec],
-                 hoisted: HoistedPart | None, backend: "CompiledSpecBackend") -> None:
+                 hoisted: fx.GraphModule | None, hoisted_args: list[int],
+                 backend: "CompiledSpecBackend") -> None:
         self.compiled = compiled
         self.plan = plan
-        self.hoisted = hoisted.module if hoisted is not None else None
-        self.hoisted_args = [s.index for s in hoisted.inputs] if hoisted is not None else []
+        self.hoisted = hoisted
+        self.hoisted_args = hoisted_args  # which of the call's inputs the hoisted part reads
+        # Read at each call for its per-layer metadata; precompile (compiled_spec/
+        # precompile.py) rebuilds a saved runner bound to the loading engine's backend.
         self.backend = backend
 
     def _resolve(self, spec: InputSpec, args: Sequence[Any], hoisted: Sequence[Any]) -> Any:
@@ -248,7 +254,9 @@ class CompiledSpecBackend:
             compile_s=round(time.perf_counter() - start, 3)))
         fn: Callable[..., Any] = compiled
         if hoisted is not None or not all(identity) or len(plan) != len(before):
-            fn = _GraphRunner(compiled, plan, hoisted, self)
+            fn = PlanRunner(compiled, plan, hoisted.module if hoisted is not None else None,
+                              [s.index for s in hoisted.inputs] if hoisted is not None else [],
+                              self)
         self.compiled.append(CompiledGraph(gm, hoisted, fn))
         return fn
 

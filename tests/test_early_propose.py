@@ -169,7 +169,7 @@ def test_early_and_late_graphs_share_the_draft_compiles(engines):
 
 
 def test_pick_and_plan_compiled_by_inductor_equals_eager(engines):
-    """An early step's pick + loop metadata (EagleProposer.pick_and_plan) compiled by Inductor,
+    """An early step's pick + loop metadata (DraftPick.pick_and_plan) compiled by Inductor,
     as compile=True runs it inside the early graph, equals its eager run: padded rows, a
     request at its budget (every loop position inert) and one whose table ends early."""
     from passes import make_backend
@@ -189,8 +189,8 @@ def test_pick_and_plan_compiled_by_inductor_equals_eager(engines):
         tables = torch.randperm(30, generator=g)[:b * 4].view(b, 4).int()
         args = (for_logits, positions, last, feed, temp, seeds, start, live, m, max_total,
                 tables, 4, 4)
-        want = prop.pick_and_plan(*args)
-        fn = torch.compile(prop.pick_and_plan, backend=make_backend(hoist_fc=False),
+        want = prop.picker.pick_and_plan(*args)
+        fn = torch.compile(prop.picker.pick_and_plan, backend=make_backend(hoist_fc=False),
                            fullgraph=True)
         got = fn(*args)
     assert len(got) == len(want) == 6 and got[1] is None and want[1] is None

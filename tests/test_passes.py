@@ -16,7 +16,7 @@ from compiled_spec.attention_metadata import AttentionMetadata
 from passes import (PASS_ORDER, BindPerLayerAttnMetadata, HoistEagle3Fc, NoOpElimination,
                     PassManager, SkinnyGemmFusion, make_backend)
 from passes.graph_utils import PAGED_ATTENTION, WRITE_KV, count_ops, is_op
-from passes.pipeline import _copy_graph_module, _GraphRunner
+from passes.pipeline import _copy_graph_module, PlanRunner
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
@@ -97,7 +97,7 @@ def test_noop_elimination_counts_and_numerics():
     assert n_calls(rec["before"], *names) == 8
     assert n_calls(after, *names) == 3  # view, contiguous (copy), x[:, :4]
     assert n_calls(after, "view") == 1 and n_calls(after, "contiguous") == 1
-    assert not isinstance(backend.compiled[0].fn, _GraphRunner)  # nothing to remap: no wrapper
+    assert not isinstance(backend.compiled[0].fn, PlanRunner)  # nothing to remap: no wrapper
 
 
 def test_noop_keeps_graph_without_noops():
@@ -153,7 +153,7 @@ def test_hoist_fc_fused_toy():
         with torch.no_grad():
             assert_close(compiled(*inputs), model(*inputs))
         runner = backend.compiled[0].fn
-    assert len(backend.compiled) == 1 and isinstance(runner, _GraphRunner)
+    assert len(backend.compiled) == 1 and isinstance(runner, PlanRunner)
     assert events == ["remainder", "fc", "remainder"]  # fc eagerly, before and outside
 
     before, art = rec["before"], backend.compiled[0]
@@ -182,7 +182,7 @@ def test_hoist_fc_leaves_unmatched_graphs_alone():
         assert_close(compiled(a, b), model(a, b))
     art = backend.compiled[0]
     assert backend.match_counts["HoistEagle3Fc"] == 0 and art.hoisted is None
-    assert not isinstance(art.fn, _GraphRunner)
+    assert not isinstance(art.fn, PlanRunner)
     assert n_calls(art.gm, "cat") == 1 and n_calls(art.gm, "linear") == 1
 
 

@@ -1,6 +1,6 @@
 """CompileConfig.precompile (compiled_spec/precompile.py): a second process loads the target's
-precompiled entries instead of tracing it, with outputs identical to the traced path, and a
-broken file falls back to tracing with its reason reported."""
+and the draft's precompiled entries instead of tracing them, with outputs identical to the
+traced path, and a broken file falls back to tracing with its reason reported."""
 from __future__ import annotations
 
 import json
@@ -19,23 +19,36 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
 
 # One LLM with precompile on; with a 5th argument also one without (the traced path, served
-# from the same Inductor cache), whose token ids must be the same.
+# from the same Inductor cache), whose token ids must be the same. CPU stand-ins for the CUDA
+# graphs, so that every draft callable serves: the graphs' first pass (the draft step), the
+# chain's step + pick and an early step's pick + plan besides the uncaptured first pass.
 _RUN = """
 import json, sys
+from capture import CapturePolicy
 from compiled_spec import LLM, SamplingParams
-from compiled_spec.compile import CompileConfig
+from compiled_spec.compile import CompileConfig, capture_graphs
 def run(pre):
     llm = LLM(model=sys.argv[1], draft=sys.argv[2], tokenizer=sys.argv[3], dtype="float32",
-              device="cpu", num_speculative_tokens=3, max_model_len=64, page_size=4, compile=True,
+              device="cpu", num_speculative_tokens=3, max_model_len=64, page_size=4,
+              max_num_seqs=2, compile=True,
               compile_config=CompileConfig(cache_dir=sys.argv[4], precompile=pre))
-    out = llm.generate([[1, 2, 3], [4, 5, 6, 7]], SamplingParams(max_tokens=6, ignore_eos=True))
-    return {"cache": llm.compile_cache, "ids": [o.token_ids for o in out]}
+    policy = CapturePolicy(max_batch_size=2, num_speculative_tokens=3, max_model_len=64,
+                           batch_sizes=(1, 2), seq_len_buckets=(64,))
+    capture_graphs(llm.engine.runner, llm._compiled, policy, 4, emulate=True)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13]]  # longer than k + 1: a cut first pass
+    out = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+    return {"cache": llm.compile_cache, "ids": [o.token_ids for o in out],
+            "stats": llm.compile_stats,
+            "precompiled": [g.precompiled for b in llm._compiled.backends.values() for g in b.graphs]}
 print(json.dumps({"pre": run(True), **({"traced": run(False)} if len(sys.argv) > 5 else {})}))
 """
+BACKEND = {"target": "target", "first_pass": "draft_first_pass", "step": "draft_step",
+           "step_pick": "draft_step_pick", "pick_plan": "draft_pick_plan"}
+CALLABLES = set(BACKEND)
 
 
-def test_warm_start_loads_the_target_instead_of_tracing(tmp_path, bigram_eagle3,
-                                                         smollm2_gguf_path):
+def test_warm_start_loads_target_and_draft_instead_of_tracing(tmp_path, bigram_eagle3,
+                                                              smollm2_gguf_path):
     target, head = bigram_eagle3
     env = {k: v for k, v in os.environ.items() if k != ENV}
     env.update(PYTHONPATH=str(ROOT), COMPILED_SPEC_PROGRESS="0")
@@ -48,16 +61,35 @@ def test_warm_start_loads_the_target_instead_of_tracing(tmp_path, bigram_eagle3,
         runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
     cold, warm = runs
     first, second = cold["pre"]["cache"]["precompile"], warm["pre"]["cache"]["precompile"]
-    # cold: one entry serves every shape (prompt steps of two sequences, batch-1 decode):
-    # size-oblivious symbols, no 0/1 specialization (CompileConfig.size_oblivious)
-    assert first["loaded"] == 0 and first["compiled"] == 1 and first["fallbacks"] == []
-    # warm: all of them loaded and used, nothing traced for the target
+    # cold: every callable saved
+    files = {f.name.split("-")[0] for f in (tmp_path / "cache").rglob("precompiled/*.bin")}
+    assert files == CALLABLES, files
+    # as many entries as the traced engine compiled graphs for these callables
+    traced_graphs = sum(cold["traced"]["stats"][BACKEND[n]]["graphs"] for n in CALLABLES)
+    assert first["loaded"] == 0 and first["compiled"] == traced_graphs, first
+    assert first["fallbacks"] == [] and first["traced"] == {}, first
+    # warm: all of them loaded and used, nothing traced
     assert second["loaded"] == first["compiled"] == second["hits"], second
-    assert second["compiled"] == 0 and second["fallbacks"] == [], second
-    assert set(second["traced"]) == {"first_pass", "step", "step_pick", "pick_plan"}  # said
+    assert second["compiled"] == 0 and second["fallbacks"] == [] and second["traced"] == {}
     assert cold["pre"]["ids"] == cold["traced"]["ids"] == warm["pre"]["ids"]
-    files = list((tmp_path / "cache").rglob("precompiled/target-*.bin"))
-    assert len(files) == 1
+    # The loaded callables report their passes as a traced start does: the EAGLE-3 fc hoisted
+    # out of the first pass (it runs eagerly beside the loaded graph); their graphs are marked
+    # precompiled (start-up's compile seconds leave them out).
+    assert not any(cold["pre"]["precompiled"])
+    assert warm["pre"]["precompiled"] == [True] * second["loaded"]
+    for stats in (cold["pre"]["stats"], warm["pre"]["stats"]):
+        fp = stats["draft_first_pass"]
+        assert fp["graphs"] == 1 and fp["pass_matches"]["HoistEagle3Fc"] == 1, fp
+        assert stats["draft_step_pick"]["pass_matches"]["BindPerLayerAttnMetadata"] >= 1
+
+
+def test_a_draft_runner_loads_only_for_an_engine_backend():
+    """A draft's saved graph runner reads its per-layer metadata from the engine's backend:
+    unpickled outside PrecompiledModule (no backend to bind) it refuses rather than guess."""
+    from compiled_spec.precompile import _SerializableRunner
+
+    with pytest.raises(RuntimeError, match="engine's backend"):
+        _SerializableRunner.deserialize_compile_artifacts(b"")
 
 
 class _Tiny(torch.nn.Module):

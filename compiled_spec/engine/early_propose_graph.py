@@ -159,8 +159,8 @@ class EarlyProposeGraphs(EarlyGraphSurface):
                                      {n: meta for n in p.layer_names})  # [b*(k+1), h] each
         last = self._row0[:b] + m - 1  # [b] the row each request's chain continues from
         if self.steps == 0:
-            tok, pq = p._pick(p.draft.compute_logits(for_logits[last]), v["temperature"],
-                              v["seeds"], v["positions"][last] + 2)
+            tok, pq = p.picker.pick(p.draft.compute_logits(for_logits[last]),
+                                    v["temperature"], v["seeds"], v["positions"][last] + 2)
             v["acc"][:, q:].copy_(tok[:, None])  # as below
             return tok[:, None], (pq[:, None] if p.sample_drafts else None)
         # The pick and the loop's metadata: one compiled callable (compile=True); the loop's

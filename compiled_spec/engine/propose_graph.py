@@ -201,8 +201,8 @@ class ProposeGraphs(StepCapture):
         feed, for_logits = p.step_fn(v["ids"], hidden, v["positions"], metas)  # [T, h]
         last = v["last"]
         feed = feed[last]  # [b, h]
-        tok, q = p._pick(p.draft.compute_logits(for_logits[last]), v["temperature"], v["seeds"],
-                         v["positions"][last] + 2)
+        tok, q = p.picker.pick(p.draft.compute_logits(for_logits[last]), v["temperature"],
+                               v["seeds"], v["positions"][last] + 2)
         if self.steps == 0:
             return tok[:, None], (q[:, None] if p.sample_drafts else None)
         rest, rest_q = p.run_loop(LiveBatch(

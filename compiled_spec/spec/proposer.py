@@ -19,10 +19,9 @@ from compiled_spec.attention_metadata import AttentionMetadata
 from compiled_spec.draft.model import EagleDraft
 from compiled_spec.engine.batch import build_loop_metadata, build_metadata, to_device
 from compiled_spec.kv_cache import BlockAllocator
-from compiled_spec.spec.argmax import rowwise_argmax
+from compiled_spec.spec.draft_pick import DraftPick
 from compiled_spec.spec.first_pass_split import compact_rows, split_first_pass
 from compiled_spec.spec.propose_batch import ProposeBatch  # noqa: F401  (re-exported)
-from compiled_spec.spec.rejection import sample_draft
 
 if TYPE_CHECKING:
     from compiled_spec.engine.early_propose_graph import EarlyProposeGraphs
@@ -41,9 +40,11 @@ class EagleProposer:
         # Steps 2..k: the draft step and its pick as one callable, so that under compile=True
         # the logits' fp32 cast, the argmax (or sampling) and the draft->target id map become
         # a few fused kernels after the lm_head instead of a string of eager ATen kernels.
-        self.step_pick_fn = self.step_and_pick
+        # A module of its own (spec/draft_pick.py), so that precompile can save its compile.
+        self.picker = DraftPick(draft, num_speculative_tokens, sample_drafts, target_vocab_size)
+        self.step_pick_fn = self.picker
         # An early step's pick and loop metadata (engine/early_propose_graph.py), also swapped.
-        self.pick_plan_fn = self.pick_and_plan
+        self.pick_plan_fn = self.picker.pick_and_plan
         # When set (compiled mode on CUDA), the whole propose replays as one CUDA graph per
         # batch size; calls it cannot take run the path below (and are counted there).
         self.graph: "ProposeGraphs | None" = None
@@ -87,72 +88,7 @@ class EagleProposer:
         return self.draft.combine_aux(aux)
 
     def _metas(self, meta: AttentionMetadata) -> dict[str, AttentionMetadata]:
-        # Every draft layer has its own KV tensors but the same slots, so one metadata object
-        # is bound to each layer by name.
-        return {name: meta for name in self.layer_names}
-
-    def _pick(self, logits: torch.Tensor,  # [B, draft_vocab]
-              temperature: torch.Tensor,  # [B] fp32, 0 = greedy
-              seeds: torch.Tensor,  # [B] int64
-              positions: torch.Tensor,  # [B] position of the token being drafted
-              ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """-> ([B] target-vocab draft ids, [B, target_vocab] q or None). On-device only."""
-        if not self.sample_drafts:  # two-stage argmax: wide enough to fill the GPU (argmax.py)
-            return self.draft.draft_to_target(rowwise_argmax(logits)), None
-        greedy = temperature == 0
-        temp = torch.where(greedy, torch.ones_like(temperature), temperature)
-        q = torch.softmax(logits / temp[:, None], dim=-1)  # [B, draft_vocab]
-        one_hot = torch.zeros_like(q).scatter_(1, rowwise_argmax(logits)[:, None], 1.0)
-        q = torch.where(greedy[:, None], one_hot, q)
-        tok = sample_draft(q, seeds, positions)
-        q_target = self.draft.draft_vocab_to_target_probs(q, self.target_vocab_size)
-        return self.draft.draft_to_target(tok), q_target
-
-    def step_and_pick(self, tok: torch.Tensor,  # [B] drafts of the previous step
-                      feed: torch.Tensor,  # [B, h] their hidden states
-                      positions: torch.Tensor,  # [B]
-                      meta: AttentionMetadata,
-                      temperature: torch.Tensor,  # [B] fp32
-                      seeds: torch.Tensor,  # [B] int64
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """One draft step: (feed_back [B, h], next drafts [B], their q [B, V] or None)."""
-        feed, for_logits = self.draft(tok, feed, positions, self._metas(meta))
-        # The token drafted here sits two past this step's input position.
-        tok, q = self._pick(self.draft.compute_logits(for_logits), temperature, seeds,
-                            positions + 2)
-        return feed, tok, q
-
-    def pick_and_plan(self, for_logits: torch.Tensor,  # [R, h] the first pass's rows
-                      positions: torch.Tensor,  # [R] their positions
-                      last: torch.Tensor,  # [B] each request's row its chain continues from
-                      feed: torch.Tensor,  # [R, h] the first pass's hidden states
-                      temperature: torch.Tensor, seeds: torch.Tensor,  # [B]
-                      start: torch.Tensor,  # [B] int64 each request's first verified position
-                      live32: torch.Tensor,  # [B] int32, 0 = padded row
-                      m: torch.Tensor,  # [B] accepted target positions (n_acc + 1)
-                      max_total: torch.Tensor,  # [B] each request's token budget
-                      tables: torch.Tensor,  # [B, W] int32
-                      page: int, max_blocks: int) -> tuple[torch.Tensor, ...]:
-        """An early step's first drafts and the metadata of steps 2..k, from the device's
-        acceptance (engine/early_propose_graph.py): one callable, so that compile=True makes
-        the pick and the ~40 small ops of the loop's positions, slots and lengths a few fused
-        kernels (H200 trace, eleventh session). -> (tok [B], q [B, V] or None, feed [B, h],
-        positions, slots, seq_lens [k-1, B]; positions >= a request's limit are inert)."""
-        tok, pq = self._pick(self.draft.compute_logits(for_logits[last]), temperature, seeds,
-                             positions[last] + 2)
-        live = live32 != 0
-        n_tok = start + 1 + m
-        k_next = torch.clamp(torch.clamp(max_total - n_tok - 1, max=self.k), min=0)
-        limit = n_tok - 2 + k_next  # [B] positions >= this are inert in the loop
-        s = torch.arange(1, self.k, device=start.device)  # [k-1] steps 2..k
-        pos = (start + m - 1)[None, :] + s[:, None]  # [k-1, B]
-        writes = (pos < limit[None, :]) & live[None, :]
-        pos = torch.clamp(torch.where(pos < limit[None, :], pos, (limit - 1)[None, :]), min=0)
-        col = (pos // page).clamp(max=max_blocks - 1)  # [k-1, B]
-        block = tables.gather(1, col.t()).t().long()  # [k-1, B]
-        slots = torch.where(writes, block * page + pos % page, -1)
-        lens = torch.where(live[None, :], pos + 1, 0)
-        return tok, pq, feed[last], pos, slots, lens
+        return self.picker.metas(meta)
 
     def run_loop(self, b: LiveBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft steps 2..k: ``b.input_ids`` [B] the first drafts, extras ``feed`` [B, h] (their
@@ -220,8 +156,8 @@ class EagleProposer:
         feed = feed[last]  # [B, h]
         # Position of the token being drafted: d_1 sits right after the last committed token.
         next_pos = positions[last] + 2
-        tok, q = self._pick(self.draft.compute_logits(for_logits[last]), temperature, seeds,
-                            next_pos)
+        tok, q = self.picker.pick(self.draft.compute_logits(for_logits[last]), temperature,
+                                  seeds, next_pos)
         if self.k == 1:
             return tok[:, None], (q[:, None] if self.sample_drafts else None)
         loop_pos, loop_meta = build_loop_metadata(self.allocator, batch.first_pass,

@@ -1,7 +1,11 @@
 """Issue 16: where a start-up of SmolLM2 + the shipped head (compile=True, fp32, CPU) goes, cold
 or warm: run it twice on one cache directory (the first run fills it).
 
-    PYTHONPATH=. COMPILED_SPEC_PROGRESS=0 python profiles/scripts/startup_cpu.py /tmp/cache
+    PYTHONPATH=. COMPILED_SPEC_PROGRESS=0 python profiles/scripts/startup_cpu.py /tmp/cache \
+        [--precompile]
+
+``--precompile``: CompileConfig(precompile=True) (the CUDA default; off on the CPU otherwise),
+so a warm run loads the saved callables instead of tracing them.
 
 Prints the constructor's and the first request's seconds (on the CPU graphs compile at first
 use), the compile cache's hits / misses and torch's compile timers (``LLM.compile_cache``), the
@@ -26,11 +30,13 @@ def main() -> None:
 
     llm = LLM(model=find_default_gguf(), draft="smollm2-eagle3", dtype="float32", device="cpu",
               max_model_len=256, compile=True,
-              compile_config=CompileConfig(cache_dir=sys.argv[1]))
+              compile_config=CompileConfig(cache_dir=sys.argv[1],
+                                           precompile="--precompile" in sys.argv[2:]))
     t1 = time.perf_counter()
     llm.generate(["Hello there, how are you?"], SamplingParams(max_tokens=24, ignore_eos=True))
     t2 = time.perf_counter()
     print(json.dumps({"ctor_s": round(t1 - t0, 1), "first_gen_s": round(t2 - t1, 1),
+                      "total_s": round(t2 - t0, 1),
                       "startup": {k: round(v, 1) for k, v in llm.startup_s.items()},
                       "cache": llm.compile_cache}))
     print(json.dumps({k: v.get("graphs") for k, v in llm.compile_stats.items()
