@@ -31,7 +31,6 @@ from compiled_spec.engine.graphs import EngineGraphs
 from compiled_spec.engine.model_runner import ModelRunner
 from compiled_spec.gemm_policy import SkinnyChoice, resolve_skinny
 from compiled_spec.precompile import PrecompiledModule, PrecompileStats, cache_key, precompile_dir
-from compiled_spec.spec.tree_accept_device import early_tree_stage
 from kernels.dispatch import pdl_scope
 from passes import make_backend
 
@@ -267,7 +266,7 @@ def compile_models(runner: ModelRunner, cfg: CompileConfig) -> CompiledModels:
         parts.pop("cache_dir")  # where the file lives, not what it holds
         parts.pop("precompile")  # None (the CUDA default) and True save the same artifacts
         if prop is not None:  # the draft callables' modules: the draft's config, the pick's
-            parts.update(draft=repr(prop.draft.config),
+            parts.update(draft=repr(prop.draft.config), tree=repr(getattr(prop, "cfg", None)),
                          sample_drafts=getattr(prop, "sample_drafts", None),
                          target_vocab=getattr(prop, "target_vocab_size", None))
 
@@ -284,24 +283,17 @@ def compile_models(runner: ModelRunner, cfg: CompileConfig) -> CompiledModels:
                                                   backends["draft_first_pass"], cfg,
                                                   pre("first_pass"))
         compiled["step"] = compile_callable(prop.draft, backends["draft_step"], cfg, pre("step"))
-        if hasattr(prop, "expand_step"):  # draft trees: each expansion and its glue as one graph
+        if hasattr(prop, "glue"):  # draft trees: each expansion and its glue as one graph
             glue = functools.partial(backend, hoist_fc=False,
                                      inductor_config=inductor_config(cfg) | TREE_GLUE_INDUCTOR)
-            for name, fn in (("tree_head", prop.tree_head), ("tree_step", prop.expand_step),
-                             ("tree_finish", prop.finish)):
+            # (an early tree step's staging between verify and draft: compiled on first use)
+            for name, fn in (("tree_head", prop.glue.head), ("tree_step", prop.glue.expand_step),
+                             ("tree_finish", prop.glue.finish),
+                             ("tree_early_stage", prop.early_stage)):
                 backends[name] = glue()
-                compiled[name] = compile_callable(fn, backends[name], cfg)
+                compiled[name] = compile_callable(fn, backends[name], cfg, pre(name))
             eager.update(tree_head=prop.head_fn, tree_step=prop.expand_step_fn,
-                         tree_finish=prop.finish_fn)
-            # an early tree step's staging between verify and draft (compiled on first use)
-            backends["tree_early_stage"] = glue()
-            compiled["tree_early_stage"] = compile_callable(
-                early_tree_stage, backends["tree_early_stage"], cfg)
-            eager["tree_early_stage"] = early_tree_stage
-            if stats is not None:
-                stats.traced.update({n: "the tree proposer's methods: Dynamo's guard pickler "
-                                     "fails on its state" for n in compiled
-                                     if n.startswith("tree_")})
+                         tree_finish=prop.finish_fn, tree_early_stage=prop.early_stage_fn)
         if hasattr(prop, "picker"):  # chain drafting: step + pick as one graph
             eager["step_pick"] = prop.step_pick_fn
             backends["draft_step_pick"] = backend(hoist_fc=False)

@@ -13,8 +13,8 @@ per-layer metadata): saved as the bundled entry, the plan and the hoisted GraphM
 rebuilt at load bound to the loading engine's backend (``_SerializableRunner``). What torch
 compiles must be a module's method (``type(module).<method>`` with the module an argument,
 guarded like a module call), never a method of an object whose state Dynamo's guard pickler
-cannot pickle: the chain's step + pick is a module for this (``spec/draft_pick.py``). The draft
-tree's glue (the tree proposer's methods) still traces.
+cannot pickle: the chain's step + pick (``spec/draft_pick.py``) and the draft tree's glue
+(``spec/tree_glue.py``) are modules for this.
 
 One file per callable and configuration holds every specialisation compiled so far (a guard
 miss, e.g. batch 1's 0/1 specialisation, compiles and appends one more); a call tries each

@@ -27,60 +27,88 @@ import json, sys
 from capture import CapturePolicy
 from compiled_spec import LLM, SamplingParams
 from compiled_spec.compile import CompileConfig, capture_graphs
+target, head, tok, cache, mode = sys.argv[1:6]
+tree = dict(speculative_topk=2, speculative_num_draft_tokens=6) if mode == "tree" else {}
+prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13]]  # longer than k + 1: a cut first pass
+sp = SamplingParams(max_tokens=12, ignore_eos=True)
 def run(pre):
-    llm = LLM(model=sys.argv[1], draft=sys.argv[2], tokenizer=sys.argv[3], dtype="float32",
-              device="cpu", num_speculative_tokens=3, max_model_len=64, page_size=4,
-              max_num_seqs=2, compile=True,
-              compile_config=CompileConfig(cache_dir=sys.argv[4], precompile=pre))
+    llm = LLM(model=target, draft=head, tokenizer=tok, dtype="float32", device="cpu",
+              num_speculative_tokens=3, max_model_len=64, page_size=4, max_num_seqs=2,
+              compile=True, compile_config=CompileConfig(cache_dir=cache, precompile=pre), **tree)
     policy = CapturePolicy(max_batch_size=2, num_speculative_tokens=3, max_model_len=64,
                            batch_sizes=(1, 2), seq_len_buckets=(64,))
     capture_graphs(llm.engine.runner, llm._compiled, policy, 4, emulate=True)
-    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13]]  # longer than k + 1: a cut first pass
-    out = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+    out = llm.generate(prompts, sp)
     return {"cache": llm.compile_cache, "ids": [o.token_ids for o in out],
             "stats": llm.compile_stats,
             "precompiled": [g.precompiled for b in llm._compiled.backends.values() for g in b.graphs]}
-print(json.dumps({"pre": run(True), **({"traced": run(False)} if len(sys.argv) > 5 else {})}))
+out = {"pre": run(True)}
+if "traced" in sys.argv[6:]:
+    out["traced"] = run(False)
+if "vanilla" in sys.argv[6:]:
+    vanilla = LLM(model=target, tokenizer=tok, dtype="float32", device="cpu", max_model_len=64)
+    out["vanilla"] = [o.token_ids for o in vanilla.generate(prompts, sp)]
+print(json.dumps(out))
 """
 BACKEND = {"target": "target", "first_pass": "draft_first_pass", "step": "draft_step",
            "step_pick": "draft_step_pick", "pick_plan": "draft_pick_plan"}
 CALLABLES = set(BACKEND)
+TREE_GLUE = {"tree_head", "tree_step", "tree_finish", "tree_early_stage"}
+
+
+def _starts(tmp_path: Path, pair: tuple[str, str], tok: str, mode: str,
+            first_extra: list[str]) -> tuple[dict, dict]:
+    """Two fresh processes on one compile cache: (cold, warm) reports."""
+    env = {k: v for k, v in os.environ.items() if k != ENV}
+    env.update(PYTHONPATH=str(ROOT), COMPILED_SPEC_PROGRESS="0")
+    runs = []
+    for extra in (first_extra, []):
+        p = subprocess.run([sys.executable, "-c", _RUN, *pair, tok, str(tmp_path / "cache"),
+                            mode, *extra], env=env, capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
+    return runs[0], runs[1]
+
+
+def _saved(tmp_path: Path) -> set[str]:
+    return {f.name.rsplit("-", 1)[0] for f in (tmp_path / "cache").rglob("precompiled/*.bin")}
+
+
+def _loaded_all(cold: dict, warm: dict) -> None:
+    """Cold saved and traced nothing; warm loaded every entry, used each, traced nothing."""
+    first, second = cold["pre"]["cache"]["precompile"], warm["pre"]["cache"]["precompile"]
+    assert first["loaded"] == 0 and first["fallbacks"] == [] and first["traced"] == {}, first
+    assert second["loaded"] == first["compiled"] == second["hits"], second
+    assert second["compiled"] == 0 and second["fallbacks"] == [] and second["traced"] == {}
+    # loaded graphs are marked precompiled (start-up's compile seconds leave them out)
+    assert not any(cold["pre"]["precompiled"])
+    assert warm["pre"]["precompiled"] == [True] * second["loaded"]
 
 
 def test_warm_start_loads_target_and_draft_instead_of_tracing(tmp_path, bigram_eagle3,
                                                               smollm2_gguf_path):
-    target, head = bigram_eagle3
-    env = {k: v for k, v in os.environ.items() if k != ENV}
-    env.update(PYTHONPATH=str(ROOT), COMPILED_SPEC_PROGRESS="0")
-    runs = []
-    for extra in (["traced"], []):
-        p = subprocess.run([sys.executable, "-c", _RUN, target, head, smollm2_gguf_path,
-                            str(tmp_path / "cache"), *extra], env=env, capture_output=True,
-                           text=True, timeout=600)
-        assert p.returncode == 0, p.stderr[-3000:]
-        runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
-    cold, warm = runs
-    first, second = cold["pre"]["cache"]["precompile"], warm["pre"]["cache"]["precompile"]
-    # cold: every callable saved
-    files = {f.name.split("-")[0] for f in (tmp_path / "cache").rglob("precompiled/*.bin")}
-    assert files == CALLABLES, files
+    cold, warm = _starts(tmp_path, bigram_eagle3, smollm2_gguf_path, "chain", ["traced"])
+    assert _saved(tmp_path) == CALLABLES
     # as many entries as the traced engine compiled graphs for these callables
     traced_graphs = sum(cold["traced"]["stats"][BACKEND[n]]["graphs"] for n in CALLABLES)
-    assert first["loaded"] == 0 and first["compiled"] == traced_graphs, first
-    assert first["fallbacks"] == [] and first["traced"] == {}, first
-    # warm: all of them loaded and used, nothing traced
-    assert second["loaded"] == first["compiled"] == second["hits"], second
-    assert second["compiled"] == 0 and second["fallbacks"] == [] and second["traced"] == {}
+    assert cold["pre"]["cache"]["precompile"]["compiled"] == traced_graphs
+    _loaded_all(cold, warm)
     assert cold["pre"]["ids"] == cold["traced"]["ids"] == warm["pre"]["ids"]
     # The loaded callables report their passes as a traced start does: the EAGLE-3 fc hoisted
-    # out of the first pass (it runs eagerly beside the loaded graph); their graphs are marked
-    # precompiled (start-up's compile seconds leave them out).
-    assert not any(cold["pre"]["precompiled"])
-    assert warm["pre"]["precompiled"] == [True] * second["loaded"]
+    # out of the first pass (it runs eagerly beside the loaded graph).
     for stats in (cold["pre"]["stats"], warm["pre"]["stats"]):
         fp = stats["draft_first_pass"]
         assert fp["graphs"] == 1 and fp["pass_matches"]["HoistEagle3Fc"] == 1, fp
         assert stats["draft_step_pick"]["pass_matches"]["BindPerLayerAttnMetadata"] >= 1
+
+
+def test_warm_tree_engine_loads_its_glue_too(tmp_path, bigram_eagle3, smollm2_gguf_path):
+    """A draft tree engine: the tree's glue (top-k head, expansion, node selection, early
+    staging: spec/tree_glue.py) saved and loaded with the rest; output vanilla's (fp32)."""
+    cold, warm = _starts(tmp_path, bigram_eagle3, smollm2_gguf_path, "tree", ["vanilla"])
+    assert TREE_GLUE <= _saved(tmp_path), _saved(tmp_path)
+    _loaded_all(cold, warm)
+    assert cold["pre"]["ids"] == warm["pre"]["ids"] == cold["vanilla"]
 
 
 def test_a_draft_runner_loads_only_for_an_engine_backend():

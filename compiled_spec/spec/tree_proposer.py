@@ -22,13 +22,11 @@ import torch
 
 from capture.pad import LiveBatch
 from capture.host_stage import HostBatch
-from compiled_spec.attention_metadata import AttentionMetadata
 from compiled_spec.engine.batch import (build_host_batch, host_batch_to_device,
                                           metadata_to_device, to_device)
 from compiled_spec.spec.proposer import EagleProposer, ProposeBatch
-from compiled_spec.spec.tree import TreeConfig, ancestor_mask, select_nodes
-from compiled_spec.spec.tree_accept_device import early_tree_stage
-import kernels.ops  # noqa: F401  (registers torch.ops.compiled_spec.row_topk)
+from compiled_spec.spec.tree import TreeConfig
+from compiled_spec.spec.tree_glue import EarlyTreeStage, TreeGlue
 
 if TYPE_CHECKING:
     from compiled_spec.engine.tree_graphs import TreeProposeGraphs
@@ -53,11 +51,15 @@ class TreeProposer:
         # compile=True with CUDA graphs (or emulated ones): both calls replay padded graphs;
         # what a graph cannot take runs compiled and is counted there (engine.tree_graphs).
         self.graph: "TreeProposeGraphs | None" = None
-        # ``expand``'s parts; compile.use_compiled swaps in their compiled versions.
-        self.head_fn, self.expand_step_fn, self.finish_fn = (self.tree_head, self.expand_step,
-                                                             self.finish)
+        # ``expand``'s parts (spec/tree_glue.py); compile.use_compiled swaps in their compiled
+        # versions.
+        self.glue = TreeGlue(base.draft, cfg.topk, cfg.num_steps, cfg.num_draft_tokens)
+        self.head_fn, self.expand_step_fn, self.finish_fn = (self.glue.head,
+                                                             self.glue.expand_step,
+                                                             self.glue.finish)
         # An early tree step's device-side staging (engine/early_tree_graph.py), also swapped.
-        self.early_stage_fn = early_tree_stage
+        self.early_stage = EarlyTreeStage()
+        self.early_stage_fn = self.early_stage
         # Expansion s's nodes see their own tree slots (s-2)K .. (s-1)K - 1: constants made here,
         # on the device, and not inside a graph capture (where nothing runs until a replay).
         K, F = cfg.topk, max(cfg.num_forwarded, 1)
@@ -157,72 +159,6 @@ class TreeProposer:
             cand_score.append(c_score)
             sels.append(sel)
         return self.finish_fn(cand_tok, cand_score, sels)
-
-    def tree_head(self, for_logits: torch.Tensor,  # [B, h]
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer 1: the K best first drafts, (log-probabilities [B, K], target ids [B, K])."""
-        lp = torch.log_softmax(self.draft.compute_logits(for_logits).float(), dim=-1)
-        score, tok = torch.ops.compiled_spec.row_topk(lp, self.cfg.topk)
-        return score, self.draft.draft_to_target(tok)
-
-    def expand_step(self, x_tok: torch.Tensor,  # [B, K] the frontier's tokens
-                    x_hid: torch.Tensor,  # [B, K, h] their input hidden states
-                    x_score: torch.Tensor,  # [B, K] their cumulative scores
-                    x_fm: torch.Tensor,  # [B, K, F] their tree masks (ancestors' slots)
-                    own_slot: torch.Tensor,  # [1, K, F] this expansion's nodes' own slots
-                    positions: torch.Tensor,  # [B*K]
-                    meta: AttentionMetadata,  # tree_start set; tree_mask is built here
-                    ) -> tuple[torch.Tensor, ...]:
-        """One expansion: the frontier through the draft, each node's K best children
-        (c_tok, c_score [B, K*K]; child i*K + j hangs off frontier node i), and the next
-        frontier: this layer's K best (``sel`` [B, K] within the layer) with the tokens, scores,
-        input states (their parents' outputs) and masks (their parents') it carries on."""
-        b, K, h = x_hid.shape
-        # Each node also sees its own slot: a mask OR with a constant built at init (an
-        # index_put would copy a Python scalar from host memory, which CUDA graph capture
-        # refuses: found on the H200).
-        fm = x_fm | own_slot  # [B, K, F]
-        meta = replace(meta, tree_mask=fm.reshape(b * K, fm.shape[-1]))
-        new_feed, fl = self.draft(x_tok.reshape(-1), x_hid.reshape(b * K, h), positions,
-                                  {n: meta for n in self.layer_names})
-        lp = torch.log_softmax(self.draft.compute_logits(fl).float(), dim=-1)  # [B*K, Vd]
-        # Top-k with a fixed tie rule (smaller id first; kernels.ops.row_topk): eager and
-        # compiled trees pick the same children.
-        c_score, c_tok = torch.ops.compiled_spec.row_topk(lp, K)
-        c_score = (x_score[:, :, None] + c_score.view(b, K, K)).reshape(b, K * K)
-        c_tok = self.draft.draft_to_target(c_tok).view(b, K * K)
-        sel = torch.ops.compiled_spec.row_topk(c_score, K)[1]  # [B, K]
-        up = (sel // K)[:, :, None]  # [B, K, 1] each one's parent in this frontier
-        return (c_tok, c_score, sel, torch.gather(c_tok, 1, sel), torch.gather(c_score, 1, sel),
-                torch.gather(new_feed.view(b, K, h), 1, up.expand(-1, -1, h)),
-                torch.gather(fm, 1, up.expand(-1, -1, fm.shape[-1])))
-
-    def finish(self, cand_tok: list[torch.Tensor],  # per layer [B, K] then [B, K*K]
-               cand_score: list[torch.Tensor],  # the same shapes
-               sels: list[torch.Tensor],  # per expansion [B, K]: its next frontier
-               ) -> tuple[torch.Tensor, ...]:
-        """Node selection over every layer's candidates -> (tokens, parents, depth, mask)."""
-        cfg, dev = self.cfg, self.device
-        K, b = cfg.topk, cand_tok[0].shape[0]
-        # Candidate ids: layer 1 is 0..K-1, layer s >= 2 starts at K + (s-2) K^2. Layer s's
-        # parents are layer s-1's frontier: layer 1 whole, then each expansion's selection.
-        parent = [torch.full((b, K), -1, dtype=torch.int64, device=dev)]
-        frontier = torch.arange(K, device=dev).expand(b, K)
-        for i in range(len(cand_tok) - 1):
-            parent.append(frontier[:, :, None].expand(b, K, K).reshape(b, K * K))
-            frontier = K + i * K * K + sels[i]
-        n_cand = K + (len(cand_tok) - 1) * K * K
-        # Candidate depths: K of depth 1, then K*K per later layer (no host copy, capture-safe).
-        c = torch.arange(n_cand, device=dev)
-        cand_depth = torch.where(c < K, 1, 2 + torch.div(c - K, K * K, rounding_mode="floor"))
-        n = cfg.num_draft_tokens - 1
-        top, par, dep = select_nodes(torch.cat(cand_score, 1), cand_depth.expand(b, -1),
-                                     torch.cat(parent, 1), n)
-        tokens = torch.cat([torch.zeros(b, 1, dtype=torch.int64, device=dev),
-                            torch.gather(torch.cat(cand_tok, 1), 1, top)], 1)  # [B, N]
-        parents = torch.cat([torch.full((b, 1), -1, dtype=torch.int64, device=dev), par], 1)
-        depth = torch.cat([torch.zeros(b, 1, dtype=torch.int64, device=dev), dep], 1)
-        return tokens, parents, depth, ancestor_mask(parents, cfg.num_steps)
 
     @property
     def expand_steps(self) -> int:
