@@ -2,10 +2,11 @@
 or warm: run it twice on one cache directory (the first run fills it).
 
     PYTHONPATH=. COMPILED_SPEC_PROGRESS=0 python profiles/scripts/startup_cpu.py /tmp/cache \
-        [--precompile]
+        [--precompile] [--tree]
 
 ``--precompile``: CompileConfig(precompile=True) (the CUDA default; off on the CPU otherwise),
-so a warm run loads the saved callables instead of tracing them.
+so a warm run loads the saved callables instead of tracing them. ``--tree``: a draft tree
+engine (topk 4, 16 tokens, 5 steps) instead of the chain (k=3).
 
 Prints the constructor's and the first request's seconds (on the CPU graphs compile at first
 use), the compile cache's hits / misses and torch's compile timers (``LLM.compile_cache``), the
@@ -28,8 +29,10 @@ def main() -> None:
     from compiled_spec.compile import CompileConfig
     from compiled_spec.models.gguf_loader import find_default_gguf
 
+    tree = (dict(num_speculative_tokens=5, speculative_topk=4, speculative_num_draft_tokens=16)
+            if "--tree" in sys.argv[2:] else {})
     llm = LLM(model=find_default_gguf(), draft="smollm2-eagle3", dtype="float32", device="cpu",
-              max_model_len=256, compile=True,
+              max_model_len=256, compile=True, **tree,
               compile_config=CompileConfig(cache_dir=sys.argv[1],
                                            precompile="--precompile" in sys.argv[2:]))
     t1 = time.perf_counter()
