@@ -108,9 +108,10 @@ def ancestor_mask(parents: torch.Tensor,  # [B, N] parent tree index (< own inde
     dev = parents.device
     anc = torch.eye(n, n + 1, dtype=torch.bool, device=dev).repeat(b, 1, 1)  # [B, N, N+1]
     # parents with the dummy node n appended, itself parentless: gathers past the root stay there
-    up = torch.cat([parents.where(parents >= 0, n), torch.full((b, 1), n, device=dev,
-                                                                dtype=parents.dtype)], 1)
-    cur = up[:, :n]  # [B, N] each node's ancestor at the current distance (n = none)
+    cur = parents.where(parents >= 0, n)  # [B, N] each node's ancestor at the current distance
+    up = torch.cat([cur, torch.full((b, 1), n, device=dev, dtype=parents.dtype)], 1)
+    # (cur is not up[:, :n]: Inductor's unsqueeze of that strided slice guarded on B != 1, and
+    # the tree's node selection compiled once for batch 1 and again for the other sizes)
     ones = torch.ones(b, n, 1, dtype=torch.bool, device=dev)
     for _ in range(n - 1 if max_depth is None else max_depth):
         anc.scatter_(2, cur[:, :, None], ones)

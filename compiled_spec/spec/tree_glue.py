@@ -60,7 +60,10 @@ class TreeGlue(torch.nn.Module):
         # compiled trees pick the same children.
         c_score, c_tok = torch.ops.compiled_spec.row_topk(lp, K)
         c_score = (x_score[:, :, None] + c_score.view(b, K, K)).reshape(b, K * K)
-        c_tok = self.draft.draft_to_target(c_tok).view(b, K * K)
+        # View the top-k's output, not the id map's: a view of a computed (unrealized) value
+        # makes Inductor compare K*K with B*K*K, a guard that fails between batch 1 and 2 and
+        # compiled this callable twice.
+        c_tok = self.draft.draft_to_target(c_tok.view(b, K * K))
         sel = torch.ops.compiled_spec.row_topk(c_score, K)[1]  # [B, K]
         up = (sel // K)[:, :, None]  # [B, K, 1] each one's parent in this frontier
         return (c_tok, c_score, sel, torch.gather(c_tok, 1, sel), torch.gather(c_score, 1, sel),
