@@ -41,7 +41,8 @@ def run(pre):
     out = llm.generate(prompts, sp)
     return {"cache": llm.compile_cache, "ids": [o.token_ids for o in out],
             "stats": llm.compile_stats,
-            "precompiled": [g.precompiled for b in llm._compiled.backends.values() for g in b.graphs]}
+            "precompiled": [g.precompiled for b in llm._compiled.backends.values()
+                            for g in b.graphs]}
 out = {"pre": run(True)}
 if "traced" in sys.argv[6:]:
     out["traced"] = run(False)
