@@ -92,7 +92,10 @@ def early_tree_stage(acc: torch.Tensor,  # [b, 4, N] tokens, parents, depth, dra
     b, dev = acc.shape[0], acc.device
     w = tables.shape[1]
     live = live32 != 0  # [b]
-    tok, par, dep, drawn = acc.unbind(1)  # [b, N] each
+    # Padded rows read as zeros: a computed value, whose views Inductor reindexes. The unbind
+    # of the input itself guarded on b != 1 (its view strides), and this stage compiled once
+    # for batch 1 and again for the other sizes.
+    tok, par, dep, drawn = torch.where(live[:, None, None], acc, 0).unbind(1)  # [b, N] each
     path, n_acc, bonus = accept_greedy_device(tok, par, dep, drawn, max_depth, live)
     ids, nodes, _ = first_pass_rows(tok, path, n_acc, bonus)  # [b, D+1] each
     m = torch.where(live, n_acc + 1, 0)  # [b] first-pass rows per request
