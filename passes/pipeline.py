@@ -255,8 +255,8 @@ class CompiledSpecBackend:
         fn: Callable[..., Any] = compiled
         if hoisted is not None or not all(identity) or len(plan) != len(before):
             fn = PlanRunner(compiled, plan, hoisted.module if hoisted is not None else None,
-                              [s.index for s in hoisted.inputs] if hoisted is not None else [],
-                              self)
+                            [s.index for s in hoisted.inputs] if hoisted is not None else [],
+                            self)
         self.compiled.append(CompiledGraph(gm, hoisted, fn))
         return fn
 
