@@ -13,7 +13,7 @@ from compiled_spec.engine.model_runner import ModelRunner
 from compiled_spec.engine.request import CompletionOutput, Request, RequestOutput, Status
 from compiled_spec.engine.scheduler import Scheduler
 from compiled_spec.engine.stats import EngineStats
-from compiled_spec.engine.stopping import output_text, stop_reason
+from compiled_spec.engine.stopping import emit_count, output_text, stop_reason
 from compiled_spec.engine.validation import validate_request
 from compiled_spec.engine.verify_ahead import VerifyAheadStats
 from compiled_spec.gc_heap import CLOCK as GC_CLOCK
@@ -269,16 +269,22 @@ class LLMEngine:
                     req.metrics.first_token_time = now
                     # Counted once the request runs (an admission attempt may give blocks back).
                     stats.num_cached_tokens += req.num_cached_tokens
-                reason = None
-                for j, tok in enumerate(toks):
-                    req.output_token_ids.append(tok)
-                    if lp is not None:
-                        req.output_logprobs.append(lp[j])
+                if lp is None and not req.params.stop:
+                    m, reason = emit_count(req, toks, eos, max_len)
+                    req.output_token_ids.extend(toks if m == len(toks) else toks[:m])
                     if n == 1:
-                        stats.num_decode_tokens += 1
-                    reason = stop_reason(req, tok, eos, max_len, detok)
-                    if reason is not None:
-                        break
+                        stats.num_decode_tokens += m
+                else:  # stop strings read the text after each token; logprobs go per token
+                    reason = None
+                    for j, tok in enumerate(toks):
+                        req.output_token_ids.append(tok)
+                        if lp is not None:
+                            req.output_logprobs.append(lp[j])
+                        if n == 1:
+                            stats.num_decode_tokens += 1
+                        reason = stop_reason(req, tok, eos, max_len, detok)
+                        if reason is not None:
+                            break
                 if reason is not None:
                     sched.end(req, reason)
                     req.metrics.finish_time = now

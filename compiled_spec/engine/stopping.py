@@ -43,6 +43,27 @@ def stop_reason(req: Request, tok: int, eos_token_ids: set[int], max_model_len: 
     return None
 
 
+def emit_count(req: Request, toks: list[int], eos_token_ids: set[int],
+               max_model_len: int) -> tuple[int, str | None]:
+    """For a request without stop strings: how many of ``toks`` (not yet appended) it emits,
+    and why it stops after the last of them (None: it goes on). Equal to appending ``toks`` one
+    by one and calling ``stop_reason`` after each; one pass without the per-token calls, which
+    at batch 64 x (k + 1) tokens a step showed in the step's host time."""
+    p = req.params
+    # Tokens it may emit up to a length limit, the one reaching it included (>= 1: a token
+    # is appended before any check).
+    room = max(1, min(p.max_tokens - len(req.output_token_ids),
+                      max_model_len - len(req.prompt_token_ids) - len(req.output_token_ids)))
+    eos = () if p.ignore_eos else eos_token_ids
+    ids = p.stop_token_ids
+    for j, tok in enumerate(toks):
+        if tok in eos or tok in ids:
+            return (j + 1, "stop") if j < room else (room, "length")
+    if len(toks) >= room:
+        return room, "length"
+    return len(toks), None
+
+
 def output_text(req: Request, detokenize: Detokenize) -> str:
     text = detokenize(req.output_token_ids, req.params.skip_special_tokens)
     if req.finish_reason == "stop" and req.params.stop:
