@@ -17,7 +17,7 @@ graphs by dummy runs (``compiled_spec.engine.graphs``) and the engine replays th
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from compiled_spec.compile_guard import CompileGuard
 from compiled_spec.engine.graphs import EngineGraphs
 from compiled_spec.engine.model_runner import ModelRunner
 from compiled_spec.gemm_policy import SkinnyChoice, resolve_skinny
+from compiled_spec.pdl_policy import PdlChoice, resolve_pdl
 from compiled_spec.precompile import PrecompiledModule, PrecompileStats, cache_key, precompile_dir
 from kernels.dispatch import pdl_scope
 from passes import make_backend
@@ -74,8 +75,9 @@ class CompileConfig:
     # (kernels/dispatch.py, ours for launches of up to 64 rows): a kernel launches while its
     # predecessor drains and waits on-device for its inputs. With the fused layer, SmolLM2's
     # vanilla batch 1 went from 0.98 to 0.78 ms/token on the H200, but EAGLE-3's 96-row verify
-    # got slower (thirtieth session): off until a batch sweep decides.
-    pdl: bool = False
+    # got slower (thirtieth session). None = decided per engine (pdl_policy.py: on with the
+    # fused layer when the widest decode call is at most 64 rows).
+    pdl: bool | None = None
     # One-sequence prompt steps of up to this many query tokens replay CUDA graphs padded to
     # 16, 32, ... tokens (capture.policy.prefill_sizes); 0 = none. Why: without a graph a
     # prompt step was host-bound at 15-40 ms on the H200 (SmolLM2: ~360 launches through
@@ -95,7 +97,7 @@ class CompileConfig:
 
     def __post_init__(self) -> None:
         for name in ("inductor", "dynamic", "cudagraphs", "strict_capture", "autotune_gemm",
-                     "skinny_gemm_norms", "pdl", "size_oblivious"):
+                     "skinny_gemm_norms", "size_oblivious"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"CompileConfig.{name}={getattr(self, name)!r}: must be a bool")
         for name in ("skinny_gemm", "skinny_gemm_layer"):
@@ -106,6 +108,9 @@ class CompileConfig:
             t = getattr(self, name)
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"CompileConfig.{name}={t!r}: an integer >= 0")
+        if self.pdl is not None and not isinstance(self.pdl, bool):
+            raise ValueError(f"CompileConfig.pdl={self.pdl!r}: a bool, or None (decided per "
+                             "engine)")
         if self.precompile is not None and not isinstance(self.precompile, bool):
             raise ValueError(f"CompileConfig.precompile={self.precompile!r}: a bool, or None "
                              "(on for CUDA engines)")
@@ -133,6 +138,7 @@ class CompiledModels:
     graphs_off: str | None = None  # why there are none (CPU device, cudagraphs=False)
     precompile: PrecompileStats | None = None  # CompileConfig.precompile: loads, saves, why not
     skinny: SkinnyChoice | None = None  # the target's skinny GEMMs as resolved (gemm_policy.py)
+    pdl: PdlChoice | None = None  # programmatic dependent launch as resolved (pdl_policy.py)
     # Graphs per compiled callable when start-up ended (None: it has not): any compiled later
     # ran inside a request, which start-up's dummy runs are there to prevent.
     startup_graphs: dict[str, int] | None = None
@@ -160,6 +166,8 @@ class CompiledModels:
             out["compiled_after_startup"] = late
         if self.skinny is not None:
             out["skinny_gemm"] = asdict(self.skinny)
+        if self.pdl is not None:
+            out["pdl"] = asdict(self.pdl)
         out["cuda_graphs"] = self.graphs.stats() if self.graphs is not None else {
             "off": self.graphs_off or "not captured"}
         # callables run eagerly for shapes they failed to compile for (none: left out)
@@ -244,14 +252,19 @@ def precompile_on(cfg: CompileConfig, model: torch.nn.Module) -> bool:
     return param is not None and param.device.type == "cuda"
 
 
-def compile_models(runner: ModelRunner, cfg: CompileConfig) -> CompiledModels:
+def compile_models(runner: ModelRunner, cfg: CompileConfig,
+                   max_decode_rows: int | None = None) -> CompiledModels:
+    """The engine's compiled callables (compiled on first use). ``max_decode_rows``: its widest
+    decode call (max_num_seqs x rows per request), which the PDL default reads."""
     # Dynamo's recompile limit counts per code object, and every engine's modules run the same
     # forward code: the default 8 would make the 9th engine in a process fail (fullgraph=True).
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    skinny = resolve_skinny(cfg.skinny_gemm, cfg.skinny_gemm_layer, runner.model)
+    pdl = resolve_pdl(cfg.pdl, runner.device, skinny.layer, max_decode_rows)
+    cfg = replace(cfg, pdl=pdl.on)  # resolved: Inductor's config, our launches, cache keys
     backend = functools.partial(make_backend, inductor=cfg.inductor,
                                 inductor_config=inductor_config(cfg))
     eager: dict[str, Any] = {"target": runner.target_fn}
-    skinny = resolve_skinny(cfg.skinny_gemm, cfg.skinny_gemm_layer, runner.model)
     backends = {"target": backend(hoist_fc=False, per_layer_metadata=False,
                                   skinny_gemm=skinny.gemm, skinny_layer=skinny.layer,
                                   skinny_norms=cfg.skinny_gemm_norms)}
@@ -306,7 +319,7 @@ def compile_models(runner: ModelRunner, cfg: CompileConfig) -> CompiledModels:
                                                      backends["draft_pick_plan"], cfg,
                                                      pre("pick_plan"))
     return CompiledModels(eager=eager, compiled=compiled, backends=backends, precompile=stats,
-                          skinny=skinny)
+                          skinny=skinny, pdl=pdl)
 
 
 def capture_graphs(runner: ModelRunner, models: CompiledModels, policy: CapturePolicy,

@@ -49,10 +49,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skinny-gemm-norms", action="store_true",
                    help="with --skinny-gemm: the RMSNorms fused into the GEMMs too (slower on "
                    "the H200; for benchmarks)")
-    p.add_argument("--pdl", action="store_true",
+    p.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
                    help="with --compile: Inductor's Triton kernels and ours (up to 64 rows) use "
                    "programmatic dependent launch (Hopper and newer; shortens the gaps between "
-                   "kernels)")
+                   "kernels; default: on with the fused layer when the widest decode call, "
+                   "max_num_seqs x rows per request, is at most 64 rows)")
     p.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=None,
                    help="with --compile: save the target's compiled result (torch's aot_compile) "
                    "in the compile cache and load it on later starts instead of tracing "
@@ -98,9 +99,9 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
     layer = getattr(a, "skinny_gemm_layer", None)
     norms = getattr(a, "skinny_gemm_norms", False)
     pre = getattr(a, "precompile", None)
-    pdl = getattr(a, "pdl", False)
+    pdl = getattr(a, "pdl", None)
     if (a.compile_cache_dir is not None or sizes or autotune or skinny is not None
-            or layer is not None or norms or pre is not None or pdl):
+            or layer is not None or norms or pre is not None or pdl is not None):
         from compiled_spec.compile import CompileConfig
 
         kw["compile_config"] = CompileConfig(cache_dir=a.compile_cache_dir,

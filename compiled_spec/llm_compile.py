@@ -40,6 +40,15 @@ def engine_capture_policy(cc: CompileConfig, ec: EngineConfig) -> CapturePolicy:
                          mixed_sizes=mixed, mixed_query_len=mixed_q)
 
 
+def max_decode_rows(ec: EngineConfig) -> int:
+    """The widest decode call an engine makes: every running request verifying its whole
+    proposal (1 + k rows per request for a chain, the tree's node budget for a tree)."""
+    spec = ec.spec
+    per = (1 if spec is None else
+           spec.tree.num_draft_tokens if spec.tree is not None else 1 + spec.num_speculative_tokens)
+    return ec.scheduler.max_num_seqs * per
+
+
 class CompileMixin:
     """The compilation half of ``LLM``; ``LLM.__init__`` sets the attributes below (a
     tensor-parallel launcher sets only ``config``: its workers compile)."""
@@ -61,7 +70,7 @@ class CompileMixin:
             t0 = time.perf_counter()
             cc, ec = self._compile_config, self.config
             self._cache_stats = CacheStats.begin(activate_compile_cache(cc.cache_dir))
-            self._compiled = compile_models(self.engine.runner, cc)
+            self._compiled = compile_models(self.engine.runner, cc, max_decode_rows(ec))
             t_models = time.perf_counter()
             self.startup_detail_s["compile_models"] = t_models - t0  # precompile loads
             if not cc.cudagraphs or ec.device.type != "cuda":

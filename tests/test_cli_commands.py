@@ -146,9 +146,11 @@ def test_autotune_gemm_reaches_the_compile_config():
         assert precompile_on(cfg, torch.nn.Linear(2, 2, device="cuda")) is True
     with pytest.raises(ValueError, match="precompile"):
         CompileConfig(precompile="auto")  # type: ignore[arg-type]
-    # --pdl: Inductor's programmatic dependent launch, as a config patch, off unless asked for
+    # --pdl / --no-pdl: programmatic dependent launch (Inductor's half as a config patch);
+    # unset: None, decided per engine (pdl_policy.py)
     pdl = engine_kwargs(p.parse_args(["--pdl"]))["compile_config"]
-    assert pdl.pdl is True and cfg.pdl is False
+    assert pdl.pdl is True and cfg.pdl is None
+    assert engine_kwargs(p.parse_args(["--no-pdl"]))["compile_config"].pdl is False
     assert inductor_config(pdl) == {"triton.enable_pdl": True}
     with pytest.raises(ValueError, match="pdl"):
         CompileConfig(pdl=1)  # type: ignore[arg-type]

@@ -55,7 +55,7 @@ def build_engine(v: Variant, kw: dict[str, Any], prompts: list[list[int]],
     layer = kw.pop("skinny_gemm_layer", None)
     norms = kw.pop("skinny_gemm_norms", False)
     pre = kw.pop("precompile", None)
-    pdl = kw.pop("pdl", False)
+    pdl = kw.pop("pdl", None)  # None: the engine decides (pdl_policy.py)
     top = max(batch_sizes)
     kw.update(draft=v.draft, compile=v.compile, max_num_seqs=top)
     if v.compile:
@@ -252,6 +252,8 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
                                             if isinstance(c, dict) and "graphs" in c}
             if "skinny_gemm" in llm.compile_stats:  # the fused layer, as the engine decided it
                 row.extra["skinny_gemm"] = llm.compile_stats["skinny_gemm"]
+            if "pdl" in llm.compile_stats:  # programmatic dependent launch, as decided
+                row.extra["pdl"] = llm.compile_stats["pdl"]
             if "compiled_after_startup" in llm.compile_stats:  # in a request: start-up missed it
                 row.extra["compiled_after_startup"] = llm.compile_stats["compiled_after_startup"]
             # Where start-up went, and whether the persistent cache served it: on the H200 one

@@ -143,7 +143,7 @@ def run_bench(a: argparse.Namespace) -> int:
               skinny_gemm=getattr(a, "skinny_gemm", None),
               skinny_gemm_layer=getattr(a, "skinny_gemm_layer", None),
               skinny_gemm_norms=getattr(a, "skinny_gemm_norms", False),
-              precompile=getattr(a, "precompile", None), pdl=getattr(a, "pdl", False))
+              precompile=getattr(a, "precompile", None), pdl=getattr(a, "pdl", None))
     batch_sizes = sorted(set(a.batch_sizes))
 
     merged = [json.loads(Path(p).read_text()) for p in a.merge or []]

@@ -1,0 +1,68 @@
+"""Whether an engine's kernels use programmatic dependent launch (PDL) when its
+``CompileConfig`` leaves it to us (``pdl=None``, the default): Inductor's Triton kernels
+(compiled with it) and ours (``kernels/dispatch.py``, launches of up to ``PDL_MAX_ROWS`` rows).
+
+Measured on the H200 (thirtieth session, profiles/results/2026-12-04_h200_session30/), SmolLM2
+with the fused layer (``gemm_policy.py``), bf16:
+- the decode call at T = 1 / 4 / 8 rows: 0.884 / 0.896 / 0.921 -> 0.775 / 0.795 / 0.827 ms;
+  vanilla batch 1 end to end 0.777 ms/token; vanilla batch 16 16,083.7 tok/s (14,701.7 without);
+- EAGLE-3 at batch 16, whose verify is 96 rows: 1.602 ms per verify against 1.276 without, and
+  15,411.6 against 19,257.1 tok/s: wide launches lose;
+- the Llama-3.1-8B shape's fused layer lost with it (T = 4: 6.48 vs 5.50 ms); its default
+  (cuBLAS, no fused layer) has not been measured with PDL.
+So the default is on only where it measured faster: CUDA on Hopper or newer, the fused layer
+on, and an engine whose widest decode call (``max_num_seqs`` x rows per request) stays within
+``PDL_MAX_ROWS``. One engine compiles one target for all its batch sizes, so the choice is per
+engine, by its widest call.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.dispatch import PDL_MAX_ROWS
+
+
+@dataclass(frozen=True)
+class PdlChoice:
+    on: bool
+    why: str  # what decided it (engine stats: ``compile_stats["pdl"]``)
+
+
+def inductor_has_pdl() -> bool:
+    import torch._inductor.config as inductor
+
+    return hasattr(inductor.triton, "enable_pdl")
+
+
+def pdl_auto(device_type: str, capability: tuple[int, int] | None, inductor_pdl: bool,
+             fused_layer: bool, max_decode_rows: int | None) -> PdlChoice:
+    """The default for one engine (a pure function of what it is given)."""
+    if device_type != "cuda":
+        return PdlChoice(False, f"auto: off on {device_type} (PDL is a CUDA launch attribute)")
+    if capability is None or capability < (9, 0):
+        return PdlChoice(False, f"auto: off, compute capability {capability} < (9, 0) "
+                                "(PDL needs Hopper or newer)")
+    if not inductor_pdl:
+        return PdlChoice(False, f"auto: off, torch {torch.__version__}'s Inductor has no "
+                                "triton.enable_pdl")
+    if not fused_layer:
+        return PdlChoice(False, "auto: off without the fused layer (measured faster only with "
+                                "it; the 8B shape's default layer is unmeasured with PDL)")
+    if max_decode_rows is None:
+        return PdlChoice(False, "auto: off, the engine's widest decode call is not known")
+    if max_decode_rows > PDL_MAX_ROWS:
+        return PdlChoice(False, f"auto: off, widest decode call {max_decode_rows} rows > "
+                                f"{PDL_MAX_ROWS} (a 96-row verify measured slower with PDL)")
+    return PdlChoice(True, f"auto: on, fused layer and widest decode call {max_decode_rows} "
+                           f"rows <= {PDL_MAX_ROWS}")
+
+
+def resolve_pdl(pdl: bool | None, device: torch.device, fused_layer: bool,
+                max_decode_rows: int | None) -> PdlChoice:
+    """``CompileConfig.pdl`` with None resolved for an engine on ``device``."""
+    if pdl is not None:
+        return PdlChoice(pdl, f"set: pdl={pdl}")
+    cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    return pdl_auto(device.type, cap, inductor_has_pdl(), fused_layer, max_decode_rows)

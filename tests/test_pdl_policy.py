@@ -1,0 +1,66 @@
+"""Whether an engine launches with PDL by default (compiled_spec/pdl_policy.py): on only where
+the H200 measured it faster (Hopper or newer, the fused layer, the widest decode call within
+64 rows); an explicit setting wins; the engine reports its choice and the widest call it read."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compiled_spec.pdl_policy import pdl_auto, resolve_pdl
+from kernels.dispatch import PDL_MAX_ROWS
+
+H200 = (9, 0)
+
+
+@pytest.mark.parametrize("device, cap, inductor, fused, rows, on, says", [
+    ("cuda", H200, True, True, 1, True, "auto: on"),
+    ("cuda", H200, True, True, 6, True, "auto: on"),  # EAGLE-3 k=5 at batch 1
+    ("cuda", H200, True, True, PDL_MAX_ROWS, True, "auto: on"),
+    ("cuda", H200, True, True, PDL_MAX_ROWS + 1, False, "rows >"),
+    ("cuda", H200, True, True, 96, False, "rows >"),  # EAGLE-3 k=5 at batch 16: slower
+    ("cuda", H200, True, False, 1, False, "without the fused layer"),  # the 8B shape
+    ("cuda", H200, False, True, 1, False, "no triton.enable_pdl"),
+    ("cuda", (8, 0), True, True, 1, False, "Hopper"),
+    ("cuda", H200, True, True, None, False, "not known"),
+    ("cpu", None, True, True, 1, False, "auto: off on cpu"),
+])
+def test_auto_rule(device, cap, inductor, fused, rows, on, says) -> None:
+    got = pdl_auto(device, cap, inductor, fused, rows)
+    assert got.on is on and says in got.why
+    assert got.why.startswith("auto: on" if on else "auto: off")
+
+
+def test_explicit_setting_wins() -> None:
+    cpu = torch.device("cpu")
+    assert resolve_pdl(True, cpu, False, 10_000).on is True
+    assert resolve_pdl(False, cpu, True, 1).why == "set: pdl=False"
+    assert resolve_pdl(None, cpu, True, 1).on is False
+
+
+def test_config_rejects_a_non_bool() -> None:
+    from compiled_spec.compile import CompileConfig
+
+    assert CompileConfig().pdl is None
+    with pytest.raises(ValueError, match=r"CompileConfig.pdl='yes'"):
+        CompileConfig(pdl="yes")
+
+
+@pytest.mark.parametrize("spec, per_request", [
+    ({}, 1),
+    ({"num_speculative_tokens": 5}, 6),
+    ({"num_speculative_tokens": 3, "speculative_topk": 4, "speculative_num_draft_tokens": 10}, 10),
+])
+def test_engine_reads_its_widest_decode_call(tmp_path, smollm2_gguf_path, bigram_eagle3, spec,
+                                             per_request) -> None:
+    from compiled_spec import LLM
+    from compiled_spec.compile import CompileConfig, compile_models
+    from compiled_spec.llm_compile import max_decode_rows
+
+    target, head = bigram_eagle3
+    kw = {"draft": head, **spec} if spec else {}
+    llm = LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=64, max_num_seqs=3,
+              dtype="float32", **kw)
+    assert max_decode_rows(llm.config) == 3 * per_request
+    stats = compile_models(llm.engine.runner, CompileConfig(inductor=False),
+                           max_decode_rows(llm.config)).stats()
+    assert stats["pdl"] == {"on": False, "why": "auto: off on cpu (PDL is a CUDA launch attribute)"}
