@@ -58,6 +58,10 @@ def test_bench_cpu_smoke(tiny_hf_dir, mt_bench_path, tmp_path, capsys):
             assert 0 < pre_p50 <= pre_max <= x["prefill_ms"], (engine, x)
             p50, p90, top = x["decode_step_ms_p50_p90_max"]
             assert 0 < p50 <= p90 <= top and p50 <= x["decode_step_ms"] * 3, (engine, x)
+            # the host's share: this process's CPU time over the wall (threads may add past 1)
+            hc = x["host_cpu"]
+            assert 0 < hc["process_cpu_per_wall"] <= 2 * hc["cpus"], hc
+            assert len(hc["loadavg_1m"]) == 2 and min(hc["loadavg_1m"]) >= 0, hc
         if "compiled" in engine and engine.startswith("ours") and batch == 1:
             # Start-up split and the compile cache's hits / misses, on the first batch's row.
             split, cache = r["extra"]["startup_split_s"], r["extra"]["compile_cache"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import time
 from collections.abc import Iterator
@@ -169,6 +170,7 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
         ep0 = es.early_propose.as_dict() if es.early_propose is not None else None
         va0 = es.verify_ahead.as_dict() if es.verify_ahead is not None else None
         sync(dev)
+        load0, cpu0 = os.getloadavg()[0], time.process_time()
         t0 = time.perf_counter()
         if b == 1:
             outs = [llm.generate(p, sp)[0] for p in chosen]
@@ -178,6 +180,7 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
                 outs = llm.generate(chosen, sp)
         sync(dev)
         wall = time.perf_counter() - t0
+        cpu = time.process_time() - cpu0
         per_req = [1e3 * (o.metrics.finish_time - o.metrics.first_token_time)
                    / max(1, len(o.token_ids) - 1) for o in outs]
         steps = spec.num_drafting_steps - d0
@@ -214,6 +217,12 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
                 row.extra["decode_step_ms"] = round(1e3 * (es.step_s - s0 - s_pre) / n_dec, 4)
                 row.extra["decode_step_ms_p50_p90_max"] = _quantiles_ms(
                     list(es.recent_decode_step_s)[-n_dec:], (0.5, 0.9, 1.0), 4)
+        # Whether the host was shared: a host-bound engine whose process got less CPU than its
+        # wall time while the load rose was slowed by other work, not by its own code (the
+        # thirty-third session's chain row ran 3x slower in one process, every host phase alike).
+        row.extra["host_cpu"] = {"process_cpu_per_wall": round(cpu / wall, 3),
+                                 "loadavg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)],
+                                 "cpus": os.cpu_count()}
         if b > 1 and waves > 1:
             row.extra["waves"], row.extra["requests"] = waves, len(outs)
             row.extra["min_admit"] = admit
@@ -315,7 +324,8 @@ def bench_ours(variants: list[Variant], kw: dict[str, Any], prompts: list[list[i
                 print(f"{v.name}: batch {x.batch} host ms per decode step by phase: "
                       f"{x.extra['host_phase_ms']}; target launches finding the GPU idle: "
                       f"{x.extra.get('gpu_idle_at_verify')}; per prompt step: "
-                      f"{x.extra.get('prompt_host_phase_ms')}", flush=True)
+                      f"{x.extra.get('prompt_host_phase_ms')}; host CPU {x.extra.get('host_cpu')}",
+                      flush=True)
         for x in r:  # whole rows in the log: a later variant that kills the process (a CUDA
             # fault aborts it) would otherwise take every row with it (twentieth session)
             print("ROW " + json.dumps(x.as_dict(), default=str), flush=True)
