@@ -30,6 +30,7 @@ from compiled_spec.compile_guard import CompileGuard
 from compiled_spec.engine.graphs import EngineGraphs
 from compiled_spec.engine.model_runner import ModelRunner
 from compiled_spec.gemm_policy import SkinnyChoice, resolve_skinny
+from compiled_spec.own_code import own_code
 from compiled_spec.pdl_policy import PdlChoice, resolve_pdl
 from compiled_spec.precompile import PrecompiledModule, PrecompileStats, cache_key, precompile_dir
 from kernels.dispatch import pdl_scope
@@ -65,6 +66,11 @@ class CompileConfig:
     # With skinny_gemm: the RMSNorms folded into the GEMMs after them as well. Slower on the
     # H200 (the norm costs the GEMM more than Inductor's norm kernel); for benchmarks.
     skinny_gemm_norms: bool = False
+    # The same fusions (as skinny_gemm / skinny_gemm_layer / skinny_gemm_norms resolve for the
+    # target) in the draft's compiled callables too: first pass, step, step + pick, pick + plan,
+    # the tree's expansion. Why: the chain's propose at batch 1 was 100 kernels with cuBLAS
+    # GEMMs, the tree's 175 (H100 traces, thirty-third session). Opt-in until measured.
+    skinny_gemm_draft: bool = False
     # Issue 16: save the target's Dynamo + Inductor result (torch's aot_compile) in the compile
     # cache and load it on the next start-up instead of tracing (compiled_spec/precompile.py).
     # None = on for CUDA engines: a warm start on the H200 (torch 2.11) took 5.1-6.7 s with it,
@@ -97,7 +103,7 @@ class CompileConfig:
 
     def __post_init__(self) -> None:
         for name in ("inductor", "dynamic", "cudagraphs", "strict_capture", "autotune_gemm",
-                     "skinny_gemm_norms", "size_oblivious"):
+                     "skinny_gemm_norms", "skinny_gemm_draft", "size_oblivious"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"CompileConfig.{name}={getattr(self, name)!r}: must be a bool")
         for name in ("skinny_gemm", "skinny_gemm_layer"):
@@ -117,6 +123,9 @@ class CompileConfig:
         for opt in ("skinny_gemm_layer", "skinny_gemm_norms"):
             if getattr(self, opt) and self.skinny_gemm is not True:
                 raise ValueError(f"CompileConfig.{opt}=True needs skinny_gemm=True")
+        if self.skinny_gemm_draft and self.skinny_gemm is False:
+            raise ValueError("CompileConfig.skinny_gemm_draft=True needs skinny_gemm True or "
+                             "None (the draft takes the target's fusions)")
         if self.pdl and not hasattr(torch._inductor.config.triton, "enable_pdl"):
             raise ValueError(f"CompileConfig.pdl=True: torch {torch.__version__}'s Inductor has "
                              "no triton.enable_pdl option")
@@ -138,6 +147,7 @@ class CompiledModels:
     graphs_off: str | None = None  # why there are none (CPU device, cudagraphs=False)
     precompile: PrecompileStats | None = None  # CompileConfig.precompile: loads, saves, why not
     skinny: SkinnyChoice | None = None  # the target's skinny GEMMs as resolved (gemm_policy.py)
+    skinny_draft: bool = False  # the draft's callables compiled with the target's fusions
     pdl: PdlChoice | None = None  # programmatic dependent launch as resolved (pdl_policy.py)
     # Graphs per compiled callable when start-up ended (None: it has not): any compiled later
     # ran inside a request, which start-up's dummy runs are there to prevent.
@@ -165,7 +175,7 @@ class CompiledModels:
         if late:
             out["compiled_after_startup"] = late
         if self.skinny is not None:
-            out["skinny_gemm"] = asdict(self.skinny)
+            out["skinny_gemm"] = {**asdict(self.skinny), "draft": self.skinny_draft}
         if self.pdl is not None:
             out["pdl"] = asdict(self.pdl)
         out["cuda_graphs"] = self.graphs.stats() if self.graphs is not None else {
@@ -183,6 +193,7 @@ def compile_callable(fn: Any, backend: Any, cfg: CompileConfig,
     """``precompile``: (name, stats, cache-key parts) to serve ``fn`` (an nn.Module or a
     module's bound method) from precompiled entries (compiled_spec/precompile.py), falling back
     to the traced callable."""
+    fn = own_code(fn)  # a method shared by every instance: this engine's own Dynamo cache
     compiled = torch.compile(fn, backend=backend, dynamic=cfg.dynamic, fullgraph=True)
     run: Any = compiled
     if precompile is not None:
@@ -269,6 +280,11 @@ def compile_models(runner: ModelRunner, cfg: CompileConfig,
                                   skinny_gemm=skinny.gemm, skinny_layer=skinny.layer,
                                   skinny_norms=cfg.skinny_gemm_norms)}
     prop = runner.proposer
+    # The draft's callables take the target's fusions when asked (nothing to fuse when the
+    # target's resolved off: 8B-sized weights, fp32, the CPU without skinny_gemm=True).
+    draft_skinny = cfg.skinny_gemm_draft and skinny.gemm and prop is not None
+    dk: dict[str, Any] = ({"skinny_gemm": True, "skinny_layer": skinny.layer,
+                           "skinny_norms": cfg.skinny_gemm_norms} if draft_skinny else {})
     stats = PrecompileStats() if precompile_on(cfg, runner.model) else None
     parts: dict[str, Any] = {}
     if stats is not None:
@@ -290,14 +306,14 @@ def compile_models(runner: ModelRunner, cfg: CompileConfig,
                                                            pre("target"))}
     if prop is not None:
         eager.update(first_pass=prop.first_pass_fn, step=prop.step_fn)
-        backends["draft_first_pass"] = backend(hoist_fc=True)
-        backends["draft_step"] = backend(hoist_fc=False)
+        backends["draft_first_pass"] = backend(hoist_fc=True, **dk)
+        backends["draft_step"] = backend(hoist_fc=False, **dk)
         compiled["first_pass"] = compile_callable(prop.draft.forward_from_aux,
                                                   backends["draft_first_pass"], cfg,
                                                   pre("first_pass"))
         compiled["step"] = compile_callable(prop.draft, backends["draft_step"], cfg, pre("step"))
         if hasattr(prop, "glue"):  # draft trees: each expansion and its glue as one graph
-            glue = functools.partial(backend, hoist_fc=False,
+            glue = functools.partial(backend, hoist_fc=False, **dk,
                                      inductor_config=inductor_config(cfg) | TREE_GLUE_INDUCTOR)
             # (an early tree step's staging between verify and draft: compiled on first use)
             for name, fn in (("tree_head", prop.glue.head), ("tree_step", prop.glue.expand_step),
@@ -309,17 +325,17 @@ def compile_models(runner: ModelRunner, cfg: CompileConfig,
                          tree_finish=prop.finish_fn, tree_early_stage=prop.early_stage_fn)
         if hasattr(prop, "picker"):  # chain drafting: step + pick as one graph
             eager["step_pick"] = prop.step_pick_fn
-            backends["draft_step_pick"] = backend(hoist_fc=False)
+            backends["draft_step_pick"] = backend(hoist_fc=False, **dk)
             compiled["step_pick"] = compile_callable(prop.picker, backends["draft_step_pick"],
                                                      cfg, pre("step_pick"))
             # an early step's pick + loop metadata (compiled on first use)
             eager["pick_plan"] = prop.pick_plan_fn
-            backends["draft_pick_plan"] = backend(hoist_fc=False)
+            backends["draft_pick_plan"] = backend(hoist_fc=False, **dk)
             compiled["pick_plan"] = compile_callable(prop.picker.pick_and_plan,
                                                      backends["draft_pick_plan"], cfg,
                                                      pre("pick_plan"))
     return CompiledModels(eager=eager, compiled=compiled, backends=backends, precompile=stats,
-                          skinny=skinny, pdl=pdl)
+                          skinny=skinny, skinny_draft=draft_skinny, pdl=pdl)
 
 
 def capture_graphs(runner: ModelRunner, models: CompiledModels, policy: CapturePolicy,

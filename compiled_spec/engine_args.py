@@ -49,6 +49,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skinny-gemm-norms", action="store_true",
                    help="with --skinny-gemm: the RMSNorms fused into the GEMMs too (slower on "
                    "the H200; for benchmarks)")
+    p.add_argument("--skinny-gemm-draft", action="store_true",
+                   help="with the skinny GEMMs: the draft's compiled callables take the target's "
+                   "fusions too (first pass, draft steps, tree expansion; opt-in until measured)")
     p.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
                    help="with --compile: Inductor's Triton kernels and ours (up to 64 rows) use "
                    "programmatic dependent launch (Hopper and newer; shortens the gaps between "
@@ -98,15 +101,18 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
     skinny = getattr(a, "skinny_gemm", None)
     layer = getattr(a, "skinny_gemm_layer", None)
     norms = getattr(a, "skinny_gemm_norms", False)
+    draft_fused = getattr(a, "skinny_gemm_draft", False)
     pre = getattr(a, "precompile", None)
     pdl = getattr(a, "pdl", None)
     if (a.compile_cache_dir is not None or sizes or autotune or skinny is not None
-            or layer is not None or norms or pre is not None or pdl is not None):
+            or layer is not None or norms or draft_fused or pre is not None
+            or pdl is not None):
         from compiled_spec.compile import CompileConfig
 
         kw["compile_config"] = CompileConfig(cache_dir=a.compile_cache_dir,
                                              capture_batch_sizes=tuple(sizes or ()),
                                              autotune_gemm=autotune, skinny_gemm=skinny,
                                              skinny_gemm_layer=layer, skinny_gemm_norms=norms,
+                                             skinny_gemm_draft=draft_fused,
                                              precompile=pre, pdl=pdl)
     return kw

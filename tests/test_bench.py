@@ -210,6 +210,13 @@ def test_ab_runs_each_compiled_engine_with_the_flag_off_then_on() -> None:
         ("ours EAGLE tree topk 8, 32 tokens, depth 5 compiled + graphs", False, {}),
         ("ours EAGLE tree topk 8, 32 tokens, depth 5 compiled + graphs + verify ahead", True,
          {})]
+    # a draft-only flag: the vanilla engine once (its pair would be the same engine twice)
+    draft = _variants(["ours_vanilla_compiled", "ours_eagle_compiled"], "head", 5,
+                      ab="skinny_gemm_draft")
+    assert [(v.name, v.flags) for v in draft] == [
+        ("ours vanilla compiled + graphs", {}),
+        ("ours EAGLE k=5 compiled + graphs", {"skinny_gemm_draft": False}),
+        ("ours EAGLE k=5 compiled + graphs + skinny draft", {"skinny_gemm_draft": True})]
     with pytest.raises(SystemExit):
         main(["bench", "--ab", "fast_mode"])
 

@@ -8,7 +8,9 @@ as a chain and as a draft tree: the fusions are on by default on CUDA, trees inc
 In fp32 each must write its default engine's greedy output token for token, and the speculative
 engine must accept exactly as many drafts as without the fusions: the kernels only reorder fp32
 sums. (On the H200 the fusions moved bf16 tau by ~10%; this pins down that the
-fused kernels themselves change neither output nor acceptance.)"""
+fused kernels themselves change neither output nor acceptance.) The same again with the
+draft's callables fused too (``skinny_gemm_draft``), with the mirror head and with an EAGLE-3
+head, whose layer 0 projects 2h-wide inputs."""
 from __future__ import annotations
 
 import json
@@ -34,10 +36,17 @@ def _worker(root: str, tok: str) -> None:
     from compiled_spec.compile import CompileConfig, capture_graphs, compile_models
     from tests.spec_models import write_bigram_target, write_mirror_eagle1
 
+    from compiled_spec.draft.testing import write_eagle3_head
+    from compiled_spec.models.loader import read_model_config
+
     attn_target = write_bigram_target(Path(root) / "a", vocab=64, hidden=128, layers=2,
                                       attention=True)
     target = write_bigram_target(Path(root) / "t", vocab=64, hidden=128, layers=2)
     head = write_mirror_eagle1(Path(root) / "d", target, noise=0.3)
+    # EAGLE-3's layer 0 projects 2h-wide inputs (q/k/v of [256 -> 256] here): its shapes, not
+    # its acceptance (random weights), are what the draft's fused kernels meet
+    head3 = write_eagle3_head(str(Path(root) / "e3"), read_model_config(target),
+                              draft_vocab_size=48, aux_layer_ids=(0, 1, 2))
     calls = {"gemm": 0, "qkv": 0}
 
     def counted(fn, key):
@@ -51,11 +60,21 @@ def _worker(root: str, tok: str) -> None:
     qkv_mod.qkv_rope_write_kv_triton = counted(ops_qkv, "qkv")
     sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     out: dict = {}
-    for fused in (False, True):
+    # default; the target's layer fused; the draft's callables fused too (skinny_gemm_draft)
+    for mode in ("default", "fused", "fused_draft"):
+        fused = mode != "default"
         ops._skinny = (lambda x: x.shape[0] <= 64) if fused else (lambda x: False)
-        cfg = CompileConfig(inductor=False, skinny_gemm=fused, skinny_gemm_layer=fused)
-        for kind in ("vanilla", "spec", "tree"):
-            draft = None if kind == "vanilla" else head
+        cfg = CompileConfig(inductor=False, skinny_gemm=fused, skinny_gemm_layer=fused,
+                            skinny_gemm_draft=mode == "fused_draft")
+        # (no vanilla with the draft fused: the same engine as "fused"; EAGLE-3 and trees with
+        # the draft fused in one mode each: the interpreted kernels cost ~1 min an engine; the
+        # tree's fused expansion is tests/test_skinny_draft.py's, on the reference ops)
+        kinds = {"default": ("vanilla", "spec", "tree", "spec3"),
+                 "fused": ("vanilla", "spec", "tree"),
+                 "fused_draft": ("spec", "spec3")}[mode]
+        for kind in kinds:
+            at_start = dict(calls)
+            draft = {"vanilla": None, "spec3": head3}.get(kind, head)
             extra = {} if draft is None else {"num_speculative_tokens": K}
             if kind == "tree":  # a draft tree verifies 6 nodes a request (tree attention)
                 extra.update(speculative_topk=2, speculative_num_draft_tokens=6)
@@ -71,10 +90,16 @@ def _worker(root: str, tok: str) -> None:
             capture_graphs(llm.engine.runner, models, policy, llm.config.cache.page_size,
                            emulate=True)
             res = llm.generate(PROMPTS, sp, use_tqdm=False)
-            name = ("fused_" if fused else "default_") + kind
+            name = f"{mode}_{kind}"
             out[name] = {"ids": [o.outputs[0].token_ids for o in res],
                          "tau": llm.stats.spec.mean_acceptance_length if draft else None,
-                         "matches": models.backends["target"].match_counts}
+                         "matches": models.backends["target"].match_counts,
+                         "draft_matches": {n: b.match_counts.get("SkinnyGemmFusion", 0)
+                                           for n, b in models.backends.items()
+                                           if n != "target"},
+                         "draft_fused": models.stats()["skinny_gemm"]["draft"],
+                         # the fused kernels this engine ran (capture and requests)
+                         "calls": {k: calls[k] - at_start[k] for k in calls}}
     out["calls"] = calls
     print("RESULTS " + json.dumps(out, default=str))
 
@@ -85,13 +110,33 @@ def test_fused_layer_kernels_change_neither_output_nor_acceptance(tmp_path,
 
     res = run_interpreted(__file__, flag=f"--worker={tmp_path}::{smollm2_gguf_path}",
                           timeout=900)
-    for kind in ("vanilla", "spec", "tree"):
+    for kind in ("vanilla", "spec", "tree", "spec3"):
         want = res[f"default_{kind}"]["ids"]
         assert len(want) == len(PROMPTS) and all(len(ids) == 10 for ids in want)
-        assert res[f"fused_{kind}"]["ids"] == want, kind
+        for mode in ("fused", "fused_draft"):
+            if f"{mode}_{kind}" in res:
+                assert res[f"{mode}_{kind}"]["ids"] == want, (mode, kind)
+    assert {k for k in res if k.startswith("fused")} >= {
+        "fused_vanilla", "fused_spec", "fused_tree", "fused_draft_spec", "fused_draft_spec3"}
     assert res["default_tree"]["ids"] == res["default_spec"]["ids"]  # the same target
+    assert res["default_spec3"]["ids"] == res["default_spec"]["ids"]
     for kind in ("spec", "tree"):  # some drafts accepted, exactly as many with the fusions
         assert res[f"fused_{kind}"]["tau"] == res[f"default_{kind}"]["tau"] > 1.0, res
+    for kind in ("spec", "spec3"):
+        assert res[f"fused_draft_{kind}"]["tau"] == res[f"default_{kind}"]["tau"], res
+    # skinny_gemm_draft: the pass placed fused ops in the draft's callables too (the chain's
+    # first pass and step + pick), and their kernels ran beyond the target's; without it the
+    # draft has none
+    for kind in ("spec", "spec3"):
+        assert res[f"fused_draft_{kind}"]["draft_fused"] is True
+        assert res[f"fused_draft_{kind}"]["draft_matches"]["draft_first_pass"] > 0, res
+        assert res[f"fused_draft_{kind}"]["draft_matches"]["draft_step_pick"] > 0, res
+    for kind in ("spec", "tree"):
+        assert res[f"fused_{kind}"]["draft_fused"] is False
+        assert sum(res[f"fused_{kind}"]["draft_matches"].values()) == 0, (kind, res)
+    # the draft's kernels ran on top of the target's (the same engine but for the draft)
+    assert res["fused_draft_spec"]["calls"]["gemm"] > res["fused_spec"]["calls"]["gemm"] > 0
+    assert res["default_spec"]["calls"]["gemm"] == 0  # (the default engine: none)
     # the pass placed the fused ops (2 layers: qkv, o_proj, gate_up, down each, in every
     # target graph) and their kernels ran: decode and verify steps (<= 64 rows)
     for kind in ("vanilla", "tree"):

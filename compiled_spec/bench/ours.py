@@ -55,6 +55,7 @@ def build_engine(v: Variant, kw: dict[str, Any], prompts: list[list[int]],
     skinny = kw.pop("skinny_gemm", None)  # None: the engine decides (gemm_policy.py)
     layer = kw.pop("skinny_gemm_layer", None)
     norms = kw.pop("skinny_gemm_norms", False)
+    draft_fused = kw.pop("skinny_gemm_draft", False)
     pre = kw.pop("precompile", None)
     pdl = kw.pop("pdl", None)  # None: the engine decides (pdl_policy.py)
     top = max(batch_sizes)
@@ -66,6 +67,8 @@ def build_engine(v: Variant, kw: dict[str, Any], prompts: list[list[int]],
         # has none of them
         flags["skinny_gemm_layer"] = False if flags["skinny_gemm"] is False else layer
         flags["skinny_gemm_norms"] = norms and flags["skinny_gemm"] is True
+        flags["skinny_gemm_draft"] = (flags.get("skinny_gemm_draft", draft_fused)
+                                      and flags["skinny_gemm"] is not False)
         kw["compile_config"] = CompileConfig(capture_batch_sizes=tuple(sorted(batch_sizes)),
                                              **flags)
     if v.draft is None:

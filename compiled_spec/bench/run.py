@@ -24,7 +24,10 @@ PROJECTED_TAUS = (2.0, 3.0, 4.0)
 # What `--ab` can compare, with the label of their "on" rows: CompileConfig flags, and the
 # engine option verify_ahead
 AB_FLAGS = {"pdl": "PDL", "skinny_gemm": "skinny GEMMs", "autotune_gemm": "GEMM autotuning",
-            "verify_ahead": "verify ahead", "size_oblivious": "size-oblivious"}
+            "verify_ahead": "verify ahead", "size_oblivious": "size-oblivious",
+            "skinny_gemm_draft": "skinny draft"}
+# Flags that change only a draft's engine: a vanilla engine runs once, not twice the same
+AB_DRAFT_ONLY = ("skinny_gemm_draft",)
 LLAMA8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
            "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
            "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 131072,
@@ -72,7 +75,7 @@ def _variants(names: list[str], draft: str | None, k: int,
                    else ({"flags": {ab: False}}, {"flags": {ab: True}}))
         out = [w for v in out for w in (
             [replace(v, **off), replace(v, name=f"{v.name} + {AB_FLAGS[ab]}", **on)]
-            if v.compile else [v])]
+            if v.compile and (v.draft is not None or ab not in AB_DRAFT_ONLY) else [v])]
     return out
 
 
@@ -143,6 +146,7 @@ def run_bench(a: argparse.Namespace) -> int:
               skinny_gemm=getattr(a, "skinny_gemm", None),
               skinny_gemm_layer=getattr(a, "skinny_gemm_layer", None),
               skinny_gemm_norms=getattr(a, "skinny_gemm_norms", False),
+              skinny_gemm_draft=getattr(a, "skinny_gemm_draft", False),
               precompile=getattr(a, "precompile", None), pdl=getattr(a, "pdl", None))
     batch_sizes = sorted(set(a.batch_sizes))
 
