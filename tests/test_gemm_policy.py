@@ -67,7 +67,8 @@ def test_engine_reports_the_choice(tmp_path, smollm2_gguf_path) -> None:
     assert auto["skinny_gemm"]["gemm"] is False and "auto: off on cpu" in auto["skinny_gemm"]["why"]
     forced = compile_models(llm.engine.runner, CompileConfig(inductor=False, skinny_gemm=True))
     assert forced.stats()["skinny_gemm"] == {"gemm": True, "layer": True,
-                                             "why": "set: skinny_gemm=True"}
+                                             "why": "set: skinny_gemm=True",
+                                             "draft": False}  # (no draft; opt-in anyway)
     from passes.skinny_gemm import SkinnyGemmFusion
 
     passes = forced.backends["target"].pass_manager.passes
