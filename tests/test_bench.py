@@ -278,3 +278,12 @@ def test_timed_engine_reads_the_graphs_logits(tiny_hf_dir, monkeypatch) -> None:
     # each row says whether the target ran the fused layer, and why (gemm_policy.py)
     assert rows[0].extra["skinny_gemm"]["gemm"] is False
     assert rows[0].extra["skinny_gemm"]["why"].startswith("auto: off on cpu")
+
+
+def test_read_bandwidth_times_a_streaming_read() -> None:
+    # The floor's yardstick on a GPU the table does not list (profiles/scripts/graphs_h200.py);
+    # on the CPU only its arithmetic: bytes read per second, finite and positive.
+    from compiled_spec.bench.timing import read_bandwidth
+
+    bw = read_bandwidth(torch.device("cpu"), nbytes=1 << 20, iters=3, warmup=1)
+    assert 0 < bw < float("inf")

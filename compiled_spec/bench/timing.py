@@ -36,6 +36,22 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def read_bandwidth(device: torch.device, nbytes: int = 2 << 30, iters: int = 20,
+                   warmup: int = 5) -> float:
+    """Bytes per second a streaming read (a sum over ``nbytes`` of bf16) reaches on
+    ``device``, back-to-back calls with one sync: a floor's yardstick on a GPU that
+    ``HBM_BYTES_PER_S`` does not list (an H100 read 3.06e12 in the thirty-third session)."""
+    x = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
+    for _ in range(warmup):
+        x.sum()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        x.sum()
+    sync(device)
+    return nbytes * iters / (time.perf_counter() - t0)
+
+
 def floor_ms(model: torch.nn.Module, device: torch.device) -> float | None:
     """Reading every weight once at the GPU's peak bandwidth: the batch-1 decode floor."""
     if device.type != "cuda":

@@ -44,10 +44,9 @@ SMOLLM2 = dict(LLAMA8B, vocab_size=49152, hidden_size=576, intermediate_size=153
                max_position_embeddings=8192, rope_theta=100000.0, rope_scaling=None,
                tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
 RANDOM_SHAPES = {"llama8b": LLAMA8B, "tiny": TINY, "smollm2-random": SMOLLM2}
-from compiled_spec.bench.timing import weight_bytes  # noqa: E402
+from compiled_spec.bench.timing import HBM_BYTES_PER_S, read_bandwidth, weight_bytes  # noqa: E402
 from compiled_spec.spec.proposer import ProposeBatch  # noqa: E402
 
-HBM_BYTES_PER_S = 4.27e12
 CTX = 512
 DEVICE = torch.device("cuda")
 EMULATE = False  # CPU dry run: emulated graphs (capture.emulate)
@@ -56,17 +55,6 @@ EMULATE = False  # CPU dry run: emulated graphs (capture.emulate)
 def sync() -> None:
     if DEVICE.type == "cuda":
         torch.cuda.synchronize()
-
-
-def read_bandwidth() -> float:
-    """Bytes per second a streaming read reaches here: the yardstick for the weight-read floor
-    (4.27e12 was the H200's; an H100's is lower, so a fixed constant misstates the ratio)."""
-    if EMULATE:
-        return HBM_BYTES_PER_S
-    x = torch.ones(1 << 30, dtype=torch.bfloat16, device=DEVICE)  # 2 GiB
-    ms = timeit(lambda: x.sum(), iters=20)["ms_pipelined"]
-    del x
-    return (2 << 30) / (ms * 1e-3)
 
 
 def timeit(fn: Callable[[], Any], iters: int = 50, warmup: int = 5) -> dict[str, float]:
@@ -327,7 +315,9 @@ def main() -> int:
         tgt, drf = llm.engine.model, llm.engine.runner.proposer.draft
         t_bytes = weight_bytes(tgt)
         d_bytes = weight_bytes(drf, exclude=tgt)
-        bw = read_bandwidth()
+        # measured here (4.27e12 was the H200's; an H100's is lower, so a fixed constant
+        # misstates the ratio); the H200's on a CPU dry run
+        bw = HBM_BYTES_PER_S["NVIDIA H200"] if EMULATE else read_bandwidth(DEVICE)
         report["read_tb_s"] = round(bw / 1e12, 3)
         report["floor_ms"] = {"target": round(t_bytes / bw * 1e3, 4),
                               "draft_step": round(d_bytes / bw * 1e3, 4)}
