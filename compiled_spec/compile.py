@@ -276,15 +276,14 @@ def compile_models(runner: ModelRunner, cfg: CompileConfig,
     backend = functools.partial(make_backend, inductor=cfg.inductor,
                                 inductor_config=inductor_config(cfg))
     eager: dict[str, Any] = {"target": runner.target_fn}
-    backends = {"target": backend(hoist_fc=False, per_layer_metadata=False,
-                                  skinny_gemm=skinny.gemm, skinny_layer=skinny.layer,
-                                  skinny_norms=cfg.skinny_gemm_norms)}
+    fusions = {"skinny_gemm": skinny.gemm, "skinny_layer": skinny.layer,
+               "skinny_norms": cfg.skinny_gemm_norms}
+    backends = {"target": backend(hoist_fc=False, per_layer_metadata=False, **fusions)}
     prop = runner.proposer
     # The draft's callables take the target's fusions when asked (nothing to fuse when the
     # target's resolved off: 8B-sized weights, fp32, the CPU without skinny_gemm=True).
     draft_skinny = cfg.skinny_gemm_draft and skinny.gemm and prop is not None
-    dk: dict[str, Any] = ({"skinny_gemm": True, "skinny_layer": skinny.layer,
-                           "skinny_norms": cfg.skinny_gemm_norms} if draft_skinny else {})
+    dk: dict[str, Any] = fusions if draft_skinny else {}
     stats = PrecompileStats() if precompile_on(cfg, runner.model) else None
     parts: dict[str, Any] = {}
     if stats is not None:
