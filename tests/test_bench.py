@@ -287,3 +287,30 @@ def test_read_bandwidth_times_a_streaming_read() -> None:
 
     bw = read_bandwidth(torch.device("cpu"), nbytes=1 << 20, iters=3, warmup=1)
     assert 0 < bw < float("inf")
+
+
+def test_floor_takes_a_listed_gpu_figure_else_measures_once(monkeypatch) -> None:
+    """The bench's `x floor` on a GPU ``HBM_BYTES_PER_S`` does not list (an H100): the
+    streaming read measured on it, once per process; the listed H200 is never measured. CPU
+    only: the CUDA calls are stood in for, a cuda device object needs no GPU."""
+    from compiled_spec.bench import report, timing
+
+    reads: list[torch.device] = []
+    monkeypatch.setattr(timing, "read_bandwidth", lambda dev: reads.append(dev) or 2.0e12)
+    timing._measured_bandwidth.cache_clear()
+    model = torch.nn.Linear(1000, 1000, bias=False)  # 4e6 bytes of fp32 weights
+    gpu = torch.device("cuda", 0)
+    assert timing.floor_ms(model, torch.device("cpu")) is None
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "NVIDIA H100 80GB HBM3")
+    assert timing.floor_ms(model, gpu) == pytest.approx(4e6 / 2.0e12 * 1e3)
+    assert timing.floor_bandwidth(gpu) == (2.0e12, "streaming read measured on NVIDIA H100 "
+                                                   "80GB HBM3")
+    assert reads == [gpu]  # the second and third calls reused the first measurement
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev=None: "NVIDIA H200")
+    assert timing.floor_ms(model, gpu) == pytest.approx(4e6 / 4.27e12 * 1e3)
+    assert reads == [gpu]
+    timing._measured_bandwidth.cache_clear()
+    # the report names the yardstick its x floor column used
+    meta = {"floor_bandwidth": {"tb_per_s": 2.0, "source": "streaming read measured on X"}}
+    assert report._floor_yardstick(meta) == "2.0 TB/s (streaming read measured on X)"
+    assert report._floor_yardstick({"floor_bandwidth": None}) == "the GPU's bandwidth"

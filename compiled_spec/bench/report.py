@@ -37,6 +37,13 @@ def projection_table(proj: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _floor_yardstick(meta: dict[str, Any]) -> str:
+    fb = meta.get("floor_bandwidth")
+    if not fb:
+        return "the GPU's bandwidth"
+    return f"{fb['tb_per_s']} TB/s ({fb['source']})"
+
+
 def write_markdown(path: Path, meta: dict[str, Any], rows: list[Row],
                    shape_rows: list[Row] | None = None,
                    projection: list[dict[str, Any]] | None = None) -> None:
@@ -55,7 +62,7 @@ def write_markdown(path: Path, meta: dict[str, Any], rows: list[Row],
         "Columns: tokens/s = output tokens / wall time; ms/token = per request, decode time / "
         "(tokens - 1), median; tau = mean acceptance length; propose / verify ms = mean per "
         "call (CUDA events); x floor = ms/token over the time to read every weight once at "
-        "the GPU's peak bandwidth (batch 1); peak GiB = peak allocated GPU memory (our KV pool "
+        f"{_floor_yardstick(m)} (batch 1); peak GiB = peak allocated GPU memory (our KV pool "
         "is sized to the run); same output = fraction of prompts whose greedy output equals our "
         "vanilla eager output at batch 1 (bf16 paths round differently, so below 1.0 is "
         "expected there; fp32 identity is what the test suite checks).",

@@ -16,7 +16,7 @@ import torch
 from compiled_spec.bench import hf, report
 from compiled_spec.bench.ours import Variant, bench_ours
 from compiled_spec.bench.prompts import encode_chat, load_mt_bench
-from compiled_spec.bench.timing import Row
+from compiled_spec.bench.timing import Row, floor_bandwidth
 
 OURS = ("ours_vanilla_eager", "ours_vanilla_compiled", "ours_eagle_eager", "ours_eagle_compiled")
 ALL_VARIANTS = (*hf.KINDS, *OURS)
@@ -195,6 +195,9 @@ def run_bench(a: argparse.Namespace) -> int:
             "draft": draft, "k": k, "shape_label": {"llama8b": "Llama-3.1-8B shape",
                                                     "tiny": "tiny Llama shape"}.get(a.shape)}
     meta["reference_outputs"] = ref
+    fb = floor_bandwidth(device) if any(r.floor_ratio for r in rows) else None
+    meta["floor_bandwidth"] = None if fb is None else {"tb_per_s": round(fb[0] / 1e12, 3),
+                                                       "source": fb[1]}
     for prev in merged:  # rows of earlier runs, first
         rows = [Row(**r) for r in prev["rows"]] + rows
         if prev.get("shape_rows") and not shape_rows:
