@@ -9,6 +9,13 @@ from __future__ import annotations
 
 import argparse
 
+# The CompileConfig flags the engine options set, and their values when a command leaves them
+# out (None: the engine decides, compiled_spec/gemm_policy.py and pdl_policy.py). Every command
+# that builds engines (and the bench, which builds several) reads them through this one list.
+COMPILE_FLAGS: dict[str, bool | None] = {
+    "autotune_gemm": False, "skinny_gemm": None, "skinny_gemm_layer": None,
+    "skinny_gemm_norms": False, "skinny_gemm_draft": False, "precompile": None, "pdl": None}
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF directory or .gguf file (default: SmolLM2-135M-Instruct GGUF)")
@@ -97,22 +104,15 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
               tensor_parallel_size=a.tensor_parallel_size,
               draft_tensor_parallel=a.draft_tensor_parallel)
     sizes = getattr(a, "cuda_graph_sizes", None)
-    autotune = getattr(a, "autotune_gemm", False)
-    skinny = getattr(a, "skinny_gemm", None)
-    layer = getattr(a, "skinny_gemm_layer", None)
-    norms = getattr(a, "skinny_gemm_norms", False)
-    draft_fused = getattr(a, "skinny_gemm_draft", False)
-    pre = getattr(a, "precompile", None)
-    pdl = getattr(a, "pdl", None)
-    if (a.compile_cache_dir is not None or sizes or autotune or skinny is not None
-            or layer is not None or norms or draft_fused or pre is not None
-            or pdl is not None):
+    flags = compile_flags(a)
+    if a.compile_cache_dir is not None or sizes or flags != COMPILE_FLAGS:
         from compiled_spec.compile import CompileConfig
 
         kw["compile_config"] = CompileConfig(cache_dir=a.compile_cache_dir,
-                                             capture_batch_sizes=tuple(sizes or ()),
-                                             autotune_gemm=autotune, skinny_gemm=skinny,
-                                             skinny_gemm_layer=layer, skinny_gemm_norms=norms,
-                                             skinny_gemm_draft=draft_fused,
-                                             precompile=pre, pdl=pdl)
+                                             capture_batch_sizes=tuple(sizes or ()), **flags)
     return kw
+
+
+def compile_flags(a: argparse.Namespace) -> dict[str, bool | None]:
+    """The ``COMPILE_FLAGS`` as ``a`` sets them (commands without a flag get its default)."""
+    return {name: getattr(a, name, default) for name, default in COMPILE_FLAGS.items()}

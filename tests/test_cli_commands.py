@@ -154,3 +154,23 @@ def test_autotune_gemm_reaches_the_compile_config():
     assert inductor_config(pdl) == {"triton.enable_pdl": True}
     with pytest.raises(ValueError, match="pdl"):
         CompileConfig(pdl=1)  # type: ignore[arg-type]
+
+
+def test_every_compile_flag_is_an_option_and_a_config_field_with_one_default():
+    """engine_args.COMPILE_FLAGS is the one list the CLI, `engine_kwargs` and the bench read:
+    each name is a CompileConfig field whose default is the list's, and an engine option that
+    reaches the config when given (a flag added to one place only fails here)."""
+    import argparse
+    import dataclasses
+
+    from compiled_spec.compile import CompileConfig
+    from compiled_spec.engine_args import COMPILE_FLAGS, add_engine_args, engine_kwargs
+
+    fields = {f.name: f.default for f in dataclasses.fields(CompileConfig)}
+    assert {n: fields.get(n, "missing") for n in COMPILE_FLAGS} == COMPILE_FLAGS
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    for name in COMPILE_FLAGS:
+        opt = "--" + name.replace("_", "-")
+        cfg = engine_kwargs(p.parse_args([opt, "--skinny-gemm"]))["compile_config"]
+        assert getattr(cfg, name) is True, name

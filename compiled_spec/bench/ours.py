@@ -23,6 +23,7 @@ import torch
 
 from compiled_spec.bench.timing import PhaseTimer, Row, floor_ms, peak_gib, reset_peak, sync
 from compiled_spec.engine.stats import counts_since
+from compiled_spec.engine_args import COMPILE_FLAGS
 
 
 @dataclass
@@ -51,23 +52,17 @@ def build_engine(v: Variant, kw: dict[str, Any], prompts: list[list[int]],
     from compiled_spec.compile import CompileConfig
 
     kw = dict(kw)
-    autotune = kw.pop("autotune_gemm", False)  # compiled engines only
-    skinny = kw.pop("skinny_gemm", None)  # None: the engine decides (gemm_policy.py)
-    layer = kw.pop("skinny_gemm_layer", None)
-    norms = kw.pop("skinny_gemm_norms", False)
-    draft_fused = kw.pop("skinny_gemm_draft", False)
-    pre = kw.pop("precompile", None)
-    pdl = kw.pop("pdl", None)  # None: the engine decides (pdl_policy.py)
+    given = {name: kw.pop(name, default) for name, default in COMPILE_FLAGS.items()}
     top = max(batch_sizes)
     kw.update(draft=v.draft, compile=v.compile, max_num_seqs=top)
     if v.compile:
-        flags = dict(autotune_gemm=autotune, skinny_gemm=skinny, precompile=pre, pdl=pdl)
-        flags |= v.flags
-        # the layer / norm fusions ride on the skinny GEMMs: an --ab skinny_gemm pair's "off"
-        # has none of them
-        flags["skinny_gemm_layer"] = False if flags["skinny_gemm"] is False else layer
-        flags["skinny_gemm_norms"] = norms and flags["skinny_gemm"] is True
-        flags["skinny_gemm_draft"] = (flags.get("skinny_gemm_draft", draft_fused)
+        flags = given | v.flags
+        # the layer / norm / draft fusions ride on the skinny GEMMs: an --ab skinny_gemm pair's
+        # "off" has none of them
+        flags["skinny_gemm_layer"] = (False if flags["skinny_gemm"] is False
+                                      else given["skinny_gemm_layer"])
+        flags["skinny_gemm_norms"] = given["skinny_gemm_norms"] and flags["skinny_gemm"] is True
+        flags["skinny_gemm_draft"] = (flags["skinny_gemm_draft"]
                                       and flags["skinny_gemm"] is not False)
         kw["compile_config"] = CompileConfig(capture_batch_sizes=tuple(sorted(batch_sizes)),
                                              **flags)

@@ -17,6 +17,7 @@ from compiled_spec.bench import hf, report
 from compiled_spec.bench.ours import Variant, bench_ours
 from compiled_spec.bench.prompts import encode_chat, load_mt_bench
 from compiled_spec.bench.timing import Row, floor_bandwidth
+from compiled_spec.engine_args import compile_flags
 
 OURS = ("ours_vanilla_eager", "ours_vanilla_compiled", "ours_eagle_eager", "ours_eagle_compiled")
 ALL_VARIANTS = (*hf.KINDS, *OURS)
@@ -141,13 +142,7 @@ def run_bench(a: argparse.Namespace) -> int:
     kw = dict(model=model, tokenizer=a.tokenizer, dtype=a.dtype, device=device,
               max_model_len=a.max_model_len, page_size=a.page_size, method=a.method,
               num_speculative_tokens=k, draft_sampling=a.draft_sampling,
-              min_admit=getattr(a, "min_admit", None),
-              autotune_gemm=getattr(a, "autotune_gemm", False),
-              skinny_gemm=getattr(a, "skinny_gemm", None),
-              skinny_gemm_layer=getattr(a, "skinny_gemm_layer", None),
-              skinny_gemm_norms=getattr(a, "skinny_gemm_norms", False),
-              skinny_gemm_draft=getattr(a, "skinny_gemm_draft", False),
-              precompile=getattr(a, "precompile", None), pdl=getattr(a, "pdl", None))
+              min_admit=getattr(a, "min_admit", None), **compile_flags(a))
     batch_sizes = sorted(set(a.batch_sizes))
 
     merged = [json.loads(Path(p).read_text()) for p in a.merge or []]
