@@ -56,6 +56,9 @@ class CapturePolicy:
     # () = none), each padded to max_batch_size sequences of at most mixed_query_len tokens.
     mixed_sizes: tuple[int, ...] = ()
     mixed_query_len: int = 0
+    # Smaller draft counts verified instead of k (an adaptive policy's k shrinking): each gets
+    # verify graphs of its own, w + 1 query rows per request (``verify_sizes(policy, w)``).
+    verify_widths: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_model_len"):
@@ -85,6 +88,11 @@ class CapturePolicy:
                       or not 1 <= q <= min(mixed[-1], self.max_model_len)):
             raise ValueError(f"mixed_query_len={q!r}: must be an integer in 1..min(largest "
                              f"mixed size {mixed[-1]}, max_model_len={self.max_model_len})")
+        widths = _positive_sorted("verify_widths", tuple(self.verify_widths))
+        if widths and widths[-1] >= k:
+            raise ValueError(f"verify_widths {widths}: each must be below "
+                             f"num_speculative_tokens={k}")
+        object.__setattr__(self, "verify_widths", widths)
         # Frozen: normalise through object.__setattr__ (sorted, deduplicated, defaults filled in).
         object.__setattr__(self, "mixed_sizes", mixed)
         object.__setattr__(self, "prefill_sizes", pre)
@@ -107,10 +115,14 @@ def decode_sizes(policy: CapturePolicy, single_via_verify: bool = False) -> list
     return [n for n in policy.batch_sizes if n > 1 or not single_via_verify]
 
 
-def verify_sizes(policy: CapturePolicy) -> list[int]:
+def verify_sizes(policy: CapturePolicy, width: int | None = None) -> list[int]:
     """Token counts of the captured target verify graphs: [last token, k drafts] per request,
-    T = n * (k + 1). Also fits the draft's first pass when every span is <= k + 1 tokens."""
-    return [n * policy.verify_query_len for n in policy.batch_sizes]
+    T = n * (k + 1). Also fits the draft's first pass when every span is <= k + 1 tokens.
+    ``width`` (one of ``policy.verify_widths``): the graphs verifying that many drafts."""
+    if width is not None and width not in policy.verify_widths:
+        raise ValueError(f"verify width {width} is not in verify_widths {policy.verify_widths}")
+    q = policy.verify_query_len if width is None else width + 1
+    return [n * q for n in policy.batch_sizes]
 
 
 def draft_step_sizes(policy: CapturePolicy) -> list[int]:

@@ -107,6 +107,10 @@ class SpecConfig:
     # "always" drafts every step; "adaptive" pauses drafting when measured step costs and
     # acceptance say plain decoding is faster at this batch size (compiled_spec/spec/policy.py).
     speculation_policy: str = "always"
+    # "adaptive" only: smaller draft counts it may verify instead of k (each 1..k-1), where
+    # verifying k + 1 rows per request costs more than the late drafts bring (a compute-bound
+    # verify at large batch). Each gets verify CUDA graphs of its own; () = pause only.
+    adaptive_k: tuple[int, ...] = ()
     # Greedy chain and tree steps launch the next proposal before the host reads the
     # acceptance (compiled_spec/engine/early_propose.py, early_tree.py); False: always after.
     early_propose: bool = True
@@ -137,6 +141,17 @@ class SpecConfig:
         if self.speculation_policy not in ("always", "adaptive"):
             raise ValueError(f"speculation_policy={self.speculation_policy!r}: expected "
                              "'always' or 'adaptive'")
+        if not isinstance(self.adaptive_k, (tuple, list)):
+            raise ValueError(f"adaptive_k={self.adaptive_k!r}: expected a tuple of integers")
+        ks = tuple(self.adaptive_k)
+        for w in ks:
+            if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w < k:
+                raise ValueError(f"adaptive_k={ks!r}: {w!r} is not an integer in 1..{k - 1} "
+                                 f"(below num_speculative_tokens={k})")
+        if ks and self.speculation_policy != "adaptive":
+            raise ValueError(f"adaptive_k={ks!r} needs speculation_policy='adaptive' (got "
+                             f"{self.speculation_policy!r})")
+        self.adaptive_k = tuple(sorted(set(ks), reverse=True))
         if self.speculation_policy == "adaptive" and self.tree is not None:
             raise ValueError("speculation_policy='adaptive' is not supported with draft trees "
                              f"(speculative_topk={t}): use 'always' or a chain (topk 1)")

@@ -74,6 +74,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculation-policy", default="always", choices=["always", "adaptive"],
                    help="adaptive: pause drafting where measured step costs and acceptance say "
                    "plain decoding is faster (chains only)")
+    p.add_argument("--adaptive-k", type=int, nargs="+", default=(), metavar="K",
+                   help="with --speculation-policy adaptive: smaller draft counts the policy may "
+                   "verify instead of -k where that is faster (k shrinks; verify graphs each)")
     p.add_argument("--enable-prefix-caching", action="store_true")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--draft-tensor-parallel", action="store_true",
@@ -100,6 +103,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
               compile=a.compile, speculative_topk=a.speculative_topk,
               speculative_num_draft_tokens=a.speculative_num_draft_tokens,
               speculation_policy=getattr(a, "speculation_policy", "always"),
+              adaptive_k=tuple(getattr(a, "adaptive_k", ())),
               enable_prefix_caching=a.enable_prefix_caching,
               tensor_parallel_size=a.tensor_parallel_size,
               draft_tensor_parallel=a.draft_tensor_parallel)

@@ -56,7 +56,8 @@ class LLM(CompileMixin):
     larger prefill steps; default None: a quarter of ``max_num_seqs``; 1: at once, the lowest
     time to first token; see ``SchedulerConfig``).
     ``speculation_policy="adaptive"`` pauses drafting at batch sizes where measured step costs
-    and acceptance say plain decoding is faster (``llm.stats.policy.summary()`` reports it).
+    and acceptance say plain decoding is faster (``llm.stats.policy.summary()`` reports it);
+    with ``adaptive_k`` it may also verify fewer drafts (k shrinks) where that is faster.
     ``early_propose=False`` launches each proposal after the host read the step's acceptance
     (default: before it where the step allows, ``llm.stats.early_propose`` counts both; None
     reads COMPILED_SPEC_EARLY_PROPOSE, 0 = off). ``verify_ahead``: greedy decode steps and
@@ -88,6 +89,7 @@ class LLM(CompileMixin):
         speculative_num_steps: int | None = None,
         speculative_num_draft_tokens: int | None = None,
         speculation_policy: str = "always",
+        adaptive_k: tuple[int, ...] = (),
         early_propose: bool | None = None,
         verify_ahead: bool | None = None,
         compile: bool = False,
@@ -152,7 +154,7 @@ class LLM(CompileMixin):
                 draft_sampling=draft_sampling, speculative_topk=speculative_topk,
                 speculative_num_steps=speculative_num_steps,
                 speculative_num_draft_tokens=speculative_num_draft_tokens,
-                speculation_policy=speculation_policy,
+                speculation_policy=speculation_policy, adaptive_k=adaptive_k,
                 early_propose=early_propose_default() if early_propose is None
                 else early_propose),
             verify_ahead=verify_ahead_default(dev) if verify_ahead is None else verify_ahead,

@@ -37,7 +37,8 @@ def engine_capture_policy(cc: CompileConfig, ec: EngineConfig) -> CapturePolicy:
     return CapturePolicy(max_batch_size=sched.max_num_seqs, num_speculative_tokens=k,
                          max_model_len=ec.max_model_len, batch_sizes=cc.capture_batch_sizes,
                          seq_len_buckets=cc.seq_len_buckets, prefill_sizes=pre,
-                         mixed_sizes=mixed, mixed_query_len=mixed_q)
+                         mixed_sizes=mixed, mixed_query_len=mixed_q,
+                         verify_widths=() if ec.spec is None else ec.spec.adaptive_k)
 
 
 def max_decode_rows(ec: EngineConfig) -> int:

@@ -39,6 +39,12 @@ def test_policy_sizes():
     assert decode_sizes(p, single_via_verify=True) == [2, 4, 8, 16]
     one = CapturePolicy(max_batch_size=1, num_speculative_tokens=5, max_model_len=512)
     assert decode_sizes(one, single_via_verify=True) == [] and verify_sizes(one) == [6]
+    # k shrunk (an adaptive policy's adaptive_k): verify graphs of w + 1 rows per request
+    w = CapturePolicy(16, 5, 2048, batch_sizes=(1, 4), verify_widths=(2, 1, 2))
+    assert w.verify_widths == (1, 2) and verify_sizes(w) == [6, 24]
+    assert verify_sizes(w, 1) == [2, 8] and verify_sizes(w, 2) == [3, 12]
+    with pytest.raises(ValueError, match="verify width 3"):
+        verify_sizes(w, 3)
 
 
 def test_prefill_sizes():
@@ -76,6 +82,7 @@ def test_mixed_sizes():
     dict(num_speculative_tokens=True), dict(batch_sizes=(1, 32)), dict(batch_sizes=(0, 2)),
     dict(seq_len_buckets=(4096,)), dict(seq_len_buckets=(1.5,)),
     dict(prefill_sizes=(4096,)), dict(prefill_sizes=(0,)),
+    dict(verify_widths=(3,)), dict(verify_widths=(0,)), dict(verify_widths=(True,)),
 ])
 def test_policy_validation(kwargs):
     base = dict(max_batch_size=16, num_speculative_tokens=3, max_model_len=2048)

@@ -27,7 +27,8 @@ def _graphs(llm: LLM, batch_sizes=(1, 2, 4), buckets=(32, 128)) -> EngineGraphs:
     llm._compiled = models
     policy = CapturePolicy(max_batch_size=4, num_speculative_tokens=0 if cfg.spec is None else
                            cfg.spec.num_speculative_tokens, max_model_len=128,
-                           batch_sizes=batch_sizes, seq_len_buckets=buckets)
+                           batch_sizes=batch_sizes, seq_len_buckets=buckets,
+                           verify_widths=() if cfg.spec is None else cfg.spec.adaptive_k)
     return capture_graphs(llm.engine.runner, models, policy, cfg.cache.page_size, emulate=True)
 
 
@@ -196,6 +197,42 @@ def test_adaptive_policy_with_graphs_equals_eager_and_counts_its_pauses(trained_
     graphs.propose._sync_graphs.clear()
     assert _run(llm, sp) == eager
     assert graphs.stats()["without_graph"]["draft_propose"]["paused (first pass only)"] > 0
+
+
+def test_shrunk_k_replays_verify_graphs_of_its_own(trained_eagle3_pair, smollm2_gguf_path):
+    """adaptive_k on the graphed engine: steps that verify 1 of the 3 drafts replay the
+    1 + 1-row verify graph (a 4-row one would pad them back to full cost), propose late (the
+    early graph stages k + 1 verified rows) and launch no verify ahead (it would verify k), and
+    every mix of full, shrunk and paused steps gives the eager always-drafting output."""
+    from compiled_spec.spec.policy import PLAIN, SPEC, shrunk
+
+    class Cycle:
+        n = 0
+
+        def mode(self, batch_size: int) -> str:
+            self.n += 1
+            return [SPEC, SPEC, shrunk(1), shrunk(1), shrunk(1), PLAIN][(self.n - 1) % 6]
+
+        def observe(self, *args) -> None:
+            pass
+
+    target, head = trained_eagle3_pair
+    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    eager = _run(_llm(target, smollm2_gguf_path, head), sp)
+    llm = _llm(target, smollm2_gguf_path, head, speculation_policy="adaptive", adaptive_k=(1,),
+               verify_ahead=True)
+    graphs = _graphs(llm)
+    assert "target_verify_k1" in graphs.required
+    assert graphs.registry.runners["target_verify_k1"].sizes == [2, 4, 8]
+    llm.engine.stats.policy = Cycle()
+    assert _run(llm, sp) == eager
+    st = graphs.stats()
+    assert st["components"]["target_verify_k1"]["graph_replays"] > 0
+    assert st["components"]["target_verify"]["graph_replays"] > 0
+    assert "target_verify_k1" not in st["without_graph"], st["without_graph"]
+    early, ahead = llm.stats.early_propose, llm.stats.verify_ahead
+    assert early.early > 0 and early.late_reasons.get("shrunk", 0) > 0, early
+    assert ahead.taken > 0 and ahead.skipped.get("shrunk", 0) > 0, ahead
 
 
 @pytest.mark.parametrize("tree", [False, True])

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from compiled_spec import LLM, SamplingParams
-from compiled_spec.spec.policy import PLAIN, SPEC, SpecPolicy, bucket_of
+from compiled_spec.spec.policy import PLAIN, SPEC, SpecPolicy, bucket_of, mode_k, shrunk
 from tests.spec_models import write_bigram_target, write_mirror_eagle1
 
 
@@ -81,6 +81,45 @@ def test_a_seeded_bucket_follows_its_own_costs_where_they_disagree():
     # the seed weighs as one sample: a running mean until 1 / alpha samples
     assert s["plain_step_ms"] == pytest.approx(1.0)
     assert s["spec_step_ms"] == pytest.approx((1.2 + 9.0 + 9.0) / 3)
+
+
+def _drive_modes(policy: SpecPolicy, batch: int, steps: int, cost: dict[str, float],
+                 tau: dict[str, float]) -> list[str]:
+    modes = []
+    for _ in range(steps):
+        m = policy.mode(batch)
+        policy.observe(batch, m, cost[m], tau.get(m, 1.0))
+        modes.append(m)
+    return modes
+
+
+def test_policy_shrinks_k_where_fewer_drafts_verify_faster():
+    """k shrinks: shrunk(w) verifies w of the k drafts. It is explored after drafting k and
+    before plain steps, and wins where its tokens per second beat both (a compute-bound verify
+    at large batch: fewer rows cost less, the drafts past w are the least often accepted)."""
+    w = shrunk(2)
+    assert (mode_k(SPEC, 5), mode_k(w, 5), mode_k(PLAIN, 5)) == (5, 2, 0)
+    p = SpecPolicy(warmup=3, probe_every=1000, modes=(SPEC, w, PLAIN))
+    cost = {SPEC: 3.0e-3, w: 1.6e-3, PLAIN: 1.0e-3}
+    tau = {SPEC: 2.8, w: 2.0}  # 0.93, 1.25 and 1.0 tokens per ms
+    modes = _drive_modes(p, 64, 40, cost, tau)
+    assert modes[:9] == [SPEC] * 3 + [w] * 3 + [PLAIN] * 3 and set(modes[9:]) == {w}
+    s = p.summary()[64]
+    assert s["prefers"] == w and s["drafted_steps"] == 37 and s["paused_steps"] == 3
+    assert s["shrunk"][w] == {"steps": 34, "step_ms": pytest.approx(1.6),
+                              "tau": pytest.approx(2.0)}
+    assert s["tau"] == pytest.approx(2.8)  # drafting k's own
+    # where drafting k pays best it keeps k (the same costs, k's drafts accepted more often)
+    p = SpecPolicy(warmup=3, probe_every=1000, modes=(SPEC, w, PLAIN))
+    assert set(_drive_modes(p, 64, 40, cost, {SPEC: 4.5, w: 2.0})[9:]) == {SPEC}
+    # probes visit every other mode in turn, so each estimate follows the prompts
+    p = SpecPolicy(warmup=2, probe_every=8, probe_len=1, modes=(SPEC, w, PLAIN))
+    modes = _drive_modes(p, 64, 40, cost, tau)
+    probes = [m for i, m in enumerate(modes[6:], 7) if i % 8 in (0, 1) and m != w]
+    assert {SPEC, PLAIN} <= set(probes), modes
+    for bad in [(SPEC,), (SPEC, PLAIN, SPEC), (SPEC, "spec3", PLAIN)]:
+        with pytest.raises(ValueError, match="modes="):
+            SpecPolicy(modes=bad)
 
 
 @pytest.fixture(scope="module")
@@ -166,3 +205,50 @@ def test_paused_steps_keep_the_draft_kv_complete(pair, smollm2_gguf_path):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     _, holes = _draft_kv_after(pair, smollm2_gguf_path, prompt, policy=_Alternate(), no_sync=True)
     assert not torch.allclose(holes, ref, rtol=1e-5, atol=1e-5)
+
+
+class _Fixed:
+    """A stand-in policy: the given modes in turn, step after step."""
+
+    def __init__(self, modes: list[str]) -> None:
+        self.modes, self.n = modes, 0
+
+    def mode(self, batch_size: int) -> str:
+        self.n += 1
+        return self.modes[(self.n - 1) % len(self.modes)]
+
+    def observe(self, *args) -> None:
+        pass
+
+
+def test_shrunk_k_is_lossless_and_verifies_fewer_drafts(pair, smollm2_gguf_path):
+    """adaptive_k: steps that verify 1 or 2 of the 3 drafts, alone or mixed with full and
+    paused steps in every order, write vanilla's output, greedy and seeded sampling; a step
+    shrunk to 1 verifies one draft per request."""
+    target, head = pair
+    sampled = SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=42, ignore_eos=True)
+    vanilla = LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=128)
+    want = {id(sp): [o.token_ids for o in vanilla.generate(PROMPTS, sp)]
+            for sp in (GREEDY, sampled)}
+    llm = LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=128, draft=head,
+              num_speculative_tokens=3, speculation_policy="adaptive", adaptive_k=(1, 2))
+    assert llm.stats.policy.modes == (SPEC, shrunk(2), shrunk(1), PLAIN)
+    llm.engine.stats.policy = _Fixed([shrunk(1)])
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want[id(GREEDY)]
+    st = llm.stats.spec
+    assert st.num_drafting_steps > 0 and st.num_draft_tokens == st.num_drafting_steps
+    for sp in (GREEDY, sampled):
+        llm.engine.reset_stats()
+        llm.engine.stats.policy = _Fixed([SPEC, shrunk(2), shrunk(1), shrunk(1), PLAIN, SPEC,
+                                          PLAIN, shrunk(2)])
+        assert [o.token_ids for o in llm.generate(PROMPTS, sp)] == want[id(sp)]
+        st = llm.stats.spec
+        assert 1 < st.num_draft_tokens / st.num_drafting_steps < 3, st.as_dict()
+    for bad, match in [(dict(adaptive_k=(3,)), "adaptive_k=\\(3,\\): 3 is not an integer in 1..2"),
+                       (dict(adaptive_k=2), "adaptive_k=2: expected a tuple"),
+                       (dict(adaptive_k=(1,), speculation_policy="always"),
+                        "needs speculation_policy='adaptive'")]:
+        kw = dict(speculation_policy="adaptive") | bad
+        with pytest.raises(ValueError, match=match):
+            LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=128, draft=head,
+                num_speculative_tokens=3, **kw)

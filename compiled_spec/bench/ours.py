@@ -33,6 +33,7 @@ class Variant:
     compile: bool
     tree: tuple[int, int] | None = None  # EAGLE-2 draft tree: (topk, verified tokens incl. root)
     policy: str = "always"  # speculation_policy
+    adaptive_k: tuple[int, ...] = ()  # with policy "adaptive": the smaller k it may verify
     early_propose: bool = True  # False: every proposal launched after the acceptance is read
     verify_ahead: bool | None = None  # EngineConfig.verify_ahead; None: the LLM's default
     # CompileConfig flags this variant sets over the run's own (bench --ab: one of a pair)
@@ -72,6 +73,8 @@ def build_engine(v: Variant, kw: dict[str, Any], prompts: list[list[int]],
         kw.update(speculative_topk=v.tree[0], speculative_num_draft_tokens=v.tree[1])
     if v.policy != "always":
         kw["speculation_policy"] = v.policy
+    if v.adaptive_k:
+        kw["adaptive_k"] = v.adaptive_k
     if v.draft is not None:
         kw["early_propose"] = v.early_propose
     if v.verify_ahead is not None:

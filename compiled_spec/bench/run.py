@@ -43,10 +43,12 @@ TINY = dict(LLAMA8B, vocab_size=49152, hidden_size=64, intermediate_size=128,
 
 def _variants(names: list[str], draft: str | None, k: int,
               trees: list[tuple[int, int]] = (), adaptive: bool = False,
-              late_propose: bool = False, ab: str | None = None) -> list[Variant]:
+              late_propose: bool = False, ab: str | None = None,
+              adaptive_k: tuple[int, ...] = ()) -> list[Variant]:
     """Our engines to run; each EAGLE variant also runs once per draft tree of ``trees``
     ((topk, tokens): EAGLE-2 trees of depth k), with ``adaptive`` once more as a chain under
-    speculation_policy="adaptive", and with ``late_propose`` once more as a chain whose
+    speculation_policy="adaptive" (k may shrink to ``adaptive_k``), and with ``late_propose``
+    once more as a chain whose
     proposals all launch after the acceptance is read (early_propose=False), in the same
     compile mode. With ``ab`` (a key of ``AB_FLAGS``) every compiled engine
     runs twice in a row, with the flag off and on (rows named "+ <label>"): an A/B in one
@@ -66,8 +68,9 @@ def _variants(names: list[str], draft: str | None, k: int,
             out.append(Variant(f"ours EAGLE k={k} late propose" + mode, draft,
                                n.endswith("compiled"), early_propose=False))
         if spec and adaptive:
-            out.append(Variant(f"ours EAGLE k={k} adaptive" + mode, draft, n.endswith("compiled"),
-                               policy="adaptive"))
+            shrinks = f" (k shrinks to {', '.join(map(str, adaptive_k))})" if adaptive_k else ""
+            out.append(Variant(f"ours EAGLE k={k} adaptive{shrinks}" + mode, draft,
+                               n.endswith("compiled"), policy="adaptive", adaptive_k=adaptive_k))
         for topk, tokens in trees if spec else ():
             out.append(Variant(f"ours EAGLE tree topk {topk}, {tokens} tokens, depth {k}" + mode,
                                draft, n.endswith("compiled"), (topk, tokens)))
@@ -148,11 +151,10 @@ def run_bench(a: argparse.Namespace) -> int:
     merged = [json.loads(Path(p).read_text()) for p in a.merge or []]
     # Chat-encoded once; every engine (ours and transformers) gets the same ids.
     prompts = encode_chat(load_tokenizer(a.tokenizer or model), texts)
-    rows, outs = bench_ours(_variants(names, draft, k, a.trees, a.adaptive,
-                                      getattr(a, "late_propose", False),
-                                      getattr(a, "ab", None)), kw, prompts, batch_sizes,
-                            a.max_tokens, Path(a.trace_dir) if a.trace_dir else None,
-                            waves=a.waves)
+    variants = _variants(names, draft, k, a.trees, a.adaptive, getattr(a, "late_propose", False),
+                         getattr(a, "ab", None), tuple(getattr(a, "adaptive_k", ())))
+    rows, outs = bench_ours(variants, kw, prompts, batch_sizes, a.max_tokens,
+                            Path(a.trace_dir) if a.trace_dir else None, waves=a.waves)
     # The reference for "same output": our vanilla eager batch-1 outputs, from this run or a
     # merged one (a device call is capped at 10 minutes, so a full run spans several calls).
     ref = outs.get("ours vanilla eager") or next(

@@ -136,9 +136,10 @@ class EarlyPropose(EarlyPath):
         if r.proposer is None:
             return None
         k = r.k
-        # prefill rows, or a request verifying < k drafts
-        size = self._size(reqs, "not_chain" if max(num_new) != 1 or min(num_draft) != k
-                          else None)
+        # prefill rows, or a request verifying < k drafts (k shrunk by the adaptive policy, or
+        # near max_model_len): the early graph stages k + 1 verified rows per request
+        size = self._size(reqs, "shrunk" if r._drafts_k < k else
+                          "not_chain" if max(num_new) != 1 or min(num_draft) != k else None)
         if isinstance(size, str):
             return self._late(size)
         # Worst case: all k drafts accepted (n_tok = num_tokens + k + 1), then k more
@@ -200,6 +201,7 @@ class EarlyPropose(EarlyPath):
         r = self.runner
         r._drafts, r._draft_probs = step.drafts, step.probs
         r._draft_row = {}
+        r._drafts_k = r.verify_k
         for q in reqs:
             i = step.index.get(q.req_id)
             if i is None or not q.spec_enabled:

@@ -22,7 +22,7 @@ from compiled_spec.models.fuse import fuse_projections
 from compiled_spec.prefix_cache import block_keys, matchable_blocks
 from compiled_spec.sampling_params import SamplingParams
 from compiled_spec.spec.metrics import SpecStats
-from compiled_spec.spec.policy import PLAIN, SPEC, SpecPolicy
+from compiled_spec.spec.policy import PLAIN, SPEC, SpecPolicy, mode_k, shrunk
 from compiled_spec.spec.proposer import EagleProposer
 from kernels.warmup import warm_model_attention
 from kernels.warmup_parallel import overlap_enabled
@@ -102,7 +102,9 @@ class LLMEngine:
         taken for a later request's."""
         self.stats = EngineStats()
         if self.cfg.spec is not None and self.cfg.spec.speculation_policy == "adaptive":
-            self.stats.policy = SpecPolicy()  # dummy steps' costs (compiles) taught it nothing
+            # dummy steps' costs (compiles) taught it nothing
+            self.stats.policy = SpecPolicy(modes=(SPEC, *map(shrunk, self.cfg.spec.adaptive_k),
+                                                  PLAIN))
         if self.draft is not None and self.runner.early is not None:
             self.runner.early.stats = EarlyProposeStats()
             self.stats.early_propose = self.runner.early.stats
@@ -236,6 +238,8 @@ class LLMEngine:
             mode = stats.policy.mode(len(reqs))
             if self.runner.early is not None:
                 self.runner.early.paused = mode == PLAIN
+            if mode != PLAIN:  # how many of this step's drafts the next step verifies
+                self.runner.verify_k = mode_k(mode, self.runner.k)
         out = self.runner.execute(reqs, num_new)
         clock = self.runner.clock
         clock.mark("execute")
@@ -305,7 +309,7 @@ class LLMEngine:
                 self._obs = (len(reqs), mode, emitted / len(reqs))
             self._mode_prev = mode
         clock.mark("bookkeeping")
-        self.runner.propose(going_on, accepted, mode == SPEC)
+        self.runner.propose(going_on, accepted, mode != PLAIN)
         clock.mark("propose")
         if self.cfg.cache.prefix_caching:
             for req in going_on:

@@ -6,6 +6,8 @@ Three components share one graph memory pool (``capture.GraphRegistry``):
 * ``target_decode``: the target over one token per request (vanilla decoding; T = n).
 * ``target_verify``: the target over [last token, k drafts] per request (T = n * (k + 1)); a
   batch whose requests verify fewer drafts pads into it (q_len <= k + 1 fits the graph's grid).
+  ``target_verify_k<w>``: the same for w < k drafts, where an adaptive policy may shrink k
+  (``SpecConfig.adaptive_k``).
 * ``draft_propose`` (``propose_graph.ProposeGraphs``): the whole propose as one graph per batch
   size: the first pass over each request's accepted positions (<= k + 1 each), the first draft,
   and the k - 1 step loop. EAGLE-3's fc runs eagerly *before* the replay, over the target's aux
@@ -75,9 +77,12 @@ class GraphedTarget:
     def __init__(self, fn: TargetFn, decode: GraphRunner, verify: GraphRunner | None,
                  verify_query_len: int, tree: GraphRunner | None = None,
                  single_via_verify: bool = False, prefill: list[GraphRunner] | None = None,
-                 mixed: GraphRunner | None = None) -> None:
+                 mixed: GraphRunner | None = None, narrow: list[GraphRunner] | None = None
+                 ) -> None:
         self.fn, self.decode, self.verify, self.tree = fn, decode, verify, tree
         self.verify_query_len = verify_query_len
+        # Verify graphs of fewer rows per request (k shrunk), by query length ascending.
+        self.narrow = sorted(narrow or [], key=lambda r: r.query_len)
         # One request decoding replays the batch-1 verify graph (capture.policy.decode_sizes).
         self.single_via_verify = single_via_verify and verify is not None
         # One-sequence prompt steps, by query length ascending (capture.policy.prefill_sizes).
@@ -113,11 +118,15 @@ class GraphedTarget:
         return self.fn(input_ids, positions, meta, aux_layer_ids)
 
     def _causal_runner(self, max_query_len: int, num_seqs: int) -> GraphRunner | None:
-        """Decode (one query token), verify (up to k + 1), one sequence's prompt step (the
+        """Decode (one query token), verify (up to k + 1; the smallest narrow verify graph that
+        holds the step where k shrank), one sequence's prompt step (the
         smallest prefill graph that holds it), or several sequences' (the varlen graph: its
         lookup pads the step, or counts why not); None, counted, for any other prompt step."""
         if max_query_len == 1 and not (self.single_via_verify and num_seqs == 1):
             return self.decode
+        for r in self.narrow:
+            if max_query_len <= r.query_len:
+                return r
         if self.verify is not None and max_query_len <= self.verify_query_len:
             return self.verify
         if num_seqs == 1:
@@ -195,6 +204,10 @@ class EngineGraphs:
         decode = reg("target_decode", step_graph_fn, decode_sizes(policy, k > 0), tbufs)
         verify = reg("target_verify", step_graph_fn, verify_sizes(policy), tbufs,
                      query_len=k + 1) if k > 0 else None
+        # Verifying fewer drafts than k (the adaptive policy's shrunk k): graphs of w + 1 rows
+        # per request, which a k + 1-row graph would pad back to its full cost.
+        narrow = [reg(f"target_verify_k{w}", step_graph_fn, verify_sizes(policy, w), tbufs,
+                      query_len=w + 1) for w in policy.verify_widths] if k > 0 else []
         tree_target = target_fn if lm_head is None else (
             lambda *a: with_logits(target_fn(*a), lm_head))  # the tree graph's logits too
         tree_verify = None if tree is None else register_tree_verify(
@@ -223,7 +236,8 @@ class EngineGraphs:
                         query_len=policy.mixed_query_len, seqs=max_seqs,
                         seq_len_buckets=mixed_buckets)
         self.target = GraphedTarget(target_fn, decode, verify, k + 1, tree_verify,
-                                    single_via_verify=k > 0, prefill=prefill, mixed=mixed)
+                                    single_via_verify=k > 0, prefill=prefill, mixed=mixed,
+                                    narrow=narrow)
         self.propose: ProposeGraphs | TreeProposeGraphs | None = None
         self.propose_early: EarlyProposeGraphs | EarlyTreeGraphs | None = None
         prop = runner.proposer

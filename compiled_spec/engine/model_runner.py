@@ -66,6 +66,10 @@ class ModelRunner:
         self._drafts: torch.Tensor | None = None  # [B_prev, k] from the last proposal
         self._draft_probs: torch.Tensor | None = None  # [B_prev, k, V] when drafts are sampled
         self._draft_row: dict[int, int] = {}  # req_id -> row in the tensors above
+        # Drafts the next step verifies of those this step proposes (an adaptive policy's
+        # shrunk k sets it before the step), and of those the last step proposed.
+        self.verify_k = self.k
+        self._drafts_k = self.k
         self._pending: _Pending | None = None
         # Chain steps propose before the host reads their acceptance (engine/early_propose.py).
         self.early: EarlyPropose | None = EarlyPropose(self)
@@ -98,16 +102,17 @@ class ModelRunner:
         were aborted mid-step): the next step verifies no drafts, which stays exact."""
         self._drafts = self._draft_probs = self._pending = self._early_step = None
         self._draft_row = {}
+        self._drafts_k = self.k
         self.ahead.clear()
 
     def num_drafts_for(self, req: Request) -> int:
         """Drafts to verify this step: what was proposed, capped so no KV is written past the
         request's kv_limit. Near max_tokens that is still k (the step keeps the batch's shape:
         the engine drops what passes the budget, ``LLMEngine._run``); near max_model_len k
-        shrinks."""
+        shrinks, and where the adaptive policy shrank it (``verify_k`` when they were drafted)."""
         if req.req_id not in self._draft_row or req.num_computed != req.num_tokens - 1:
             return 0
-        return max(0, min(self.k, req.kv_limit - req.num_tokens - 1))
+        return max(0, min(self._drafts_k, req.kv_limit - req.num_tokens - 1))
 
     @torch.inference_mode()
     def execute(self, reqs: list[Request], num_new: list[int]) -> StepOutput:
@@ -342,4 +347,5 @@ class ModelRunner:
         """Draft for ``chosen`` (row i of ``batch``) and keep the drafts for the next step."""
         self._drafts, self._draft_probs = self.proposer.propose(batch, pend.hidden)
         self._draft_row = {r.req_id: i for i, r in enumerate(chosen)}
+        self._drafts_k = self.verify_k
 

@@ -43,7 +43,7 @@ class TreeModelRunner(ModelRunner):
         super().__init__(*args, **kwargs)
         self.tree = tree
         self.proposer = TreeProposer(self.proposer, tree)
-        self.k = tree.num_steps
+        self.k = self.verify_k = self._drafts_k = tree.num_steps  # trees never shrink k
         self.lookahead = tree.lookahead
         # Greedy tree steps propose before the host reads their acceptance (early_tree.py).
         self.early = EarlyTree(self)  # type: ignore[assignment]

@@ -189,6 +189,9 @@ class VerifyAhead:
             _count(self.stats.skipped, why)
             return
         r, k = self.runner, self.runner.k
+        if r.verify_k < k:  # the next step verifies fewer drafts than this launch would
+            _count(self.stats.skipped, "shrunk")
+            return
         q1 = k + 1
         spans: list[Span] = []
         req_ids: list[int] = []

@@ -1,5 +1,6 @@
-"""When to speculate: a per-step choice between drafting and plain decoding, from measured
-step costs and measured acceptance (pure logic, no tensors; tested on the CPU).
+"""When to speculate: a per-step choice between drafting and plain decoding (and, given smaller
+draft counts, how many drafts to verify), from measured step costs and measured acceptance (pure
+logic, no tensors; tested on the CPU).
 
 Speculation pays when the tokens it emits per step outrun its extra cost: at batch B a drafting
 step emits B * tau tokens in ``cost_spec`` seconds and a plain step B tokens in ``cost_plain``,
@@ -9,13 +10,19 @@ so they are measured, per batch-size bucket (powers of two), as exponential movi
 the engine's own steady-state steps: a step counts for a mode only when it ran that mode
 throughout (verified drafts and drafted again, or neither), without prompt tokens.
 
+k shrinks (``SpecConfig.adaptive_k``): a mode ``shrunk(w)`` verifies only the first w of the k
+drafts. Verifying k + 1 rows per request turns compute-bound first at large batch on a large
+target, where w + 1 rows cost less while the drafts past w are the least likely to be accepted;
+each such mode is measured like the others (its own cost and tau), and the best of all wins.
+
 Output never depends on the choice: a plain step verifies nothing, a drafting step's drafts go
 through exact verification. A paused engine still runs the draft's first pass over the accepted
 token (no drafting), so the draft's KV stays complete and acceptance is intact on resume.
 
 Exploration: a bucket starts by drafting until ``warmup`` steps are measured, then measures
-plain steps as long, then follows the better mode, and every ``probe_every`` steps runs
-``probe_len`` steps of the other one so its estimate follows drifting acceptance. A bucket first
+each shrunk k and plain steps as long, then follows the best mode, and every ``probe_every``
+steps runs ``probe_len`` steps of another one (in turn) so its estimate follows drifting
+acceptance. A bucket first
 met after another has been measured starts from that neighbour's estimates (as one sample each)
 and measures only ``seed_warmup`` steps of each mode itself: a batch run passes through several
 buckets as its requests finish, and a full warm-up in each made exploration 8-15% of the steps
@@ -25,8 +32,22 @@ has 1 / ``alpha`` samples, exponential moving averages after (a seed weighs as o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 SPEC, PLAIN = "spec", "plain"
+_SHRUNK = "spec_k"
+
+
+def shrunk(k: int) -> str:
+    """The mode that verifies ``k`` drafts, fewer than the engine's own (k shrinks)."""
+    return f"{_SHRUNK}{k}"
+
+
+def mode_k(mode: str, k: int) -> int:
+    """Drafts the next step verifies after a step of ``mode`` in an engine of ``k`` (0: plain)."""
+    if mode == PLAIN:
+        return 0
+    return k if mode == SPEC else int(mode[len(_SHRUNK):])
 
 
 def bucket_of(batch_size: int) -> int:
@@ -47,13 +68,26 @@ class _Ema:
 
 @dataclass
 class _Bucket:
-    cost: dict[str, _Ema] = field(default_factory=lambda: {SPEC: _Ema(), PLAIN: _Ema()})
-    tau: _Ema = field(default_factory=_Ema)  # tokens emitted per request per drafting step
+    modes: tuple[str, ...]
+    cost: dict[str, _Ema] = field(default_factory=dict)
+    tau: dict[str, _Ema] = field(default_factory=dict)  # tokens per request per drafting step
     steps: int = 0  # decisions taken in this bucket
-    probe_left: int = 0  # steps of the other mode still to run in the current probe
-    chosen: dict[str, int] = field(default_factory=lambda: {SPEC: 0, PLAIN: 0})
+    probe_left: int = 0  # steps of the probed mode still to run in the current probe
+    probe_mode: str = PLAIN
+    probes: int = 0
+    chosen: dict[str, int] = field(default_factory=dict)
     need: int = 0  # samples of each mode (a seed included) before the modes are compared
     seeded_from: int | None = None  # the neighbour bucket its estimates started from
+
+    def __post_init__(self) -> None:
+        for m in self.modes:
+            self.cost.setdefault(m, _Ema())
+            self.chosen.setdefault(m, 0)
+            if m != PLAIN:
+                self.tau.setdefault(m, _Ema())
+
+    def measured(self) -> bool:
+        return all(self.cost[m].count >= self.need for m in self.modes)
 
 
 @dataclass
@@ -61,10 +95,12 @@ class SpecPolicy:
     """``mode(batch_size)`` before a step's proposal; ``observe(...)`` after each step."""
 
     warmup: int = 8  # measured steps of each mode before comparing
-    probe_every: int = 256  # steps between probes of the mode not chosen
+    probe_every: int = 256  # steps between probes of a mode not chosen
     probe_len: int = 4  # a probe's length (one more step switches modes and is not measured)
     alpha: float = 0.1  # EMA weight of a new observation
     seed_warmup: int = 2  # own steps of each mode in a bucket seeded from a measured neighbour
+    # The modes compared, explored in this order: SPEC (k drafts), then any ``shrunk(w)``, PLAIN
+    modes: tuple[str, ...] = (SPEC, PLAIN)
     buckets: dict[int, _Bucket] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -74,6 +110,12 @@ class SpecPolicy:
                 raise ValueError(f"{name}={v!r}: must be a positive integer")
         if not 0 < self.alpha <= 1:
             raise ValueError(f"alpha={self.alpha!r}: must be in (0, 1]")
+        modes = tuple(self.modes)
+        if (len(set(modes)) != len(modes) or SPEC not in modes or PLAIN not in modes
+                or any(m not in (SPEC, PLAIN) and not m.startswith(_SHRUNK) for m in modes)):
+            raise ValueError(f"modes={modes!r}: expected SPEC, PLAIN and shrunk(k) modes, "
+                             "each once")
+        self.modes = modes
 
     def _bucket(self, batch_size: int) -> _Bucket:
         size = bucket_of(batch_size)
@@ -84,39 +126,44 @@ class SpecPolicy:
 
     def _new_bucket(self, size: int) -> _Bucket:
         """Full warm-up, or the nearest measured bucket's estimates as one sample each."""
-        measured = [s for s, o in self.buckets.items()
-                    if o.cost[SPEC].count >= o.need and o.cost[PLAIN].count >= o.need]
+        measured = [s for s, o in self.buckets.items() if o.measured()]
         if not measured:
-            return _Bucket(need=self.warmup)
+            return _Bucket(self.modes, need=self.warmup)
         near = min(measured, key=lambda s: (abs(s.bit_length() - size.bit_length()), s))
         src = self.buckets[near]
-        b = _Bucket(need=self.seed_warmup + 1, seeded_from=near)
-        for mode in (SPEC, PLAIN):
+        b = _Bucket(self.modes, need=self.seed_warmup + 1, seeded_from=near)
+        for mode in self.modes:
             b.cost[mode] = _Ema(src.cost[mode].value, 1)
-        b.tau = _Ema(src.tau.value, 1)
+            if mode != PLAIN:
+                b.tau[mode] = _Ema(src.tau[mode].value, 1)
         return b
 
+    def rate(self, b: _Bucket, mode: str) -> float:
+        """Estimated tokens per second per request of ``mode`` in ``b``."""
+        tau = 1.0 if mode == PLAIN else b.tau[mode].value
+        return tau / max(b.cost[mode].value, 1e-12)
+
     def better(self, b: _Bucket) -> str:
-        """The mode with more tokens per second per request, from the estimates."""
-        spec_rate = b.tau.value / max(b.cost[SPEC].value, 1e-12)
-        plain_rate = 1.0 / max(b.cost[PLAIN].value, 1e-12)
-        return SPEC if spec_rate >= plain_rate else PLAIN
+        """The mode with the most tokens per second per request, from the estimates (the first
+        in ``modes`` order on a tie: drafting k before fewer, fewer before none)."""
+        return max(self.modes, key=lambda m: self.rate(b, m))
 
     def mode(self, batch_size: int) -> str:
-        """Draft (SPEC) or not (PLAIN) in the step about to propose for ``batch_size`` requests."""
+        """The mode of the step about to propose for ``batch_size`` requests: draft k (SPEC),
+        draft to verify fewer (a ``shrunk`` mode), or not (PLAIN)."""
         b = self._bucket(batch_size)
         b.steps += 1
-        if b.cost[SPEC].count < b.need:
-            m = SPEC
-        elif b.cost[PLAIN].count < b.need:
-            m = PLAIN
-        else:
+        m = next((m for m in self.modes if b.cost[m].count < b.need), None)  # warm-up
+        if m is None:
             best = self.better(b)
             if b.probe_left == 0 and b.steps % self.probe_every == 0:
+                others = [o for o in self.modes if o != best]
+                b.probe_mode = others[b.probes % len(others)]
+                b.probes += 1
                 b.probe_left = self.probe_len + 1  # + the switching step, not measured
             if b.probe_left > 0:
                 b.probe_left -= 1
-                m = PLAIN if best == SPEC else SPEC
+                m = b.probe_mode
             else:
                 m = best
         b.chosen[m] += 1
@@ -128,20 +175,29 @@ class SpecPolicy:
         steps that switched modes): its wall time and the tokens each request emitted."""
         b = self._bucket(batch_size)
         b.cost[mode].add(seconds, self.alpha)
-        if mode == SPEC:
-            b.tau.add(tokens_per_request, self.alpha)
+        if mode != PLAIN:
+            b.tau[mode].add(tokens_per_request, self.alpha)
 
-    def summary(self) -> dict[int, dict[str, float | int | None]]:
-        """Per bucket: steps drafted / paused, the estimates (ms, tau), the mode preferred."""
-        out: dict[int, dict[str, float | int | None]] = {}
+    def summary(self) -> dict[int, dict[str, Any]]:
+        """Per bucket: steps drafted / paused, the estimates (ms, tau), the mode preferred;
+        with shrunk modes, theirs under "shrunk" (steps, step ms, tau)."""
+        out: dict[int, dict[str, Any]] = {}
         for size, b in sorted(self.buckets.items()):
-            measured = all(b.cost[m].count >= b.need for m in (SPEC, PLAIN))
             out[size] = {
-                "drafted_steps": b.chosen[SPEC], "paused_steps": b.chosen[PLAIN],
-                "spec_step_ms": 1e3 * b.cost[SPEC].value if b.cost[SPEC].count else None,
-                "plain_step_ms": 1e3 * b.cost[PLAIN].value if b.cost[PLAIN].count else None,
-                "tau": b.tau.value if b.tau.count else None,
-                "prefers": self.better(b) if measured else None,
+                "drafted_steps": sum(n for m, n in b.chosen.items() if m != PLAIN),
+                "paused_steps": b.chosen[PLAIN],
+                "spec_step_ms": _ms(b.cost[SPEC]), "plain_step_ms": _ms(b.cost[PLAIN]),
+                "tau": b.tau[SPEC].value if b.tau[SPEC].count else None,
+                "prefers": self.better(b) if b.measured() else None,
                 "seeded_from": b.seeded_from,
             }
+            shrunk_modes = [m for m in self.modes if m not in (SPEC, PLAIN)]
+            if shrunk_modes:
+                out[size]["shrunk"] = {m: {"steps": b.chosen[m], "step_ms": _ms(b.cost[m]),
+                                           "tau": b.tau[m].value if b.tau[m].count else None}
+                                       for m in shrunk_modes}
         return out
+
+
+def _ms(e: _Ema) -> float | None:
+    return 1e3 * e.value if e.count else None
