@@ -317,11 +317,13 @@ def test_floor_takes_a_listed_gpu_figure_else_measures_once(monkeypatch) -> None
 
 
 def test_adaptive_variant_carries_the_shrunk_k() -> None:
-    """`bench --adaptive --adaptive-k 1`: the adaptive chain's row says k may shrink, and its
-    engine gets adaptive_k (the always-drafting chain beside it does not: it would refuse)."""
+    """`bench --adaptive --adaptive-k 2 1`: the adaptive chain pausing only, then with k
+    shrinking too (one process compares them); only that row's engine gets adaptive_k (the
+    always-drafting chain would refuse it)."""
     from compiled_spec.bench.run import _variants
 
     vs = _variants(["ours_eagle_eager"], "head", 3, adaptive=True, adaptive_k=(2, 1))
     assert [(v.name, v.policy, v.adaptive_k) for v in vs] == [
         ("ours EAGLE k=3 eager", "always", ()),
+        ("ours EAGLE k=3 adaptive eager", "adaptive", ()),
         ("ours EAGLE k=3 adaptive (k shrinks to 2, 1) eager", "adaptive", (2, 1))]

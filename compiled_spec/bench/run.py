@@ -47,7 +47,8 @@ def _variants(names: list[str], draft: str | None, k: int,
               adaptive_k: tuple[int, ...] = ()) -> list[Variant]:
     """Our engines to run; each EAGLE variant also runs once per draft tree of ``trees``
     ((topk, tokens): EAGLE-2 trees of depth k), with ``adaptive`` once more as a chain under
-    speculation_policy="adaptive" (k may shrink to ``adaptive_k``), and with ``late_propose``
+    speculation_policy="adaptive" (and once more with k shrinking to ``adaptive_k``, if
+    given), and with ``late_propose``
     once more as a chain whose
     proposals all launch after the acceptance is read (early_propose=False), in the same
     compile mode. With ``ab`` (a key of ``AB_FLAGS``) every compiled engine
@@ -67,10 +68,11 @@ def _variants(names: list[str], draft: str | None, k: int,
         if spec and late_propose:
             out.append(Variant(f"ours EAGLE k={k} late propose" + mode, draft,
                                n.endswith("compiled"), early_propose=False))
-        if spec and adaptive:
-            shrinks = f" (k shrinks to {', '.join(map(str, adaptive_k))})" if adaptive_k else ""
-            out.append(Variant(f"ours EAGLE k={k} adaptive{shrinks}" + mode, draft,
-                               n.endswith("compiled"), policy="adaptive", adaptive_k=adaptive_k))
+        if spec and adaptive:  # with adaptive_k: pausing alone, then k shrinking too
+            for ks in ((), adaptive_k) if adaptive_k else ((),):
+                shrinks = f" (k shrinks to {', '.join(map(str, ks))})" if ks else ""
+                out.append(Variant(f"ours EAGLE k={k} adaptive{shrinks}" + mode, draft,
+                                   n.endswith("compiled"), policy="adaptive", adaptive_k=ks))
         for topk, tokens in trees if spec else ():
             out.append(Variant(f"ours EAGLE tree topk {topk}, {tokens} tokens, depth {k}" + mode,
                                draft, n.endswith("compiled"), (topk, tokens)))
