@@ -216,6 +216,8 @@ def test_shrunk_k_replays_verify_graphs_of_its_own(trained_eagle3_pair, smollm2_
         def observe(self, *args) -> None:
             pass
 
+        observe_acceptance = observe
+
     target, head = trained_eagle3_pair
     sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     eager = _run(_llm(target, smollm2_gguf_path, head), sp)

@@ -122,6 +122,31 @@ def test_policy_shrinks_k_where_fewer_drafts_verify_faster():
             SpecPolicy(modes=bad)
 
 
+def test_tau_of_fewer_drafts_comes_from_the_acceptance_per_position():
+    """Given k, a drafting mode's tau is 1 + sum over its draft positions j of P(accept >= j),
+    from every step that verified that far: a shrunk mode is judged on the same prompts as
+    drafting k (its own steps never see the positions past its drafts)."""
+    w = shrunk(2)
+    p = SpecPolicy(modes=(SPEC, w, PLAIN), k=4)
+    p.observe_acceptance(8, [4, 4, 4, 4], [0, 1, 2, 4])  # >= 1: 3 / 4, >= 2: 2 / 4, ...
+    b = p.buckets[8]
+    assert p.tau(b, SPEC) == pytest.approx(1 + 0.75 + 0.5 + 0.25 + 0.25)
+    assert p.tau(b, w) == pytest.approx(1 + 0.75 + 0.5) and p.tau(b, PLAIN) == 1.0
+    # a shrunk step informs positions 1..2 only; a request verifying fewer drafts (near its
+    # max_model_len) counts for the positions it verified
+    p.observe_acceptance(8, [2, 2], [2, 0])
+    p.observe_acceptance(8, [4, 1], [3, 1])
+    assert p.tau(b, w) == pytest.approx(1 + (0.75 + 0.5 + 1.0) / 3 + (0.5 + 0.5 + 1.0) / 3)
+    assert p.tau(b, SPEC) == pytest.approx(p.tau(b, w) + (0.25 + 1.0) / 2 + (0.25 + 0.0) / 2)
+    # without k (or positions never verified) a mode's own steps' tau stands
+    q = SpecPolicy(modes=(SPEC, w, PLAIN))
+    q.observe(8, w, 1e-3, 1.7)
+    q.observe_acceptance(8, [4], [4])
+    assert q.tau(q.buckets[8], w) == pytest.approx(1.7)
+    with pytest.raises(ValueError, match="k="):
+        SpecPolicy(k=-1)
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("policy")
@@ -165,6 +190,8 @@ class _Alternate:
 
     def observe(self, *args) -> None:
         pass
+
+    observe_acceptance = observe
 
 
 def _draft_kv_after(pair, tok, prompt, policy=None, no_sync=False):
@@ -219,6 +246,8 @@ class _Fixed:
 
     def observe(self, *args) -> None:
         pass
+
+    observe_acceptance = observe
 
 
 def test_shrunk_k_is_lossless_and_verifies_fewer_drafts(pair, smollm2_gguf_path):

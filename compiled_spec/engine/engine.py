@@ -104,7 +104,7 @@ class LLMEngine:
         if self.cfg.spec is not None and self.cfg.spec.speculation_policy == "adaptive":
             # dummy steps' costs (compiles) taught it nothing
             self.stats.policy = SpecPolicy(modes=(SPEC, *map(shrunk, self.cfg.spec.adaptive_k),
-                                                  PLAIN))
+                                                  PLAIN), k=self.runner.k)
         if self.draft is not None and self.runner.early is not None:
             self.runner.early.stats = EarlyProposeStats()
             self.stats.early_propose = self.runner.early.stats
@@ -301,6 +301,8 @@ class LLMEngine:
                 sched.drop_finished()
         if spec_k:
             stats.spec.update(spec_k, spec_acc)
+            if stats.policy is not None:
+                stats.policy.observe_acceptance(len(reqs), spec_k, spec_acc)
         if stats.policy is not None and going_on:
             # A steady step ran one mode throughout (verified what the last proposal drafted,
             # and drafts again or not alike) and carried no prompt: its cost is that mode's.
