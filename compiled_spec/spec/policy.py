@@ -12,8 +12,10 @@ throughout (verified drafts and drafted again, or neither), without prompt token
 
 k shrinks (``SpecConfig.adaptive_k``): a mode ``shrunk(w)`` verifies only the first w of the k
 drafts. Verifying k + 1 rows per request turns compute-bound first at large batch on a large
-target, where w + 1 rows cost less while the drafts past w are the least likely to be accepted;
-each such mode is measured like the others (its own cost and tau), and the best of all wins.
+target, where w + 1 rows cost less while the drafts past w are the least likely to be accepted.
+Each such mode's step cost is measured like the others'; given the engine's k, every drafting
+mode's tau comes from the acceptance per draft position (``observe_acceptance``), so all of them
+are judged on the same prompts. The best of all wins.
 
 Output never depends on the choice: a plain step verifies nothing, a drafting step's drafts go
 through exact verification. A paused engine still runs the draft's first pass over the accepted
@@ -22,12 +24,12 @@ token (no drafting), so the draft's KV stays complete and acceptance is intact o
 Exploration: a bucket starts by drafting until ``warmup`` steps are measured, then measures
 each shrunk k and plain steps as long, then follows the best mode, and every ``probe_every``
 steps runs ``probe_len`` steps of another one (in turn) so its estimate follows drifting
-acceptance. A bucket first
-met after another has been measured starts from that neighbour's estimates (as one sample each)
-and measures only ``seed_warmup`` steps of each mode itself: a batch run passes through several
-buckets as its requests finish, and a full warm-up in each made exploration 8-15% of the steps
-of a 256-token run on the H200 (eighteenth session). Estimates are running means until a mode
-has 1 / ``alpha`` samples, exponential moving averages after (a seed weighs as one sample).
+acceptance. A bucket first met after another has been measured starts from that neighbour's
+estimates (as one sample each) and measures only ``seed_warmup`` steps of each mode itself: a
+batch run passes through several buckets as its requests finish, and a full warm-up in each
+made exploration 8-15% of the steps of a 256-token run on the H200 (eighteenth session); each
+shrunk k adds its own steps to that. Estimates are running means until a mode has 1 /
+``alpha`` samples, exponential moving averages after (a seed weighs as one sample).
 """
 from __future__ import annotations
 
@@ -150,8 +152,9 @@ class SpecPolicy:
         """Estimated tokens per request of a step of ``mode``. A drafting mode of w drafts:
         1 + the sum over positions j <= w of P(a request accepts >= j), from every step that
         verified that far (a shrunk mode's own steps never see the positions past w, and its
-        tau measured on its own steps alone moved with whichever prompts ran then: on the CPU
-        one run measured 2.33 for 2 drafts against 2.11 for 5); else its own steps' mean."""
+        tau measured on its own steps alone moved with whichever prompts ran then: on the CPU,
+        thirty-fourth session, 2.33 for 2 drafts against 2.11 for 5 in one run and 1.75 for 2
+        in the next); else its own steps' mean."""
         if mode == PLAIN:
             return 1.0
         w = mode_k(mode, self.k) if self.k else 0
