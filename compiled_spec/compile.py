@@ -69,8 +69,11 @@ class CompileConfig:
     # The same fusions (as skinny_gemm / skinny_gemm_layer / skinny_gemm_norms resolve for the
     # target) in the draft's compiled callables too: first pass, step, step + pick, pick + plan,
     # the tree's expansion. Why: the chain's propose at batch 1 was 100 kernels with cuBLAS
-    # GEMMs, the tree's 175 (H100 traces, thirty-third session). Opt-in until measured.
-    skinny_gemm_draft: bool = False
+    # GEMMs, the tree's 175 (H100 traces, thirty-third session). None = whenever the target's
+    # skinny GEMMs are on: on an H100 (thirty-fourth session, three A/B processes, EAGLE-3 k=5
+    # at batch 1-64) the propose call took less time in 8 of 11 pairs, one a tie (up to 23%
+    # less at batch 64), and fp32 output stayed vanilla's on 10 / 10 prompts.
+    skinny_gemm_draft: bool | None = None
     # Issue 16: save the target's Dynamo + Inductor result (torch's aot_compile) in the compile
     # cache and load it on the next start-up instead of tracing (compiled_spec/precompile.py).
     # None = on for CUDA engines: a warm start on the H200 (torch 2.11) took 5.1-6.7 s with it,
@@ -103,10 +106,10 @@ class CompileConfig:
 
     def __post_init__(self) -> None:
         for name in ("inductor", "dynamic", "cudagraphs", "strict_capture", "autotune_gemm",
-                     "skinny_gemm_norms", "skinny_gemm_draft", "size_oblivious"):
+                     "skinny_gemm_norms", "size_oblivious"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"CompileConfig.{name}={getattr(self, name)!r}: must be a bool")
-        for name in ("skinny_gemm", "skinny_gemm_layer"):
+        for name in ("skinny_gemm", "skinny_gemm_layer", "skinny_gemm_draft"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ValueError(f"CompileConfig.{name}={getattr(self, name)!r}: a bool, or "
                                  "None (decided per target)")
@@ -280,9 +283,9 @@ def compile_models(runner: ModelRunner, cfg: CompileConfig,
                "skinny_norms": cfg.skinny_gemm_norms}
     backends = {"target": backend(hoist_fc=False, per_layer_metadata=False, **fusions)}
     prop = runner.proposer
-    # The draft's callables take the target's fusions when asked (nothing to fuse when the
-    # target's resolved off: 8B-sized weights, fp32, the CPU without skinny_gemm=True).
-    draft_skinny = cfg.skinny_gemm_draft and skinny.gemm and prop is not None
+    # The draft's callables take the target's fusions unless told not to (nothing to fuse when
+    # the target's resolved off: 8B-sized weights, fp32, the CPU without skinny_gemm=True).
+    draft_skinny = cfg.skinny_gemm_draft is not False and skinny.gemm and prop is not None
     dk: dict[str, Any] = fusions if draft_skinny else {}
     stats = PrecompileStats() if precompile_on(cfg, runner.model) else None
     parts: dict[str, Any] = {}

@@ -14,7 +14,7 @@ import argparse
 # that builds engines (and the bench, which builds several) reads them through this one list.
 COMPILE_FLAGS: dict[str, bool | None] = {
     "autotune_gemm": False, "skinny_gemm": None, "skinny_gemm_layer": None,
-    "skinny_gemm_norms": False, "skinny_gemm_draft": False, "precompile": None, "pdl": None}
+    "skinny_gemm_norms": False, "skinny_gemm_draft": None, "precompile": None, "pdl": None}
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -56,9 +56,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skinny-gemm-norms", action="store_true",
                    help="with --skinny-gemm: the RMSNorms fused into the GEMMs too (slower on "
                    "the H200; for benchmarks)")
-    p.add_argument("--skinny-gemm-draft", action="store_true",
+    p.add_argument("--skinny-gemm-draft", action=argparse.BooleanOptionalAction, default=None,
                    help="with the skinny GEMMs: the draft's compiled callables take the target's "
-                   "fusions too (first pass, draft steps, tree expansion; opt-in until measured)")
+                   "fusions too (first pass, draft steps, tree expansion; default: whenever "
+                   "the target's are on)")
     p.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
                    help="with --compile: Inductor's Triton kernels and ours (up to 64 rows) use "
                    "programmatic dependent launch (Hopper and newer; shortens the gaps between "

@@ -68,7 +68,7 @@ def test_engine_reports_the_choice(tmp_path, smollm2_gguf_path) -> None:
     forced = compile_models(llm.engine.runner, CompileConfig(inductor=False, skinny_gemm=True))
     assert forced.stats()["skinny_gemm"] == {"gemm": True, "layer": True,
                                              "why": "set: skinny_gemm=True",
-                                             "draft": False}  # (no draft; opt-in anyway)
+                                             "draft": False}  # (no draft to fuse)
     from passes.skinny_gemm import SkinnyGemmFusion
 
     passes = forced.backends["target"].pass_manager.passes
