@@ -205,18 +205,7 @@ def test_shrunk_k_replays_verify_graphs_of_its_own(trained_eagle3_pair, smollm2_
     early graph stages k + 1 verified rows) and launch no verify ahead (it would verify k), and
     every mix of full, shrunk and paused steps gives the eager always-drafting output."""
     from compiled_spec.spec.policy import PLAIN, SPEC, shrunk
-
-    class Cycle:
-        n = 0
-
-        def mode(self, batch_size: int) -> str:
-            self.n += 1
-            return [SPEC, SPEC, shrunk(1), shrunk(1), shrunk(1), PLAIN][(self.n - 1) % 6]
-
-        def observe(self, *args) -> None:
-            pass
-
-        observe_acceptance = observe
+    from tests.policy_stub import ModesInTurn
 
     target, head = trained_eagle3_pair
     sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -226,7 +215,8 @@ def test_shrunk_k_replays_verify_graphs_of_its_own(trained_eagle3_pair, smollm2_
     graphs = _graphs(llm)
     assert "target_verify_k1" in graphs.required
     assert graphs.registry.runners["target_verify_k1"].sizes == [2, 4, 8]
-    llm.engine.stats.policy = Cycle()
+    llm.engine.stats.policy = ModesInTurn([SPEC, SPEC, shrunk(1), shrunk(1), shrunk(1),
+                                           PLAIN])
     assert _run(llm, sp) == eager
     st = graphs.stats()
     assert st["components"]["target_verify_k1"]["graph_replays"] > 0

@@ -5,6 +5,7 @@ import torch
 
 from compiled_spec import LLM, SamplingParams
 from compiled_spec.spec.policy import PLAIN, SPEC, SpecPolicy, bucket_of, mode_k, shrunk
+from tests.policy_stub import ModesInTurn
 from tests.spec_models import write_bigram_target, write_mirror_eagle1
 
 
@@ -178,22 +179,6 @@ def test_adaptive_engine_is_lossless_and_reports_its_choices(pair, smollm2_gguf_
             speculative_topk=2, speculation_policy="adaptive")
 
 
-class _Alternate:
-    """A stand-in policy: 3 drafting steps, then 3 paused ones, and so on."""
-
-    def __init__(self) -> None:
-        self.n = 0
-
-    def mode(self, batch_size: int) -> str:
-        self.n += 1
-        return SPEC if (self.n - 1) % 6 < 3 else PLAIN
-
-    def observe(self, *args) -> None:
-        pass
-
-    observe_acceptance = observe
-
-
 def _draft_kv_after(pair, tok, prompt, policy=None, no_sync=False):
     """The draft's K cache over the request's positions once it has finished (fp32, CPU)."""
     target, head = pair
@@ -227,27 +212,13 @@ def test_paused_steps_keep_the_draft_kv_complete(pair, smollm2_gguf_path):
     fails when the paused steps skip that pass)."""
     prompt = PROMPTS[0]
     ids, ref = _draft_kv_after(pair, smollm2_gguf_path, prompt)
-    ids2, got = _draft_kv_after(pair, smollm2_gguf_path, prompt, policy=_Alternate())
+    alternate = [SPEC] * 3 + [PLAIN] * 3  # 3 drafting steps, then 3 paused ones, and so on
+    ids2, got = _draft_kv_after(pair, smollm2_gguf_path, prompt, policy=ModesInTurn(alternate))
     assert ids2 == ids
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-    _, holes = _draft_kv_after(pair, smollm2_gguf_path, prompt, policy=_Alternate(), no_sync=True)
+    _, holes = _draft_kv_after(pair, smollm2_gguf_path, prompt, policy=ModesInTurn(alternate),
+                               no_sync=True)
     assert not torch.allclose(holes, ref, rtol=1e-5, atol=1e-5)
-
-
-class _Fixed:
-    """A stand-in policy: the given modes in turn, step after step."""
-
-    def __init__(self, modes: list[str]) -> None:
-        self.modes, self.n = modes, 0
-
-    def mode(self, batch_size: int) -> str:
-        self.n += 1
-        return self.modes[(self.n - 1) % len(self.modes)]
-
-    def observe(self, *args) -> None:
-        pass
-
-    observe_acceptance = observe
 
 
 def test_shrunk_k_is_lossless_and_verifies_fewer_drafts(pair, smollm2_gguf_path):
@@ -262,14 +233,14 @@ def test_shrunk_k_is_lossless_and_verifies_fewer_drafts(pair, smollm2_gguf_path)
     llm = LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=128, draft=head,
               num_speculative_tokens=3, speculation_policy="adaptive", adaptive_k=(1, 2))
     assert llm.stats.policy.modes == (SPEC, shrunk(2), shrunk(1), PLAIN)
-    llm.engine.stats.policy = _Fixed([shrunk(1)])
+    llm.engine.stats.policy = ModesInTurn([shrunk(1)])
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want[id(GREEDY)]
     st = llm.stats.spec
     assert st.num_drafting_steps > 0 and st.num_draft_tokens == st.num_drafting_steps
     for sp in (GREEDY, sampled):
         llm.engine.reset_stats()
-        llm.engine.stats.policy = _Fixed([SPEC, shrunk(2), shrunk(1), shrunk(1), PLAIN, SPEC,
-                                          PLAIN, shrunk(2)])
+        llm.engine.stats.policy = ModesInTurn([SPEC, shrunk(2), shrunk(1), shrunk(1), PLAIN,
+                                               SPEC, PLAIN, shrunk(2)])
         assert [o.token_ids for o in llm.generate(PROMPTS, sp)] == want[id(sp)]
         st = llm.stats.spec
         assert 1 < st.num_draft_tokens / st.num_drafting_steps < 3, st.as_dict()

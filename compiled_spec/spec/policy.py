@@ -145,7 +145,7 @@ class SpecPolicy:
             b.cost[mode] = _Ema(src.cost[mode].value, 1)
             if mode != PLAIN:
                 b.tau[mode] = _Ema(src.tau[mode].value, 1)
-        b.accept = [_Ema(e.value, 1) for e in src.accept if e.count]
+        b.accept = [_Ema(e.value, 1) for e in src.accept]
         return b
 
     def tau(self, b: _Bucket, mode: str) -> float:
@@ -161,6 +161,10 @@ class SpecPolicy:
         if 0 < w <= len(b.accept) and all(e.count for e in b.accept[:w]):
             return 1.0 + sum(e.value for e in b.accept[:w])
         return b.tau[mode].value
+
+    def _tau_seen(self, b: _Bucket, mode: str) -> float | None:
+        """``tau`` once anything informs it (its own steps, or any verification), else None."""
+        return self.tau(b, mode) if b.tau[mode].count or b.accept else None
 
     def rate(self, b: _Bucket, mode: str) -> float:
         """Estimated tokens per second per request of ``mode`` in ``b``."""
@@ -206,11 +210,19 @@ class SpecPolicy:
         """A step's verification, any step that verified drafts: per request, the drafts it
         verified and how many of them it accepted."""
         b = self._bucket(batch_size)
-        for j in range(1, max(num_draft, default=0) + 1):
-            tried = [a for d, a in zip(num_draft, num_accepted) if d >= j]
-            if len(b.accept) < j:
-                b.accept.append(_Ema())
-            b.accept[j - 1].add(sum(a >= j for a in tried) / len(tried), self.alpha)
+        # Counts per value, then suffix sums: one pass over the batch (it runs every step), not
+        # one per position. Accepted <= verified, so "accepted >= j" implies "verified >= j".
+        top = max(num_draft, default=0)
+        verified, accepted = [0] * (top + 1), [0] * (top + 1)
+        for d, a in zip(num_draft, num_accepted):
+            verified[d] += 1
+            accepted[a] += 1
+        while len(b.accept) < top:
+            b.accept.append(_Ema())
+        tried = hit = 0
+        for j in range(top, 0, -1):
+            tried, hit = tried + verified[j], hit + accepted[j]
+            b.accept[j - 1].add(hit / tried, self.alpha)
 
     def summary(self) -> dict[int, dict[str, Any]]:
         """Per bucket: steps drafted / paused, the estimates (ms, tau), the mode preferred;
@@ -221,15 +233,14 @@ class SpecPolicy:
                 "drafted_steps": sum(n for m, n in b.chosen.items() if m != PLAIN),
                 "paused_steps": b.chosen[PLAIN],
                 "spec_step_ms": _ms(b.cost[SPEC]), "plain_step_ms": _ms(b.cost[PLAIN]),
-                "tau": self.tau(b, SPEC) if b.tau[SPEC].count or b.accept else None,
+                "tau": self._tau_seen(b, SPEC),
                 "prefers": self.better(b) if b.measured() else None,
                 "seeded_from": b.seeded_from,
             }
             shrunk_modes = [m for m in self.modes if m not in (SPEC, PLAIN)]
             if shrunk_modes:
                 out[size]["shrunk"] = {m: {"steps": b.chosen[m], "step_ms": _ms(b.cost[m]),
-                                           "tau": self.tau(b, m) if b.tau[m].count or b.accept
-                                           else None}
+                                           "tau": self._tau_seen(b, m)}
                                        for m in shrunk_modes}
         return out
 
