@@ -330,6 +330,12 @@ warmstart)
     for c in ~/.triton/cache ~/.cache/compiled_spec; do
       echo "cache $c: $(find $c -type f 2>/dev/null | wc -l) files, $(du -sh $c 2>/dev/null | cut -f1)"
     done
+    # What this run added (session 34: run 2 added 129 files to ours, run 3 24): counted by
+    # the folder two levels under the cache and the file's extension.
+    find ~/.cache/compiled_spec -type f 2>/dev/null | sort > ~/ws_files_$i
+    [ $i -gt 1 ] && comm -13 ~/ws_files_$((i - 1)) ~/ws_files_$i \
+      | sed -E "s#^$HOME/.cache/compiled_spec/##" \
+      | awk -F/ '{n=split($NF,e,"."); print $1"/"$2" ."(n>1?e[n]:"-")}' | sort | uniq -c | sort -rn | head -12
   done ;;
 warm8b)
   # Issue 16: start-up of the Llama-3.1-8B shape (random weights, random 32k head) in fresh
