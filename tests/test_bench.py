@@ -327,3 +327,45 @@ def test_adaptive_variant_carries_the_shrunk_k() -> None:
         ("ours EAGLE k=3 eager", "always", ()),
         ("ours EAGLE k=3 adaptive eager", "adaptive", ()),
         ("ours EAGLE k=3 adaptive (k shrinks to 2, 1) eager", "adaptive", (2, 1))]
+
+
+def test_rounds_build_each_engine_once_and_time_them_in_turn(tiny_hf_dir, mt_bench_path,
+                                                              tmp_path, monkeypatch) -> None:
+    """--rounds R: every engine built once, then timed in turn R times (A B A B ...); a row
+    is its median round and lists every round's tokens/s. The timing wrappers come off after
+    each round: stacked, a later round would pay every earlier round's timers."""
+    from compiled_spec.bench import suite
+    from compiled_spec.bench.ours import TimedTarget
+
+    built, order = [], []
+    build, time_engine = suite.build_engine, suite.time_engine
+
+    def spy_build(v, *a, **k):
+        built.append(v.name)
+        return build(v, *a, **k)
+
+    def spy_time(llm, v, *a, **k):
+        runner = llm.engine.runner
+        before = runner.target_fn
+        out = time_engine(llm, v, *a, **k)
+        assert runner.target_fn is before and not isinstance(runner.target_fn, TimedTarget)
+        assert "propose" not in vars(runner.proposer) if runner.proposer is not None else True
+        order.append(v.name)
+        return out
+    monkeypatch.setattr(suite, "build_engine", spy_build)
+    monkeypatch.setattr(suite, "time_engine", spy_time)
+    out = tmp_path / "out"
+    assert main(["bench", "--model", tiny_hf_dir, "--random-draft", "--device", "cpu",
+                 "--prompts", mt_bench_path, "--num-prompts", "1", "--max-tokens", "4",
+                 "--max-model-len", "1024", "--batch-sizes", "1", "2", "--rounds", "3",
+                 "--variants", "ours_vanilla_eager", "ours_eagle_eager",
+                 "--out-dir", str(out)]) == 0
+    names = ["ours vanilla eager", "ours EAGLE k=3 eager"]
+    assert built == names and order == names * 3, (built, order)
+    rows = json.loads((out / "benchmarks.json").read_text())["rows"]
+    assert [(r["engine"], r["batch"]) for r in rows] == [(n, b) for n in names for b in (1, 2)]
+    for r in rows:
+        per_round = r["extra"]["rounds_tokens_per_s"]
+        assert len(per_round) == 3 and round(r["tokens_per_s"], 1) == sorted(per_round)[1], r
+    with pytest.raises(SystemExit):
+        main(["bench", "--rounds", "0"])

@@ -8,7 +8,6 @@ runs the prompts one at a time. Greedy, EOS ignored: every request writes
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import statistics
@@ -16,10 +15,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
-
-import torch
 
 from compiled_spec.bench.timing import PhaseTimer, Row, floor_ms, peak_gib, reset_peak, sync
 from compiled_spec.engine.stats import counts_since
@@ -124,15 +120,16 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
                 ) -> tuple[list[Row], list[list[int]]]:
     """Rows for each batch size, plus the batch-1 outputs (for the identical-output column).
     ``waves`` > 1: batch b submits waves * b requests, at most b running (``running_at_most``)."""
-    from compiled_spec import SamplingParams
-
-    dev = llm.config.device
     runner = llm.engine.runner
     k = runner.k
-    timer = PhaseTimer(dev)
+    timer = PhaseTimer(llm.config.device)
+    # Restored after timing: a second round (``bench_ours(rounds=...)``) wraps afresh, and
+    # timers stacked from round to round would charge their host time to the later rounds.
+    target = runner.target_fn
+    props = [(o, o.__dict__.get("propose"))
+             for o in (runner.proposer, getattr(runner, "early", None)) if o is not None]
     # Decode / verify steps only (prefill is not a per-token cost); propose as a whole. A tree
     # verify has num_draft_tokens query rows per request (and its tree mask).
-    target = runner.target_fn
     runner.target_fn = TimedTarget(target, timer.wrap(
         "verify", target, when=lambda ids, pos, meta, *a: (
             meta.max_query_len <= k + 1 or meta.tree_mask is not None)))
@@ -146,6 +143,23 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
         runner.proposer.propose = timer.wrap("propose", runner.proposer.propose)
     if getattr(runner, "early", None) is not None:  # steps proposing before the D2H read
         runner.early.propose = timer.wrap("propose", runner.early.propose)
+    try:
+        return _timed_rows(llm, v, prompts, batch_sizes, max_tokens, startup, waves, timer)
+    finally:
+        runner.target_fn = target
+        for o, own in props:  # the instance's own attribute back, or none (the class's method)
+            if own is None:
+                del o.propose
+            else:
+                o.propose = own
+
+
+def _timed_rows(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: list[int],
+                max_tokens: int, startup: float, waves: int, timer: PhaseTimer
+                ) -> tuple[list[Row], list[list[int]]]:
+    from compiled_spec import SamplingParams
+
+    dev = llm.config.device
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     warm = SamplingParams(max_tokens=min(16, max_tokens), temperature=0.0, ignore_eos=True)
     rows, batch1_out = [], []
@@ -276,65 +290,3 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
                 row.extra["compile_cache"] = llm.compile_cache
         rows.append(row)
     return rows, batch1_out
-
-
-def trace_engine(llm: Any, v: Variant, prompts: list[list[int]], batch: int, out_dir: Path,
-                 max_tokens: int = 32, table_rows: int = 30) -> Path:
-    """A torch.profiler trace of ``batch`` requests at once on the variant's warm engine
-    (compiled and captured already: a separate ``compiled-spec profile`` would compile and
-    capture again, minutes for a tree engine), with the ops' device-time table and the phases'
-    latencies printed. Returns the trace file. ``batch`` is the first batch size the bench
-    timed: a shape it did not meet (a 1-request prefill on an engine warmed at batch 4) would
-    compile inside the trace (the tenth session's batch-4 trace spent ~25 s of host time so)."""
-    from compiled_spec import SamplingParams
-    from compiled_spec.profile import print_phases, trace_calls
-
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    chosen = [prompts[i % len(prompts)] for i in range(batch)]
-    print(f"trace of {v.name} ({batch} request{'s' if batch > 1 else ''} x {max_tokens} tokens):")
-    trace = trace_calls(llm, lambda: llm.generate(chosen if batch > 1 else chosen[0], sp),
-                        out_dir / "".join(c if c.isalnum() else "_" for c in v.name).strip("_"),
-                        table_rows)
-    print_phases(trace)
-    print(f"trace: {trace}", flush=True)
-    return Path(trace)
-
-
-def bench_ours(variants: list[Variant], kw: dict[str, Any], prompts: list[list[int]],
-               batch_sizes: list[int], max_tokens: int, trace_dir: Path | None = None,
-               waves: int = 1) -> tuple[list[Row], dict[str, list[list[int]]]]:
-    """``trace_dir``: after timing, a profiler trace of each variant's warm engine there.
-    ``waves``: see ``time_engine``."""
-    rows: list[Row] = []
-    outputs: dict[str, list[list[int]]] = {}
-    for v in variants:
-        llm, startup = build_engine(v, kw, prompts, batch_sizes, max_tokens)
-        r, out = time_engine(llm, v, prompts, batch_sizes, max_tokens, startup, waves)
-        if trace_dir is not None:
-            trace_engine(llm, v, prompts, batch_sizes[0], trace_dir)
-        rows += r
-        outputs[v.name] = out
-        print(f"{v.name}: " + ", ".join(
-            f"batch {x.batch} {x.tokens_per_s:.1f} tok/s (step {x.extra.get('step_ms')} ms, "
-            f"of which waiting for the GPU {x.extra.get('host_wait_ms')} ms; decode steps "
-            f"{x.extra.get('decode_step_ms')} ms, {x.extra.get('prefill_steps')} prompt steps "
-            f"{x.extra.get('prefill_ms')} ms)" for x in r),
-            flush=True)
-        for x in r:
-            if "host_phase_ms" in x.extra:
-                print(f"{v.name}: batch {x.batch} host ms per decode step by phase: "
-                      f"{x.extra['host_phase_ms']}; target launches finding the GPU idle: "
-                      f"{x.extra.get('gpu_idle_at_verify')}; per prompt step: "
-                      f"{x.extra.get('prompt_host_phase_ms')}; host CPU {x.extra.get('host_cpu')}",
-                      flush=True)
-        for x in r:  # whole rows in the log: a later variant that kills the process (a CUDA
-            # fault aborts it) would otherwise take every row with it (twentieth session)
-            print("ROW " + json.dumps(x.as_dict(), default=str), flush=True)
-        if r and "startup_split_s" in r[0].extra:
-            print(f"{v.name}: start-up {r[0].extra['startup_split_s']} s (compile + capture "
-                  f"by step: {r[0].extra['startup_detail_s']}), compile cache "
-                  f"{r[0].extra['compile_cache']}", flush=True)
-        del llm
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    return rows, outputs

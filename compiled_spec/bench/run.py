@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from compiled_spec.bench import hf, report
-from compiled_spec.bench.ours import Variant, bench_ours
+from compiled_spec.bench.ours import Variant
+from compiled_spec.bench.suite import bench_ours
 from compiled_spec.bench.prompts import encode_chat, load_mt_bench
 from compiled_spec.bench.timing import Row, floor_bandwidth
 from compiled_spec.engine_args import compile_flags
@@ -154,7 +155,8 @@ def run_bench(a: argparse.Namespace) -> int:
     variants = _variants(names, draft, k, a.trees, a.adaptive, getattr(a, "late_propose", False),
                          getattr(a, "ab", None), tuple(getattr(a, "adaptive_k", ())))
     rows, outs = bench_ours(variants, kw, prompts, batch_sizes, a.max_tokens,
-                            Path(a.trace_dir) if a.trace_dir else None, waves=a.waves)
+                            Path(a.trace_dir) if a.trace_dir else None, waves=a.waves,
+                            rounds=getattr(a, "rounds", 1))
     # The reference for "same output": our vanilla eager batch-1 outputs, from this run or a
     # merged one (a device call is capped at 10 minutes, so a full run spans several calls).
     ref = outs.get("ours vanilla eager") or next(
@@ -258,6 +260,11 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
                    "freed is refilled, as in serving. With 1 (a fixed batch) the slowest "
                    "request sets the wall time, which charges speculation's per-request "
                    "spread in acceptance to its throughput")
+    b.add_argument("--rounds", type=_positive_int, default=1, metavar="R",
+                   help="build every engine first, then time them in turn R times (A B A B "
+                   "...); each row is its median round, every round's tokens/s in its json. "
+                   "The host's speed drifts within a process: one pass per engine charges "
+                   "the drift to whichever engine ran then")
     b.add_argument("--tokenizer", default=None)
     b.add_argument("--random-draft", action="store_true",
                    help="speculate with a random EAGLE-3 head of the target's shape (tau ~ 1)")

@@ -81,6 +81,8 @@
 #                         (median of ROUNDS), OMP_NUM_THREADS unset vs 1 (OMPS="default" or "1": one)
 #                         WAVES=W (bench, noise): W x B requests at batch B, at most B running
 #                         (slots refilled: steady-state throughput, no fixed-batch tail)
+#                         ROUNDS=R (bench, trees): --rounds, every engine built first, then timed
+#                         in turn R times (rows: the median round; host drift shared by all)
 #   bash profiles/scripts/train_sharegpt_h200.sh treecap  # carry .device/q2 first time: trees at
 #                         batch BATCH (4) captured under variants (tree_capture_h200.py)
 #   bash profiles/scripts/train_sharegpt_h200.sh gemm     # kernels/bench_gemm.py: cuBLAS vs our skinny
@@ -265,7 +267,7 @@ bench)
     --waves ${WAVES:-1} \
     --variants ${VARIANTS:-ours_vanilla_compiled ours_eagle_compiled} --out-dir ~/bench "${@:2}" \
     ${AUTOTUNE:+--autotune-gemm} ${SKINNY:+--skinny-gemm} ${PRECOMPILE:+--precompile} ${PDL:+--pdl} ${AB:+--ab $AB} \
-    > "$OUT/bench.log" 2>&1
+    ${ROUNDS:+--rounds $ROUNDS} > "$OUT/bench.log" 2>&1
   cp ~/bench/BENCHMARKS.md ~/bench/benchmarks.json "$OUT/"
   grep -vE "Warning|warn\(|^\s*$|tokeniz|Loading weights" "$OUT/bench.log" | tail -30 ;;
 pair)
@@ -298,7 +300,7 @@ trees)
     -k ${K:-5} --variants ${VARIANTS:-ours_eagle_compiled} --trees ${TREES:-4:16 8:32} --out-dir ~/bench_trees \
     ${AUTOTUNE:+--autotune-gemm} ${SKINNY:+--skinny-gemm} ${PRECOMPILE:+--precompile} ${PDL:+--pdl} ${AB:+--ab $AB} \
     --num-prompts ${NUM_PROMPTS:-5} --max-tokens ${MAX_TOKENS:-256} --trace-dir ~/traces \
-    > "$OUT/trees.log" 2>&1
+    ${ROUNDS:+--rounds $ROUNDS} > "$OUT/trees.log" 2>&1
   cp ~/bench_trees/BENCHMARKS.md "$OUT/trees.md"; cp ~/bench_trees/benchmarks.json "$OUT/trees.json"
   [ -f ~/trees.spy.txt ] && gzip -c ~/trees.spy.txt > "$OUT/trees.spy.txt.gz"
   T=$(ls -t ~/traces/*tree*/*.pt.trace.json 2>/dev/null | head -1)
