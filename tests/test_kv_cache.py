@@ -1,7 +1,7 @@
 """Block allocator: growth, rollback, freeing, and a clear error when the pool runs dry."""
 import pytest
 
-from compiled_spec.kv_cache import BlockAllocator, KVCacheExhausted
+from compiled_spec.kv_cache import BlockAllocator, KVCacheExhausted, extend_slots
 
 
 def test_grow_shrink_free_and_slots():
@@ -18,6 +18,19 @@ def test_grow_shrink_free_and_slots():
     a.free(1)
     a.free(2)
     assert a.num_free == 8 and not a.tables
+
+
+def test_extend_slots_is_the_slot_of_each_position():
+    """One range per page, across page boundaries and for spans within one page."""
+    a = BlockAllocator(num_blocks=24, page_size=4)
+    a.grow(1, 3)
+    a.grow(2, 40)  # interleaved with request 1's blocks: its table is not one run
+    a.grow(1, 40)
+    for start in range(0, 33):
+        for n in (0, 1, 3, 4, 5, 8):
+            out = [-7]
+            extend_slots(out, a.tables[1], 4, start, start + n)
+            assert out == [-7] + [a.slot(1, p) for p in range(start, start + n)], (start, n)
 
 
 def test_exhaustion_names_the_numbers():

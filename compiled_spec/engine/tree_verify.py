@@ -14,6 +14,7 @@ import torch
 from capture.host_stage import HostBatch
 from compiled_spec.engine.batch import metadata_to_device, to_device
 from compiled_spec.engine.request import Request
+from compiled_spec.kv_cache import extend_slots
 from compiled_spec.profile import phase
 from compiled_spec.spec.tree_proposer import DraftTree
 
@@ -50,8 +51,8 @@ def tree_host_lists(rn: "TreeModelRunner", entries: list[tuple[int, int, int, in
         host_ids.append(root_tok)
         host_ids.extend([0] * (n - 1))
         base.extend([root] * n)
-        table = alloc.tables[rid]  # the slots inlined: 32 calls a tree otherwise
-        slots.extend([table[p // page] * page + p % page for p in range(root, root + n)])
+        table = alloc.tables[rid]
+        extend_slots(slots, table, page, root, root + n)
         qsl.append(qsl[-1] + n)
         tables.append(table)
     return host_ids, base, slots, qsl, tables
