@@ -222,6 +222,20 @@ def measure(name: str, llm: LLM, k: int, batch: int, tokens: int, ops: bool,
     return row
 
 
+class _AlwaysPaused:
+    """A stand-in adaptive policy that never drafts (``spec.policy.PLAIN`` every step)."""
+
+    def mode(self, batch_size: int) -> str:
+        from compiled_spec.spec.policy import PLAIN
+
+        return PLAIN
+
+    def observe(self, *args: object) -> None:
+        pass
+
+    observe_acceptance = observe
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--fixtures", default=".device/tc")
@@ -253,7 +267,11 @@ def main() -> None:
                     ("vanilla_ahead", None, 0, {"verify_ahead": True}),
                     ("eagle3_k5", head, 5, {"verify_ahead": False}),
                     ("eagle3_k5_ahead", head, 5, {"verify_ahead": True}),
-                    ("eagle3_k5_late", head, 5, {"early_propose": False})]
+                    ("eagle3_k5_late", head, 5, {"early_propose": False}),
+                    # speculation paused every step (the adaptive policy's PLAIN mode): how
+                    # far a paused step's host work is from vanilla's
+                    ("eagle3_k5_paused", head, 5, {"speculation_policy": "adaptive",
+                                                   "verify_ahead": True})]
         if a.trees:  # issue 15: a tree step's host work against the chain's
             t8 = {"speculative_topk": 8, "speculative_num_draft_tokens": 32}
             variants += [("tree_topk4_16", head, 5, {"speculative_topk": 4,
@@ -266,6 +284,8 @@ def main() -> None:
             spec = {"draft": draft, "num_speculative_tokens": k, **extra} if draft else extra
             llm = LLM(model=target, tokenizer=tok, max_model_len=256, max_num_seqs=batch,
                       num_kv_blocks=20 * batch + 8, dtype="float32", **spec)
+            if name.endswith("_paused"):
+                llm.engine.stats.policy = _AlwaysPaused()
             prof = cProfile.Profile() if a.cprofile else None
             _CRIT_PROF[0] = cProfile.Profile() if a.cprofile_critical else None
             row = measure(name, llm, k, batch, a.tokens, a.ops, prof, a.by_frame)
