@@ -199,11 +199,17 @@ def test_adaptive_engine_is_lossless_and_reports_its_choices(pair, smollm2_gguf_
             speculative_topk=2, speculation_policy="adaptive")
 
 
-def _draft_kv_after(pair, tok, prompt, policy=None, no_sync=False):
-    """The draft's K cache over the request's positions once it has finished (fp32, CPU)."""
+def _draft_kv_after(pair, tok, prompt, policy=None, no_sync=False, ahead=None):
+    """The draft's K cache over the request's positions once it has finished (fp32, CPU).
+    ``ahead``: with emulated graphs, verify ahead on or off."""
+    from tests.engine_runs import with_emulated_graphs
+
     target, head = pair
+    kw = {} if ahead is None else {"verify_ahead": ahead, "max_num_seqs": 4}
     llm = LLM(model=target, tokenizer=tok, max_model_len=128, draft=head, num_speculative_tokens=3,
-              speculation_policy="always" if policy is None else "adaptive")
+              speculation_policy="always" if policy is None else "adaptive", **kw)
+    if ahead is not None:
+        with_emulated_graphs(llm, k=3)
     eng = llm.engine
     if policy is not None:
         eng.stats.policy = policy
@@ -223,7 +229,7 @@ def _draft_kv_after(pair, tok, prompt, policy=None, no_sync=False):
     page = eng.allocator.page_size
     k_cache = eng.kv_caches[eng.model.config.num_hidden_layers][0]  # the draft layer's K
     rows = [k_cache[table[p // page], p % page] for p in range(n)]
-    return out.token_ids, torch.stack(rows)
+    return out.token_ids, torch.stack(rows), llm.stats.verify_ahead
 
 
 def test_paused_steps_keep_the_draft_kv_complete(pair, smollm2_gguf_path):
@@ -231,13 +237,14 @@ def test_paused_steps_keep_the_draft_kv_complete(pair, smollm2_gguf_path):
     draft cache after a run alternating modes equals an always-drafting run's (and the check
     fails when the paused steps skip that pass)."""
     prompt = PROMPTS[0]
-    ids, ref = _draft_kv_after(pair, smollm2_gguf_path, prompt)
+    ids, ref, _ = _draft_kv_after(pair, smollm2_gguf_path, prompt)
     alternate = [SPEC] * 3 + [PLAIN] * 3  # 3 drafting steps, then 3 paused ones, and so on
-    ids2, got = _draft_kv_after(pair, smollm2_gguf_path, prompt, policy=ModesInTurn(alternate))
+    ids2, got, _ = _draft_kv_after(pair, smollm2_gguf_path, prompt,
+                                   policy=ModesInTurn(alternate))
     assert ids2 == ids
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-    _, holes = _draft_kv_after(pair, smollm2_gguf_path, prompt, policy=ModesInTurn(alternate),
-                               no_sync=True)
+    _, holes, _ = _draft_kv_after(pair, smollm2_gguf_path, prompt,
+                                  policy=ModesInTurn(alternate), no_sync=True)
     assert not torch.allclose(holes, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -272,3 +279,43 @@ def test_shrunk_k_is_lossless_and_verifies_fewer_drafts(pair, smollm2_gguf_path)
         with pytest.raises(ValueError, match=match):
             LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=128, draft=head,
                 num_speculative_tokens=3, **kw)
+
+
+def test_paused_steps_launch_the_next_decode_ahead(pair, smollm2_gguf_path, monkeypatch):
+    """With graphs (emulated here) and verify ahead, a paused step replays the draft's first
+    pass from the device argmax and launches the next decode before the host reads its token
+    (engine/paused_ahead.py): the output is vanilla's, the launches are taken, and the draft's
+    KV is what the late path writes (same acceptance per position; without the first pass's
+    replay the KV differs)."""
+    from compiled_spec.engine.propose_graph import ProposeGraphs
+    from tests.engine_runs import with_emulated_graphs
+
+    target, head = pair
+    vanilla = [o.token_ids for o in LLM(model=target, tokenizer=smollm2_gguf_path,
+                                        max_model_len=128).generate(PROMPTS, GREEDY)]
+
+    def run(ahead: bool) -> tuple[list[list[int]], list[int], dict]:
+        llm = with_emulated_graphs(LLM(
+            model=target, tokenizer=smollm2_gguf_path, max_model_len=128, draft=head,
+            num_speculative_tokens=3, speculation_policy="adaptive", verify_ahead=ahead,
+            max_num_seqs=4), k=3)
+        llm.engine.stats.policy = ModesInTurn([PLAIN] * 4 + [SPEC] * 2)
+        ids = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        return ids, list(llm.stats.spec.accepted_per_position), llm.stats.verify_ahead.as_dict()
+
+    late_ids, late_acc, _ = run(False)
+    ids, acc, va = run(True)
+    assert ids == late_ids == vanilla
+    assert acc == late_acc, (acc, late_acc)
+    assert va["launched"] >= 10 and va["taken"] >= 10, va
+    # the draft's KV: as the late path writes it, and not without the first pass's replay
+    modes = ModesInTurn([SPEC] * 2 + [PLAIN] * 4)
+    _, late, _ = _draft_kv_after(pair, smollm2_gguf_path, PROMPTS[0], modes, ahead=False)
+    _, got, va = _draft_kv_after(pair, smollm2_gguf_path, PROMPTS[0], ModesInTurn(modes.modes),
+                                 ahead=True)
+    assert va.taken >= 10, va  # paused steps at batch 1 (the verify graph, one live row)
+    torch.testing.assert_close(got, late, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(ProposeGraphs, "run_sync", lambda self, *a, **k: True)  # no first pass
+    _, holes, _ = _draft_kv_after(pair, smollm2_gguf_path, PROMPTS[0],
+                                  ModesInTurn(modes.modes), ahead=True)
+    assert not torch.allclose(holes, late, rtol=1e-5, atol=1e-5)

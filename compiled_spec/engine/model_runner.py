@@ -20,6 +20,7 @@ from compiled_spec.engine.batch import (Span, build_host_batch, build_sampling_t
 from compiled_spec.engine.early_propose import EarlyPropose, EarlyStep, HostCopy
 from compiled_spec.engine.host_clock import GpuIdleProbe, HostClock
 from compiled_spec.engine.logprobs import gather_logprobs
+from compiled_spec.engine.paused_ahead import sync_ahead
 from compiled_spec.engine.request import Request
 from compiled_spec.engine.verify_ahead import VerifyAhead
 from compiled_spec.kv_cache import BlockAllocator, KVCacheExhausted
@@ -70,6 +71,7 @@ class ModelRunner:
         # shrunk k sets it before the step), and of those the last step proposed.
         self.verify_k = self.k
         self._drafts_k = self.k
+        self._synced = False  # this step's paused first pass ran ahead (paused_ahead.py)
         self._pending: _Pending | None = None
         # Chain steps propose before the host reads their acceptance (engine/early_propose.py).
         self.early: EarlyPropose | None = EarlyPropose(self)
@@ -103,6 +105,7 @@ class ModelRunner:
         self._drafts = self._draft_probs = self._pending = self._early_step = None
         self._draft_row = {}
         self._drafts_k = self.k
+        self._synced = False
         self.ahead.clear()
 
     def num_drafts_for(self, req: Request) -> int:
@@ -141,7 +144,8 @@ class ModelRunner:
             if early is not None:
                 new_tokens = self.early.accept(early, logits, target_hidden, logit_rows)
             else:
-                new_tokens = self._accept(reqs, logits, num_draft, num_new)
+                new_tokens = self._accept(reqs, logits, num_draft, num_new, row_start,
+                                          target_hidden)
         clock.mark("accept")
         if early is not None:  # the next verify, before the engine's bookkeeping
             self.ahead.launch(reqs, early, new_tokens)
@@ -233,14 +237,20 @@ class ModelRunner:
         return build_host_batch(self.allocator, spans, host_ids), spans, [0] * len(reqs)
 
     def _accept(self, reqs: list[Request], logits: torch.Tensor, num_draft: list[int],
-                num_new: list[int]) -> list[list[int]]:
+                num_new: list[int], row_start: list[int] | None = None,
+                target_hidden: torch.Tensor | list[torch.Tensor] | None = None,
+                ) -> list[list[int]]:
         """Greedy or rejection sampling; one device-to-host copy of the results."""
         B, K1, V = logits.shape
         kmax = K1 - 1
         greedy = all(r.params.greedy for r in reqs)  # host-known: no sampling tensors needed
         if greedy and kmax == 0:  # vanilla greedy decode: the argmax is the whole step
             tok = logits[:, 0].argmax(dim=-1)  # [B]
-            if self.k == 0 and self.ahead.enabled:  # the next decode launched from it first
+            # The next decode launched from it first: vanilla, or speculation paused with the
+            # draft's first pass run from it before (engine/paused_ahead.py)
+            if self.ahead.enabled and (self.k == 0 or (
+                    target_hidden is not None and max(num_new) == 1
+                    and sync_ahead(self, reqs, num_new, tok, row_start, target_hidden))):
                 return [[t] for t in self.to_host(self.ahead.decode(reqs, num_new, tok))]
             return [[t] for t in self.to_host(tok)]
         if self.k == 0 and self.ahead.enabled:
@@ -299,6 +309,7 @@ class ModelRunner:
         self._draft_row = {}
         pend, early = self._pending, self._early_step
         self._pending = self._early_step = None
+        synced, self._synced = self._synced, False  # the first pass ran ahead already
         if early is not None:  # proposed already, before the acceptance was read
             self.early.finish(early, reqs, accepted, draft)
             return
@@ -336,7 +347,7 @@ class ModelRunner:
         with phase("propose"):
             if draft:
                 self._propose(chosen, batch, pend)
-            else:
+            elif not synced:
                 self.proposer.sync(batch, pend.hidden)
 
     def _grow_cap(self, req: Request) -> int:

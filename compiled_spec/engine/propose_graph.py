@@ -280,15 +280,20 @@ class ProposeGraphs(StepCapture):
         return drafts[:n].clone(), (probs[:n].clone() if probs is not None else None)
 
     @torch.inference_mode()  # writes the inference-tensor buffers (see __init__)
-    def run_sync(self, batch: "ProposeBatch", target_hidden: torch.Tensor | list[torch.Tensor]
+    def run_sync(self, batch: "ProposeBatch", target_hidden: torch.Tensor | list[torch.Tensor],
+                 ids: torch.Tensor | None = None,  # [n] on the device: the first pass's tokens
                  ) -> bool:
         """Replay the first pass alone for ``batch`` (speculation paused); False (counted)
-        when no captured graph fits, so the caller runs it uncaptured."""
+        when no captured graph fits, so the caller runs it uncaptured. ``ids``: one token per
+        request taken from the device in place of ``batch.token_ids`` (a paused step launched
+        ahead, engine/paused_ahead.py: its tokens are not on the host yet)."""
         b = self._stage(batch, target_hidden, self._sync_graphs)
         if isinstance(b, str):  # no graph at all for this call: said as a paused first pass
             # (a prompt's first pass is "prefill" in either mode: no graph takes its length)
             self._miss("paused (first pass only)" if b in ("cpu", "size") else b)
             return False
+        if ids is not None:  # behind the upload on the stream: it overwrites the staged ids
+            self.l64.seg(self.d64, "ids", ids.shape[0]).copy_(ids)
         self._sync_graphs[b].replay()
         return True
 

@@ -74,6 +74,7 @@ class _Launched:
     spans: list[Span]  # per request: its verified span (start: its last token's position)
     logits: torch.Tensor  # [n, k+1, V]
     target_hidden: torch.Tensor | list[torch.Tensor]  # [n * (k+1), h] (per aux layer)
+    k: int  # drafts per request it verifies (0: a decode, vanilla or speculation paused)
 
 
 @dataclass
@@ -249,7 +250,7 @@ class VerifyAhead:
         next step."""
         with phase("verify"):
             logits, _, hidden = self.runner._verify(hb, spans, [k] * len(spans), drafts)
-        self._launched = _Launched(spans, logits, hidden)
+        self._launched = _Launched(spans, logits, hidden, k)
         self.stats.launched += 1
 
     def decode(self, reqs: list[Request], num_new: list[int],
@@ -313,7 +314,7 @@ class VerifyAhead:
         a, self._launched = self._launched, None
         if a is None:
             return None
-        r, k = self.runner, self.runner.k
+        r, k = self.runner, a.k
         if max(num_new) != 1:
             _count(self.stats.discarded, "batch")
             return None

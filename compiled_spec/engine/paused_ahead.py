@@ -1,0 +1,70 @@
+"""A paused step launched ahead (issue 16): with speculation paused (the adaptive policy's
+PLAIN mode), the next decode step is launched from the device argmax before the host reads
+this step's tokens, as vanilla greedy decoding does (``VerifyAhead.decode``).
+
+Why: a paused step used to run late. On the H100 (thirty-fourth session,
+``adaptive_shrink.json``) the adaptive engine measured its paused steps at 1.63 ms at batch 1
+and 1.79-2.06 ms at 16 / 64, against vanilla's decode steps of 0.80 / 0.97 / 1.44 ms in the same
+process. The GPU idled while the host read the token, did the bookkeeping, staged the draft's
+first pass and the next decode. Pausing could then never bring an EAGLE engine to vanilla's
+speed, where drafting does not pay.
+
+What has to come first: the draft's first pass over this step's token (``EagleProposer.sync``,
+which keeps the draft's KV complete for when drafting resumes). It reads this step's target
+states, which the next decode's replay overwrites (graph memory, and the propose graph's fc
+buffer that its ``precombine`` rewrites). So the sync graph replays here, its token ids copied
+from the device argmax into its input buffer, and the decode is launched behind it. The
+engine's ``propose`` then skips the sync it would have run (``ModelRunner._synced``).
+
+Taken only where the next step is a plain decode of every request, as vanilla's launch:
+greedy, no logprobs, no prompt chunk, nobody at its budget or short of KV, no admission, and a
+captured sync graph for this batch; anything else runs the step as before (late).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from compiled_spec.engine.batch import Span
+from compiled_spec.kv_cache import KVCacheExhausted
+from compiled_spec.spec.propose_batch import ProposeBatch
+
+if TYPE_CHECKING:
+    from compiled_spec.engine.model_runner import ModelRunner
+    from compiled_spec.engine.request import Request
+
+
+def sync_ahead(rn: "ModelRunner", reqs: "list[Request]", num_new: list[int],
+               tok: torch.Tensor,  # [B] this step's greedy tokens, on the device
+               row_start: list[int] | None,  # each request's row in target_hidden
+               target_hidden: torch.Tensor | list[torch.Tensor]) -> bool:
+    """The paused step's draft first pass replayed now, from ``tok``; True when it ran, so the
+    caller may launch the next decode ahead."""
+    early, prop = rn.early, rn.proposer
+    if (not rn.ahead.enabled or early is None or not early.paused or prop is None
+            or prop.graph is None or not prop.graph.enabled):
+        return False
+    if row_start is None or rn.ahead._why_not_decode(reqs, num_new) is not None:
+        return False  # the decode launch would skip (counted there)
+    first_pass, limits = [], []
+    for r in reqs:
+        n_tok = r.num_tokens + 1  # with this step's token
+        k_next = min(rn.k, r.kv_limit - n_tok - 1)
+        if not r.spec_enabled or k_next <= 0:
+            return False  # the late path leaves such a request out of the first pass
+        try:  # the draft's positions of a later proposal, as ``propose`` grows them
+            rn.allocator.grow(r.req_id, min(n_tok + rn.lookahead, rn._grow_cap(r)))
+        except KVCacheExhausted:
+            return False
+        first_pass.append(Span(r.req_id, r.num_computed, 1))
+        limits.append(n_tok - 2 + k_next)
+    n = len(reqs)
+    batch = ProposeBatch(first_pass=first_pass, token_ids=[0] * n,  # ids: from ``tok``
+                         hidden_rows=list(row_start), step_limits=limits,
+                         temperature=[r.params.temperature for r in reqs],
+                         seeds=[r.seed for r in reqs])
+    if not prop.graph.run_sync(batch, target_hidden, ids=tok):
+        return False
+    rn._synced = True
+    return True
