@@ -34,7 +34,9 @@ host reads a decode step's token (on the H200, thirteenth session, a SmolLM2 dec
 itself (a device-to-device copy into the graph's token buffer), before the host waits; the
 host then reads step N's token while step N+1 runs. Launched when every request decodes one
 token next at a known position (prompts fully computed, greedy, no logprobs, not at its
-budget), with the next position's KV block grown now.
+budget), with the next position's KV block grown now. An EAGLE engine whose adaptive policy
+paused speculation does the same, after replaying the draft's first pass from that argmax
+(``engine.paused_ahead``); a launched decode carries k = 0 so the next step takes it.
 """
 from __future__ import annotations
 
