@@ -222,20 +222,6 @@ def measure(name: str, llm: LLM, k: int, batch: int, tokens: int, ops: bool,
     return row
 
 
-class _AlwaysPaused:
-    """A stand-in adaptive policy that never drafts (``spec.policy.PLAIN`` every step)."""
-
-    def mode(self, batch_size: int) -> str:
-        from compiled_spec.spec.policy import PLAIN
-
-        return PLAIN
-
-    def observe(self, *args: object) -> None:
-        pass
-
-    observe_acceptance = observe
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--fixtures", default=".device/tc")
@@ -284,8 +270,11 @@ def main() -> None:
             spec = {"draft": draft, "num_speculative_tokens": k, **extra} if draft else extra
             llm = LLM(model=target, tokenizer=tok, max_model_len=256, max_num_seqs=batch,
                       num_kv_blocks=20 * batch + 8, dtype="float32", **spec)
-            if name.endswith("_paused"):
-                llm.engine.stats.policy = _AlwaysPaused()
+            if name.endswith("_paused"):  # a stand-in policy: PLAIN every step
+                from compiled_spec.spec.policy import PLAIN
+                from tests.policy_stub import ModesInTurn
+
+                llm.engine.stats.policy = ModesInTurn([PLAIN])
             prof = cProfile.Profile() if a.cprofile else None
             _CRIT_PROF[0] = cProfile.Profile() if a.cprofile_critical else None
             row = measure(name, llm, k, batch, a.tokens, a.ops, prof, a.by_frame)

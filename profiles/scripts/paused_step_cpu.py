@@ -24,21 +24,7 @@ from compiled_spec import LLM, SamplingParams  # noqa: E402
 from compiled_spec.bench.prompts import load_mt_bench  # noqa: E402
 from compiled_spec.models.gguf_loader import find_default_gguf  # noqa: E402
 from compiled_spec.spec.policy import PLAIN, SPEC  # noqa: E402
-
-
-class _Always:
-    """A stand-in adaptive policy choosing one mode every step."""
-
-    def __init__(self, mode: str) -> None:
-        self._mode = mode
-
-    def mode(self, batch_size: int) -> str:
-        return self._mode
-
-    def observe(self, *args: object) -> None:
-        pass
-
-    observe_acceptance = observe
+from tests.policy_stub import ModesInTurn  # noqa: E402
 
 
 def main() -> None:
@@ -58,7 +44,7 @@ def main() -> None:
                   max_num_seqs=8, **kw)
         llm.generate(texts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
         if mode is not None:
-            llm.engine.stats.policy = _Always(mode)
+            llm.engine.stats.policy = ModesInTurn([mode])  # this mode every step
         es = llm.engine.stats
         hp0, n0, s0 = dict(es.host_phase_s), es.num_steps, es.step_s
         p0, ps0 = es.num_prefill_steps, es.prefill_step_s
