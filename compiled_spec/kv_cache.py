@@ -29,7 +29,7 @@ def allocate_kv_pair(num_blocks: int, page_size: int, num_kv_heads: int, head_di
 def extend_slots(out: list[int], table: list[int], page: int, start: int, end: int) -> None:
     """Append the KV slots of positions ``start`` .. ``end`` - 1 (``table``: a request's
     blocks): one range per page, not one lookup per position (a 32-node tree's slots took 32
-    Python steps per request, every tree step).""" 
+    Python steps per request, every tree step)."""
     p = start
     while p < end:
         blk, off = divmod(p, page)

@@ -237,21 +237,21 @@ class ModelRunner:
         return build_host_batch(self.allocator, spans, host_ids), spans, [0] * len(reqs)
 
     def _accept(self, reqs: list[Request], logits: torch.Tensor, num_draft: list[int],
-                num_new: list[int], row_start: list[int] | None = None,
-                target_hidden: torch.Tensor | list[torch.Tensor] | None = None,
-                ) -> list[list[int]]:
+                num_new: list[int], row_start: list[int],
+                target_hidden: torch.Tensor | list[torch.Tensor]) -> list[list[int]]:
         """Greedy or rejection sampling; one device-to-host copy of the results."""
         B, K1, V = logits.shape
         kmax = K1 - 1
         greedy = all(r.params.greedy for r in reqs)  # host-known: no sampling tensors needed
         if greedy and kmax == 0:  # vanilla greedy decode: the argmax is the whole step
             tok = logits[:, 0].argmax(dim=-1)  # [B]
-            # The next decode launched from it first: vanilla, or speculation paused with the
-            # draft's first pass run from it before (engine/paused_ahead.py)
-            if self.ahead.enabled and (self.k == 0 or (
-                    target_hidden is not None and max(num_new) == 1
-                    and sync_ahead(self, reqs, num_new, tok, row_start, target_hidden))):
+            if self.ahead.enabled and self.k == 0:  # the next decode launched from it first
                 return [[t] for t in self.to_host(self.ahead.decode(reqs, num_new, tok))]
+            if self.ahead.enabled and self.early is not None and self.early.paused:
+                # ... and with speculation paused, after the draft's first pass run from it
+                first = lambda: sync_ahead(self, reqs, num_new, tok, row_start,  # noqa: E731
+                                           target_hidden)
+                return [[t] for t in self.to_host(self.ahead.decode(reqs, num_new, tok, first))]
             return [[t] for t in self.to_host(tok)]
         if self.k == 0 and self.ahead.enabled:
             self.ahead.skip("sampling")

@@ -18,7 +18,8 @@ engine's ``propose`` then skips the sync it would have run (``ModelRunner._synce
 
 Taken only where the next step is a plain decode of every request, as vanilla's launch:
 greedy, no logprobs, no prompt chunk, nobody at its budget or short of KV, no admission, and a
-captured sync graph for this batch; anything else runs the step as before (late).
+captured sync graph for this batch; anything else runs the step as before (late), the reason
+counted in ``VerifyAheadStats.skipped``.
 """
 from __future__ import annotations
 
@@ -37,26 +38,26 @@ if TYPE_CHECKING:
 
 def sync_ahead(rn: "ModelRunner", reqs: "list[Request]", num_new: list[int],
                tok: torch.Tensor,  # [B] this step's greedy tokens, on the device
-               row_start: list[int] | None,  # each request's row in target_hidden
-               target_hidden: torch.Tensor | list[torch.Tensor]) -> bool:
-    """The paused step's draft first pass replayed now, from ``tok``; True when it ran, so the
-    caller may launch the next decode ahead."""
-    early, prop = rn.early, rn.proposer
-    if (not rn.ahead.enabled or early is None or not early.paused or prop is None
-            or prop.graph is None or not prop.graph.enabled):
-        return False
-    if row_start is None or rn.ahead._why_not_decode(reqs, num_new) is not None:
-        return False  # the decode launch would skip (counted there)
+               row_start: list[int],  # each request's row in target_hidden
+               target_hidden: torch.Tensor | list[torch.Tensor]) -> str | None:
+    """The paused step's draft first pass replayed now, from ``tok``, once the decode launch's
+    own checks passed (``VerifyAhead.launch_decode`` calls it): None when it ran, else why not
+    (the launch is then skipped, counted under that reason)."""
+    prop = rn.proposer
+    if prop is None or prop.graph is None or not prop.graph.enabled:
+        return "paused_no_graph"
+    if max(num_new) != 1:
+        return "prefill"  # a prompt's last chunk: its first pass spans the chunk
     first_pass, limits = [], []
     for r in reqs:
         n_tok = r.num_tokens + 1  # with this step's token
         k_next = min(rn.k, r.kv_limit - n_tok - 1)
         if not r.spec_enabled or k_next <= 0:
-            return False  # the late path leaves such a request out of the first pass
+            return "not_spec"  # the late path leaves such a request out of the first pass
         try:  # the draft's positions of a later proposal, as ``propose`` grows them
             rn.allocator.grow(r.req_id, min(n_tok + rn.lookahead, rn._grow_cap(r)))
         except KVCacheExhausted:
-            return False
+            return "kv_exhausted"
         first_pass.append(Span(r.req_id, r.num_computed, 1))
         limits.append(n_tok - 2 + k_next)
     n = len(reqs)
@@ -65,6 +66,6 @@ def sync_ahead(rn: "ModelRunner", reqs: "list[Request]", num_new: list[int],
                          temperature=[r.params.temperature for r in reqs],
                          seeds=[r.seed for r in reqs])
     if not prop.graph.run_sync(batch, target_hidden, ids=tok):
-        return False
+        return "paused_no_graph"
     rn._synced = True
-    return True
+    return None

@@ -257,22 +257,28 @@ class VerifyAhead:
 
     def decode(self, reqs: list[Request], num_new: list[int],
                tok: torch.Tensor,  # [B] this step's greedy tokens, on the device
+               first: Callable[[], str | None] | None = None,
                ) -> HostCopy:
-        """Vanilla greedy decoding: ``tok``'s copy to the host issued, then the next decode step
-        launched behind it (a copy issued after the launch would wait for that step)."""
+        """Greedy decoding: ``tok``'s copy to the host issued, then the next decode step
+        launched behind it (a copy issued after the launch would wait for that step).
+        ``first``: what must run before the launch once it is due (a paused EAGLE step's draft
+        first pass, engine/paused_ahead.py); a reason string from it skips the launch."""
         n = tok.shape[0]
         if self._host is None or self._host.numel() < n:
             self._host = torch.empty(max(n, 64), dtype=torch.int64,
                                      pin_memory=tok.device.type == "cuda")
         copy = HostCopy(tok, self._host[:n], self._event)
-        self.launch_decode(reqs, num_new, tok)
+        self.launch_decode(reqs, num_new, tok, first)
         return copy
 
     def launch_decode(self, reqs: list[Request], num_new: list[int],
-                      tok: torch.Tensor) -> None:  # [B] this step's greedy tokens, on device
+                      tok: torch.Tensor,  # [B] this step's greedy tokens, on the device
+                      first: Callable[[], str | None] | None = None) -> None:
         """The next decode step of every request, its token taken from ``tok`` on the device."""
         self._launched = None
         why = self._why_not_decode(reqs, num_new)
+        if why is None and first is not None:
+            why = first()
         if why is not None:
             _count(self.stats.skipped, why)
             return
