@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_cache_dir_choice(monkeypatch, tmp_path):
     monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)  # activate() sets it: undone after
     monkeypatch.setenv("COMPILED_SPEC_CACHE_DIR", str(tmp_path / "ours"))
     assert default_cache_dir() == tmp_path / "ours"
     code = f"code-{code_hash()}"  # one subdirectory per version of the traced code
@@ -39,6 +40,34 @@ def test_cache_dir_choice(monkeypatch, tmp_path):
         activate(str(tmp_path / "file" / "sub"))
     with pytest.raises(ValueError, match="cache_dir=3"):
         CompileConfig(cache_dir=3)  # type: ignore[arg-type]
+
+
+def test_triton_binaries_pinned_before_anything_compiles(monkeypatch, tmp_path):
+    """Triton's cache folder is chosen when the compile cache is, not when Inductor first builds
+    a kernel tuner: a cold start's compile workers and the next start-up's artifact loads must
+    look in one folder (else the second start-up builds them again)."""
+    from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+
+    import compiled_spec.compile_cache as cc
+
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.setattr(cc, "_pinned_triton", None)
+    monkeypatch.setenv("COMPILED_SPEC_CACHE_DIR", str(tmp_path / "ours"))
+    activate(None)
+    ours = str(tmp_path / "ours" / "triton")  # beside the code-* folders: kept across versions
+    assert os.environ["TRITON_CACHE_DIR"] == ours == triton_cache_dir(0)  # what Inductor uses
+    activate(str(tmp_path / "explicit"))  # our own pin moves with a later explicit directory
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "explicit" / "triton")
+    activate("")
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "explicit" / "triton")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "users"))  # a user's export wins
+    activate(None)
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "users")
+    monkeypatch.delenv("TRITON_CACHE_DIR")
+    monkeypatch.setenv(ENV, str(tmp_path / "user_inductor"))  # under a user's Inductor folder
+    assert activate(None) == str(tmp_path / "user_inductor")
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "user_inductor" / "triton")
 
 
 def test_default_dir_is_ours_after_torch_set_its_own(tmp_path):

@@ -118,6 +118,17 @@ TRAIN=(python3 -m compiled_spec.cli train --target "$M" --prompts $D/train_promp
 ACC=(python3 -m compiled_spec.cli acceptance --model "$M" --device ${DEVICE:-cuda}
   --dtype ${DTYPE:-bfloat16} --max-model-len 2048 --prompts $D/question.jsonl
   --num-prompts ${ACC_PROMPTS:-80} --max-tokens ${ACC_TOKENS:-256})
+# What a warm start added to our compile cache (file lists $1 -> $2): counts by folder and
+# extension, then the Triton kernels built again (their .cubin names). The thirty-fifth session's
+# second and third warm starts each built kernels (23, then 12) a warm cache should have held.
+added_files() {
+  comm -13 "$1" "$2" > ~/added_now
+  sed -E "s#^$HOME/.cache/compiled_spec/##" ~/added_now \
+    | awk -F/ '{n=split($NF,e,"."); print $1"/"$2" ."(n>1?e[n]:"-")}' | sort | uniq -c | sort -rn | head -12
+  echo "kernels built again:"; grep '\.cubin$' ~/added_now | xargs -r -n1 basename | sort | uniq -c | head -40
+  echo "other files:"; grep -vE '\.(cubin|ptx|llir|ttir|ttgir|source|json)$' ~/added_now \
+    | sed -E "s#^$HOME/.cache/compiled_spec/inductor/[^/]*/##" | head -20
+}
 case "$PHASE" in
 setup0)
   mkdir -p ~/m ~/site $D
@@ -335,9 +346,7 @@ warmstart)
     # What this run added (session 34: run 2 added 129 files to ours, run 3 24): counted by
     # the folder two levels under the cache and the file's extension.
     find ~/.cache/compiled_spec -type f 2>/dev/null | sort > ~/ws_files_$i
-    [ $i -gt 1 ] && comm -13 ~/ws_files_$((i - 1)) ~/ws_files_$i \
-      | sed -E "s#^$HOME/.cache/compiled_spec/##" \
-      | awk -F/ '{n=split($NF,e,"."); print $1"/"$2" ."(n>1?e[n]:"-")}' | sort | uniq -c | sort -rn | head -12
+    [ $i -gt 1 ] && added_files ~/ws_files_$((i - 1)) ~/ws_files_$i
   done ;;
 warm8b)
   # Issue 16: start-up of the Llama-3.1-8B shape (random weights, random 32k head) in fresh
@@ -348,6 +357,8 @@ warm8b)
       --tokenizer "$M" ${NO_PRECOMPILE:+--no-precompile} --out "$OUT/warm8b_$i.json" \
       > "$OUT/warm8b_$i.log" 2>&1
     echo "== run $i rc=$?"; grep -E "^start-up" "$OUT/warm8b_$i.log" | cut -c1-1200
+    find ~/.cache/compiled_spec -type f 2>/dev/null | sort > ~/w8_files_$i
+    [ $i -gt 1 ] && added_files ~/w8_files_$((i - 1)) ~/w8_files_$i
   done ;;
 coldstart)
   # Issue 16: a cold start (empty Triton and compile caches) with the attention binaries
