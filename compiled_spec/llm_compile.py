@@ -25,15 +25,20 @@ if TYPE_CHECKING:
 def engine_capture_policy(cc: CompileConfig, ec: EngineConfig) -> CapturePolicy:
     """What an engine captures: its batch sizes and buckets, one-sequence prompt steps up to
     prefill_graph_tokens, and prompt steps of several sequences up to mixed_graph_tokens (at
-    most a full token budget of prompts beside max_num_seqs verifying requests), each of their
-    prompts at most the largest one-sequence graph's length (or 512 tokens without those)."""
+    most a full token budget of prompts beside max_num_seqs verifying requests, and at most
+    what max_num_seqs prompts hold), each of their prompts at most the largest one-sequence
+    graph's length (or 512 tokens without those)."""
     k = 0 if ec.spec is None else ec.spec.num_speculative_tokens
     sched = ec.scheduler
     pre = prefill_sizes(min(cc.prefill_graph_tokens, ec.max_model_len,
                             sched.max_num_batched_tokens), 1 + k)
+    q_cap = min(pre[-1] if pre else 512, ec.max_model_len)
+    # A mixed step holds at most max_num_seqs prompts of q_cap tokens: larger sizes could never
+    # replay, and their dummy batches failed capture (H100, batch 4: 4096 and 4120 > 4 x 512).
     mixed = mixed_sizes(min(cc.mixed_graph_tokens,
-                            sched.max_num_batched_tokens + sched.max_num_seqs * (1 + k)))
-    mixed_q = min(pre[-1] if pre else 512, ec.max_model_len, mixed[-1]) if mixed else 0
+                            sched.max_num_batched_tokens + sched.max_num_seqs * (1 + k),
+                            sched.max_num_seqs * q_cap))
+    mixed_q = min(q_cap, mixed[-1]) if mixed else 0
     return CapturePolicy(max_batch_size=sched.max_num_seqs, num_speculative_tokens=k,
                          max_model_len=ec.max_model_len, batch_sizes=cc.capture_batch_sizes,
                          seq_len_buckets=cc.seq_len_buckets, prefill_sizes=pre,

@@ -187,6 +187,14 @@ def test_engine_capture_policy_sizes_prompt_graphs_from_the_engine():
     assert p.prefill_sizes == () and p.mixed_sizes == (128, 256, 300) and p.mixed_query_len == 300
     p = policy(CompileConfig(mixed_graph_tokens=0))
     assert p.mixed_sizes == () and p.mixed_query_len == 0
+    # 4 sequences of at most 512 tokens hold 2048: no size above it (each failed its capture)
+    p = policy(CompileConfig(), seqs=4)
+    assert p.mixed_sizes == (128, 256, 512, 1024, 2048) and p.mixed_query_len == 512
+    from capture import StaticBuffers
+
+    bufs = StaticBuffers(p.mixed_sizes[-1], 4, 8, torch.device("cpu"))
+    for size in p.mixed_sizes:  # every size's dummy batch fits (the capture's own check)
+        bufs.fill_dummy(size, 4, p.mixed_query_len, 2048)
     with pytest.raises(ValueError, match="mixed_graph_tokens"):
         CompileConfig(mixed_graph_tokens=-1)
 
