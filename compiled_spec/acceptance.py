@@ -27,7 +27,9 @@ def run_acceptance(a: argparse.Namespace) -> int:
     categories = load_categories(a.prompts, a.num_prompts)
     results = []
     for k in a.k_list:
-        kw = {**engine_kwargs(a), "num_speculative_tokens": k, "max_num_seqs": len(texts)}
+        # every step drafts: a head's acceptance, not what an adaptive policy chose to verify
+        kw = {**engine_kwargs(a), "num_speculative_tokens": k, "max_num_seqs": len(texts),
+              "speculation_policy": "always", "adaptive_k": ()}
         llm = LLM(**kw)
         prompts = mt_bench_prompts(llm, texts)
         sp = SamplingParams(max_tokens=a.max_tokens, temperature=0.0)

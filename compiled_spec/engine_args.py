@@ -72,9 +72,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-topk", type=int, default=1, help="> 1: EAGLE-2 draft trees")
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None,
                    help="tree verification budget, root included")
-    p.add_argument("--speculation-policy", default="always", choices=["always", "adaptive"],
+    p.add_argument("--speculation-policy", default=None, choices=["always", "adaptive"],
                    help="adaptive: pause drafting where measured step costs and acceptance say "
-                   "plain decoding is faster (chains only)")
+                   "plain decoding is faster (chains only; default: adaptive for chains on "
+                   "CUDA, always otherwise)")
     p.add_argument("--adaptive-k", type=int, nargs="+", default=(), metavar="K",
                    help="with --speculation-policy adaptive: smaller draft counts the policy may "
                    "verify instead of -k where that is faster (k shrinks; verify graphs each)")
@@ -103,7 +104,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
               num_speculative_tokens=a.num_speculative_tokens, draft_sampling=a.draft_sampling,
               compile=a.compile, speculative_topk=a.speculative_topk,
               speculative_num_draft_tokens=a.speculative_num_draft_tokens,
-              speculation_policy=getattr(a, "speculation_policy", "always"),
+              speculation_policy=getattr(a, "speculation_policy", None),
               adaptive_k=tuple(getattr(a, "adaptive_k", ())),
               enable_prefix_caching=a.enable_prefix_caching,
               tensor_parallel_size=a.tensor_parallel_size,

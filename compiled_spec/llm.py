@@ -11,8 +11,8 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from compiled_spec.config import (CacheConfig, EngineConfig, SchedulerConfig, SpecConfig,
-                                  early_propose_default, verify_ahead_default,
-                                  resolve_device, resolve_dtype)
+                                  early_propose_default, speculation_policy_default,
+                                  verify_ahead_default, resolve_device, resolve_dtype)
 from compiled_spec.compile_cache import CacheStats
 from compiled_spec.compile import CompileConfig, CompiledModels
 from compiled_spec.distributed import TPGroup, shard_causal_lm, shard_draft
@@ -58,6 +58,8 @@ class LLM(CompileMixin):
     ``speculation_policy="adaptive"`` pauses drafting at batch sizes where measured step costs
     and acceptance say plain decoding is faster (``llm.stats.policy.summary()`` reports it);
     with ``adaptive_k`` it may also verify fewer drafts (k shrinks) where that is faster.
+    None (default): adaptive for chains on CUDA, "always" for trees and on the CPU
+    (``speculation_policy_default``; COMPILED_SPEC_SPECULATION_POLICY overrides).
     ``early_propose=False`` launches each proposal after the host read the step's acceptance
     (default: before it where the step allows, ``llm.stats.early_propose`` counts both; None
     reads COMPILED_SPEC_EARLY_PROPOSE, 0 = off). ``verify_ahead``: greedy decode steps and
@@ -88,7 +90,7 @@ class LLM(CompileMixin):
         speculative_topk: int = 1,
         speculative_num_steps: int | None = None,
         speculative_num_draft_tokens: int | None = None,
-        speculation_policy: str = "always",
+        speculation_policy: str | None = None,
         adaptive_k: tuple[int, ...] = (),
         early_propose: bool | None = None,
         verify_ahead: bool | None = None,
@@ -106,6 +108,11 @@ class LLM(CompileMixin):
                 or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r}: must be an "
                              "integer >= 1")
+        if tensor_parallel_size > 1 and (speculation_policy == "adaptive" or adaptive_k):
+            raise ValueError(f"speculation_policy={speculation_policy!r}, adaptive_k={adaptive_k!r} "
+                             f"with tensor_parallel_size={tensor_parallel_size}: each rank would "
+                             "time its own steps and could choose another mode than the rest; "
+                             "use speculation_policy='always'")
         if tensor_parallel_size > 1 and not dist.is_initialized():
             # Launch one worker per rank; this object forwards to them (see launcher.py).
             from compiled_spec.distributed.launcher import TPLauncher
@@ -154,7 +161,11 @@ class LLM(CompileMixin):
                 draft_sampling=draft_sampling, speculative_topk=speculative_topk,
                 speculative_num_steps=speculative_num_steps,
                 speculative_num_draft_tokens=speculative_num_draft_tokens,
-                speculation_policy=speculation_policy, adaptive_k=adaptive_k,
+                speculation_policy=speculation_policy if speculation_policy is not None
+                else "adaptive" if adaptive_k else speculation_policy_default(
+                    dev, speculative_topk > 1 or speculative_num_draft_tokens is not None,
+                    tensor_parallel_size),
+                adaptive_k=adaptive_k,
                 early_propose=early_propose_default() if early_propose is None
                 else early_propose),
             verify_ahead=verify_ahead_default(dev) if verify_ahead is None else verify_ahead,

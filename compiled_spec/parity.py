@@ -64,11 +64,22 @@ def _run(llm, prompts: list[list[int]], params: SamplingParams, compiled: bool) 
     engine = llm.engine
     llm.set_compiled(compiled)
     saved, engine.stats.spec = engine.stats.spec, SpecStats()
+    # An adaptive policy pauses by measured step cost, which compiling changes: both runs draft
+    # every step at full k, so their acceptance compares (the policy and its state come back).
+    policy, engine.stats.policy = engine.stats.policy, None
+    early = engine.runner.early
+    paused, verify_k = (early.paused if early is not None else False), engine.runner.verify_k
+    if early is not None:
+        early.paused = False
+    engine.runner.verify_k = engine.runner.k
     try:
         outs = llm.generate(prompts, params)
         run = engine.stats.spec
     finally:
         engine.stats.spec = saved.merge(engine.stats.spec)
+        engine.stats.policy, engine.runner.verify_k = policy, verify_k
+        if early is not None:
+            early.paused = paused
     return ParityRun(mode="compiled" if compiled else "eager", tau=run.mean_acceptance_length,
                      per_position=run.acceptance_rate_per_position,
                      token_ids=[o.token_ids for o in outs])

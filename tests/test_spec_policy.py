@@ -319,3 +319,53 @@ def test_paused_steps_launch_the_next_decode_ahead(pair, smollm2_gguf_path, monk
     _, holes, _ = _draft_kv_after(pair, smollm2_gguf_path, PROMPTS[0],
                                   ModesInTurn(modes.modes), ahead=True)
     assert not torch.allclose(holes, late, rtol=1e-5, atol=1e-5)
+
+
+def test_default_policy_is_adaptive_for_cuda_chains_only(monkeypatch, pair, smollm2_gguf_path):
+    from compiled_spec.config import speculation_policy_default
+
+    monkeypatch.delenv("COMPILED_SPEC_SPECULATION_POLICY", raising=False)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert speculation_policy_default(cuda, tree=False) == "adaptive"
+    assert speculation_policy_default(cuda, tree=True) == "always"  # trees have no policy
+    assert speculation_policy_default(cpu, tree=False) == "always"
+    assert speculation_policy_default(cuda, tree=False, tensor_parallel=2) == "always"
+    monkeypatch.setenv("COMPILED_SPEC_SPECULATION_POLICY", "adaptive")
+    assert speculation_policy_default(cpu, tree=False) == "adaptive"
+    monkeypatch.setenv("COMPILED_SPEC_SPECULATION_POLICY", "sometimes")
+    with pytest.raises(ValueError, match="COMPILED_SPEC_SPECULATION_POLICY='sometimes'"):
+        speculation_policy_default(cuda, tree=False)
+    monkeypatch.delenv("COMPILED_SPEC_SPECULATION_POLICY")
+    target, head = pair
+
+    def policy(**kw) -> str:
+        llm = LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=64, draft=head,
+                  num_speculative_tokens=3, **kw)
+        return llm.config.spec.speculation_policy
+
+    assert policy() == "always"  # the CPU
+    assert policy(adaptive_k=(1,)) == "adaptive"  # smaller k only exists under the policy
+    monkeypatch.setenv("COMPILED_SPEC_SPECULATION_POLICY", "adaptive")
+    assert policy() == "adaptive"
+    assert policy(speculation_policy="always") == "always"  # an explicit choice wins
+    # ranks timing their own steps could disagree on a mode: refused before any rank starts
+    with pytest.raises(ValueError, match="'adaptive'.*tensor_parallel_size=2"):
+        policy(speculation_policy="adaptive", tensor_parallel_size=2)
+
+
+def test_parity_drafts_every_step_under_an_adaptive_policy(pair, smollm2_gguf_path):
+    """An adaptive engine's pauses follow measured step costs, which compiling changes: the
+    parity check runs both modes drafting every step, then hands the policy back."""
+    target, head = pair
+    llm = LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=128, draft=head,
+              num_speculative_tokens=3, speculation_policy="adaptive")
+    eng = llm.engine
+    stub = ModesInTurn([PLAIN])  # a policy that would never draft
+    eng.stats.policy = stub
+    rep = llm.check_parity(PROMPTS[:2], SamplingParams(max_tokens=24, temperature=0.0))
+    assert rep.ok, str(rep)
+    assert rep.eager.tau is not None and rep.compiled.tau is not None
+    assert rep.eager.tau > 1.0  # this head is accepted: steps drafted at full k
+    assert eng.stats.policy is stub and stub.n == 0  # not consulted, and back in place
+    llm.generate([PROMPTS[0]], GREEDY)
+    assert stub.n > 0

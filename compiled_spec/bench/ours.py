@@ -28,7 +28,7 @@ class Variant:
     draft: str | None
     compile: bool
     tree: tuple[int, int] | None = None  # EAGLE-2 draft tree: (topk, verified tokens incl. root)
-    policy: str = "always"  # speculation_policy
+    policy: str = "always"  # speculation_policy (rows without "adaptive" draft every step)
     adaptive_k: tuple[int, ...] = ()  # with policy "adaptive": the smaller k it may verify
     early_propose: bool = True  # False: every proposal launched after the acceptance is read
     verify_ahead: bool | None = None  # EngineConfig.verify_ahead; None: the LLM's default
@@ -67,11 +67,10 @@ def build_engine(v: Variant, kw: dict[str, Any], prompts: list[list[int]],
         kw.pop("num_speculative_tokens", None)
     if v.tree is not None:
         kw.update(speculative_topk=v.tree[0], speculative_num_draft_tokens=v.tree[1])
-    if v.policy != "always":
-        kw["speculation_policy"] = v.policy
     if v.adaptive_k:
         kw["adaptive_k"] = v.adaptive_k
-    if v.draft is not None:
+    if v.draft is not None:  # a row says its policy: the engine's default depends on the device
+        kw["speculation_policy"] = v.policy
         kw["early_propose"] = v.early_propose
     if v.verify_ahead is not None:
         kw["verify_ahead"] = v.verify_ahead

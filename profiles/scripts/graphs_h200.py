@@ -113,7 +113,7 @@ def build(args: argparse.Namespace, tmp: Path) -> tuple[LLM, float]:
                                   aux_layer_ids=(2, layers // 2, layers - 3))
     t0 = time.perf_counter()
     llm = LLM(model=model, tokenizer=args.tokenizer, draft=draft, method="eagle3",
-              num_speculative_tokens=5, device=DEVICE, max_model_len=2048,
+              num_speculative_tokens=5, speculation_policy="always", device=DEVICE, max_model_len=2048,
               dtype="bfloat16" if DEVICE.type == "cuda" else "float32",
               max_num_seqs=1, kv_cache_memory_gib=4,
               compile_config=CompileConfig(capture_batch_sizes=(1,), inductor=args.inductor,

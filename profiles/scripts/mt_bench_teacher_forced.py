@@ -40,6 +40,7 @@ def main() -> int:
     dtype = a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32")
     texts = load_mt_bench(str(mt_bench_path()), a.num_prompts)
     llm = LLM(model=a.model, draft=a.head, num_speculative_tokens=a.k, device=a.device,
+              speculation_policy="always",
               dtype=dtype, max_num_seqs=len(texts), max_model_len=2048)
     prompts = mt_bench_prompts(llm, texts)
     t0 = time.perf_counter()

@@ -40,7 +40,8 @@ def run(model: str, name: str, prompts: list, max_tokens: int) -> tuple[dict, li
     t0 = time.perf_counter()
     llm = LLM(model=model, draft="smollm2-eagle3", device="cuda", dtype="bfloat16",
               max_model_len=2048, max_num_seqs=1, kv_cache_memory_gib=4, page_size=page,
-              compile=True, compile_config=CompileConfig(capture_batch_sizes=(1,)), **spec)
+              compile=True, compile_config=CompileConfig(capture_batch_sizes=(1,)),
+              speculation_policy="always", **spec)
     startup = time.perf_counter() - t0
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
