@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from compiled_spec.config import (CacheConfig, EngineConfig, SchedulerConfig, SpecConfig,
                                   early_propose_default, speculation_policy_default,
                                   verify_ahead_default, resolve_device, resolve_dtype)
-from compiled_spec.compile_cache import CacheStats
+from compiled_spec.compile_cache import CacheStats, activate as activate_compile_cache
 from compiled_spec.compile import CompileConfig, CompiledModels
 from compiled_spec.distributed import TPGroup, shard_causal_lm, shard_draft
 from compiled_spec.draft.loader import load_draft
@@ -180,8 +180,10 @@ class LLM(CompileMixin):
         eos = set(mcfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
-        self.engine = LLMEngine(self.config, net, sorted(eos), self._detokenize, draft_model)
         self._compile_config = compile_config or CompileConfig()
+        if compile:  # before the attention warm-up builds kernels: one Triton folder for all
+            activate_compile_cache(self._compile_config.cache_dir)  # (compile_cache.pin_triton)
+        self.engine = LLMEngine(self.config, net, sorted(eos), self._detokenize, draft_model)
         self._compiled: CompiledModels | None = None
         # Seconds per start-up phase: load; with compile=True, "compile" (our passes + Inductor,
         # served from the compile cache when it hits) and "capture" (the rest of the dummy runs:

@@ -142,3 +142,30 @@ def test_second_process_is_served_from_the_cache(tmp_path, smollm2_gguf_path):
     assert first["ids"] == second["ids"]
     assert {"load", "compile", "capture"} <= set(first["startup"])
     assert any((tmp_path / "cache").iterdir())
+
+
+def test_compiled_engine_pins_triton_before_its_attention_warm_up(monkeypatch, tmp_path,
+                                                                   bigram_eagle3,
+                                                                   smollm2_gguf_path):
+    """The engine's attention warm-up builds Triton kernels (CUDA): by then the folder must be
+    the one later compiles use, else whichever engine a process builds first decides where
+    those kernels land and another process looks for them elsewhere."""
+    import compiled_spec.compile_cache as cc
+    import compiled_spec.llm as llm_mod
+
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.setattr(cc, "_pinned_triton", None)
+    seen = []
+
+    class Recording(llm_mod.LLMEngine):
+        def __init__(self, *a, **kw):
+            seen.append(os.environ.get("TRITON_CACHE_DIR"))
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(llm_mod, "LLMEngine", Recording)
+    monkeypatch.setattr(llm_mod.LLM, "set_compiled", lambda self, on: None)  # no compile here
+    target, _ = bigram_eagle3
+    llm_mod.LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=64, compile=True,
+                compile_config=CompileConfig(cache_dir=str(tmp_path / "c")))
+    assert seen == [str(tmp_path / "c" / "triton")]
