@@ -169,13 +169,13 @@ def verify_ahead_default(device: torch.device) -> bool:
 
 def speculation_policy_default(device: torch.device, tree: bool, tensor_parallel: int = 1) -> str:
     """SpecConfig.speculation_policy when not given: COMPILED_SPEC_SPECULATION_POLICY if set, else
-    "adaptive" for chains on one CUDA device, "always" otherwise (trees, the CPU, tensor
-    parallel: each rank would time its own steps and could choose another mode than the rest). On the H100 (thirty-sixth
-    session, one process, batch 1 / 4 / 16 / 64) the adaptive chain ran within 1.5% of the
-    always-drafting one at every batch where drafting won; on a slower host (thirty-fourth
-    session) always-drafting lost to vanilla at batch 4 and 64 and the adaptive chain was the
-    best EAGLE row at 16 and 64. Trees have no adaptive policy; a CPU's step costs say nothing
-    about the GPU's, and its tests want every step drafted."""
+    "adaptive" for chains on one CUDA device, "always" otherwise. On the H100 (thirty-sixth
+    session, one process, batch 1 / 4 / 16 / 64) the adaptive chain ran within 1.5% of always
+    drafting at every batch; on a slower host (thirty-fourth session) always drafting lost to
+    vanilla at batch 4 and 64 and the adaptive chain was the best EAGLE row at 16 and 64.
+    Trees have no adaptive policy; a CPU's step costs say nothing about a GPU's, and its tests
+    want every step drafted; under tensor parallel each rank would time its own steps and
+    could choose another mode than the rest."""
     env = os.environ.get("COMPILED_SPEC_SPECULATION_POLICY")
     if env is not None:
         if env not in ("always", "adaptive"):

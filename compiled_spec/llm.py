@@ -58,8 +58,9 @@ class LLM(CompileMixin):
     ``speculation_policy="adaptive"`` pauses drafting at batch sizes where measured step costs
     and acceptance say plain decoding is faster (``llm.stats.policy.summary()`` reports it);
     with ``adaptive_k`` it may also verify fewer drafts (k shrinks) where that is faster.
-    None (default): adaptive for chains on CUDA, "always" for trees and on the CPU
-    (``speculation_policy_default``; COMPILED_SPEC_SPECULATION_POLICY overrides).
+    None (default): adaptive for chains on one CUDA device, "always" for trees, on the CPU and
+    under tensor parallel (``speculation_policy_default``; COMPILED_SPEC_SPECULATION_POLICY
+    overrides).
     ``early_propose=False`` launches each proposal after the host read the step's acceptance
     (default: before it where the step allows, ``llm.stats.early_propose`` counts both; None
     reads COMPILED_SPEC_EARLY_PROPOSE, 0 = off). ``verify_ahead``: greedy decode steps and
@@ -109,8 +110,9 @@ class LLM(CompileMixin):
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r}: must be an "
                              "integer >= 1")
         if tensor_parallel_size > 1 and (speculation_policy == "adaptive" or adaptive_k):
-            raise ValueError(f"speculation_policy={speculation_policy!r}, adaptive_k={adaptive_k!r} "
-                             f"with tensor_parallel_size={tensor_parallel_size}: each rank would "
+            raise ValueError(f"speculation_policy={speculation_policy!r}, "
+                             f"adaptive_k={adaptive_k!r} with "
+                             f"tensor_parallel_size={tensor_parallel_size}: each rank would "
                              "time its own steps and could choose another mode than the rest; "
                              "use speculation_policy='always'")
         if tensor_parallel_size > 1 and not dist.is_initialized():
