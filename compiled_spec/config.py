@@ -181,6 +181,9 @@ def speculation_policy_default(device: torch.device, tree: bool, tensor_parallel
         if env not in ("always", "adaptive"):
             raise ValueError(f"COMPILED_SPEC_SPECULATION_POLICY={env!r}: expected 'always' or "
                              "'adaptive'")
+        if env == "adaptive" and (tree or tensor_parallel > 1):
+            raise ValueError(f"COMPILED_SPEC_SPECULATION_POLICY={env!r} with a draft tree or "
+                             f"tensor_parallel_size={tensor_parallel}: neither supports it")
         return env
     return "adaptive" if device.type == "cuda" and not tree and tensor_parallel == 1 else "always"
 

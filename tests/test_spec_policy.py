@@ -332,6 +332,8 @@ def test_default_policy_is_adaptive_for_cuda_chains_only(monkeypatch, pair, smol
     assert speculation_policy_default(cuda, tree=False, tensor_parallel=2) == "always"
     monkeypatch.setenv("COMPILED_SPEC_SPECULATION_POLICY", "adaptive")
     assert speculation_policy_default(cpu, tree=False) == "adaptive"
+    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
+        speculation_policy_default(cuda, tree=False, tensor_parallel=2)
     monkeypatch.setenv("COMPILED_SPEC_SPECULATION_POLICY", "sometimes")
     with pytest.raises(ValueError, match="COMPILED_SPEC_SPECULATION_POLICY='sometimes'"):
         speculation_policy_default(cuda, tree=False)
