@@ -16,7 +16,7 @@ import torch
 from capture.host_stage import HostBatch, put_tables
 from compiled_spec.attention_metadata import AttentionMetadata
 from compiled_spec.engine.request import Request
-from compiled_spec.kv_cache import BlockAllocator
+from compiled_spec.kv_cache import BlockAllocator, extend_slots
 from compiled_spec.sampler import SamplingTensors
 
 
@@ -120,7 +120,7 @@ def span_rows(allocator: BlockAllocator, spans: list[Span]
         live_end = end if s.write_limit is None else min(end, s.write_limit)
         table = tables[s.req_id] if live_end > s.start else ()
         positions.extend(range(s.start, live_end))
-        slots.extend([table[p // page] * page + p % page for p in range(s.start, live_end)])
+        extend_slots(slots, table, page, s.start, live_end)
         if live_end < end:  # inert rows past the write limit
             pad = max(live_end, s.start)
             positions.extend([s.write_limit - 1] * (end - pad))
