@@ -151,7 +151,7 @@ def _(query, k_cache, v_cache, block_tables, tree_start, seq_lens, tree_mask, qu
     return torch.empty_like(query)
 
 
-_ROW_TOPK_CHECKED: set[tuple[int, int, torch.dtype]] = set()  # shapes checked on this GPU
+_ROW_TOPK_CHECKED: set[tuple[int, int, torch.dtype, bool]] = set()  # shapes checked on this GPU
 
 
 def row_topk_ref(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,34 +165,64 @@ def row_topk_ref(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
             idx[:, :k].clone(memory_format=torch.contiguous_format))
 
 
+def row_topk_logprob_ref(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``row_topk_ref`` of log_softmax(x): the same indices (a row's shift keeps its order),
+    the values less the row's logsumexp."""
+    vals, idx = row_topk_ref(x, k)
+    return vals - torch.logsumexp(x.float(), dim=-1, keepdim=True), idx
+
+
+def _row_topk(x: torch.Tensor, k: int, logprob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    name = "row_topk_logprob" if logprob else "row_topk"
+    if not 1 <= k <= x.shape[-1]:
+        raise ValueError(f"{name}: k={k} outside [1, {x.shape[-1]}]")
+    ref = row_topk_logprob_ref if logprob else row_topk_ref
+    if not _use_triton(x):
+        return ref(x, k)
+    from kernels.topk_triton import row_topk_triton
+
+    out = row_topk_triton(x, k, logprob=logprob)
+    key = (x.shape[-1], k, x.dtype, logprob)
+    # First use of a shape class (warm-up, never inside a capture): the kernel is checked
+    # against the reference, as the KV-move kernel is; a wrong top-k would change drafts
+    # silently (acceptance, never output), so it fails loudly here instead. Indices exactly;
+    # log-probabilities to float32 rounding (the logsumexp sums in another order).
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    if key not in _ROW_TOPK_CHECKED and not capturing:
+        want = ref(x, k)
+        same = (torch.allclose(out[0], want[0], rtol=1e-5, atol=1e-4) if logprob
+                else torch.equal(out[0], want[0]))
+        if not (same and torch.equal(out[1], want[1])):
+            raise RuntimeError(f"{name} Triton kernel disagrees with the reference for rows "
+                               f"of {x.shape[-1]}, k={k}, {x.dtype}")
+        _ROW_TOPK_CHECKED.add(key)
+    return out
+
+
 @torch.library.custom_op("compiled_spec::row_topk", mutates_args=())
 def row_topk(x: torch.Tensor,  # [R, N] float, N >= k
              k: int) -> tuple[torch.Tensor, torch.Tensor]:  # [R, k] float32, [R, k] int64
     """Top-k along rows with a fixed tie rule (the smaller index first), so eager and compiled
-    draft trees pick the same candidates; on CUDA a two-launch Triton kernel
+    draft trees pick the same candidates; on CUDA a one- or two-launch Triton kernel
     (``kernels.topk_triton``) instead of torch.topk's multi-block radix select."""
-    if not 1 <= k <= x.shape[-1]:
-        raise ValueError(f"row_topk: k={k} outside [1, {x.shape[-1]}]")
-    if _use_triton(x):
-        from kernels.topk_triton import row_topk_triton
-
-        out = row_topk_triton(x, k)
-        key = (x.shape[-1], k, x.dtype)
-        # First use of a shape class (warm-up, never inside a capture): the kernel is checked
-        # against the reference, as the KV-move kernel is; a wrong top-k would change drafts
-        # silently (acceptance, never output), so it fails loudly here instead.
-        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        if key not in _ROW_TOPK_CHECKED and not capturing:
-            want = row_topk_ref(x, k)
-            if not (torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])):
-                raise RuntimeError(f"row_topk Triton kernel disagrees with the reference for "
-                                   f"rows of {x.shape[-1]}, k={k}, {x.dtype}")
-            _ROW_TOPK_CHECKED.add(key)
-        return out
-    return row_topk_ref(x, k)
+    return _row_topk(x, k, logprob=False)
 
 
 @row_topk.register_fake
+def _(x, k) -> tuple[torch.Tensor, torch.Tensor]:
+    r = x.shape[0]
+    return (x.new_empty(r, k, dtype=torch.float32), x.new_empty(r, k, dtype=torch.int64))
+
+
+@torch.library.custom_op("compiled_spec::row_topk_logprob", mutates_args=())
+def row_topk_logprob(x: torch.Tensor,  # [R, N] logits, any float dtype, N >= k
+                     k: int) -> tuple[torch.Tensor, torch.Tensor]:  # [R, k] f32, [R, k] int64
+    """``row_topk`` of log_softmax(x) without materializing it: the draft tree's children and
+    their log-probabilities straight from the draft's logits, in the top-k's own launch."""
+    return _row_topk(x, k, logprob=True)
+
+
+@row_topk_logprob.register_fake
 def _(x, k) -> tuple[torch.Tensor, torch.Tensor]:
     r = x.shape[0]
     return (x.new_empty(r, k, dtype=torch.float32), x.new_empty(r, k, dtype=torch.int64))

@@ -22,7 +22,7 @@ def _worker(device: str = "cpu", repeats: int = 1) -> None:
     """Under the interpreter (``device`` cpu); ``--cuda`` on a GPU, where the fused stage 2
     relies on memory ordering the interpreter cannot exercise: there each fused call repeats
     ``repeats`` times and must give the reference every time."""
-    from kernels.ops import row_topk_ref
+    from kernels.ops import row_topk_logprob_ref, row_topk_ref
     from kernels.topk_triton import row_topk_triton
 
     g = torch.Generator().manual_seed(0)
@@ -43,6 +43,16 @@ def _worker(device: str = "cpu", repeats: int = 1) -> None:
                     v, i = row_topk_triton(x, k, block=block, fused=fused)
                     ok &= torch.equal(i, ri) and torch.equal(v, rv)
                 out[f"{r}x{n}_k{k}_b{block}_{kind}_fused{int(fused)}"] = ok
+            # log-probabilities (the tree's children): the same indices, values to rounding
+            lv, li = row_topk_logprob_ref(x.cpu(), k)
+            lv, li = lv.to(device), li.to(device)
+            for fused in (True, False):
+                ok = True
+                for _ in range(repeats if fused else 1):
+                    v, i = row_topk_triton(x, k, block=block, fused=fused, logprob=True)
+                    ok &= torch.equal(i, li) and torch.allclose(v, lv, rtol=1e-5, atol=1e-5,
+                                                                 equal_nan=True)
+                out[f"{r}x{n}_k{k}_b{block}_{kind}_logprob_fused{int(fused)}"] = ok
     from kernels.attention_merge_triton import split_counters
 
     out["counters_back_at_0"] = bool((split_counters(torch.device(device)) == 0).all())
@@ -51,7 +61,7 @@ def _worker(device: str = "cpu", repeats: int = 1) -> None:
 
 def test_triton_row_topk_equals_the_stable_sort() -> None:
     res = run_interpreted(__file__)
-    assert res == {k: True for k in res} and len(res) == 4 * len(CASES) + 1, res
+    assert res == {k: True for k in res} and len(res) == 8 * len(CASES) + 1, res
 
 
 def test_row_topk_op_ties_go_to_the_smaller_index_and_k_is_checked() -> None:
@@ -76,11 +86,28 @@ def test_a_wrong_topk_kernel_is_caught_on_first_use(monkeypatch) -> None:
     monkeypatch.setattr(ops, "_use_triton", lambda t: True)
     monkeypatch.setattr(ops, "_ROW_TOPK_CHECKED", set())
     x = torch.randn(2, 50)
-    monkeypatch.setattr(tt, "row_topk_triton", lambda x, k: ops.row_topk_ref(x, k))
+    monkeypatch.setattr(tt, "row_topk_triton", lambda x, k, logprob: ops.row_topk_ref(x, k))
     assert torch.equal(ops.row_topk(x, 4)[1], ops.row_topk_ref(x, 4)[1])  # checked, passes
-    monkeypatch.setattr(tt, "row_topk_triton", lambda x, k: ops.row_topk_ref(-x, k))
-    with pytest.raises(RuntimeError, match="disagrees"):
+    monkeypatch.setattr(tt, "row_topk_triton", lambda x, k, logprob: ops.row_topk_ref(-x, k))
+    with pytest.raises(RuntimeError, match="row_topk Triton kernel disagrees"):
         ops.row_topk(torch.randn(2, 60), 4)
+    # The log-probability form: right indices with raw logits for values is caught too.
+    monkeypatch.setattr(tt, "row_topk_triton", lambda x, k, logprob: ops.row_topk_ref(x, k))
+    with pytest.raises(RuntimeError, match="row_topk_logprob Triton kernel disagrees"):
+        ops.row_topk_logprob(torch.randn(2, 70), 4)
+
+
+def test_row_topk_logprob_is_the_topk_of_log_softmax() -> None:
+    import kernels.ops  # noqa: F401
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 500, generator=g) * 4).bfloat16()  # ties too: bf16 has 8 bits
+    v, i = torch.ops.compiled_spec.row_topk_logprob(x, 6)
+    want_v, want_i = torch.sort(torch.log_softmax(x.float(), -1), descending=True, stable=True)
+    assert torch.equal(i, want_i[:, :6]) and torch.allclose(v, want_v[:, :6], atol=1e-5)
+    assert v.dtype == torch.float32 and i.dtype == torch.int64
+    with pytest.raises(ValueError, match="row_topk_logprob: k=501"):
+        torch.ops.compiled_spec.row_topk_logprob(x, 501)
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:

@@ -53,17 +53,25 @@ def _calls(graph: torch.fx.Graph, name: str) -> int:
                     or is_op(n, getattr(torch.ops.aten, name))) for n in graph.nodes)
 
 
+def _softmaxes(graph: torch.fx.Graph) -> int:
+    return sum(_calls(graph, n) for n in ("log_softmax", "_log_softmax", "softmax", "_softmax"))
+
+
 def _assert_expansions_compiled_whole(llm: LLM) -> None:
     """Layer 1's top-k, every expansion (the draft layer with tree attention, its two top-k
     and the next frontier's gathers) and the node selection ran as compiled graphs: the glue
     around the draft layer is inside a graph, not eager ATen ops between graphs."""
     b = llm._compiled.backends
     steps = [g.gm.graph for g in b["tree_step"].compiled]
-    topk = torch.ops.compiled_spec.row_topk
+    topk, topk_lp = torch.ops.compiled_spec.row_topk, torch.ops.compiled_spec.row_topk_logprob
+    # The children's top-k takes the logits (its log-probabilities in its own launch), the
+    # next frontier's the scores: no log_softmax left in the graph.
     assert any(any(is_op(n, TREE_OP) for n in g.nodes) and sum(is_op(n, topk) for n in g.nodes)
-               == 2 and _calls(g, "gather") == 4 for g in steps), [str(g) for g in steps]
-    assert any(sum(is_op(n, topk) for n in g.gm.graph.nodes) == 1
-               for g in b["tree_head"].compiled)
+               == 1 and sum(is_op(n, topk_lp) for n in g.nodes) == 1
+               and _softmaxes(g) == 0 and _calls(g, "gather") == 4
+               for g in steps), [str(g) for g in steps]
+    assert any(sum(is_op(n, topk_lp) for n in g.gm.graph.nodes) == 1
+               and _softmaxes(g.gm.graph) == 0 for g in b["tree_head"].compiled)
     # The selection: ranks by pairwise comparisons of the packed keys (three sums), no
     # library top-k or sort (spec.tree.select_nodes).
     finish = [g.gm.graph for g in b["tree_finish"].compiled]

@@ -31,8 +31,8 @@ class TreeGlue(torch.nn.Module):
     def head(self, for_logits: torch.Tensor,  # [B, h]
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer 1: the K best first drafts, (log-probabilities [B, K], target ids [B, K])."""
-        lp = torch.log_softmax(self.draft.compute_logits(for_logits).float(), dim=-1)
-        score, tok = torch.ops.compiled_spec.row_topk(lp, self.topk)
+        logits = self.draft.compute_logits(for_logits)  # [B, Vd]
+        score, tok = torch.ops.compiled_spec.row_topk_logprob(logits, self.topk)
         return score, self.draft.draft_to_target(tok)
 
     def expand_step(self, x_tok: torch.Tensor,  # [B, K] the frontier's tokens
@@ -55,10 +55,12 @@ class TreeGlue(torch.nn.Module):
         meta = replace(meta, tree_mask=fm.reshape(b * K, fm.shape[-1]))
         new_feed, fl = self.draft(x_tok.reshape(-1), x_hid.reshape(b * K, h), positions,
                                   {n: meta for n in self.draft.layer_names})
-        lp = torch.log_softmax(self.draft.compute_logits(fl).float(), dim=-1)  # [B*K, Vd]
+        logits = self.draft.compute_logits(fl)  # [B*K, Vd]
         # Top-k with a fixed tie rule (smaller id first; kernels.ops.row_topk): eager and
-        # compiled trees pick the same children.
-        c_score, c_tok = torch.ops.compiled_spec.row_topk(lp, K)
+        # compiled trees pick the same children. Their log-probabilities come from the
+        # top-k's own launch: a log_softmax over the 32k vocabulary cost 5 kernels per
+        # expansion (H100, thirty-sixth session).
+        c_score, c_tok = torch.ops.compiled_spec.row_topk_logprob(logits, K)
         c_score = (x_score[:, :, None] + c_score.view(b, K, K)).reshape(b, K * K)
         # View the top-k's output, not the id map's: a view of a computed (unrealized) value
         # makes Inductor compare K*K with B*K*K, a guard that fails between batch 1 and 2 and

@@ -149,13 +149,15 @@ setup0)
   # the opt-in. Then the draft's two-stage greedy pick against torch.argmax, and the tree's row
   # top-k with stage 2 in stage 1's launch (on by default; if it fails, add
   # COMPILED_SPEC_FUSED_TOPK=0 to later commands).
-  # KERNEL_CHECKS=1 (default) all of it (~3 min); attn: the attention checks and table alone
+  # KERNEL_CHECKS=1 (default) all of it (~3 min); attn: the attention checks and table alone;
+  # topk: the row top-k alone (with the log-probability form, thirty-seventh session)
   # (~1 min); 0: none (the fourteenth session saw all of it pass on the GPU).
   case "${KERNEL_CHECKS:-1}" in
   1) ( timeout 200 python3 -m kernels.bench_attention; echo "== argmax";
        timeout 120 python3 tests/test_argmax.py --cuda; echo "== row top-k (fused stage 2)";
        timeout 120 python3 tests/test_topk_kernel.py --cuda ) > "$OUT/attn.log" 2>&1 ;;
   attn) timeout 200 python3 -m kernels.bench_attention > "$OUT/attn.log" 2>&1 ;;
+  topk) timeout 120 python3 tests/test_topk_kernel.py --cuda > "$OUT/attn.log" 2>&1 ;;
   esac
   [ -f "$OUT/attn.log" ] && tail -c 2500 "$OUT/attn.log"
   [ "${SPEED:-1}" = 1 ] || exit 0  # SPEED=0: setup only
