@@ -149,9 +149,9 @@ setup0)
   # the opt-in. Then the draft's two-stage greedy pick against torch.argmax, and the tree's row
   # top-k with stage 2 in stage 1's launch (on by default; if it fails, add
   # COMPILED_SPEC_FUSED_TOPK=0 to later commands).
-  # KERNEL_CHECKS=1 (default) all of it (~3 min); attn: the attention checks and table alone;
-  # topk: the row top-k alone (with the log-probability form, thirty-seventh session)
-  # (~1 min); 0: none (the fourteenth session saw all of it pass on the GPU).
+  # KERNEL_CHECKS=1 (default) all of it (~3 min); attn: the attention checks and table alone
+  # (~1 min); topk: the row top-k alone (with its log-probability form, thirty-seventh
+  # session); 0: none (the fourteenth session saw all of it pass on the GPU).
   case "${KERNEL_CHECKS:-1}" in
   1) ( timeout 200 python3 -m kernels.bench_attention; echo "== argmax";
        timeout 120 python3 tests/test_argmax.py --cuda; echo "== row top-k (fused stage 2)";
