@@ -152,6 +152,7 @@ class CompiledModels:
     skinny: SkinnyChoice | None = None  # the target's skinny GEMMs as resolved (gemm_policy.py)
     skinny_draft: bool = False  # the draft's callables compiled with the target's fusions
     pdl: PdlChoice | None = None  # programmatic dependent launch as resolved (pdl_policy.py)
+    pdl_draft: PdlChoice | None = None  # the same for the draft's callables (their own rows)
     # Graphs per compiled callable when start-up ended (None: it has not): any compiled later
     # ran inside a request, which start-up's dummy runs are there to prevent.
     startup_graphs: dict[str, int] | None = None
@@ -181,6 +182,8 @@ class CompiledModels:
             out["skinny_gemm"] = {**asdict(self.skinny), "draft": self.skinny_draft}
         if self.pdl is not None:
             out["pdl"] = asdict(self.pdl)
+        if self.pdl_draft is not None:
+            out["pdl_draft"] = asdict(self.pdl_draft)
         out["cuda_graphs"] = self.graphs.stats() if self.graphs is not None else {
             "off": self.graphs_off or "not captured"}
         # callables run eagerly for shapes they failed to compile for (none: left out)
@@ -267,14 +270,17 @@ def precompile_on(cfg: CompileConfig, model: torch.nn.Module) -> bool:
 
 
 def compile_models(runner: ModelRunner, cfg: CompileConfig,
-                   max_decode_rows: int | None = None) -> CompiledModels:
+                   max_decode_rows: int | None = None,
+                   max_draft_rows: int | None = None) -> CompiledModels:
     """The engine's compiled callables (compiled on first use). ``max_decode_rows``: its widest
-    decode call (max_num_seqs x rows per request), which the PDL default reads."""
+    decode call (max_num_seqs x rows per request), which the PDL default reads;
+    ``max_draft_rows``: the draft's (None: the same)."""
     # Dynamo's recompile limit counts per code object, and every engine's modules run the same
     # forward code: the default 8 would make the 9th engine in a process fail (fullgraph=True).
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     skinny = resolve_skinny(cfg.skinny_gemm, cfg.skinny_gemm_layer, runner.model)
-    pdl = resolve_pdl(cfg.pdl, runner.device, skinny.layer, max_decode_rows)
+    asked_pdl = cfg.pdl
+    pdl = resolve_pdl(asked_pdl, runner.device, skinny.layer, max_decode_rows)
     cfg = replace(cfg, pdl=pdl.on)  # resolved: Inductor's config, our launches, cache keys
     backend = functools.partial(make_backend, inductor=cfg.inductor,
                                 inductor_config=inductor_config(cfg))
@@ -287,12 +293,20 @@ def compile_models(runner: ModelRunner, cfg: CompileConfig,
     # the target's resolved off: 8B-sized weights, fp32, the CPU without skinny_gemm=True).
     draft_skinny = cfg.skinny_gemm_draft is not False and skinny.gemm and prop is not None
     dk: dict[str, Any] = fusions if draft_skinny else {}
+    # The draft decides PDL by its own widest call: a tree verifies num_draft_tokens rows per
+    # request but drafts at most num_steps + 1 (a chain: k + 1 both), so a tree engine of a
+    # few requests keeps PDL on its draft while its wide verify goes without.
+    draft_pdl = resolve_pdl(asked_pdl, runner.device, skinny.layer and draft_skinny,
+                            max_decode_rows if max_draft_rows is None else max_draft_rows)
+    dcfg = replace(cfg, pdl=draft_pdl.on)
+    dbackend = functools.partial(make_backend, inductor=cfg.inductor,
+                                 inductor_config=inductor_config(dcfg))
     stats = PrecompileStats() if precompile_on(cfg, runner.model) else None
     parts: dict[str, Any] = {}
     if stats is not None:
         # Everything outside the module that shapes its graph (the module's own config, dtype
         # and device are read from it); k changes the verify's token counts (dynamic anyway).
-        parts = {"k": getattr(prop, "k", 0), **asdict(cfg),
+        parts = {"k": getattr(prop, "k", 0), **asdict(cfg), "pdl_draft": dcfg.pdl,
                  "skinny_gemm": skinny.gemm, "skinny_gemm_layer": skinny.layer}
         parts.pop("cache_dir")  # where the file lives, not what it holds
         parts.pop("precompile")  # None (the CUDA default) and True save the same artifacts
@@ -308,36 +322,37 @@ def compile_models(runner: ModelRunner, cfg: CompileConfig,
                                                            pre("target"))}
     if prop is not None:
         eager.update(first_pass=prop.first_pass_fn, step=prop.step_fn)
-        backends["draft_first_pass"] = backend(hoist_fc=True, **dk)
-        backends["draft_step"] = backend(hoist_fc=False, **dk)
+        backends["draft_first_pass"] = dbackend(hoist_fc=True, **dk)
+        backends["draft_step"] = dbackend(hoist_fc=False, **dk)
         compiled["first_pass"] = compile_callable(prop.draft.forward_from_aux,
-                                                  backends["draft_first_pass"], cfg,
+                                                  backends["draft_first_pass"], dcfg,
                                                   pre("first_pass"))
-        compiled["step"] = compile_callable(prop.draft, backends["draft_step"], cfg, pre("step"))
+        compiled["step"] = compile_callable(prop.draft, backends["draft_step"], dcfg, pre("step"))
         if hasattr(prop, "glue"):  # draft trees: each expansion and its glue as one graph
-            glue = functools.partial(backend, hoist_fc=False, **dk,
-                                     inductor_config=inductor_config(cfg) | TREE_GLUE_INDUCTOR)
+            glue = functools.partial(dbackend, hoist_fc=False, **dk,
+                                     inductor_config=inductor_config(dcfg) | TREE_GLUE_INDUCTOR)
             # (an early tree step's staging between verify and draft: compiled on first use)
             for name, fn in (("tree_head", prop.glue.head), ("tree_step", prop.glue.expand_step),
                              ("tree_finish", prop.glue.finish),
                              ("tree_early_stage", prop.early_stage)):
                 backends[name] = glue()
-                compiled[name] = compile_callable(fn, backends[name], cfg, pre(name))
+                compiled[name] = compile_callable(fn, backends[name], dcfg, pre(name))
             eager.update(tree_head=prop.head_fn, tree_step=prop.expand_step_fn,
                          tree_finish=prop.finish_fn, tree_early_stage=prop.early_stage_fn)
         if hasattr(prop, "picker"):  # chain drafting: step + pick as one graph
             eager["step_pick"] = prop.step_pick_fn
-            backends["draft_step_pick"] = backend(hoist_fc=False, **dk)
+            backends["draft_step_pick"] = dbackend(hoist_fc=False, **dk)
             compiled["step_pick"] = compile_callable(prop.picker, backends["draft_step_pick"],
-                                                     cfg, pre("step_pick"))
+                                                     dcfg, pre("step_pick"))
             # an early step's pick + loop metadata (compiled on first use)
             eager["pick_plan"] = prop.pick_plan_fn
-            backends["draft_pick_plan"] = backend(hoist_fc=False, **dk)
+            backends["draft_pick_plan"] = dbackend(hoist_fc=False, **dk)
             compiled["pick_plan"] = compile_callable(prop.picker.pick_and_plan,
-                                                     backends["draft_pick_plan"], cfg,
+                                                     backends["draft_pick_plan"], dcfg,
                                                      pre("pick_plan"))
     return CompiledModels(eager=eager, compiled=compiled, backends=backends, precompile=stats,
-                          skinny=skinny, skinny_draft=draft_skinny, pdl=pdl)
+                          skinny=skinny, skinny_draft=draft_skinny, pdl=pdl,
+                          pdl_draft=draft_pdl if prop is not None else None)
 
 
 def capture_graphs(runner: ModelRunner, models: CompiledModels, policy: CapturePolicy,

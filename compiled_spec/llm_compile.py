@@ -55,6 +55,18 @@ def max_decode_rows(ec: EngineConfig) -> int:
     return ec.scheduler.max_num_seqs * per
 
 
+def max_draft_rows(ec: EngineConfig) -> int | None:
+    """The draft's widest decode call: its first pass over every running request's accepted
+    tokens and bonus (1 + k rows for a chain, 1 + num_steps for a tree; a tree's expansions are
+    topk rows). None without a draft."""
+    spec = ec.spec
+    if spec is None:
+        return None
+    tree = spec.tree
+    per = 1 + spec.num_speculative_tokens if tree is None else max(1 + tree.num_steps, tree.topk)
+    return ec.scheduler.max_num_seqs * per
+
+
 class CompileMixin:
     """The compilation half of ``LLM``; ``LLM.__init__`` sets the attributes below (a
     tensor-parallel launcher sets only ``config``: its workers compile)."""
@@ -76,7 +88,8 @@ class CompileMixin:
             t0 = time.perf_counter()
             cc, ec = self._compile_config, self.config
             self._cache_stats = CacheStats.begin(activate_compile_cache(cc.cache_dir))
-            self._compiled = compile_models(self.engine.runner, cc, max_decode_rows(ec))
+            self._compiled = compile_models(self.engine.runner, cc, max_decode_rows(ec),
+                                            max_draft_rows(ec))
             t_models = time.perf_counter()
             self.startup_detail_s["compile_models"] = t_models - t0  # precompile loads
             if not cc.cudagraphs or ec.device.type != "cuda":

@@ -13,7 +13,8 @@ with the fused layer (``gemm_policy.py``), bf16:
 So the default is on only where it measured faster: CUDA on Hopper or newer, the fused layer
 on, and an engine whose widest decode call (``max_num_seqs`` x rows per request) stays within
 ``PDL_MAX_ROWS``. One engine compiles one target for all its batch sizes, so the choice is per
-engine, by its widest call.
+engine and model, by its widest call: the target's is the verify, the draft's its first pass
+(or a tree's expansions), so a tree engine whose verify is too wide keeps PDL on its draft.
 """
 from __future__ import annotations
 

@@ -45,22 +45,55 @@ def test_config_rejects_a_non_bool() -> None:
         CompileConfig(pdl="yes")
 
 
-@pytest.mark.parametrize("spec, per_request", [
-    ({}, 1),
-    ({"num_speculative_tokens": 5}, 6),
-    ({"num_speculative_tokens": 3, "speculative_topk": 4, "speculative_num_draft_tokens": 10}, 10),
+@pytest.mark.parametrize("spec, per_request, draft_per_request", [
+    ({}, 1, None),
+    ({"num_speculative_tokens": 5}, 6, 6),
+    ({"num_speculative_tokens": 3, "speculative_topk": 4, "speculative_num_draft_tokens": 10},
+     10, 4),  # first pass 1 + 3 rows, expansions 4
+    ({"num_speculative_tokens": 2, "speculative_topk": 8, "speculative_num_draft_tokens": 20},
+     20, 8),  # expansions 8 rows, first pass 3
 ])
 def test_engine_reads_its_widest_decode_call(tmp_path, smollm2_gguf_path, bigram_eagle3, spec,
-                                             per_request) -> None:
+                                             per_request, draft_per_request) -> None:
     from compiled_spec import LLM
     from compiled_spec.compile import CompileConfig, compile_models
-    from compiled_spec.llm_compile import max_decode_rows
+    from compiled_spec.llm_compile import max_decode_rows, max_draft_rows
 
     target, head = bigram_eagle3
     kw = {"draft": head, **spec} if spec else {}
     llm = LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=64, max_num_seqs=3,
               dtype="float32", **kw)
     assert max_decode_rows(llm.config) == 3 * per_request
+    assert max_draft_rows(llm.config) == (None if draft_per_request is None
+                                          else 3 * draft_per_request)
     stats = compile_models(llm.engine.runner, CompileConfig(inductor=False),
-                           max_decode_rows(llm.config)).stats()
-    assert stats["pdl"] == {"on": False, "why": "auto: off on cpu (PDL is a CUDA launch attribute)"}
+                           max_decode_rows(llm.config), max_draft_rows(llm.config)).stats()
+    off = {"on": False, "why": "auto: off on cpu (PDL is a CUDA launch attribute)"}
+    assert stats["pdl"] == off
+    assert stats.get("pdl_draft") == (None if draft_per_request is None else off)
+
+
+def test_a_tree_engine_keeps_pdl_on_its_draft_when_its_verify_is_too_wide(
+        monkeypatch, smollm2_gguf_path, bigram_eagle3) -> None:
+    """A tree of 10 nodes at 8 requests verifies 80 rows (over the rule) but drafts at most
+    8 x 4: the draft's callables get PDL (Inductor's option and our launches' scope), the
+    target's do not. The rule is CUDA's, so the device's answer is stood in for."""
+    import compiled_spec.compile as comp
+    from compiled_spec import LLM
+    from compiled_spec.llm_compile import max_decode_rows, max_draft_rows
+
+    monkeypatch.setattr(comp, "resolve_pdl", lambda pdl, device, fused, rows: pdl_auto(
+        "cuda", H200, True, True, rows))
+    target, head = bigram_eagle3
+    llm = LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=64, max_num_seqs=8,
+              dtype="float32", draft=head, num_speculative_tokens=3, speculative_topk=4,
+              speculative_num_draft_tokens=10)
+    models = comp.compile_models(llm.engine.runner, comp.CompileConfig(inductor=False),
+                                 max_decode_rows(llm.config), max_draft_rows(llm.config))
+    assert (models.pdl.on, models.pdl_draft.on) == (False, True)
+    assert "80 rows" in models.pdl.why and "32 rows" in models.pdl_draft.why
+    pdl_of = {name: b.inductor_config.get("triton.enable_pdl", False)
+              for name, b in models.backends.items()}
+    assert pdl_of.pop("target") is False
+    assert set(pdl_of) >= {"draft_first_pass", "tree_step", "tree_head"}
+    assert all(pdl_of.values()), pdl_of

@@ -277,6 +277,8 @@ def _timed_rows(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
                 row.extra["skinny_gemm"] = llm.compile_stats["skinny_gemm"]
             if "pdl" in llm.compile_stats:  # programmatic dependent launch, as decided
                 row.extra["pdl"] = llm.compile_stats["pdl"]
+            if "pdl_draft" in llm.compile_stats:
+                row.extra["pdl_draft"] = llm.compile_stats["pdl_draft"]
             if "compiled_after_startup" in llm.compile_stats:  # in a request: start-up missed it
                 row.extra["compiled_after_startup"] = llm.compile_stats["compiled_after_startup"]
             # Where start-up went, and whether the persistent cache served it: on the H200 one
