@@ -64,7 +64,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="with --compile: Inductor's Triton kernels and ours (up to 64 rows) use "
                    "programmatic dependent launch (Hopper and newer; shortens the gaps between "
                    "kernels; default: on with the fused layer when the widest decode call, "
-                   "max_num_seqs x rows per request, is at most 64 rows)")
+                   "max_num_seqs x rows per request, is at most 64 rows; the target and the "
+                   "draft decide by their own)")
     p.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=None,
                    help="with --compile: save the target's compiled result (torch's aot_compile) "
                    "in the compile cache and load it on later starts instead of tracing "
