@@ -68,12 +68,14 @@ def activate(cache_dir: str | None) -> str | None:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ValueError(f"compile cache directory {str(path)!r} cannot be created: {e}") from None
-    os.environ[ENV] = str(path)
+    global _our_inductor_dir
+    os.environ[ENV] = _our_inductor_dir = str(path)
     pin_triton(base / "triton")
     return str(path)
 
 
 _pinned_triton: str | None = None  # the TRITON_CACHE_DIR this process set (not a user's)
+_our_inductor_dir: str | None = None  # the TORCHINDUCTOR_CACHE_DIR this process set
 
 
 def pin_triton(path: Path) -> None:
@@ -104,7 +106,11 @@ def _user_exported() -> bool:
     is torch's, not the user's: taking it for a user's export left every artifact in the temp
     directory instead of ours (found 2026-12-01, eighth session)."""
     value = os.environ.get(ENV)
-    if not value:
+    if not value or value == _our_inductor_dir:
+        # Ours from an earlier activate (a compile=True engine activates twice): taken for a
+        # user's, it re-pinned Triton into <code-*>/triton mid-process, so kernels built before
+        # and after landed in two folders, and the thirty-seventh session's second warm start
+        # built 15 of Inductor's kernels again.
         return False
     try:
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir as torch_default

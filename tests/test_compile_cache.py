@@ -54,9 +54,13 @@ def test_triton_binaries_pinned_before_anything_compiles(monkeypatch, tmp_path):
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     monkeypatch.setattr(cc, "_pinned_triton", None)
     monkeypatch.setenv("COMPILED_SPEC_CACHE_DIR", str(tmp_path / "ours"))
-    activate(None)
+    monkeypatch.setattr(cc, "_our_inductor_dir", None, raising=False)
+    first = activate(None)
     ours = str(tmp_path / "ours" / "triton")  # beside the code-* folders: kept across versions
     assert os.environ["TRITON_CACHE_DIR"] == ours == triton_cache_dir(0)  # what Inductor uses
+    # A second activation (a compile=True engine makes two) keeps both folders: its own
+    # Inductor folder is not a user's export, whose Triton pin would move into it.
+    assert activate(None) == first and os.environ["TRITON_CACHE_DIR"] == ours
     activate(str(tmp_path / "explicit"))  # our own pin moves with a later explicit directory
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "explicit" / "triton")
     activate("")
