@@ -114,3 +114,24 @@ if __name__ == "__main__" and "--worker" in sys.argv:
     _worker()
 elif __name__ == "__main__" and "--cuda" in sys.argv:
     _worker("cuda", repeats=200)
+
+
+def test_tree_glue_feeds_the_top_k_the_drafts_own_dtype(monkeypatch, smollm2_gguf_path,
+                                                       bigram_eagle3) -> None:
+    """The tree's top-k reads the draft's bf16 logits as they are (it converts as it loads):
+    no [rows, vocab] fp32 copy before it, a kernel per expansion on the H100."""
+    import kernels.ops as ops
+    from compiled_spec import LLM
+
+    target, head = bigram_eagle3
+    llm = LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=64, dtype="bfloat16",
+              draft=head, num_speculative_tokens=2, speculative_topk=2,
+              speculative_num_draft_tokens=4)
+    glue = llm.engine.runner.proposer.glue
+    seen = []
+    real = ops._row_topk
+    monkeypatch.setattr(ops, "_row_topk", lambda x, k, logprob: seen.append(x.dtype) or
+                        real(x, k, logprob))
+    h = glue.draft.lm_head.weight.shape[1]
+    score, tok = glue.head(torch.randn(3, h, dtype=torch.bfloat16))
+    assert seen == [torch.bfloat16] and score.dtype == torch.float32 and tok.shape == (3, 2)

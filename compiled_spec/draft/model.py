@@ -245,9 +245,14 @@ class EagleDraft(nn.Module):
             x = layer.finish(dense_attention(layer.self_attn, attn_in, cos, sin), residual)
         return self._outputs(x)
 
-    def compute_logits(self, for_logits: torch.Tensor) -> torch.Tensor:  # [N, h] -> [N, V_draft]
+    def compute_logits(self, for_logits: torch.Tensor,  # [N, h] -> [N, V_draft]
+                       fp32: bool = True) -> torch.Tensor:
+        """fp32 for sampling, as the target does; ``fp32=False``: an EAGLE-3 head's in the model
+        dtype, for the tree's top-k, which converts as it loads (no [N, V] fp32 copy: a
+        kernel per expansion on the H100)."""
         if self.config.method == "eagle3":
-            return self.lm_head(for_logits).float()  # fp32 for sampling, as the target does
+            logits = self.lm_head(for_logits)
+            return logits.float() if fp32 else logits
         return self.target.compute_logits(for_logits)
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:  # [...] -> [...]

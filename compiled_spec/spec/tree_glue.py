@@ -31,7 +31,7 @@ class TreeGlue(torch.nn.Module):
     def head(self, for_logits: torch.Tensor,  # [B, h]
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer 1: the K best first drafts, (log-probabilities [B, K], target ids [B, K])."""
-        logits = self.draft.compute_logits(for_logits)  # [B, Vd]
+        logits = self.draft.compute_logits(for_logits, fp32=False)  # [B, Vd]
         score, tok = torch.ops.compiled_spec.row_topk_logprob(logits, self.topk)
         return score, self.draft.draft_to_target(tok)
 
@@ -55,7 +55,7 @@ class TreeGlue(torch.nn.Module):
         meta = replace(meta, tree_mask=fm.reshape(b * K, fm.shape[-1]))
         new_feed, fl = self.draft(x_tok.reshape(-1), x_hid.reshape(b * K, h), positions,
                                   {n: meta for n in self.draft.layer_names})
-        logits = self.draft.compute_logits(fl)  # [B*K, Vd]
+        logits = self.draft.compute_logits(fl, fp32=False)  # [B*K, Vd]
         # Top-k with a fixed tie rule (smaller id first; kernels.ops.row_topk): eager and
         # compiled trees pick the same children. Their log-probabilities come from the
         # top-k's own launch: a log_softmax over the 32k vocabulary cost 5 kernels per
