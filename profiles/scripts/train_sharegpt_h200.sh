@@ -495,11 +495,10 @@ hostprof)
   gzip -c "$(ls -t ~/htraces/*/*.pt.trace.json | head -1)" > "$OUT/host_step.pt.trace.json.gz"
   grep -vE "Warning|warn\(|^\s*$|tokeniz|Loading weights" "$OUT/host_profile.log" | tail -150 ;;
 parity)
-  # Why tau falls at batch 4 on the GPU (thirty-seventh session's benches: chain 2.79 -> 2.57,
-  # tree 4 / 24 3.91 -> 3.26) but not on the CPU (fp32 eager: equal at max_num_seqs 1 and 4,
-  # chain and 4 / 24). `compiled-spec parity`: eager vs compiled + graphs on the same prompts,
-  # tau and per-position acceptance each. Batched eager below batch 1's: bf16 batch numerics;
-  # compiled below eager: a capture / compiled-path bug (the check fails then). CASES: dtype:seqs.
+  # Compiling must not change acceptance, on the GPU too: `compiled-spec parity`, eager vs
+  # compiled + graphs on the same prompts, tau and per-position acceptance each (a compiled
+  # tau below eager's: a capture / compiled-path bug, and the check fails). The CPU suite runs
+  # it on emulated graphs only. CASES: dtype:max_num_seqs.
   for c in ${CASES:-bfloat16:1 bfloat16:4 float32:4}; do
     for spec in "-k 5" "-k 5 --speculative-topk 4 --speculative-num-draft-tokens 24"; do
       echo "== ${c} ${spec}"
