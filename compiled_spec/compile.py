@@ -33,7 +33,7 @@ from compiled_spec.gemm_policy import SkinnyChoice, resolve_skinny
 from compiled_spec.own_code import own_code
 from compiled_spec.pdl_policy import PdlChoice, resolve_pdl
 from compiled_spec.precompile import PrecompiledModule, PrecompileStats, cache_key, precompile_dir
-from kernels.dispatch import pdl_scope
+from kernels.dispatch import pdl_scope, skinny_wide_scope
 from passes import make_backend
 
 
@@ -120,10 +120,12 @@ def compile_callable(fn: Any, backend: Any, cfg: CompileConfig,
         # pass then restarts the whole analysis to specialize them, so every target compile
         # traced the model and ran AOTAutograd twice (the first attempt's AOT cache entry never
         # hits: ~8.5 s of a 22 s warm start on the CPU, ninth session).
-        # cfg.pdl: our kernels launched from this call (or captured from it) on PDL too.
+        # cfg.pdl: our kernels launched from this call (or captured from it) on PDL too;
+        # cfg.skinny_gemm_wide: the skinny-GEMM ops take up to 256 rows there.
         with torch.fx.experimental._config.patch(use_duck_shape=False,
                                                  backed_size_oblivious=cfg.size_oblivious), \
-                torch._dynamo.config.patch(specialize_float=True), pdl_scope(cfg.pdl):
+                torch._dynamo.config.patch(specialize_float=True), pdl_scope(cfg.pdl), \
+                skinny_wide_scope(cfg.skinny_gemm_wide):
             return guard(run, *args, **kwargs)
 
     call.__wrapped__ = compiled  # type: ignore[attr-defined]

@@ -46,6 +46,11 @@ class CompileConfig:
     # at batch 1-64) the propose call took less time in 8 of 11 pairs, one a tie (up to 23%
     # less at batch 64), and fp32 output stayed vanilla's on 10 / 10 prompts.
     skinny_gemm_draft: bool | None = None
+    # With skinny_gemm: calls of 65-256 rows (a tree's verify of 48 nodes x 4 requests, a
+    # chain's 6 x 16) through the fused kernels too, in tiles of 64 rows, instead of cuBLAS
+    # and the norm, SiLU-and-mul and rope + KV kernels around it (kernels.gemm_config). Off
+    # until timed on a GPU (`compiled-spec bench --ab skinny_gemm_wide`).
+    skinny_gemm_wide: bool = False
     # Issue 16: save the target's Dynamo + Inductor result (torch's aot_compile) in the compile
     # cache and load it on the next start-up instead of tracing (compiled_spec/precompile.py).
     # None = on for CUDA engines: a warm start on the H200 (torch 2.11) took 5.1-6.7 s with it,
@@ -78,7 +83,7 @@ class CompileConfig:
 
     def __post_init__(self) -> None:
         for name in ("inductor", "dynamic", "cudagraphs", "strict_capture", "autotune_gemm",
-                     "skinny_gemm_norms", "size_oblivious"):
+                     "skinny_gemm_norms", "size_oblivious", "skinny_gemm_wide"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"CompileConfig.{name}={getattr(self, name)!r}: must be a bool")
         for name in ("skinny_gemm", "skinny_gemm_layer", "skinny_gemm_draft"):
@@ -98,6 +103,9 @@ class CompileConfig:
         for opt in ("skinny_gemm_layer", "skinny_gemm_norms"):
             if getattr(self, opt) and self.skinny_gemm is not True:
                 raise ValueError(f"CompileConfig.{opt}=True needs skinny_gemm=True")
+        if self.skinny_gemm_wide and self.skinny_gemm is False:
+            raise ValueError("CompileConfig.skinny_gemm_wide=True needs skinny_gemm True or "
+                             "None (it widens the skinny GEMMs)")
         if self.skinny_gemm_draft and self.skinny_gemm is False:
             raise ValueError("CompileConfig.skinny_gemm_draft=True needs skinny_gemm True or "
                              "None (the draft takes the target's fusions)")

@@ -14,7 +14,8 @@ import argparse
 # that builds engines (and the bench, which builds several) reads them through this one list.
 COMPILE_FLAGS: dict[str, bool | None] = {
     "autotune_gemm": False, "skinny_gemm": None, "skinny_gemm_layer": None,
-    "skinny_gemm_norms": False, "skinny_gemm_draft": None, "precompile": None, "pdl": None}
+    "skinny_gemm_norms": False, "skinny_gemm_draft": None, "skinny_gemm_wide": False,
+    "precompile": None, "pdl": None}
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -56,6 +57,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skinny-gemm-norms", action="store_true",
                    help="with --skinny-gemm: the RMSNorms fused into the GEMMs too (slower on "
                    "the H200; for benchmarks)")
+    p.add_argument("--skinny-gemm-wide", action="store_true",
+                   help="with the skinny GEMMs: calls of 65-256 rows (wide verifies) through the "
+                   "fused kernels too, in tiles of 64 rows (off until timed on a GPU)")
     p.add_argument("--skinny-gemm-draft", action=argparse.BooleanOptionalAction, default=None,
                    help="with the skinny GEMMs: the draft's compiled callables take the target's "
                    "fusions too (first pass, draft steps, tree expansion; default: whenever "

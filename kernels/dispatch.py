@@ -52,6 +52,30 @@ def pdl_scope(on: bool) -> Iterator[None]:
         _PDL.reset(token)
 
 
+# The skinny-GEMM ops past MAX_M rows (kernels.gemm_config.WIDE_MAX_M, tiles of MAX_M): on
+# inside ``skinny_wide_scope(True)``, which an engine with ``CompileConfig.skinny_gemm_wide``
+# holds around its compiled calls (and so its captures); COMPILED_SPEC_SKINNY_WIDE=1 turns it on
+# for every engine of the process. Off by default until timed on a GPU.
+ENV_SKINNY_WIDE = os.environ.get("COMPILED_SPEC_SKINNY_WIDE", "0") == "1"
+_WIDE: ContextVar[bool] = ContextVar("compiled_spec_skinny_wide", default=ENV_SKINNY_WIDE)
+
+
+@contextmanager
+def skinny_wide_scope(on: bool) -> Iterator[None]:
+    token = _WIDE.set(on or ENV_SKINNY_WIDE)
+    try:
+        yield
+    finally:
+        _WIDE.reset(token)
+
+
+def skinny_max_rows() -> int:
+    """Rows the skinny-GEMM ops take through their Triton kernels in this scope."""
+    from kernels.gemm_config import MAX_M, WIDE_MAX_M
+
+    return WIDE_MAX_M if _WIDE.get() else MAX_M
+
+
 def pdl_launch(x: torch.Tensor, allowed: bool = True) -> dict:
     """A launch's GDC constexpr and, when on, Triton's PDL launch option (CUDA only: the
     interpreter has no griddepcontrol). ``x``: the launch's activations, rows first."""

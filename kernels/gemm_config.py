@@ -15,7 +15,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MAX_M = 64  # rows one launch handles; larger M goes to cuBLAS (prefill)
+MAX_M = 64  # rows one tile holds, and rows the ops take by default; larger M goes to cuBLAS
+# With the wide option (``kernels.dispatch.skinny_wide_scope``): up to this many rows go through
+# the fused kernels in tiles of MAX_M (each weight byte read once per tile, from L2 after the
+# first). For verifies past 64 rows (a tree's 48 nodes x 4 requests, a chain's 6 x 16), which
+# otherwise run the unfused path: cuBLAS plus the norm, SiLU-and-mul and rope + KV kernels.
+WIDE_MAX_M = 256
 
 
 def _next_pow2(n: int) -> int:
@@ -44,8 +49,10 @@ class GemmConfig:
 
 
 def block_m_for(m: int, use_dot: bool = True) -> int:
-    if not 1 <= m <= MAX_M:
-        raise ValueError(f"skinny GEMM handles 1..{MAX_M} rows, got M={m}")
+    """Rows of one tile for M rows (M > MAX_M: tiles of MAX_M)."""
+    if not 1 <= m <= WIDE_MAX_M:
+        raise ValueError(f"skinny GEMM handles 1..{WIDE_MAX_M} rows, got M={m}")
+    m = min(m, MAX_M)
     return max(16, _next_pow2(m)) if use_dot else _next_pow2(m)
 
 

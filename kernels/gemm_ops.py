@@ -1,21 +1,19 @@
 """The skinny-GEMM ops (batch-1 decode / verify), registered with torch.library like
 ``kernels.ops``' attention ops: one launch for a linear (+ a fused RMSNorm prologue, + a residual,
 or gate_up's SiLU-and-mul, or qkv's rope + KV write). The Triton kernels run on CUDA for
-M <= MAX_M rows; prefill-sized M on the GPU takes cuBLAS and our small kernels around it, the
+M <= MAX_M rows (WIDE_MAX_M in ``kernels.dispatch.skinny_wide_scope``); prefill-sized M on the GPU takes cuBLAS and our small kernels around it, the
 CPU the exact unfused PyTorch ops (``kernels.skinny_gemm_ref``)."""
 from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import attention_triton, use_triton
+from kernels.dispatch import attention_triton, skinny_max_rows, use_triton
 from kernels.skinny_gemm_ref import (gated_linear_ref, linear_ref, qkv_rope_write_kv_ref,
                                      rmsnorm_linear_ref)
 
 
 def _skinny(x: torch.Tensor) -> bool:
-    from kernels.gemm_config import MAX_M
-
-    return use_triton(x) and x.shape[0] <= MAX_M
+    return use_triton(x) and x.shape[0] <= skinny_max_rows()
 
 
 @torch.library.custom_op("compiled_spec::skinny_linear", mutates_args=())

@@ -36,7 +36,7 @@ def _qkv_rope_kv_kernel(
     pid = tl.program_id(0)
     head = pid // (HALF // BLOCK_N)  # 0 .. heads + 2 kv heads - 1, in the qkv weight's order
     lane = (pid % (HALF // BLOCK_N)) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] in a half
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # this tile's rows
     m_ok = offs_m < M
     ss = tl.zeros([BLOCK_M], dtype=tl.float32)
     lo, hi, ss = _k_loop(x_ptr, w_ptr, nw_ptr, offs_m, head * 2 * HALF + lane, lane < HALF, HALF,
@@ -119,9 +119,9 @@ def qkv_rope_write_kv_triton(
     assert cos.stride(-1) == 1 and sin.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
     assert k_cache.stride(-1) == 1
     cfg = config or qkv_config(m, weight.shape[0], k, half)
-    if half % cfg.block_n or cfg.block_m < m or cfg.split_k != 1:
-        raise ValueError(f"qkv rope: config {cfg.name} does not fit M={m}, half head {half}")
-    grid = ((num_heads + 2 * num_kv_heads) * (half // cfg.block_n),)
+    if half % cfg.block_n or cfg.split_k != 1:
+        raise ValueError(f"qkv rope: config {cfg.name} does not fit half head {half}")
+    grid = ((num_heads + 2 * num_kv_heads) * (half // cfg.block_n), triton.cdiv(m, cfg.block_m))
     _qkv_rope_kv_kernel[grid](
         x, weight, norm_weight if norm_weight is not None else x, cos, sin, q, k_cache, v_cache,
         slot_mapping, m, k, x.stride(0), weight.stride(0), cos.stride(0), sin.stride(0),

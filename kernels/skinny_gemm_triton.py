@@ -1,4 +1,5 @@
-"""Skinny GEMM y[M, N] = A[M, K] @ W[N, K]^T for M <= 64 rows (batch-1 decode / verify), with
+"""Skinny GEMM y[M, N] = A[M, K] @ W[N, K]^T for few rows (decode / verify: M <= 64 in one tile, up
+to 256 in tiles of 64 with the wide option, ``kernels.gemm_config``), with
 an optional RMSNorm prologue, a gated (SiLU-and-mul) or residual epilogue. Same numerics as
 ``kernels.skinny_gemm_ref`` up to fp32 summation order and where the norm's rounding falls.
 
@@ -135,7 +136,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, res_ptr, part_ptr,
                         DOT_FP32: tl.constexpr, GDC: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # this tile's rows
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = offs_m < M
     ss = tl.zeros([BLOCK_M], dtype=tl.float32)  # per row: sum of x^2 over all of K (NORM)
@@ -251,8 +252,6 @@ def skinny_gemm_triton(x: torch.Tensor,  # [M, K]
         if residual.stride(1) != 1:
             residual = residual.contiguous()
     cfg = config or gemm_config(m, n, k)
-    if cfg.block_m < m:
-        raise ValueError(f"skinny GEMM: config {cfg.name} holds fewer than M={m} rows")
     if gated and cfg.split_k > 1:
         raise ValueError(f"skinny GEMM: config {cfg.name} splits K, which a gated output "
                          "cannot (its epilogue needs the whole sums)")
@@ -261,7 +260,7 @@ def skinny_gemm_triton(x: torch.Tensor,  # [M, K]
             if cfg.split_k > 1 else y)
     res = residual if residual is not None else y
     nw = norm_weight if norm_weight is not None else y
-    grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
+    grid = (triton.cdiv(n, cfg.block_n), cfg.split_k, triton.cdiv(m, cfg.block_m))  # M tiles
     _skinny_gemm_kernel[grid](
         x, weight, y, nw, res, part, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         res.stride(0), float(eps), NORM=norm_weight is not None or norm_in_weight,

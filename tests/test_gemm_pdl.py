@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 _PTX = """
@@ -85,6 +86,7 @@ def test_pdl_launch_option() -> None:
 
 
 _SEEN: list[bool] = []
+_ROWS: list[int] = []
 
 
 @torch.library.custom_op("cs_test::pdl_probe", mutates_args=())
@@ -92,6 +94,7 @@ def _pdl_probe(x: torch.Tensor) -> torch.Tensor:
     import kernels.dispatch as sg
 
     _SEEN.append(sg._PDL.get())  # what our ops' launches would read at run time
+    _ROWS.append(sg.skinny_max_rows())  # and the rows the skinny-GEMM ops would take
     return x.clone()
 
 
@@ -125,3 +128,27 @@ def test_engine_config_scopes_our_pdl_to_its_compiled_calls() -> None:
     import kernels.dispatch as sg
 
     assert sg._PDL.get() is False
+
+
+def test_engine_config_scopes_wide_skinny_gemms_to_its_compiled_calls() -> None:
+    """``CompileConfig.skinny_gemm_wide`` lets the skinny-GEMM ops take up to WIDE_MAX_M rows in
+    the engine's own compiled calls (and captures), not process-wide (``--ab skinny_gemm_wide``
+    builds both engines in one process)."""
+    from compiled_spec.compile import CompileConfig, compile_callable
+    from kernels.dispatch import skinny_max_rows
+    from kernels.gemm_config import MAX_M, WIDE_MAX_M
+
+    def backend(gm, example_inputs):  # noqa: ANN001
+        return gm.forward
+
+    backend.uuid = lambda: "probe"  # type: ignore[attr-defined]
+    x = torch.zeros(3)
+    for wide in (True, False):
+        _ROWS.clear()
+        torch._dynamo.reset()
+        call = compile_callable(_Probe(), backend, CompileConfig(skinny_gemm_wide=wide))
+        assert torch.equal(call(x), x + 1)
+        assert _ROWS and set(_ROWS) == {WIDE_MAX_M if wide else MAX_M}, (wide, _ROWS)
+    assert skinny_max_rows() == MAX_M
+    with pytest.raises(ValueError, match="skinny_gemm_wide=True needs skinny_gemm"):
+        CompileConfig(skinny_gemm_wide=True, skinny_gemm=False)

@@ -19,7 +19,9 @@ from kernels.skinny_gemm_ref import qkv_rope_write_kv_ref  # noqa: E402
 K = 96  # 1.5 of the kernel's 64-deep K steps at its smallest: a masked tail
 # (heads, kv_heads, head_dim, page_size, rows, dtype, norm)
 CASES = [(9, 3, 64, 16, 5, "float32", True), (4, 2, 32, 4, 1, "bfloat16", False),
-         (9, 3, 64, 64, 7, "bfloat16", True), (4, 4, 32, 1, 3, "float32", False)]
+         (9, 3, 64, 64, 7, "bfloat16", True), (4, 4, 32, 1, 3, "float32", False),
+         # past one tile of 64 rows (the wide option: tiles of 64, a padding row in the second)
+         (4, 2, 32, 16, 70, "float32", True), (4, 2, 32, 16, 70, "bfloat16", False)]
 TOL = {"float32": 1e-4, "bfloat16": 2e-2}  # max |err| relative to max |ref|
 
 
@@ -37,6 +39,8 @@ def _inputs(heads: int, kvh: int, d: int, page: int, m: int, dtype: torch.dtype,
     slots = torch.randperm(blocks * page, generator=g)[:m].to(torch.int64)
     if m > 2:
         slots[1] = -1  # a padding row
+    if m > 66:
+        slots[66] = -1  # and one in the second tile
     return x, w, nw, kc, vc, slots, cos, sin
 
 

@@ -17,8 +17,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # the Triton worker runs this file as a script
     sys.path.insert(0, str(REPO_ROOT))
 
-from kernels.gemm_config import (MAX_M, GemmConfig, block_m_for, candidates,  # noqa: E402
-                                 gemm_config)
+from kernels.gemm_config import (MAX_M, WIDE_MAX_M, GemmConfig, block_m_for,  # noqa: E402
+                                 candidates, gemm_config)
 from tests.triton_interpret import run_interpreted  # noqa: E402
 
 K, N = 96, 40  # K: 1.5 tiles of 64; N: 2.5 tiles of 16 (both tails masked)
@@ -34,7 +34,10 @@ GATED_TOL = {"float32": 1e-4, "bfloat16": 4e-2}
 RUNS = [("auto", 1, "float32", None), ("auto", 5, "float32", None),
         ("auto", 1, "bfloat16", None), ("auto", 5, "bfloat16", None),
         ("split3", 5, "bfloat16", GemmConfig(16, 16, 32, split_k=3)),
-        ("fma", 5, "float32", GemmConfig(8, 16, 32, use_dot=False))]
+        ("fma", 5, "float32", GemmConfig(8, 16, 32, use_dot=False)),
+        # past one tile (the wide option): 70 rows in tiles of 64, also with split-K
+        ("tiles", 70, "float32", None), ("tiles", 70, "bfloat16", None),
+        ("tilesplit3", 70, "bfloat16", GemmConfig(64, 16, 32, split_k=3))]
 
 
 def _inputs(m: int, gated: bool, dtype: torch.dtype, g: torch.Generator) -> dict:
@@ -166,8 +169,24 @@ def test_launch_policy() -> None:
     assert gemm_config(6, 576, 1536) == GemmConfig(16, 16, 128, num_stages=4)
     assert all(gemm_config(m, n, k).split_k == 1 for m in (1, 48) for k, n in shapes)
     assert {block_m_for(m) for m in range(1, MAX_M + 1)} == {16, 32, 64}  # few binaries
+    # past MAX_M (the wide option): tiles of MAX_M rows, up to WIDE_MAX_M
+    assert {block_m_for(m) for m in range(MAX_M + 1, WIDE_MAX_M + 1)} == {MAX_M}
+    assert gemm_config(192, 576, 576).block_m == MAX_M
     with pytest.raises(ValueError, match="rows"):
-        gemm_config(MAX_M + 1, 576, 576)
+        gemm_config(WIDE_MAX_M + 1, 576, 576)
+
+
+def test_wide_scope_widens_the_ops_rows() -> None:
+    """The ops take their Triton kernels up to MAX_M rows, WIDE_MAX_M inside the wide scope
+    (an engine with CompileConfig.skinny_gemm_wide holds it around its compiled calls)."""
+    from kernels.dispatch import skinny_max_rows, skinny_wide_scope
+
+    assert skinny_max_rows() == MAX_M
+    with skinny_wide_scope(True):
+        assert skinny_max_rows() == WIDE_MAX_M
+        with skinny_wide_scope(False):
+            assert skinny_max_rows() == MAX_M
+    assert skinny_max_rows() == MAX_M
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:

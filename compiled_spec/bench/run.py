@@ -27,7 +27,7 @@ PROJECTED_TAUS = (2.0, 3.0, 4.0)
 # engine option verify_ahead
 AB_FLAGS = {"pdl": "PDL", "skinny_gemm": "skinny GEMMs", "autotune_gemm": "GEMM autotuning",
             "verify_ahead": "verify ahead", "size_oblivious": "size-oblivious",
-            "skinny_gemm_draft": "skinny draft"}
+            "skinny_gemm_draft": "skinny draft", "skinny_gemm_wide": "wide skinny GEMMs"}
 # Flags that change only a draft's engine: a vanilla engine runs once, not twice the same
 AB_DRAFT_ONLY = ("skinny_gemm_draft",)
 LLAMA8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
