@@ -153,13 +153,19 @@ setup0)
   # COMPILED_SPEC_FUSED_TOPK=0 to later commands).
   # KERNEL_CHECKS=1 (default) all of it (~3 min); attn: the attention checks and table alone
   # (~1 min); topk: the row top-k alone (with its log-probability form, thirty-seventh
-  # session); 0: none (the fourteenth session saw all of it pass on the GPU).
+  # session); gemm: that and the skinny GEMM / qkv rope checks; 0: none (the fourteenth
+  # session saw all of it pass on the GPU).
   case "${KERNEL_CHECKS:-1}" in
   1) ( timeout 200 python3 -m kernels.bench_attention; echo "== argmax";
        timeout 120 python3 tests/test_argmax.py --cuda; echo "== row top-k (fused stage 2)";
        timeout 120 python3 tests/test_topk_kernel.py --cuda ) > "$OUT/attn.log" 2>&1 ;;
   attn) timeout 200 python3 -m kernels.bench_attention > "$OUT/attn.log" 2>&1 ;;
   topk) timeout 120 python3 tests/test_topk_kernel.py --cuda > "$OUT/attn.log" 2>&1 ;;
+  # the row top-k, then the skinny GEMM and qkv + rope kernels (tiled past 64 rows since the
+  # thirty-seventh session: the wide option) against their references on the GPU
+  gemm) ( timeout 120 python3 tests/test_topk_kernel.py --cuda; echo "== skinny GEMM";
+          timeout 120 python3 tests/test_skinny_gemm.py --cuda; echo "== qkv rope";
+          timeout 120 python3 tests/test_qkv_rope.py --cuda ) > "$OUT/attn.log" 2>&1 ;;
   esac
   [ -f "$OUT/attn.log" ] && tail -c 2500 "$OUT/attn.log"
   [ "${SPEED:-1}" = 1 ] || exit 0  # SPEED=0: setup only
