@@ -126,6 +126,9 @@ def test_bench_runs_draft_trees_beside_chains(tiny_hf_dir, mt_bench_path, tmp_pa
         assert r["tau"] is not None and r["tau"] >= 1.0
         assert r["verify_ms"] is not None and r["propose_ms"] is not None
         assert 0 < r["extra"]["host_wait_ms"] < r["extra"]["step_ms"], (b, r["extra"])
+        # tau by depth, this row's steps alone: the rates sum to tau - 1
+        pos = r["extra"]["acceptance_per_position"]
+        assert len(pos) == 3 and abs(sum(pos) - (r["tau"] - 1)) < 1e-3, (b, pos, r["tau"])
     assert rows[(tree, 1)]["identical"] == 1.0
     # --trace-dir: one trace per variant, taken on the warm engine, with the tree's phases in it
     traces = {p.parent.name: p for p in (tmp_path / "traces").glob("*/*.pt.trace.json")}

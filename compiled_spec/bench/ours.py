@@ -176,6 +176,7 @@ def _timed_rows(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
         reset_peak(dev)
         spec, es = llm.stats.spec, llm.stats
         d0, a0 = spec.num_drafting_steps, spec.num_accepted_tokens
+        pp0 = list(spec.accepted_per_position)
         n0, s0, w0 = es.num_steps, es.step_s, es.host_wait_s
         hp0, php0 = dict(es.host_phase_s), dict(es.prompt_host_phase_s)
         vl0, vi0 = es.verify_launches, es.verify_launches_gpu_idle
@@ -203,6 +204,10 @@ def _timed_rows(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
                   tau=(1 + (spec.num_accepted_tokens - a0) / steps) if steps else None,
                   propose_ms=timer.mean_ms("propose"), verify_ms=timer.mean_ms("verify"),
                   peak_mem_gib=peak_gib(dev))
+        if steps:  # tau by draft position (a tree's: by depth), this row's steps alone
+            pp = spec.accepted_per_position
+            row.extra["acceptance_per_position"] = [
+                round((c - (pp0[j] if j < len(pp0) else 0)) / steps, 4) for j, c in enumerate(pp)]
         if es.num_steps > n0:  # untraced: engine step time and the host's wait for the GPU in it
             row.extra["step_ms"] = round(1e3 * (es.step_s - s0) / (es.num_steps - n0), 4)
             row.extra["host_wait_ms"] = round(1e3 * (es.host_wait_s - w0) / (es.num_steps - n0), 4)
