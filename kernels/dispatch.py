@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar
 
 import torch
@@ -43,13 +43,17 @@ _PDL: ContextVar[bool] = ContextVar("compiled_spec_pdl", default=ENV_PDL)
 
 
 @contextmanager
-def pdl_scope(on: bool) -> Iterator[None]:
-    """Our kernels launch with PDL inside (or always, under COMPILED_SPEC_GEMM_PDL=1)."""
-    token = _PDL.set(on or ENV_PDL)
+def _scoped(var: ContextVar[bool], on: bool) -> Iterator[None]:
+    token = var.set(on)
     try:
         yield
     finally:
-        _PDL.reset(token)
+        var.reset(token)
+
+
+def pdl_scope(on: bool) -> AbstractContextManager[None]:
+    """Our kernels launch with PDL inside (or always, under COMPILED_SPEC_GEMM_PDL=1)."""
+    return _scoped(_PDL, on or ENV_PDL)
 
 
 # The skinny-GEMM ops past MAX_M rows (kernels.gemm_config.WIDE_MAX_M, tiles of MAX_M): on
@@ -60,13 +64,8 @@ ENV_SKINNY_WIDE = os.environ.get("COMPILED_SPEC_SKINNY_WIDE", "0") == "1"
 _WIDE: ContextVar[bool] = ContextVar("compiled_spec_skinny_wide", default=ENV_SKINNY_WIDE)
 
 
-@contextmanager
-def skinny_wide_scope(on: bool) -> Iterator[None]:
-    token = _WIDE.set(on or ENV_SKINNY_WIDE)
-    try:
-        yield
-    finally:
-        _WIDE.reset(token)
+def skinny_wide_scope(on: bool) -> AbstractContextManager[None]:
+    return _scoped(_WIDE, on or ENV_SKINNY_WIDE)
 
 
 def skinny_max_rows() -> int:

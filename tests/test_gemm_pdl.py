@@ -108,21 +108,30 @@ class _Probe(torch.nn.Module):
         return torch.ops.cs_test.pdl_probe(x) + 1
 
 
-def test_engine_config_scopes_our_pdl_to_its_compiled_calls() -> None:
-    """``CompileConfig.pdl`` puts our kernels on PDL for the engine's own compiled calls (and so
-    its captures), not process-wide: another engine in the process (``--ab pdl``'s "off") and
-    code outside the calls launch without it."""
-    from compiled_spec.compile import CompileConfig, compile_callable
+def _probe_call(cfg):  # noqa: ANN001, ANN202 - a CompileConfig; the compiled probe
+    """The probe compiled as an engine's callable under ``cfg`` (its own scopes), records
+    cleared."""
+    from compiled_spec.compile import compile_callable
 
     def backend(gm, example_inputs):  # noqa: ANN001
         return gm.forward
 
     backend.uuid = lambda: "probe"  # type: ignore[attr-defined]
+    _SEEN.clear()
+    _ROWS.clear()
+    torch._dynamo.reset()
+    return compile_callable(_Probe(), backend, cfg)
+
+
+def test_engine_config_scopes_our_pdl_to_its_compiled_calls() -> None:
+    """``CompileConfig.pdl`` puts our kernels on PDL for the engine's own compiled calls (and so
+    its captures), not process-wide: another engine in the process (``--ab pdl``'s "off") and
+    code outside the calls launch without it."""
+    from compiled_spec.compile import CompileConfig
+
     x = torch.zeros(3)
     for pdl in (True, False):
-        _SEEN.clear()
-        torch._dynamo.reset()
-        call = compile_callable(_Probe(), backend, CompileConfig(pdl=pdl))
+        call = _probe_call(CompileConfig(pdl=pdl))
         assert torch.equal(call(x), x + 1) and torch.equal(call(x), x + 1)
         assert _SEEN and set(_SEEN) == {pdl}, (pdl, _SEEN)
     import kernels.dispatch as sg
@@ -134,19 +143,13 @@ def test_engine_config_scopes_wide_skinny_gemms_to_its_compiled_calls() -> None:
     """``CompileConfig.skinny_gemm_wide`` lets the skinny-GEMM ops take up to WIDE_MAX_M rows in
     the engine's own compiled calls (and captures), not process-wide (``--ab skinny_gemm_wide``
     builds both engines in one process)."""
-    from compiled_spec.compile import CompileConfig, compile_callable
+    from compiled_spec.compile import CompileConfig
     from kernels.dispatch import skinny_max_rows
     from kernels.gemm_config import MAX_M, WIDE_MAX_M
 
-    def backend(gm, example_inputs):  # noqa: ANN001
-        return gm.forward
-
-    backend.uuid = lambda: "probe"  # type: ignore[attr-defined]
     x = torch.zeros(3)
     for wide in (True, False):
-        _ROWS.clear()
-        torch._dynamo.reset()
-        call = compile_callable(_Probe(), backend, CompileConfig(skinny_gemm_wide=wide))
+        call = _probe_call(CompileConfig(skinny_gemm_wide=wide))
         assert torch.equal(call(x), x + 1)
         assert _ROWS and set(_ROWS) == {WIDE_MAX_M if wide else MAX_M}, (wide, _ROWS)
     assert skinny_max_rows() == MAX_M
