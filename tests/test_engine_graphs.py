@@ -168,7 +168,8 @@ def test_self_distillation_chunk_counts_graph_replays(trained_eagle3_pair, smoll
 
 
 def test_adaptive_policy_with_graphs_equals_eager_and_counts_its_pauses(trained_eagle3_pair,
-                                                                       smollm2_gguf_path):
+                                                                       smollm2_gguf_path,
+                                                                       monkeypatch):
     """speculation_policy="adaptive" on the graphed engine: paused steps replay the target's
     decode graph and a graph of the draft's first pass alone, drafting steps keep the early
     proposal and the verify launched ahead (the policy decides before the step: the H200's
@@ -182,7 +183,13 @@ def test_adaptive_policy_with_graphs_equals_eager_and_counts_its_pauses(trained_
     llm = _llm(target, smollm2_gguf_path, head, speculation_policy="adaptive", verify_ahead=True)
     graphs = _graphs(llm)
     llm.engine.stats.policy = SpecPolicy(warmup=2, probe_every=4, probe_len=1)
+    import compiled_spec.engine.propose_graph as pg
+
+    loops, real_rows = [], pg.loop_rows  # the draft loop's rows each staging builds
+    monkeypatch.setattr(pg, "loop_rows", lambda *a: loops.append(a[-1]) or real_rows(*a))
     assert _run(llm, sp) == eager
+    # a paused step's staging builds no loop rows (the sync graph runs no draft loop)
+    assert 0 in loops and max(loops) == llm.engine.runner.k - 1, loops
     st = graphs.stats()
     # paused steps replay the target's decode graph and the draft's first-pass-only graph
     assert st["components"]["target_decode"]["graph_replays"] > 0
