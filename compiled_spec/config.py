@@ -119,7 +119,7 @@ class SpecConfig:
     def tree(self) -> "TreeConfig | None":
         from compiled_spec.spec.tree import TreeConfig
 
-        if self.speculative_topk == 1 and self.speculative_num_draft_tokens is None:
+        if not is_tree(self.speculative_topk, self.speculative_num_draft_tokens):
             return None
         steps = self.speculative_num_steps or self.num_speculative_tokens
         cap = 1 + self.speculative_topk + (steps - 1) * self.speculative_topk ** 2
@@ -165,6 +165,11 @@ def verify_ahead_default(device: torch.device) -> bool:
     if env is not None:
         return env != "0"
     return device.type == "cuda"
+
+
+def is_tree(speculative_topk: int, speculative_num_draft_tokens: int | None) -> bool:
+    """Whether these speculative options ask for a draft tree (``SpecConfig.tree``)."""
+    return speculative_topk != 1 or speculative_num_draft_tokens is not None
 
 
 def speculation_policy_default(device: torch.device, tree: bool, tensor_parallel: int = 1) -> str:

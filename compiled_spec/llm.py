@@ -11,7 +11,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from compiled_spec.config import (CacheConfig, EngineConfig, SchedulerConfig, SpecConfig,
-                                  early_propose_default, speculation_policy_default,
+                                  early_propose_default, is_tree, speculation_policy_default,
                                   verify_ahead_default, resolve_device, resolve_dtype)
 from compiled_spec.compile_cache import CacheStats, activate as activate_compile_cache
 from compiled_spec.compile import CompileConfig, CompiledModels
@@ -165,7 +165,7 @@ class LLM(CompileMixin):
                 speculative_num_draft_tokens=speculative_num_draft_tokens,
                 speculation_policy=speculation_policy if speculation_policy is not None
                 else "adaptive" if adaptive_k else speculation_policy_default(
-                    dev, speculative_topk > 1 or speculative_num_draft_tokens is not None,
+                    dev, is_tree(speculative_topk, speculative_num_draft_tokens),
                     tensor_parallel_size),
                 adaptive_k=adaptive_k,
                 early_propose=early_propose_default() if early_propose is None
