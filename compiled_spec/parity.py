@@ -1,9 +1,12 @@
 """Built-in eager-versus-compiled parity: compiling must never change acceptance.
 
 The same prompts run through the same engine (same weights, same KV pool) once with the eager
-callables and once with the compiled ones. The check fails when mean acceptance length differs by
-more than a tolerance, or when greedy fp32 outputs differ: the signature of a draft whose compiled
-graph was never captured or whose fc was fed the wrong inputs.
+callables and once with the compiled ones. The check fails when greedy fp32 outputs differ, or
+when mean acceptance length moves by more than a tolerance: the signature of a draft whose
+compiled graph was never captured or whose fc was fed the wrong inputs. Where the outputs
+themselves part (bf16 rounds differently in fused kernels), the two runs draft over different
+text and their taus differ by chance in either direction (the thirty-eighth session's H100
+tree: 2.784 eager, 2.933 compiled); only a drop is then the bug class, so only a drop fails.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ class ParityReport:
     require_identical: bool
     first_divergence: list[int | None] = field(default_factory=list)  # per prompt, token index
     failures: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -45,6 +49,7 @@ class ParityReport:
         lines = [fmt(self.eager), fmt(self.compiled)]
         div = [f"prompt {i}: token {d}" for i, d in enumerate(self.first_divergence) if d is not None]
         lines.append("first diverging tokens: " + (", ".join(div) if div else "none"))
+        lines += [f"note: {n}" for n in self.notes]
         lines.append("PASS" if self.ok else "FAIL: " + "; ".join(self.failures))
         return "\n".join(lines)
 
@@ -99,13 +104,24 @@ def check_parity(llm, prompts: list[list[int]], params: SamplingParams | None = 
                        require_identical=require_identical,
                        first_divergence=[_first_divergence(a, b)
                                          for a, b in zip(eager.token_ids, comp.token_ids)])
-    if llm.config.spec is not None:
-        if eager.tau is None or comp.tau is None:
-            rep.failures.append(f"no drafting step ran (eager tau {eager.tau}, compiled tau {comp.tau})")
-        elif abs(eager.tau - comp.tau) > tau_tolerance:
-            rep.failures.append(f"tau {eager.tau:.3f} eager vs {comp.tau:.3f} compiled differs by "
-                                f"more than {tau_tolerance}")
-    if require_identical and any(d is not None for d in rep.first_divergence):
-        n = sum(d is not None for d in rep.first_divergence)
-        rep.failures.append(f"greedy fp32 outputs differ on {n} of {len(prompts)} prompts")
+    judge(rep, speculative=llm.config.spec is not None)
     return rep
+
+
+def judge(rep: ParityReport, speculative: bool) -> None:
+    """Fill rep.failures (and rep.notes) from the two runs."""
+    n_div = sum(d is not None for d in rep.first_divergence)
+    if speculative:
+        eager, comp, tol = rep.eager.tau, rep.compiled.tau, rep.tau_tolerance
+        if eager is None or comp is None:
+            rep.failures.append(f"no drafting step ran (eager tau {eager}, compiled tau {comp})")
+        elif comp < eager - tol or (n_div == 0 and comp > eager + tol):
+            rep.failures.append(f"tau {eager:.3f} eager vs {comp:.3f} compiled differs by "
+                                f"more than {tol}")
+        elif comp > eager + tol:
+            rep.notes.append(f"compiled tau {comp:.3f} above eager's {eager:.3f}, over text that "
+                             f"parted on {n_div} of {len(rep.first_divergence)} prompts "
+                             f"(not the bug class: only a drop fails)")
+    if rep.require_identical and n_div:
+        rep.failures.append(f"greedy fp32 outputs differ on {n_div} of "
+                            f"{len(rep.first_divergence)} prompts")

@@ -82,3 +82,34 @@ def test_parity_fails_when_compiled_draft_step_is_stale(llm, prompts):
         restore()
     assert not rep.ok
     assert rep.compiled.tau < rep.eager.tau
+
+
+def _report(eager_tau, comp_tau, divergence, require_identical=False):
+    from compiled_spec.parity import ParityReport, ParityRun, judge
+    rep = ParityReport(eager=ParityRun("eager", eager_tau, None, []),
+                       compiled=ParityRun("compiled", comp_tau, None, []), tau_tolerance=0.05,
+                       require_identical=require_identical, first_divergence=divergence)
+    judge(rep, speculative=True)
+    return rep
+
+
+def test_judge_over_parted_text_fails_only_a_drop():
+    # bf16: eager and compiled outputs parted (the H100's tree in the thirty-eighth session:
+    # 2.784 eager, 2.933 compiled), so their taus are over different text.
+    up = _report(2.784, 2.933, [29, 113, None])
+    assert up.ok and up.notes and "above eager" in up.notes[0]
+    assert "note:" in str(up) and "PASS" in str(up)
+    down = _report(2.933, 2.784, [29, 113, None])
+    assert not down.ok and "differs by more than 0.05" in down.failures[0]
+    assert _report(2.10, 2.067, [6, None]).ok  # within the tolerance
+
+
+def test_judge_over_the_same_text_fails_either_way():
+    # The same tokens: only the draft's numerics can move tau, so a rise is suspect too.
+    assert not _report(2.10, 2.30, [None, None]).ok
+    assert not _report(2.30, 2.10, [None, None]).ok
+    assert _report(2.10, 2.10, [None, None]).ok
+    # fp32 greedy: parted outputs fail on their own, whatever tau did.
+    rep = _report(2.10, 2.10, [4, None], require_identical=True)
+    assert not rep.ok and "greedy fp32 outputs differ on 1 of 2" in rep.failures[0]
+    assert not _report(None, 2.1, [None]).ok

@@ -511,7 +511,7 @@ parity)
       timeout ${LIMIT:-150} python3 -m compiled_spec.cli parity --model "$M" --device cuda \
         --dtype ${c%%:*} --max-num-seqs ${c##*:} --draft smollm2-eagle3 $spec \
         --prompts $D/question.jsonl --num-prompts ${NUM_PROMPTS:-8} --max-tokens ${MAX_TOKENS:-128} \
-        --tau-tolerance 0.05 2>&1 | grep -E "tau|first diverging|PASS|FAIL|Error" | cut -c1-400
+        --tau-tolerance 0.05 2>&1 | grep -E "tau|first diverging|note:|PASS|FAIL|Error" | cut -c1-400
     done
   done 2>&1 | tee "$OUT/parity.txt" ;;
 esac
