@@ -99,16 +99,19 @@ def test_bench_runs_draft_trees_beside_chains(tiny_hf_dir, mt_bench_path, tmp_pa
     assert main(["bench", "--model", tiny_hf_dir, "--random-draft", "--device", "cpu",
                  "--prompts", mt_bench_path, "--num-prompts", "2", "--max-tokens", "8",
                  "--max-model-len", "1024", "--batch-sizes", "1", "2", "--variants",
-                 "ours_vanilla_eager", "ours_eagle_eager", "--trees", "2:4", "--adaptive",
+                 "ours_vanilla_eager", "ours_eagle_eager", "--trees", "2:4", "2:4:2", "--adaptive",
                  "--late-propose",
                  "--out-dir", str(out), "--trace-dir", str(tmp_path / "traces")]) == 0
     rows = {(r["engine"], r["batch"]): r for r in
             json.loads((out / "benchmarks.json").read_text())["rows"]}
     tree = "ours EAGLE tree topk 2, 4 tokens, depth 3 eager"
+    shallow = "ours EAGLE tree topk 2, 4 tokens, depth 2 eager"  # 2:4:2, a depth of its own
     adaptive = "ours EAGLE k=3 adaptive eager"
     late = "ours EAGLE k=3 late propose eager"
     assert set(rows) == {(e, b) for e in ("ours vanilla eager", "ours EAGLE k=3 eager", tree,
-                                          adaptive, late) for b in (1, 2)}
+                                          shallow, adaptive, late) for b in (1, 2)}
+    assert len(rows[(shallow, 1)]["extra"]["acceptance_per_position"]) == 2
+    assert rows[(shallow, 1)]["identical"] == 1.0
     # --late-propose: the chain with early propose off, lossless, every step said late ("off");
     # eager engines have no early graph, so their steps are late too, and say why.
     assert rows[(late, 1)]["identical"] == 1.0
@@ -134,12 +137,14 @@ def test_bench_runs_draft_trees_beside_chains(tiny_hf_dir, mt_bench_path, tmp_pa
     traces = {p.parent.name: p for p in (tmp_path / "traces").glob("*/*.pt.trace.json")}
     assert set(traces) == {"ours_vanilla_eager", "ours_EAGLE_k_3_eager",
                            "ours_EAGLE_tree_topk_2__4_tokens__depth_3_eager",
+                           "ours_EAGLE_tree_topk_2__4_tokens__depth_2_eager",
                            "ours_EAGLE_k_3_adaptive_eager", "ours_EAGLE_k_3_late_propose_eager"}
     from compiled_spec.profile import phase_latencies
     lat = phase_latencies(str(traces["ours_EAGLE_tree_topk_2__4_tokens__depth_3_eager"]))
     assert lat["propose"]["count"] > 0 and lat["verify"]["count"] > 0
-    with pytest.raises(SystemExit):
-        main(["bench", "--trees", "8x32"])
+    for bad in ("8x32", "8:32:0", "8:32:4:1"):
+        with pytest.raises(SystemExit):
+            main(["bench", "--trees", bad])
 
 
 def test_waves_refill_freed_slots_with_at_most_b_running(tiny_hf_dir, mt_bench_path, tmp_path,

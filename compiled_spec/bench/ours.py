@@ -28,6 +28,7 @@ class Variant:
     draft: str | None
     compile: bool
     tree: tuple[int, int] | None = None  # EAGLE-2 draft tree: (topk, verified tokens incl. root)
+    tree_depth: int | None = None  # its speculative_num_steps; None: the run's k
     policy: str = "always"  # speculation_policy (rows without "adaptive" draft every step)
     adaptive_k: tuple[int, ...] = ()  # with policy "adaptive": the smaller k it may verify
     early_propose: bool = True  # False: every proposal launched after the acceptance is read
@@ -67,6 +68,8 @@ def build_engine(v: Variant, kw: dict[str, Any], prompts: list[list[int]],
         kw.pop("num_speculative_tokens", None)
     if v.tree is not None:
         kw.update(speculative_topk=v.tree[0], speculative_num_draft_tokens=v.tree[1])
+        if v.tree_depth is not None:
+            kw["speculative_num_steps"] = v.tree_depth
     if v.adaptive_k:
         kw["adaptive_k"] = v.adaptive_k
     if v.draft is not None:  # a row says its policy: the engine's default depends on the device

@@ -43,11 +43,11 @@ TINY = dict(LLAMA8B, vocab_size=49152, hidden_size=64, intermediate_size=128,
 
 
 def _variants(names: list[str], draft: str | None, k: int,
-              trees: list[tuple[int, int]] = (), adaptive: bool = False,
+              trees: list[tuple[int, ...]] = (), adaptive: bool = False,
               late_propose: bool = False, ab: str | None = None,
               adaptive_k: tuple[int, ...] = ()) -> list[Variant]:
     """Our engines to run; each EAGLE variant also runs once per draft tree of ``trees``
-    ((topk, tokens): EAGLE-2 trees of depth k), with ``adaptive`` once more as a chain under
+    ((topk, tokens[, depth]): EAGLE-2 trees of that depth, else k), with ``adaptive`` once more as a chain under
     speculation_policy="adaptive" (and once more with k shrinking to ``adaptive_k``, if
     given), and with ``late_propose`` once more as a chain whose proposals all launch after the
     acceptance is read (early_propose=False), in the same compile mode. With ``ab`` (a key of
@@ -72,9 +72,11 @@ def _variants(names: list[str], draft: str | None, k: int,
                 shrinks = f" (k shrinks to {', '.join(map(str, ks))})" if ks else ""
                 out.append(Variant(f"ours EAGLE k={k} adaptive{shrinks}" + mode, draft,
                                    n.endswith("compiled"), policy="adaptive", adaptive_k=ks))
-        for topk, tokens in trees if spec else ():
-            out.append(Variant(f"ours EAGLE tree topk {topk}, {tokens} tokens, depth {k}" + mode,
-                               draft, n.endswith("compiled"), (topk, tokens)))
+        for topk, tokens, *depth in trees if spec else ():
+            d = depth[0] if depth and depth[0] is not None else None
+            out.append(Variant(f"ours EAGLE tree topk {topk}, {tokens} tokens, depth {d or k}"
+                               + mode, draft, n.endswith("compiled"), (topk, tokens),
+                               tree_depth=d))
     if ab is not None:  # verify_ahead is an engine option, the rest CompileConfig flags
         off, on = (({"verify_ahead": False}, {"verify_ahead": True}) if ab == "verify_ahead"
                    else ({"flags": {ab: False}}, {"flags": {ab: True}}))
@@ -84,13 +86,16 @@ def _variants(names: list[str], draft: str | None, k: int,
     return out
 
 
-def _tree_spec(text: str) -> tuple[int, int]:
+def _tree_spec(text: str) -> tuple[int, int, int | None]:
+    """TOPK:TOKENS[:DEPTH] -> (topk, tokens, depth or None: the run's -k)."""
     try:
-        topk, tokens = (int(x) for x in text.split(":"))
+        parts = [int(x) for x in text.split(":")]
+        if len(parts) not in (2, 3) or min(parts) < 1:
+            raise ValueError
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--trees {text!r}: expected TOPK:TOKENS, e.g. 8:32"
-                                         ) from None
-    return topk, tokens
+        raise argparse.ArgumentTypeError(f"--trees {text!r}: expected TOPK:TOKENS[:DEPTH] of "
+                                         "positive integers, e.g. 8:32 or 4:16:4") from None
+    return parts[0], parts[1], (parts[2] if len(parts) == 3 else None)
 
 
 def _random_shape(cfg: dict[str, Any], tmp: Path) -> tuple[str, str]:
@@ -241,9 +246,11 @@ def _positive_int(text: str) -> int:
 def add_bench_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--variants", nargs="*", default=None, metavar="NAME",
                    help=f"subset of {', '.join(ALL_VARIANTS)} (default: all)")
-    b.add_argument("--trees", type=_tree_spec, nargs="+", default=[], metavar="TOPK:TOKENS",
-                   help="also run each EAGLE variant with these draft trees (depth = "
-                   "--num-speculative-tokens; TOKENS verified per request, root included)")
+    b.add_argument("--trees", type=_tree_spec, nargs="+", default=[],
+                   metavar="TOPK:TOKENS[:DEPTH]",
+                   help="also run each EAGLE variant with these draft trees (TOKENS verified "
+                   "per request, root included; DEPTH defaults to --num-speculative-tokens, so "
+                   "4:16:4 beside -k 5 sets a depth-4 tree against the k=5 chain)")
     b.add_argument("--adaptive", action="store_true",
                    help="also run each EAGLE chain with speculation_policy='adaptive' (drafting "
                    "pauses where plain decoding measures faster)")
