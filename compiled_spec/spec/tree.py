@@ -101,22 +101,25 @@ def ancestor_mask(parents: torch.Tensor,  # [B, N] parent tree index (< own inde
                   max_depth: int | None = None,  # the tree's depth (None: N - 1, always enough)
                   ) -> torch.Tensor:  # [B, N, N] bool: node i sees node j (ancestor or self)
     """Pointer jumping, one level per iteration: every node marks its ancestor at distance 1,
-    2, ... up to ``max_depth`` at once (no host sync). Inside the tree-expansion graph this is
-    ~4 kernels per level; the node-by-node pass it replaces was ~7 per node (~217 kernels for a
-    32-node tree, every propose). Past the root an ancestor is -1 and marks a dummy column."""
+    2, ... up to ``max_depth`` at once (no host sync). The node-by-node pass this replaced was
+    ~7 kernels per node (~217 for a 32-node tree, every propose). Each level ORs a comparison
+    (its column == the ancestor's index) where it once scattered: Inductor fused part of each
+    scatter and left the rest to ATen, 2 kernels per level on the H100 (thirty-eighth session's
+    depth-4 trace), and a comparison fuses with the rest. Past the root an ancestor is the
+    dummy index n, which matches no column."""
     b, n = parents.shape
     dev = parents.device
-    anc = torch.eye(n, n + 1, dtype=torch.bool, device=dev).repeat(b, 1, 1)  # [B, N, N+1]
+    col = torch.arange(n, device=dev)  # [N]
+    anc = (col[None, :] == col[:, None])[None].expand(b, n, n)  # [B, N, N] each node itself
     # parents with the dummy node n appended, itself parentless: gathers past the root stay there
     cur = parents.where(parents >= 0, n)  # [B, N] each node's ancestor at the current distance
     up = torch.cat([cur, torch.full((b, 1), n, device=dev, dtype=parents.dtype)], 1)
     # (cur is not up[:, :n]: Inductor's unsqueeze of that strided slice guarded on B != 1, and
     # the tree's node selection compiled once for batch 1 and again for the other sizes)
-    ones = torch.ones(b, n, 1, dtype=torch.bool, device=dev)
     for _ in range(n - 1 if max_depth is None else max_depth):
-        anc.scatter_(2, cur[:, :, None], ones)
+        anc = anc | (cur[:, :, None] == col[None, None, :])
         cur = torch.gather(up, 1, cur)
-    return anc[:, :, :n]
+    return anc.contiguous()  # (a view of the identity when there is no level)
 
 
 def accept_paths(tokens: np.ndarray,  # [B, N] node tokens (root's unused)
