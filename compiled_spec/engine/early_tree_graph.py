@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import torch
 
+from capture.buffer_writes import Region, region
 from capture.cuda_graphs import capture_graph
 from capture.emulate import emulate_graph
 from capture.host_stage import put, put_rows, put_tables, staging
@@ -100,6 +101,7 @@ class EarlyTreeGraphs(EarlyGraphSurface):
         self.acc_host, _ = staging(bm * 4 * self.n, torch.int64, self.device)
         self._graphs: dict[int, tuple[Any, Any]] = {}
         self._views: dict[int, tuple[Any, ...]] = {}  # per n: views of acc (_views_for)
+        prop.early_stage.regions = self._regions()  # where its compiled writes go
         self.capture_failures: list[dict[str, Any]] = []
         self.graph_replays = self.padded_rows = 0
 
@@ -118,25 +120,17 @@ class EarlyTreeGraphs(EarlyGraphSurface):
         fb = self.fp.buffers._views(b * q, b, q, self.bucket)
         eb = self.ex.buffers._views(b * K, b, K, self.bucket)
         tables = g32("tables", b * w).view(b, w)  # [b, W]
-        fb.meta.block_tables.copy_(tables)
-        eb.meta.block_tables.copy_(tables)
-        # Acceptance, both layouts and the KV moves: one compiled function (compile=True).
-        (fp_ids, fp_pos, fp_slots, fp_rows, fp_lens, qsl, ex_pos, ex_slots, ex_lens,
-         moves) = self.prop.early_stage_fn(
+        # Acceptance, both layouts and the KV moves: one compiled function (compile=True),
+        # which writes the layouts and the block tables into the late graphs' buffers itself
+        # (12 copy kernels of 1-2 us each in every replay before: H100, thirty-eighth session).
+        fbuf, ebuf = self.fp.buffers, self.ex.buffers
+        moves = self.prop.early_stage_fn(
             self.acc[:b], g32("live", b), g64("start", b), g64("slots", b * q), g64("row0", b),
             tables, g64("covered", b), g64("tslots", b * self.n).view(b, self.n),
-            g64("dslots", b * self.d).view(b, self.d), self.d, q, K, S, self.page, self.f)
-        fb.input_ids.copy_(fp_ids)
-        fb.positions.copy_(fp_pos)
-        fb.meta.slot_mapping.copy_(fp_slots)
-        fb.rows.copy_(fp_rows)
-        fb.meta.seq_lens.copy_(fp_lens)
-        fb.meta.query_start_loc.copy_(qsl)
+            g64("dslots", b * self.d).view(b, self.d), self.d, q, K, S, self.page, self.f,
+            flats=(fbuf.flat64, fbuf.flat32, ebuf.flat64, ebuf.flat32),
+            extra=(tables, tables, g32("eqsl", b + 1)))
         feed, for_logits = self.fp.fn(fb)  # [b, h] each: every request's last row
-        eb.positions.copy_(ex_pos.reshape(eb.positions.shape))
-        eb.meta.slot_mapping.copy_(ex_slots.reshape(eb.meta.slot_mapping.shape))
-        eb.meta.seq_lens.copy_(ex_lens.reshape(eb.meta.seq_lens.shape))
-        eb.meta.query_start_loc.copy_(g32("eqsl", b + 1))
         eb.extras["feed"].copy_(feed)
         eb.extras["for_logits"].copy_(for_logits)
         trees = self.ex.fn(eb)  # tokens, parents, depth [b, N], mask [b, N, N]
@@ -149,6 +143,22 @@ class EarlyTreeGraphs(EarlyGraphSurface):
         self.depth_out[:b * self.n].copy_(trees[2].reshape(-1))  # [b * N]
         self.mask_out[:b * self.n].copy_(trees[3].reshape(-1, self.n))  # [b * N, N]
         return trees
+
+    def _regions(self) -> tuple[Region, ...]:
+        """Where the stage's outputs go in the late buffers (``EarlyTreeStage``'s order: the
+        first pass's ids, positions, slots, rows, lengths, starts, the expansion's positions,
+        slots, lengths, then the block tables of both and the expansion's starts); the same
+        places at every batch size (``capture.buffer_writes.region``)."""
+        b = self.sizes[-1]
+        fbuf, ebuf = self.fp.buffers, self.ex.buffers
+        fb = fbuf._views(b * self.q, b, self.q, self.bucket)
+        eb = ebuf._views(b * self.k, b, self.k, self.bucket)
+        f = lambda v: region(fbuf, v, 0)  # noqa: E731
+        e = lambda v: region(ebuf, v, 2, steps=v.dim() == 2)  # noqa: E731  ([S, b*K] when S > 1)
+        return (f(fb.input_ids), f(fb.positions), f(fb.meta.slot_mapping), f(fb.rows),
+                f(fb.meta.seq_lens), f(fb.meta.query_start_loc), e(eb.positions),
+                e(eb.meta.slot_mapping), e(eb.meta.seq_lens), f(fb.meta.block_tables),
+                region(ebuf, eb.meta.block_tables, 2), region(ebuf, eb.meta.query_start_loc, 2))
 
     # ---- start-up ----------------------------------------------------------------------------
     def _capture_one(self, b: int) -> None:

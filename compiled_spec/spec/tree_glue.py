@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from capture.buffer_writes import Region, write_regions
 from compiled_spec.attention_metadata import AttentionMetadata
 from compiled_spec.draft.model import EagleDraft
 from compiled_spec.spec.tree import ancestor_mask, select_nodes
@@ -101,7 +102,22 @@ class TreeGlue(torch.nn.Module):
 
 
 class EarlyTreeStage(torch.nn.Module):
-    """``spec.tree_accept_device.early_tree_stage`` as a module's forward (see above)."""
+    """``spec.tree_accept_device.early_tree_stage`` as a module's forward (see above). Given
+    ``flats``, its nine layout outputs and then ``extra`` are written into the late graphs'
+    static buffers at ``regions`` (``capture.buffer_writes``), and only the KV moves are
+    returned: compiled, the kernels that compute them store them there. The regions are the
+    module's (set once by engine/early_tree_graph.py, the same for every batch size): host
+    ints Dynamo takes as constants, where arguments would be traced as symbols (and Inductor
+    cannot lower a slice at a symbolic offset of a mutated buffer)."""
 
-    def forward(self, *args: Any) -> tuple[torch.Tensor, ...]:
-        return early_tree_stage(*args)
+    def __init__(self) -> None:
+        super().__init__()
+        self.regions: tuple[Region, ...] = ()
+
+    def forward(self, *args: Any, flats: tuple[torch.Tensor, ...] | None = None,
+                extra: tuple[torch.Tensor, ...] = ()) -> Any:
+        out = early_tree_stage(*args)
+        if flats is None:
+            return out
+        write_regions(flats, self.regions, (*out[:9], *extra))
+        return out[9]  # [2, b*D]
