@@ -320,3 +320,15 @@ class StaticBuffers:
         for v in view.extras.values():
             v.zero_()
         return view
+
+
+def as_static(live: LiveBatch) -> LiveBatch:
+    """``live`` copied into fresh ``StaticBuffers`` of exactly its size, as normal tensors
+    (not inference tensors, though the engine runs under inference mode): the views a
+    captured graph's body reads, with the same bases and dispatch keys, so a compiled callable
+    that graphs captured takes a step outside them without compiling again."""
+    t, b = live.num_tokens, live.num_seqs
+    with torch.inference_mode(False):
+        bufs = StaticBuffers(max(t, 1), max(b, 1), max(live.meta.block_tables.shape[1], 1),
+                             live.input_ids.device, num_steps=live.num_steps)
+    return bufs.fill(live, t, b, live.meta.max_query_len, live.meta.max_seq_len)

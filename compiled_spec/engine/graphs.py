@@ -43,6 +43,7 @@ import torch
 from capture import (CapturePolicy, GraphRegistry, GraphRunner, LiveBatch, StaticBuffers,
                      decode_sizes, verify_sizes)
 from capture.emulate import EmulatedGraphRunner
+from capture.pad import as_static
 from capture.host_stage import HostBatch
 from compiled_spec.attention_metadata import AttentionMetadata
 from compiled_spec.engine.batch import host_batch_to_device
@@ -115,7 +116,15 @@ class GraphedTarget:
         runner = self._causal_runner(meta.max_query_len, meta.block_tables.shape[0])
         if runner is not None:
             return self._split(runner.run(LiveBatch(input_ids, positions, meta)))
-        return self.fn(input_ids, positions, meta, aux_layer_ids)
+        return self._without_graph(LiveBatch(input_ids, positions, meta), aux_layer_ids)
+
+    def _without_graph(self, live: LiveBatch, aux_layer_ids: tuple[int, ...]) -> Any:
+        """A causal step no graph holds, run compiled on inputs laid out as the graphs' own
+        (``capture.pad.as_static``): the compiled target guards on its inputs' dispatch keys
+        and view bases, and host-built tensors (inference tensors, other bases) compiled it a
+        second time (EAGLE chain engines: ``compiled_graphs`` target 2 on the H100)."""
+        static = as_static(live)
+        return self.fn(static.input_ids, static.positions, static.meta, aux_layer_ids)
 
     def _causal_runner(self, max_query_len: int, num_seqs: int) -> GraphRunner | None:
         """Decode (one query token), verify (up to k + 1; the smallest narrow verify graph that
@@ -163,7 +172,7 @@ class GraphedTarget:
             return self._split(out)
         input_ids, positions, meta = host_batch_to_device(hb, self.decode.buffers.device,
                                                           drafts_flat)
-        return self.fn(input_ids, positions, meta, aux_layer_ids)
+        return self._without_graph(LiveBatch(input_ids, positions, meta), aux_layer_ids)
 
 
 class EngineGraphs:
