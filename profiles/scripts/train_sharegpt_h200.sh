@@ -130,6 +130,25 @@ added_files() {
   echo "kernels built again:"; grep '\.cubin$' ~/added_now | xargs -r -n1 basename | sort | uniq -c | head -40
   echo "other files:"; grep -vE '\.(cubin|ptx|llir|ttir|ttgir|source|json)$' ~/added_now \
     | sed -E "s#^$HOME/.cache/compiled_spec/inductor/[^/]*/##" | head -20
+  # Why a kernel was built again (thirty-seventh / -eighth sessions: 13-15 of Inductor's in the
+  # second warm start, none in the third): its Triton metadata (.json beside each .cubin: the
+  # compile options and the key's parts) in every cache folder that holds it, and the fields
+  # that differ between them, for the first three such kernels.
+  grep '\.cubin$' ~/added_now | head -3 | while read -r f; do
+    n=$(basename "$f" .cubin)
+    python3 - "$n" <<'PY'
+import json, pathlib, sys
+name = sys.argv[1]
+found = [p for p in pathlib.Path.home().joinpath(".cache/compiled_spec").rglob(f"{name}.json")]
+metas = [json.loads(p.read_text()) for p in found]
+print(f"{name}: {len(found)} copies")
+keys = sorted({k for m in metas for k in m})
+for k in keys:
+    vals = [json.dumps(m.get(k), sort_keys=True)[:160] for m in metas]
+    if len(set(vals)) > 1:
+        print(f"  {k}: " + " | ".join(vals))
+PY
+  done
 }
 case "$PHASE" in
 setup0)
