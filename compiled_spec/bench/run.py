@@ -47,10 +47,11 @@ def _variants(names: list[str], draft: str | None, k: int,
               late_propose: bool = False, ab: str | None = None,
               adaptive_k: tuple[int, ...] = ()) -> list[Variant]:
     """Our engines to run; each EAGLE variant also runs once per draft tree of ``trees``
-    ((topk, tokens[, depth]): EAGLE-2 trees of that depth, else k), with ``adaptive`` once more as a chain under
-    speculation_policy="adaptive" (and once more with k shrinking to ``adaptive_k``, if
-    given), and with ``late_propose`` once more as a chain whose proposals all launch after the
-    acceptance is read (early_propose=False), in the same compile mode. With ``ab`` (a key of
+    ((topk, tokens[, depth]): EAGLE-2 trees of that depth, else k), with ``adaptive`` once
+    more as a chain under speculation_policy="adaptive" (and once more with k shrinking to
+    ``adaptive_k``, if given), and with ``late_propose`` once more as a chain whose proposals
+    all launch after the acceptance is read (early_propose=False), in the same compile mode.
+    With ``ab`` (a key of
     ``AB_FLAGS``) every compiled engine runs twice in a row, with the flag off and on (rows
     named "+ <label>"): an A/B in one process on one GPU, where two device calls differ by more
     than the effects measured (vanilla 771-871 tok/s between sessions)."""
