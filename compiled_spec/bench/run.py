@@ -51,10 +51,10 @@ def _variants(names: list[str], draft: str | None, k: int,
     more as a chain under speculation_policy="adaptive" (and once more with k shrinking to
     ``adaptive_k``, if given), and with ``late_propose`` once more as a chain whose proposals
     all launch after the acceptance is read (early_propose=False), in the same compile mode.
-    With ``ab`` (a key of
-    ``AB_FLAGS``) every compiled engine runs twice in a row, with the flag off and on (rows
-    named "+ <label>"): an A/B in one process on one GPU, where two device calls differ by more
-    than the effects measured (vanilla 771-871 tok/s between sessions)."""
+    With ``ab`` (a key of ``AB_FLAGS``) every compiled engine runs twice in a row, with the
+    flag off and on (rows named "+ <label>"): an A/B in one process on one GPU, where two
+    device calls differ by more than the effects measured (vanilla 771-871 tok/s between
+    sessions)."""
     out = []
     for n in names:
         if n not in OURS:
