@@ -1,8 +1,9 @@
 """The skinny-GEMM ops (batch-1 decode / verify), registered with torch.library like
 ``kernels.ops``' attention ops: one launch for a linear (+ a fused RMSNorm prologue, + a residual,
 or gate_up's SiLU-and-mul, or qkv's rope + KV write). The Triton kernels run on CUDA for
-M <= MAX_M rows (WIDE_MAX_M in ``kernels.dispatch.skinny_wide_scope``); prefill-sized M on the GPU takes cuBLAS and our small kernels around it, the
-CPU the exact unfused PyTorch ops (``kernels.skinny_gemm_ref``)."""
+M <= MAX_M rows (WIDE_MAX_M in ``kernels.dispatch.skinny_wide_scope``); prefill-sized M on the
+GPU takes cuBLAS and our small kernels around it, the CPU the exact unfused PyTorch ops
+(``kernels.skinny_gemm_ref``)."""
 from __future__ import annotations
 
 import torch

@@ -1,5 +1,5 @@
-"""Skinny GEMM y[M, N] = A[M, K] @ W[N, K]^T for few rows (decode / verify: M <= 64 in one tile, up
-to 256 in tiles of 64 with the wide option, ``kernels.gemm_config``), with
+"""Skinny GEMM y[M, N] = A[M, K] @ W[N, K]^T for few rows (decode / verify: M <= 64 in one
+tile, up to 256 in tiles of 64 with the wide option, ``kernels.gemm_config``), with
 an optional RMSNorm prologue, a gated (SiLU-and-mul) or residual epilogue. Same numerics as
 ``kernels.skinny_gemm_ref`` up to fp32 summation order and where the norm's rounding falls.
 

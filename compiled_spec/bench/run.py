@@ -74,7 +74,7 @@ def _variants(names: list[str], draft: str | None, k: int,
                 out.append(Variant(f"ours EAGLE k={k} adaptive{shrinks}" + mode, draft,
                                    n.endswith("compiled"), policy="adaptive", adaptive_k=ks))
         for topk, tokens, *depth in trees if spec else ():
-            d = depth[0] if depth and depth[0] is not None else None
+            d = depth[0] if depth else None  # (None too: the run's k)
             out.append(Variant(f"ours EAGLE tree topk {topk}, {tokens} tokens, depth {d or k}"
                                + mode, draft, n.endswith("compiled"), (topk, tokens),
                                tree_depth=d))

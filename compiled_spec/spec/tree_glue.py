@@ -102,22 +102,20 @@ class TreeGlue(torch.nn.Module):
 
 
 class EarlyTreeStage(torch.nn.Module):
-    """``spec.tree_accept_device.early_tree_stage`` as a module's forward (see above). Given
-    ``flats``, its nine layout outputs and then ``extra`` are written into the late graphs'
-    static buffers at ``regions`` (``capture.buffer_writes``), and only the KV moves are
-    returned: compiled, the kernels that compute them store them there. The regions are the
-    module's (set once by engine/early_tree_graph.py, the same for every batch size): host
-    ints Dynamo takes as constants, where arguments would be traced as symbols (and Inductor
-    cannot lower a slice at a symbolic offset of a mutated buffer)."""
+    """``spec.tree_accept_device.early_tree_stage`` as a module's forward (see above): its nine
+    layout outputs and then ``extra`` are written into the late graphs' static buffers
+    ``flats`` at ``regions`` (``capture.buffer_writes``), and only the KV moves are returned:
+    compiled, the kernels that compute them store them there. The regions are the module's
+    (set once by engine/early_tree_graph.py, the same for every batch size): host ints Dynamo
+    takes as constants, where arguments would be traced as symbols (and Inductor cannot lower
+    a slice at a symbolic offset of a mutated buffer)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.regions: tuple[Region, ...] = ()
 
-    def forward(self, *args: Any, flats: tuple[torch.Tensor, ...] | None = None,
-                extra: tuple[torch.Tensor, ...] = ()) -> Any:
+    def forward(self, *args: Any, flats: tuple[torch.Tensor, ...],
+                extra: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:  # [2, b*D]
         out = early_tree_stage(*args)
-        if flats is None:
-            return out
         write_regions(flats, self.regions, (*out[:9], *extra))
-        return out[9]  # [2, b*D]
+        return out[9]
