@@ -114,6 +114,10 @@ class SpecConfig:
     # Greedy chain and tree steps launch the next proposal before the host reads the
     # acceptance (compiled_spec/engine/early_propose.py, early_tree.py); False: always after.
     early_propose: bool = True
+    # "adaptive" only: a paused step keeps its one position's target states for a later draft
+    # first pass over k + 1 such steps at once (compiled_spec/engine/deferred_first_pass.py);
+    # False: every paused step runs the draft's first pass itself.
+    defer_paused_first_pass: bool = True
 
     @property
     def tree(self) -> "TreeConfig | None":
@@ -152,6 +156,9 @@ class SpecConfig:
             raise ValueError(f"adaptive_k={ks!r} needs speculation_policy='adaptive' (got "
                              f"{self.speculation_policy!r})")
         self.adaptive_k = tuple(sorted(set(ks), reverse=True))
+        if not isinstance(self.defer_paused_first_pass, bool):
+            raise ValueError(f"defer_paused_first_pass={self.defer_paused_first_pass!r}: "
+                             "must be a bool")
         if self.speculation_policy == "adaptive" and self.tree is not None:
             raise ValueError("speculation_policy='adaptive' is not supported with draft trees "
                              f"(speculative_topk={t}): use 'always' or a chain (topk 1)")

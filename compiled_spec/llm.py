@@ -57,7 +57,9 @@ class LLM(CompileMixin):
     time to first token; see ``SchedulerConfig``).
     ``speculation_policy="adaptive"`` pauses drafting at batch sizes where measured step costs
     and acceptance say plain decoding is faster (``llm.stats.policy.summary()`` reports it);
-    with ``adaptive_k`` it may also verify fewer drafts (k shrinks) where that is faster.
+    with ``adaptive_k`` it may also verify fewer drafts (k shrinks) where that is faster;
+    ``defer_paused_first_pass=False`` makes every paused step run the draft's first pass itself
+    (default: k + 1 paused steps share one, ``llm.stats.deferred_first_pass``).
     None (default): adaptive for chains on one CUDA device, "always" for trees, on the CPU and
     under tensor parallel (``speculation_policy_default``; COMPILED_SPEC_SPECULATION_POLICY
     overrides).
@@ -93,6 +95,7 @@ class LLM(CompileMixin):
         speculative_num_draft_tokens: int | None = None,
         speculation_policy: str | None = None,
         adaptive_k: tuple[int, ...] = (),
+        defer_paused_first_pass: bool = True,
         early_propose: bool | None = None,
         verify_ahead: bool | None = None,
         compile: bool = False,
@@ -167,7 +170,7 @@ class LLM(CompileMixin):
                 else "adaptive" if adaptive_k else speculation_policy_default(
                     dev, is_tree(speculative_topk, speculative_num_draft_tokens),
                     tensor_parallel_size),
-                adaptive_k=adaptive_k,
+                adaptive_k=adaptive_k, defer_paused_first_pass=defer_paused_first_pass,
                 early_propose=early_propose_default() if early_propose is None
                 else early_propose),
             verify_ahead=verify_ahead_default(dev) if verify_ahead is None else verify_ahead,

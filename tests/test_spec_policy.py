@@ -199,13 +199,15 @@ def test_adaptive_engine_is_lossless_and_reports_its_choices(pair, smollm2_gguf_
             speculative_topk=2, speculation_policy="adaptive")
 
 
-def _draft_kv_after(pair, tok, prompt, policy=None, no_sync=False, ahead=None):
+def _draft_kv_after(pair, tok, prompt, policy=None, no_sync=False, ahead=None, defer=True):
     """The draft's K cache over the request's positions once it has finished (fp32, CPU).
-    ``ahead``: with emulated graphs, verify ahead on or off."""
+    ``ahead``: with emulated graphs, verify ahead on or off; ``defer``: paused steps defer
+    their first pass (engine/deferred_first_pass.py)."""
     from tests.engine_runs import with_emulated_graphs
 
     target, head = pair
     kw = {} if ahead is None else {"verify_ahead": ahead, "max_num_seqs": 4}
+    kw["defer_paused_first_pass"] = defer
     llm = LLM(model=target, tokenizer=tok, max_model_len=128, draft=head, num_speculative_tokens=3,
               speculation_policy="always" if policy is None else "adaptive", **kw)
     if ahead is not None:
@@ -213,8 +215,11 @@ def _draft_kv_after(pair, tok, prompt, policy=None, no_sync=False, ahead=None):
     eng = llm.engine
     if policy is not None:
         eng.stats.policy = policy
-    if no_sync:
+    if no_sync:  # no paused first pass: neither run by the step nor deferred and flushed
         eng.runner.proposer.sync = lambda *a, **k: None
+        deferred = eng.runner.deferred
+        if deferred is not None:
+            deferred._flush = lambda why, newest=None: deferred.drop()
     tables = {}
     free = eng.allocator.free
 
@@ -281,12 +286,14 @@ def test_shrunk_k_is_lossless_and_verifies_fewer_drafts(pair, smollm2_gguf_path)
                 num_speculative_tokens=3, **kw)
 
 
-def test_paused_steps_launch_the_next_decode_ahead(pair, smollm2_gguf_path, monkeypatch):
+@pytest.mark.parametrize("defer", [False, True])
+def test_paused_steps_launch_the_next_decode_ahead(pair, smollm2_gguf_path, monkeypatch, defer):
     """With graphs (emulated here) and verify ahead, a paused step replays the draft's first
-    pass from the device argmax and launches the next decode before the host reads its token
-    (engine/paused_ahead.py): the output is vanilla's, the launches are taken, and the draft's
-    KV is what the late path writes (same acceptance per position; without the first pass's
-    replay the KV differs)."""
+    pass from the device argmax (or defers it) and launches the next decode before the host
+    reads its token (engine/paused_ahead.py): the output is vanilla's, the launches are taken,
+    and the draft's KV is what the late path writes (same acceptance per position; without the
+    first pass's replay or flush the KV differs)."""
+    from compiled_spec.engine.deferred_first_pass import DeferredFirstPass
     from compiled_spec.engine.propose_graph import ProposeGraphs
     from tests.engine_runs import with_emulated_graphs
 
@@ -298,7 +305,7 @@ def test_paused_steps_launch_the_next_decode_ahead(pair, smollm2_gguf_path, monk
         llm = with_emulated_graphs(LLM(
             model=target, tokenizer=smollm2_gguf_path, max_model_len=128, draft=head,
             num_speculative_tokens=3, speculation_policy="adaptive", verify_ahead=ahead,
-            max_num_seqs=4), k=3)
+            max_num_seqs=4, defer_paused_first_pass=defer), k=3)
         llm.engine.stats.policy = ModesInTurn([PLAIN] * 4 + [SPEC] * 2)
         ids = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
         return ids, list(llm.stats.spec.accepted_per_position), llm.stats.verify_ahead.as_dict()
@@ -310,14 +317,16 @@ def test_paused_steps_launch_the_next_decode_ahead(pair, smollm2_gguf_path, monk
     assert va["launched"] >= 10 and va["taken"] >= 10, va
     # the draft's KV: as the late path writes it, and not without the first pass's replay
     modes = ModesInTurn([SPEC] * 2 + [PLAIN] * 4)
-    _, late, _ = _draft_kv_after(pair, smollm2_gguf_path, PROMPTS[0], modes, ahead=False)
+    _, late, _ = _draft_kv_after(pair, smollm2_gguf_path, PROMPTS[0], modes, ahead=False,
+                                 defer=defer)
     _, got, va = _draft_kv_after(pair, smollm2_gguf_path, PROMPTS[0], ModesInTurn(modes.modes),
-                                 ahead=True)
+                                 ahead=True, defer=defer)
     assert va.taken >= 10, va  # paused steps at batch 1 (the verify graph, one live row)
     torch.testing.assert_close(got, late, rtol=1e-5, atol=1e-5)
     monkeypatch.setattr(ProposeGraphs, "run_sync", lambda self, *a, **k: True)  # no first pass
+    monkeypatch.setattr(DeferredFirstPass, "_flush", lambda self, *a, **k: self.drop())
     _, holes, _ = _draft_kv_after(pair, smollm2_gguf_path, PROMPTS[0],
-                                  ModesInTurn(modes.modes), ahead=True)
+                                  ModesInTurn(modes.modes), ahead=True, defer=defer)
     assert not torch.allclose(holes, late, rtol=1e-5, atol=1e-5)
 
 

@@ -7,6 +7,7 @@ import time
 
 from compiled_spec.config import EngineConfig
 from compiled_spec.draft.model import EagleDraft
+from compiled_spec.engine.deferred_first_pass import DeferredFirstPass, DeferredStats
 from compiled_spec.engine.early_propose import EarlyProposeStats
 from compiled_spec.engine.kv_pool import build_kv_pool
 from compiled_spec.engine.model_runner import ModelRunner
@@ -79,6 +80,11 @@ class LLMEngine:
         else:
             self.runner = ModelRunner(model, self.allocator, cfg.device, cfg.max_model_len,
                                       proposer, aux_ids)
+            if (proposer is not None and cfg.spec.speculation_policy == "adaptive"
+                    and cfg.spec.defer_paused_first_pass):
+                # k + 1 paused steps per flush: the first-pass graphs' rows per request
+                self.runner.deferred = DeferredFirstPass(proposer, self.allocator, k + 1,
+                                                         cfg.scheduler.max_num_seqs)
         self.eos_token_ids = set(eos_token_ids)
         self.detokenize = detokenize
         self._rng = random.Random(cfg.seed)
@@ -108,6 +114,8 @@ class LLMEngine:
         if self.draft is not None and self.runner.early is not None:
             self.runner.early.stats = EarlyProposeStats()
             self.stats.early_propose = self.runner.early.stats
+        if self.runner.deferred is not None:
+            self.runner.deferred.stats = self.stats.deferred_first_pass = DeferredStats()
         self.runner.ahead.stats = VerifyAheadStats()
         self.stats.verify_ahead = self.runner.ahead.stats
         self.runner.host_wait_s = 0.0

@@ -6,6 +6,7 @@ device-to-host copy: the emitted tokens and acceptance counts.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -17,6 +18,7 @@ from capture.host_stage import HostBatch
 from compiled_spec.engine.batch import (Span, build_host_batch, build_sampling_tensors,
                                         greedy_accept, host_batch_to_device, to_device,
                                         verify_logits)
+from compiled_spec.engine.deferred_first_pass import DeferredFirstPass
 from compiled_spec.engine.early_propose import EarlyPropose, EarlyStep, HostCopy
 from compiled_spec.engine.host_clock import GpuIdleProbe, HostClock
 from compiled_spec.engine.logprobs import gather_logprobs
@@ -29,6 +31,8 @@ from compiled_spec.profile import phase
 from compiled_spec.sampler import apply_filters
 from compiled_spec.spec.proposer import EagleProposer, ProposeBatch
 from compiled_spec.spec.rejection import rejection_sample
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -71,7 +75,11 @@ class ModelRunner:
         # shrunk k sets it before the step), and of those the last step proposed.
         self.verify_k = self.k
         self._drafts_k = self.k
-        self._synced = False  # this step's paused first pass ran ahead (paused_ahead.py)
+        # This step's paused first pass, handled ahead (paused_ahead.py): "synced" (it ran) or
+        # "deferred" (its position kept for a later flush); None: not handled yet.
+        self._synced: str | None = None
+        # Paused steps' first passes kept for one later pass (adaptive engines; set by the engine).
+        self.deferred: DeferredFirstPass | None = None
         self._pending: _Pending | None = None
         # Chain steps propose before the host reads their acceptance (engine/early_propose.py).
         self.early: EarlyPropose | None = EarlyPropose(self)
@@ -105,8 +113,33 @@ class ModelRunner:
         self._drafts = self._draft_probs = self._pending = self._early_step = None
         self._draft_row = {}
         self._drafts_k = self.k
-        self._synced = False
+        self._synced = None
         self.ahead.clear()
+        if self.deferred is not None:
+            self.flush_deferred("reset")
+
+    def flush_deferred(self, why: str) -> None:
+        """Write the draft KV that paused steps deferred (engine/deferred_first_pass.py) before
+        a first pass reads it. Where that raises (after a reset: the step's fault), the rows are
+        dropped: the draft's KV keeps stale entries there, which costs acceptance, never
+        output."""
+        d = self.deferred
+        if d is None or not d.pending:
+            return
+        if why != "reset":
+            d.flush(why)
+            return
+        try:
+            d.flush(why)
+        except Exception as e:  # noqa: BLE001 - the reset must not fail the engine's recovery
+            d.drop()
+            log.warning("deferred draft first pass dropped on reset: %s: %s",
+                        type(e).__name__, e)
+
+    @property
+    def paused(self) -> bool:
+        """The engine's adaptive policy chose not to draft in this step."""
+        return self.early is not None and self.early.paused
 
     def num_drafts_for(self, req: Request) -> int:
         """Drafts to verify this step: what was proposed, capped so no KV is written past the
@@ -120,6 +153,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, reqs: list[Request], num_new: list[int]) -> StepOutput:
         # The verify an early step launched for this batch (engine/verify_ahead.py), if it fits.
+        if self.deferred is not None and not self.paused:
+            self.flush_deferred("draft")  # this step drafts: its first pass reads that KV
         ahead = self.ahead.take(reqs, num_new)
         logit_rows = None  # with a launch taken for some of its requests: theirs (see Ahead)
         if ahead is not None:
@@ -181,9 +216,11 @@ class ModelRunner:
         clock.mark("verify_logits")
         # Decoding with a graphed propose to follow: its fc issued before the acceptance's
         # host wait (the O(batch) check only where there are graphs).
+        longest = max(s.length for s in spans)
         if (self.aux_layer_ids and self.proposer is not None
-                and self.proposer.graph is not None
-                and max(s.length for s in spans) <= self.k + 1):
+                and self.proposer.graph is not None and longest <= self.k + 1
+                and not (longest == 1 and self.deferred is not None and self.paused)):
+            # (a paused decode's first pass is deferred: no fc now, the flush runs its own)
             self.proposer.precombine(aux)
         return logits, row_start, aux if self.aux_layer_ids else hidden
 
@@ -304,12 +341,13 @@ class ModelRunner:
         ``accepted`` maps req_id -> drafts accepted this step (0 for prefill rows). A request
         left out (finished, or with no room to verify anything next step) gets no drafts.
         ``draft=False`` (speculation paused): only the draft's first pass runs, keeping its KV
-        complete; the next step verifies nothing.
+        complete (or, one position per request, it is deferred: engine/deferred_first_pass.py);
+        the next step verifies nothing.
         """
         self._draft_row = {}
         pend, early = self._pending, self._early_step
         self._pending = self._early_step = None
-        synced, self._synced = self._synced, False  # the first pass ran ahead already
+        synced, self._synced = self._synced, None  # the first pass was handled ahead
         if early is not None:  # proposed already, before the acceptance was read
             self.early.finish(early, reqs, accepted, draft)
             return
@@ -317,6 +355,7 @@ class ModelRunner:
             return
         by_id = {s.req_id: (s, rs, kd) for s, rs, kd in zip(pend.spans, pend.row_start, pend.num_draft)}
         first_pass, token_ids, hidden_rows, limits, chosen = [], [], [], [], []
+        computed: list[int] = []  # each chosen request's draft KV is valid up to here after
         for r in reqs:
             if r.req_id not in by_id or not r.spec_enabled:
                 continue
@@ -338,16 +377,25 @@ class ModelRunner:
             hidden_rows.extend(rows[:m] if rows is not None else range(row0, row0 + m))
             limits.append(n_tok - 2 + k_next)
             chosen.append(r)
-            r.draft_computed = span.start + m  # the first pass writes draft KV up to here
-        if not chosen:
+            computed.append(span.start + m)
+        if not chosen or synced == "deferred":
             return
         batch = ProposeBatch(
             first_pass=first_pass, token_ids=token_ids, hidden_rows=hidden_rows, step_limits=limits,
             temperature=[r.params.temperature for r in chosen], seeds=[r.seed for r in chosen])
         with phase("propose"):
+            if (not draft and synced is None and self.deferred is not None
+                    and len(hidden_rows) == len(chosen)  # one position per request
+                    and self.deferred.defer(chosen, [s.start for s in first_pass], hidden_rows,
+                                            pend.hidden) is None):
+                return
+            if synced is None:
+                self.flush_deferred("draft" if draft else "sync")
+            for r, c in zip(chosen, computed):  # after the flush, which reads the old value
+                r.draft_computed = c  # the first pass writes draft KV up to here
             if draft:
                 self._propose(chosen, batch, pend)
-            elif not synced:
+            elif synced is None:
                 self.proposer.sync(batch, pend.hidden)
 
     def _grow_cap(self, req: Request) -> int:

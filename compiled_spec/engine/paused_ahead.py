@@ -60,12 +60,20 @@ def sync_ahead(rn: "ModelRunner", reqs: "list[Request]", num_new: list[int],
             return "kv_exhausted"
         first_pass.append(Span(r.req_id, r.num_computed, 1))
         limits.append(n_tok - 2 + k_next)
+    starts = [r.num_computed for r in reqs]
+    d = rn.deferred
+    if d is not None and d.defer(reqs, starts, list(row_start), target_hidden) is None:
+        rn._synced = "deferred"  # kept for a later first pass (engine/deferred_first_pass.py)
+        return None
     n = len(reqs)
     batch = ProposeBatch(first_pass=first_pass, token_ids=[0] * n,  # ids: from ``tok``
                          hidden_rows=list(row_start), step_limits=limits,
                          temperature=[r.params.temperature for r in reqs],
                          seeds=[r.seed for r in reqs])
+    rn.flush_deferred("sync")  # before this first pass, which reads the KV they write
     if not prop.graph.run_sync(batch, target_hidden, ids=tok):
         return "paused_no_graph"
-    rn._synced = True
+    for r, p in zip(reqs, starts):
+        r.draft_computed = p + 1
+    rn._synced = "synced"
     return None

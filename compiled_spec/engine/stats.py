@@ -5,6 +5,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from compiled_spec.engine.deferred_first_pass import DeferredStats
 from compiled_spec.engine.early_propose import EarlyProposeStats
 from compiled_spec.engine.verify_ahead import VerifyAheadStats
 from compiled_spec.spec.metrics import SpecStats
@@ -51,6 +52,9 @@ class EngineStats:
     # taken or discarded and why (engine/verify_ahead.py).
     verify_ahead: VerifyAheadStats | None = None
     spec: SpecStats = field(default_factory=SpecStats)
+    # Adaptive engines: paused steps whose draft first pass was deferred, and its flushes
+    # (engine/deferred_first_pass.py); None where nothing defers.
+    deferred_first_pass: DeferredStats | None = None
     # Python's full (generation-2) garbage collections that ran inside steps, their total
     # seconds and the longest (per collection; a step's collections, nearly always one, share
     # its pause evenly): each pauses a step by the whole heap's walk (compiled_spec/gc_heap.py).

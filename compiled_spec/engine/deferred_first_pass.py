@@ -1,0 +1,218 @@
+"""Paused steps defer the draft's first pass (issue 16): while the adaptive policy pauses
+speculation, a steady step keeps its target's aux states in a small ring instead of running
+the draft's first pass over its one new position; every ``depth`` steps (and before any
+other first pass) one first pass writes the draft KV of all the deferred positions at once.
+
+Why: a paused step ran the draft's first pass every step, to keep the draft's KV complete
+for when drafting resumes. On the H100 (thirty-sixth session, ``adaptive.json``) paused steps
+launched ahead cost 0.98 / 1.10 / 1.42 ms against vanilla's 0.77 / 0.95 / 1.06 ms at batch
+1 / 16 / 64: where drafting does not pay, pausing still left the engine up to 1.34x slower
+than vanilla. The first pass's graph is captured for ``k + 1`` rows per request (a drafting
+step's accepted positions), so a paused step's one row paid for ``k + 1`` padded ones, plus
+the host's staging; here ``k + 1`` paused steps share one such replay, and each pays three
+device-to-device copies of its aux rows.
+
+Exact by construction: the draft's KV at a position depends on that position's token and
+target state and on the KV before it (causal), so one first pass over ``c`` consecutive
+positions writes what ``c`` passes of one position each write (up to the rounding of other
+GEMM shapes; the output never depends on the draft). The flush runs before anything reads
+that KV: before every other first pass (a drafting step's, a prompt chunk's) and when the
+runner is reset. A request that finished or was preempted drops its deferred rows (its
+blocks are gone, or its recompute writes them again); ``draft_computed`` (the prefix
+cache registers blocks only up to it) moves only when the rows are written.
+
+Layout: ``depth + 1`` slots, each the aux rows of one deferred step as its target forward
+left them (``[cap, width]`` per aux layer, rows in that step's order), used in turn; each
+request keeps the position of its first deferred row and the ring rows of all of them.
+
+Graph memory: a replay may reuse the blocks of any other graph's outputs in the pool (the
+emulated graphs poison them, capture/emulate.py), so the only replayed flush is the one a
+full ring triggers, after the step's aux rows are copied and its logits read, before the
+next target forward; it writes every request's rows but the newest step's (at most
+``depth``, the first-pass graphs' rows per request). The other flushes come while a
+target forward's outputs are still to be read (a drafting step's verify, launched ahead;
+the aux states a first pass reads next): they run eagerly, rare (a change of mode, a prompt
+chunk) and counted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from compiled_spec.engine.batch import Span, to_device
+from compiled_spec.spec.propose_batch import ProposeBatch
+
+if TYPE_CHECKING:
+    from compiled_spec.engine.request import Request
+    from compiled_spec.kv_cache import BlockAllocator
+    from compiled_spec.spec.proposer import EagleProposer
+
+
+@dataclass
+class DeferredStats:
+    deferred_steps: int = 0  # paused steps whose first pass was deferred
+    deferred_rows: int = 0  # ... and the positions they deferred
+    flushes: int = 0  # first passes that wrote deferred positions
+    flush_reasons: dict[str, int] = field(default_factory=dict)  # "full", "draft", "sync", ...
+    flushed_rows: int = 0
+    eager_flushes: int = 0  # of the flushes: run without a graph (see the module docstring)
+    dropped_rows: int = 0  # of requests that finished or were preempted before a flush
+    not_deferred: dict[str, int] = field(default_factory=dict)  # paused steps that synced: why
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"deferred_steps": self.deferred_steps, "deferred_rows": self.deferred_rows,
+                "flushes": self.flushes, "flush_reasons": dict(self.flush_reasons),
+                "flushed_rows": self.flushed_rows, "eager_flushes": self.eager_flushes,
+                "dropped_rows": self.dropped_rows,
+                "not_deferred": dict(self.not_deferred)}
+
+
+def _count(d: dict[str, int], why: str) -> None:
+    d[why] = d.get(why, 0) + 1
+
+
+@dataclass
+class _Rows:
+    """One request's deferred positions: ``start``, ``start + 1``, ... in ring rows ``rows``."""
+
+    req: "Request"
+    start: int
+    rows: list[int]
+
+
+class DeferredFirstPass:
+    def __init__(self, proposer: "EagleProposer", allocator: "BlockAllocator", depth: int,
+                 cap: int) -> None:
+        if depth < 1 or cap < 1:
+            raise ValueError(f"depth={depth}, cap={cap}: both must be >= 1")
+        self.proposer, self.allocator = proposer, allocator
+        self.depth = depth  # rows per request of a replayed flush (the graphs' first pass)
+        self.cap = cap  # rows of one step the ring holds (a step's target rows)
+        self.slots = depth + 1  # the newest step stays while the others flush
+        self.ring: list[torch.Tensor] | None = None  # per aux layer [slots * cap, width]
+        self._listed = True  # EAGLE-3 hands its aux states as a list, EAGLE-1 one tensor
+        self.next_slot = 0
+        self.live = 0  # slots holding rows not yet written
+        self.pending: dict[int, _Rows] = {}  # req_id -> its deferred rows
+        self.stats = DeferredStats()
+
+    def _ring_for(self, aux: list[torch.Tensor], listed: bool) -> list[torch.Tensor] | None:
+        """The ring, made at the first deferral from the aux states' widths and dtype; None when
+        these aux states do not fit it."""
+        shape = [(h.shape[1], h.dtype, h.device) for h in aux]
+        if self.ring is None:
+            self._listed = listed
+            self.ring = [torch.empty(self.slots * self.cap, w, dtype=dt, device=dev)
+                         for w, dt, dev in shape]
+        if listed != self._listed or [(h.shape[1], h.dtype, h.device)
+                                      for h in self.ring] != shape:
+            return None
+        return self.ring
+
+    def defer(self, reqs: "list[Request]", starts: list[int], rows: list[int],
+              target_hidden: torch.Tensor | list[torch.Tensor]) -> str | None:
+        """Keep one first-pass position per request (``starts[i]``, its target state in row
+        ``rows[i]`` of ``target_hidden``) for a later flush: None when deferred, else why not
+        (the caller then runs the first pass now, after ``flush``). Called once the step's
+        logits are read and before the next target forward (it may replay a flush)."""
+        aux = target_hidden if isinstance(target_hidden, list) else [target_hidden]
+        n_rows = aux[0].shape[0]  # [T, width]: the target forward's rows, all copied
+        if n_rows > self.cap:
+            return self._not("rows")
+        for r, p in zip(reqs, starts):
+            d = self.pending.get(r.req_id)
+            if (p != r.draft_computed if d is None
+                    else p != d.start + len(d.rows) or d.req is not r):
+                return self._not("not_consecutive")  # a first pass must cover the gap first
+        ring = self._ring_for(aux, isinstance(target_hidden, list))
+        if ring is None:
+            return self._not("aux_shape")
+        base = self.next_slot * self.cap
+        for h, src in zip(ring, aux):  # behind the target forward, before the next overwrites it
+            h[base:base + n_rows].copy_(src)
+        self.next_slot = (self.next_slot + 1) % self.slots
+        self.live += 1
+        for r, p, row in zip(reqs, starts, rows):
+            d = self.pending.get(r.req_id)
+            if d is None:
+                self.pending[r.req_id] = _Rows(r, p, [base + row])
+            else:
+                d.rows.append(base + row)
+        self.stats.deferred_steps += 1
+        self.stats.deferred_rows += len(reqs)
+        if self.live == self.slots:  # the next step's copy would overwrite the oldest slot
+            self._flush("full", newest=base)
+        return None
+
+    def _not(self, why: str) -> str:
+        _count(self.stats.not_deferred, why)
+        return why
+
+    def _live(self, d: _Rows) -> int:
+        """How many of ``d``'s rows may be written now: those whose token and target KV are
+        still the request's (0 once it finished or was preempted: its blocks are gone or its
+        recompute writes them again)."""
+        r = d.req
+        if r.req_id not in self.allocator.tables or r.draft_computed != d.start:
+            return 0
+        return max(0, min(len(d.rows), r.num_computed - d.start, r.num_tokens - 1 - d.start))
+
+    def flush(self, why: str) -> None:
+        """Write the draft KV of every deferred position that is still live, now, eagerly (see
+        the module docstring: a target forward's outputs may still be unread)."""
+        self._flush(why)
+
+    @torch.inference_mode()
+    def _flush(self, why: str, newest: int | None = None) -> None:
+        """One first pass over the deferred rows; ``newest`` (a full ring: the slot just written,
+        its first row) stays deferred, and the rest is replayed from a first-pass graph where
+        one fits."""
+        pending, self.pending = self.pending, {}
+        self.live = 0
+        spans, tokens, ring_rows, reqs = [], [], [], []
+        for d in pending.values():
+            keep = 1 if newest is not None and newest <= d.rows[-1] < newest + self.cap else 0
+            c = self._live(d)
+            if keep and c == len(d.rows):
+                c -= 1  # (the late path has read the newest step's token already)
+            kept = keep and c + 1 == len(d.rows)  # its newest row waits for the next flush
+            if kept:
+                self.pending[d.req.req_id] = _Rows(d.req, d.start + c, d.rows[c:])
+            self.stats.dropped_rows += len(d.rows) - c - kept
+            if c == 0:
+                continue
+            r = d.req
+            spans.append(Span(r.req_id, d.start, c))
+            tokens.extend(r.tokens(d.start + 1, d.start + 1 + c))
+            ring_rows.extend(d.rows[:c])
+            reqs.append(r)
+        if self.pending:
+            self.live = 1
+        if not reqs:
+            return
+        _count(self.stats.flush_reasons, why)
+        self.stats.flushes += 1
+        self.stats.flushed_rows += len(ring_rows)
+        idx = to_device(ring_rows, self.ring[0].device)
+        aux = [h.index_select(0, idx) for h in self.ring]  # [T, width] in the batch's order
+        batch = ProposeBatch(first_pass=spans, token_ids=tokens,
+                             hidden_rows=list(range(len(ring_rows))),
+                             step_limits=[s.start + s.length - 1 for s in spans],
+                             temperature=[r.params.temperature for r in reqs],
+                             seeds=[r.seed for r in reqs])
+        hidden = aux if self._listed else aux[0]
+        if newest is not None:
+            self.proposer.sync(batch, hidden)  # a graph where one fits
+        else:
+            self.stats.eager_flushes += 1
+            self.proposer.first_pass(batch, hidden)
+        for r, s in zip(reqs, spans):
+            r.draft_computed = s.start + s.length
+
+    def drop(self) -> None:
+        """Forget every deferred row (their requests recompute, or ended)."""
+        for d in self.pending.values():
+            self.stats.dropped_rows += len(d.rows)
+        self.pending, self.live = {}, 0
