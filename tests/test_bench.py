@@ -225,6 +225,14 @@ def test_ab_runs_each_compiled_engine_with_the_flag_off_then_on() -> None:
         ("ours vanilla compiled + graphs", {}),
         ("ours EAGLE k=5 compiled + graphs", {"skinny_gemm_draft": False}),
         ("ours EAGLE k=5 compiled + graphs + skinny draft", {"skinny_gemm_draft": True})]
+    # deferral: only the adaptive engine pauses, so only its rows pair up
+    defer = _variants(["ours_vanilla_compiled", "ours_eagle_compiled"], "head", 5,
+                      adaptive=True, ab="defer_paused_first_pass")
+    assert [(v.name, v.defer_paused_first_pass) for v in defer] == [
+        ("ours vanilla compiled + graphs", True),
+        ("ours EAGLE k=5 compiled + graphs", True),
+        ("ours EAGLE k=5 adaptive compiled + graphs", False),
+        ("ours EAGLE k=5 adaptive compiled + graphs + deferred first pass", True)]
     with pytest.raises(SystemExit):
         main(["bench", "--ab", "fast_mode"])
 

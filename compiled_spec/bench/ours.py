@@ -33,6 +33,7 @@ class Variant:
     adaptive_k: tuple[int, ...] = ()  # with policy "adaptive": the smaller k it may verify
     early_propose: bool = True  # False: every proposal launched after the acceptance is read
     verify_ahead: bool | None = None  # EngineConfig.verify_ahead; None: the LLM's default
+    defer_paused_first_pass: bool = True  # SpecConfig's (what an adaptive engine's pauses do)
     # CompileConfig flags this variant sets over the run's own (bench --ab: one of a pair)
     flags: dict[str, bool] = field(default_factory=dict)
 
@@ -75,6 +76,7 @@ def build_engine(v: Variant, kw: dict[str, Any], prompts: list[list[int]],
     if v.draft is not None:  # a row says its policy: the engine's default depends on the device
         kw["speculation_policy"] = v.policy
         kw["early_propose"] = v.early_propose
+        kw["defer_paused_first_pass"] = v.defer_paused_first_pass
     if v.verify_ahead is not None:
         kw["verify_ahead"] = v.verify_ahead
     # Size the KV pool from the prompts, so the reported peak memory is this run's need (a
@@ -187,6 +189,8 @@ def _timed_rows(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
         gc0, gcs0 = es.gc_full_collections, es.gc_full_s
         ep0 = es.early_propose.as_dict() if es.early_propose is not None else None
         va0 = es.verify_ahead.as_dict() if es.verify_ahead is not None else None
+        df0 = (es.deferred_first_pass.as_dict() if es.deferred_first_pass is not None
+               else None)
         sync(dev)
         load0, cpu0 = os.getloadavg()[0], time.process_time()
         t0 = time.perf_counter()
@@ -258,6 +262,8 @@ def _timed_rows(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
             row.extra["early_propose"] = counts_since(ep0, es.early_propose.as_dict())
         if va0 is not None and es.verify_ahead.launched > va0["launched"]:
             row.extra["verify_ahead"] = counts_since(va0, es.verify_ahead.as_dict())
+        if df0 is not None and es.deferred_first_pass.deferred_steps > df0["deferred_steps"]:
+            row.extra["deferred_first_pass"] = counts_since(df0, es.deferred_first_pass.as_dict())
         if llm.stats.policy is not None:  # what the adaptive policy chose at this batch
             from compiled_spec.spec.policy import bucket_of
 

@@ -24,12 +24,16 @@ OURS = ("ours_vanilla_eager", "ours_vanilla_compiled", "ours_eagle_eager", "ours
 ALL_VARIANTS = (*hf.KINDS, *OURS)
 PROJECTED_TAUS = (2.0, 3.0, 4.0)
 # What `--ab` can compare, with the label of their "on" rows: CompileConfig flags, and the
-# engine option verify_ahead
+# engine options of AB_ENGINE
 AB_FLAGS = {"pdl": "PDL", "skinny_gemm": "skinny GEMMs", "autotune_gemm": "GEMM autotuning",
             "verify_ahead": "verify ahead", "size_oblivious": "size-oblivious",
-            "skinny_gemm_draft": "skinny draft", "skinny_gemm_wide": "wide skinny GEMMs"}
-# Flags that change only a draft's engine: a vanilla engine runs once, not twice the same
+            "skinny_gemm_draft": "skinny draft", "skinny_gemm_wide": "wide skinny GEMMs",
+            "defer_paused_first_pass": "deferred first pass"}
+AB_ENGINE = ("verify_ahead", "defer_paused_first_pass")
+# Flags that change only a draft's engine: a vanilla engine runs once, not twice the same;
+# likewise an engine that never pauses
 AB_DRAFT_ONLY = ("skinny_gemm_draft",)
+AB_ADAPTIVE_ONLY = ("defer_paused_first_pass",)
 LLAMA8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
            "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
            "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 131072,
@@ -78,12 +82,13 @@ def _variants(names: list[str], draft: str | None, k: int,
             out.append(Variant(f"ours EAGLE tree topk {topk}, {tokens} tokens, depth {d or k}"
                                + mode, draft, n.endswith("compiled"), (topk, tokens),
                                tree_depth=d))
-    if ab is not None:  # verify_ahead is an engine option, the rest CompileConfig flags
-        off, on = (({"verify_ahead": False}, {"verify_ahead": True}) if ab == "verify_ahead"
+    if ab is not None:
+        off, on = (({ab: False}, {ab: True}) if ab in AB_ENGINE
                    else ({"flags": {ab: False}}, {"flags": {ab: True}}))
         out = [w for v in out for w in (
             [replace(v, **off), replace(v, name=f"{v.name} + {AB_FLAGS[ab]}", **on)]
-            if v.compile and (v.draft is not None or ab not in AB_DRAFT_ONLY) else [v])]
+            if v.compile and (v.draft is not None or ab not in AB_DRAFT_ONLY)
+            and (v.policy == "adaptive" or ab not in AB_ADAPTIVE_ONLY) else [v])]
     return out
 
 

@@ -36,6 +36,7 @@ chunk) and counted.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
     from compiled_spec.kv_cache import BlockAllocator
     from compiled_spec.spec.proposer import EagleProposer
 
+log = logging.getLogger(__name__)
 
 @dataclass
 class DeferredStats:
@@ -162,7 +164,19 @@ class DeferredFirstPass:
     def flush(self, why: str) -> None:
         """Write the draft KV of every deferred position that is still live, now, eagerly (see
         the module docstring: a target forward's outputs may still be unread)."""
-        self._flush(why)
+        if self.pending:
+            self._flush(why)
+
+    def flush_or_drop(self, why: str) -> None:
+        """``flush`` where a step failed (the runner's reset): if the flush raises too, the rows
+        are dropped (the draft's KV keeps stale entries there, which costs acceptance, never
+        output) and the engine's recovery goes on."""
+        try:
+            self.flush(why)
+        except Exception as e:  # noqa: BLE001 - the reset must not fail the recovery
+            self.drop()
+            log.warning("deferred draft first pass dropped on reset: %s: %s",
+                        type(e).__name__, e)
 
     @torch.inference_mode()
     def _flush(self, why: str, newest: int | None = None) -> None:
@@ -202,14 +216,22 @@ class DeferredFirstPass:
                              step_limits=[s.start + s.length - 1 for s in spans],
                              temperature=[r.params.temperature for r in reqs],
                              seeds=[r.seed for r in reqs])
-        hidden = aux if self._listed else aux[0]
-        if newest is not None:
-            self.proposer.sync(batch, hidden)  # a graph where one fits
+        if newest is not None:  # a graph where one fits
+            self.proposer.sync(batch, aux if self._listed else aux[0])
         else:
             self.stats.eager_flushes += 1
-            self.proposer.first_pass(batch, hidden)
+            self.proposer.first_pass(batch, self._per_layer(aux) if self._listed else aux[0])
         for r, s in zip(reqs, spans):
             r.draft_computed = s.start + s.length
+
+    def _per_layer(self, aux: list[torch.Tensor]) -> list[torch.Tensor]:
+        """EAGLE-3's aux states one tensor per layer, as uncaptured target steps give them to the
+        compiled first pass (graphs give them concatenated, [T, n * target_h]): one form only,
+        or Dynamo compiles the first pass again for the other (it guards on ``len(aux)``)."""
+        n = len(self.proposer.draft.config.aux_layer_ids or ())
+        if len(aux) != 1 or n <= 1:
+            return aux
+        return [part.contiguous() for part in aux[0].chunk(n, dim=1)]  # [T, target_h] each
 
     def drop(self) -> None:
         """Forget every deferred row (their requests recompute, or ended)."""

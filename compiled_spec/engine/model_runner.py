@@ -6,7 +6,6 @@ device-to-host copy: the emitted tokens and acceptance counts.
 """
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -31,8 +30,6 @@ from compiled_spec.profile import phase
 from compiled_spec.sampler import apply_filters
 from compiled_spec.spec.proposer import EagleProposer, ProposeBatch
 from compiled_spec.spec.rejection import rejection_sample
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -115,26 +112,13 @@ class ModelRunner:
         self._drafts_k = self.k
         self._synced = None
         self.ahead.clear()
-        if self.deferred is not None:
-            self.flush_deferred("reset")
+        if self.deferred is not None:  # the requests that go on keep their draft KV
+            self.deferred.flush_or_drop("reset")
 
     def flush_deferred(self, why: str) -> None:
-        """Write the draft KV that paused steps deferred (engine/deferred_first_pass.py) before
-        a first pass reads it. Where that raises (after a reset: the step's fault), the rows are
-        dropped: the draft's KV keeps stale entries there, which costs acceptance, never
-        output."""
-        d = self.deferred
-        if d is None or not d.pending:
-            return
-        if why != "reset":
-            d.flush(why)
-            return
-        try:
-            d.flush(why)
-        except Exception as e:  # noqa: BLE001 - the reset must not fail the engine's recovery
-            d.drop()
-            log.warning("deferred draft first pass dropped on reset: %s: %s",
-                        type(e).__name__, e)
+        """Write the draft KV that paused steps deferred, before a first pass reads it."""
+        if self.deferred is not None:
+            self.deferred.flush(why)
 
     @property
     def paused(self) -> bool:
@@ -153,7 +137,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, reqs: list[Request], num_new: list[int]) -> StepOutput:
         # The verify an early step launched for this batch (engine/verify_ahead.py), if it fits.
-        if self.deferred is not None and not self.paused:
+        if not self.paused:
             self.flush_deferred("draft")  # this step drafts: its first pass reads that KV
         ahead = self.ahead.take(reqs, num_new)
         logit_rows = None  # with a launch taken for some of its requests: theirs (see Ahead)

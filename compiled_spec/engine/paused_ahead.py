@@ -10,11 +10,13 @@ first pass and the next decode. Pausing could then never bring an EAGLE engine t
 speed, where drafting does not pay.
 
 What has to come first: the draft's first pass over this step's token (``EagleProposer.sync``,
-which keeps the draft's KV complete for when drafting resumes). It reads this step's target
-states, which the next decode's replay overwrites (graph memory, and the propose graph's fc
-buffer that its ``precombine`` rewrites). So the sync graph replays here, its token ids copied
-from the device argmax into its input buffer, and the decode is launched behind it. The
-engine's ``propose`` then skips the sync it would have run (``ModelRunner._synced``).
+which keeps the draft's KV complete for when drafting resumes), or its deferral
+(engine/deferred_first_pass.py: the step's aux rows copied into a ring, the default). Both
+read this step's target states, which the next decode's replay overwrites (graph memory, and
+the propose graph's fc buffer that its ``precombine`` rewrites). So the copy, or the sync
+graph's replay with its token ids copied from the device argmax into its input buffer, is
+issued here and the decode is launched behind it. The engine's ``propose`` then skips what it
+would have run (``ModelRunner._synced``).
 
 Taken only where the next step is a plain decode of every request, as vanilla's launch:
 greedy, no logprobs, no prompt chunk, nobody at its budget or short of KV, no admission, and a

@@ -1,0 +1,140 @@
+"""Paused steps defer the draft's first pass (compiled_spec/engine/deferred_first_pass.py): the
+output stays vanilla's, the draft's KV and the acceptance stay those of engines whose paused
+steps run the first pass every step, and k + 1 paused steps share one first-pass replay."""
+import pytest
+import torch
+
+from compiled_spec import LLM, SamplingParams
+from compiled_spec.engine.propose_graph import ProposeGraphs
+from compiled_spec.spec.policy import PLAIN, SPEC
+from tests.engine_runs import with_emulated_graphs
+from tests.policy_stub import ModesInTurn
+from tests.spec_models import write_bigram_target, write_mirror_eagle1
+
+PROMPTS = [[3, 7, 1], [5], [9, 2, 4, 4, 8, 1, 2], [11, 12]]
+# Budgets that end requests in the middle of pauses (their deferred rows are dropped)
+PARAMS = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (40, 23, 31, 40)]
+# Pauses longer than two full rings (k = 3: 5 slots), then drafting again
+MODES = [SPEC] * 2 + [PLAIN] * 13
+K = 3
+
+
+@pytest.fixture(scope="module")
+def eagle1_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("deferred")
+    target = write_bigram_target(root / "target", layers=2)
+    return target, write_mirror_eagle1(root / "noisy", target, noise=0.3)
+
+
+def _vanilla(target, tok) -> list[list[int]]:
+    return [o.token_ids for o in LLM(model=target, tokenizer=tok, max_model_len=128)
+            .generate(PROMPTS, PARAMS)]
+
+
+def _run(target, head, tok, defer: bool, ahead: bool, monkeypatch, modes=MODES, **kw):
+    """(outputs, the draft's K rows per request over the positions every first pass has
+    covered by its end, the LLM, run_sync calls, fc calls), emulated graphs."""
+    llm = with_emulated_graphs(LLM(
+        model=target, tokenizer=tok, max_model_len=128, draft=head, num_speculative_tokens=K,
+        speculation_policy="adaptive", verify_ahead=ahead, max_num_seqs=4,
+        defer_paused_first_pass=defer, **kw), k=K)
+    eng = llm.engine
+    eng.stats.policy = ModesInTurn(modes)
+    tables, free = {}, eng.allocator.free
+
+    def keep_table(req_id):
+        tables[req_id] = list(eng.allocator.tables.get(req_id, ()))
+        return free(req_id)
+
+    calls = {"sync": 0, "fc": 0}
+    real_sync, real_fc = ProposeGraphs.run_sync, eng.draft.combine_aux
+
+    def count_sync(self, *a, **k):
+        calls["sync"] += 1
+        return real_sync(self, *a, **k)
+
+    def count_fc(*a, **k):
+        calls["fc"] += 1
+        return real_fc(*a, **k)
+
+    monkeypatch.setattr(ProposeGraphs, "run_sync", count_sync)
+    monkeypatch.setattr(eng.draft, "combine_aux", count_fc)
+    eng.allocator.free = keep_table
+    outs = llm.generate(PROMPTS, PARAMS)
+    page = eng.allocator.page_size
+    k_cache = eng.kv_caches[eng.model.config.num_hidden_layers][0]  # the draft layer's K
+    kv = []
+    for o, p in zip(outs, PROMPTS):
+        n = len(p) + len(o.token_ids) - 12  # a finished request's last rows stay deferred
+        table = tables[o.request_id]
+        kv.append(torch.stack([k_cache[table[q // page], q % page] for q in range(n)]))
+    monkeypatch.undo()
+    return [o.token_ids for o in outs], kv, llm, calls
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_deferred_first_pass_keeps_output_kv_and_acceptance(trained_eagle3_pair,
+                                                            smollm2_gguf_path, monkeypatch,
+                                                            ahead):
+    """EAGLE-3 (the aux states as a list, fc in the flush): late and launched-ahead paused
+    steps. Full rings flush from the first-pass graph, a change to drafting flushes eagerly,
+    requests ending mid-pause drop their rows, and the paused steps issue no fc."""
+    target, head = trained_eagle3_pair
+    want = _vanilla(target, smollm2_gguf_path)
+    ref_ids, ref_kv, ref, ref_calls = _run(target, head, smollm2_gguf_path, False, ahead,
+                                           monkeypatch)
+    ids, kv, llm, calls = _run(target, head, smollm2_gguf_path, True, ahead, monkeypatch)
+    assert ids == ref_ids == want
+    for got, exp in zip(kv, ref_kv):
+        torch.testing.assert_close(got, exp, rtol=1e-5, atol=1e-5)
+    assert llm.stats.spec.accepted_per_position == ref.stats.spec.accepted_per_position
+    assert ref.stats.deferred_first_pass is None
+    st = llm.stats.deferred_first_pass.as_dict()
+    assert st["deferred_steps"] > 20 and st["flush_reasons"]["full"] >= 4, st
+    assert st["flush_reasons"]["draft"] >= 2 and st["dropped_rows"] > 0, st
+    assert st["eager_flushes"] == st["flushes"] - st["flush_reasons"]["full"], st
+    # one first-pass replay per ring and per change of mode, not per paused step
+    assert calls["sync"] < ref_calls["sync"] / 2, (calls, ref_calls)
+    assert calls["fc"] < ref_calls["fc"], (calls, ref_calls)
+    if ahead:
+        assert llm.stats.verify_ahead.taken >= 20, llm.stats.verify_ahead
+    # a flush that would write nothing leaves holes: the check above can fail
+    d = llm.engine.runner.deferred
+    monkeypatch.setattr(type(d), "_flush", lambda self, *a, **k: self.drop())
+    _, holes, _, _ = _run(target, head, smollm2_gguf_path, True, ahead, monkeypatch)
+    assert not all(torch.allclose(h, e, rtol=1e-5, atol=1e-5) for h, e in zip(holes, ref_kv))
+
+
+def test_deferred_first_pass_eagle1_and_preemption(eagle1_pair, smollm2_gguf_path,
+                                                   monkeypatch):
+    """EAGLE-1 (one hidden tensor, no fc), uncaptured: the same output and acceptance with
+    and without deferral, also where a small KV pool preempts requests in the middle of
+    their pauses (their deferred rows are dropped; recompute writes that KV again)."""
+    target, head = eagle1_pair
+    want = _vanilla(target, smollm2_gguf_path)
+    for kw in ({}, {"num_kv_blocks": 9, "page_size": 8}):
+        runs = []
+        for defer in (False, True):
+            llm = LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=128, draft=head,
+                      num_speculative_tokens=K, speculation_policy="adaptive", max_num_seqs=4,
+                      defer_paused_first_pass=defer, **kw)
+            llm.engine.stats.policy = ModesInTurn(MODES)
+            runs.append(([o.token_ids for o in llm.generate(PROMPTS, PARAMS)], llm))
+        (ids_off, off), (ids_on, on) = runs
+        assert ids_on == ids_off == want
+        assert on.stats.spec.accepted_per_position == off.stats.spec.accepted_per_position
+        st = on.stats.deferred_first_pass
+        assert st.deferred_steps > 20 and st.flush_reasons.get("full", 0) > 0, st
+        if kw:
+            assert on.stats.num_preemptions > 0
+            assert on.engine.allocator.num_free == 9
+
+
+def test_defer_option_is_checked(eagle1_pair, smollm2_gguf_path):
+    target, head = eagle1_pair
+    with pytest.raises(ValueError, match="defer_paused_first_pass='yes'"):
+        LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=64, draft=head,
+            speculation_policy="adaptive", defer_paused_first_pass="yes")
+    always = LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=64, draft=head,
+                 speculation_policy="always")
+    assert always.engine.runner.deferred is None  # nothing pauses
