@@ -335,8 +335,8 @@ class ModelRunner:
         if early is not None:  # proposed already, before the acceptance was read
             self.early.finish(early, reqs, accepted, draft)
             return
-        if self.proposer is None or pend is None:
-            return
+        if self.proposer is None or pend is None or synced == "deferred":
+            return  # (deferred ahead: its blocks grown there, its draft KV not yet written)
         by_id = {s.req_id: (s, rs, kd) for s, rs, kd in zip(pend.spans, pend.row_start, pend.num_draft)}
         first_pass, token_ids, hidden_rows, limits, chosen = [], [], [], [], []
         computed: list[int] = []  # each chosen request's draft KV is valid up to here after
@@ -362,7 +362,7 @@ class ModelRunner:
             limits.append(n_tok - 2 + k_next)
             chosen.append(r)
             computed.append(span.start + m)
-        if not chosen or synced == "deferred":
+        if not chosen:
             return
         batch = ProposeBatch(
             first_pass=first_pass, token_ids=token_ids, hidden_rows=hidden_rows, step_limits=limits,

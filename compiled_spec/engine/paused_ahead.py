@@ -50,7 +50,7 @@ def sync_ahead(rn: "ModelRunner", reqs: "list[Request]", num_new: list[int],
         return "paused_no_graph"
     if max(num_new) != 1:
         return "prefill"  # a prompt's last chunk: its first pass spans the chunk
-    first_pass, limits = [], []
+    limits = []
     for r in reqs:
         n_tok = r.num_tokens + 1  # with this step's token
         k_next = min(rn.k, r.kv_limit - n_tok - 1)
@@ -60,14 +60,14 @@ def sync_ahead(rn: "ModelRunner", reqs: "list[Request]", num_new: list[int],
             rn.allocator.grow(r.req_id, min(n_tok + rn.lookahead, rn._grow_cap(r)))
         except KVCacheExhausted:
             return "kv_exhausted"
-        first_pass.append(Span(r.req_id, r.num_computed, 1))
         limits.append(n_tok - 2 + k_next)
     starts = [r.num_computed for r in reqs]
     d = rn.deferred
-    if d is not None and d.defer(reqs, starts, list(row_start), target_hidden) is None:
+    if d is not None and d.defer(reqs, starts, row_start, target_hidden) is None:
         rn._synced = "deferred"  # kept for a later first pass (engine/deferred_first_pass.py)
         return None
     n = len(reqs)
+    first_pass = [Span(r.req_id, p, 1) for r, p in zip(reqs, starts)]
     batch = ProposeBatch(first_pass=first_pass, token_ids=[0] * n,  # ids: from ``tok``
                          hidden_rows=list(row_start), step_limits=limits,
                          temperature=[r.params.temperature for r in reqs],

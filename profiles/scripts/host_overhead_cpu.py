@@ -212,6 +212,8 @@ def measure(name: str, llm: LLM, k: int, batch: int, tokens: int, ops: bool,
         row["early_propose"] = eng.stats.early_propose.as_dict()
     if eng.stats.verify_ahead is not None and eng.stats.verify_ahead.launched:
         row["verify_ahead"] = eng.stats.verify_ahead.as_dict()
+    if eng.stats.deferred_first_pass is not None:
+        row["deferred_first_pass"] = eng.stats.deferred_first_pass.as_dict()
     if ops:
         row["aten_ops_per_step"] = round(sum(counter.ops.values()) / steps, 1)
         row["top_ops"] = {o: round(n / steps, 2) for o, n in counter.ops.most_common(40)}
@@ -257,7 +259,12 @@ def main() -> None:
                     # speculation paused every step (the adaptive policy's PLAIN mode): how
                     # far a paused step's host work is from vanilla's
                     ("eagle3_k5_paused", head, 5, {"speculation_policy": "adaptive",
-                                                   "verify_ahead": True})]
+                                                   "verify_ahead": True}),
+                    # ... with the first pass run every paused step, not deferred (before
+                    # the thirty-ninth session)
+                    ("eagle3_k5_paused_sync", head, 5, {"speculation_policy": "adaptive",
+                                                        "verify_ahead": True,
+                                                        "defer_paused_first_pass": False})]
         if a.trees:  # issue 15: a tree step's host work against the chain's
             t8 = {"speculative_topk": 8, "speculative_num_draft_tokens": 32}
             variants += [("tree_topk4_16", head, 5, {"speculative_topk": 4,
@@ -270,7 +277,7 @@ def main() -> None:
             spec = {"draft": draft, "num_speculative_tokens": k, **extra} if draft else extra
             llm = LLM(model=target, tokenizer=tok, max_model_len=256, max_num_seqs=batch,
                       num_kv_blocks=20 * batch + 8, dtype="float32", **spec)
-            if name.endswith("_paused"):  # a stand-in policy: PLAIN every step
+            if "_paused" in name:  # a stand-in policy: PLAIN every step
                 from compiled_spec.spec.policy import PLAIN
                 from tests.policy_stub import ModesInTurn
 

@@ -301,9 +301,13 @@ mt)
   [ -f "$M" ] || cat ~/m/part0 ~/m/part1 .device/q2/part2 > "$M"
   sha256sum "$M" ;;
 bench)
+  # RANDOM_DRAFT=1: a random EAGLE-3 head of the target's shape (tau near 1: the adaptive
+  # policy pauses, so its rows against vanilla time the paused steps)
+  DARGS=(--draft "${DRAFT:-$(cat ~/best_head 2>/dev/null || echo smollm2-eagle3)}")
+  [ -n "${RANDOM_DRAFT:-}" ] && DARGS=(--random-draft)
   timeout ${LIMIT:-400} python3 -m compiled_spec.cli bench --model "$M" --device ${DEVICE:-cuda} \
     --dtype ${DTYPE:-bfloat16} --prompts $D/question.jsonl --num-prompts ${NUM_PROMPTS:-5} --max-tokens 256 \
-    --batch-sizes ${BATCHES:-1} --draft "${DRAFT:-$(cat ~/best_head 2>/dev/null || echo smollm2-eagle3)}" -k ${K:-5} \
+    --batch-sizes ${BATCHES:-1} "${DARGS[@]}" -k ${K:-5} \
     --waves ${WAVES:-1} \
     --variants ${VARIANTS:-ours_vanilla_compiled ours_eagle_compiled} --out-dir ~/bench "${@:2}" \
     ${AUTOTUNE:+--autotune-gemm} ${SKINNY:+--skinny-gemm} ${PRECOMPILE:+--precompile} ${PDL:+--pdl} ${AB:+--ab $AB} \
