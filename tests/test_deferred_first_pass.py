@@ -138,3 +138,51 @@ def test_defer_option_is_checked(eagle1_pair, smollm2_gguf_path):
     always = LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=64, draft=head,
                  speculation_policy="always")
     assert always.engine.runner.deferred is None  # nothing pauses
+
+
+def test_faults_in_paused_steps_and_flushes_leave_outputs_exact(bigram_eagle3,
+                                                               smollm2_gguf_path):
+    """A step that raises in the middle of a pause (and a flush that raises) is retried as
+    any faulty step: the runner's reset writes or drops the deferred rows, every request
+    still gets vanilla's tokens and every block is freed."""
+    from compiled_spec.engine.deferred_first_pass import DeferredFirstPass
+
+    target, head = bigram_eagle3
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    sp = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    want = [o.token_ids for o in LLM(model=target, tokenizer=smollm2_gguf_path,
+                                     max_model_len=64).generate(prompts, sp)]
+    for where in ("execute", "flush"):
+        llm = LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=64, draft=head,
+                  num_speculative_tokens=K, speculation_policy="adaptive", page_size=4)
+        eng = llm.engine
+        eng.stats.policy = ModesInTurn([SPEC] + [PLAIN] * 12)
+        d = eng.runner.deferred
+        calls = [0]
+        if where == "execute":
+            orig = eng.runner.execute
+
+            def execute(reqs, *a):
+                calls[0] += 1
+                if calls[0] == 9:  # deferred rows pending
+                    assert d.pending
+                    raise RuntimeError("injected")
+                return orig(reqs, *a)
+
+            eng.runner.execute = execute
+        else:
+            orig = DeferredFirstPass._flush
+
+            def flush(self, *a, **k):
+                calls[0] += 1
+                if calls[0] == 1:
+                    raise RuntimeError("flush broke")
+                return orig(self, *a, **k)
+
+            d._flush = flush.__get__(d)
+        outs = llm.generate(prompts, sp)
+        assert [o.token_ids for o in outs] == want, where
+        assert llm.stats.num_step_faults >= 1 and calls[0] > 1, where
+        a = eng.allocator
+        assert a.num_free == a.num_blocks and not a.tables
+        assert llm.stats.deferred_first_pass.deferred_steps > 0
