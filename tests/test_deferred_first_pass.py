@@ -109,23 +109,30 @@ def test_deferred_first_pass_eagle1_and_preemption(eagle1_pair, smollm2_gguf_pat
                                                    monkeypatch):
     """EAGLE-1 (one hidden tensor, no fc), uncaptured: the same output and acceptance with
     and without deferral, also where a small KV pool preempts requests in the middle of
-    their pauses (their deferred rows are dropped; recompute writes that KV again)."""
+    their pauses (their deferred rows are dropped; recompute writes that KV again), and with
+    the prefix cache (a block is registered once its draft KV is written)."""
     target, head = eagle1_pair
     want = _vanilla(target, smollm2_gguf_path)
-    for kw in ({}, {"num_kv_blocks": 9, "page_size": 8}):
+    for kw in ({}, {"num_kv_blocks": 9, "page_size": 8},
+               {"enable_prefix_caching": True, "page_size": 4}):
         runs = []
         for defer in (False, True):
             llm = LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=128, draft=head,
                       num_speculative_tokens=K, speculation_policy="adaptive", max_num_seqs=4,
                       defer_paused_first_pass=defer, **kw)
             llm.engine.stats.policy = ModesInTurn(MODES)
-            runs.append(([o.token_ids for o in llm.generate(PROMPTS, PARAMS)], llm))
+            ids = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
+            if "enable_prefix_caching" in kw:  # again: blocks registered only once their
+                # draft KV is written (draft_computed) are matched now
+                assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == ids
+                assert llm.stats.num_cached_tokens > 0
+            runs.append((ids, llm))
         (ids_off, off), (ids_on, on) = runs
         assert ids_on == ids_off == want
         assert on.stats.spec.accepted_per_position == off.stats.spec.accepted_per_position
         st = on.stats.deferred_first_pass
         assert st.deferred_steps > 20 and st.flush_reasons.get("full", 0) > 0, st
-        if kw:
+        if "num_kv_blocks" in kw:
             assert on.stats.num_preemptions > 0
             assert on.engine.allocator.num_free == 9
 
