@@ -14,22 +14,20 @@ import numpy as np
 import torch
 
 from capture.host_stage import HostBatch
-from compiled_spec.engine.batch import (Span, build_host_batch, build_sampling_tensors,
-                                        greedy_accept, host_batch_to_device, to_device,
-                                        verify_logits)
+from compiled_spec.engine.batch import (Span, build_host_batch, greedy_accept,
+                                        host_batch_to_device, to_device, verify_logits)
 from compiled_spec.engine.deferred_first_pass import DeferredFirstPass
 from compiled_spec.engine.early_propose import EarlyPropose, EarlyStep, HostCopy
 from compiled_spec.engine.host_clock import GpuIdleProbe, HostClock
 from compiled_spec.engine.logprobs import gather_logprobs
 from compiled_spec.engine.paused_ahead import sync_ahead
 from compiled_spec.engine.request import Request
+from compiled_spec.engine.sampled_accept import sampled_accept
 from compiled_spec.engine.verify_ahead import VerifyAhead
 from compiled_spec.kv_cache import BlockAllocator, KVCacheExhausted
 from compiled_spec.models.decoder import CausalLM
 from compiled_spec.profile import phase
-from compiled_spec.sampler import apply_filters
 from compiled_spec.spec.proposer import EagleProposer, ProposeBatch
-from compiled_spec.spec.rejection import rejection_sample
 
 
 @dataclass
@@ -261,8 +259,7 @@ class ModelRunner:
                 num_new: list[int], row_start: list[int],
                 target_hidden: torch.Tensor | list[torch.Tensor]) -> list[list[int]]:
         """Greedy or rejection sampling; one device-to-host copy of the results."""
-        B, K1, V = logits.shape
-        kmax = K1 - 1
+        kmax = logits.shape[1] - 1  # [B, K+1, V]
         greedy = all(r.params.greedy for r in reqs)  # host-known: no sampling tensors needed
         if greedy and kmax == 0:  # vanilla greedy decode: the argmax is the whole step
             tok = logits[:, 0].argmax(dim=-1)  # [B]
@@ -278,18 +275,7 @@ class ModelRunner:
             self.ahead.skip("sampling")
         if greedy:
             return self._greedy_accept_host(reqs, logits.argmax(dim=-1), num_draft)
-        k_t = to_device(num_draft, self.device)  # [B]
-        drafts = self._gather_drafts(reqs, kmax)  # [B, K]
-        st = build_sampling_tensors(reqs, self.device, repeat=kmax + 1)
-        probs = apply_filters(logits.view(B * (kmax + 1), V), st).view(B, kmax + 1, V)
-        seeds = st.seeds.view(B, kmax + 1)[:, 0]
-        positions0 = to_device([r.num_tokens for r in reqs], self.device)
-        out, n_acc = rejection_sample(probs, drafts, k_t, seeds, positions0,
-                                      self._gather_draft_probs(reqs, kmax))
-        if kmax == 0:  # nothing to accept (n_acc is 0): the sampled token is the whole row
-            return [[t] for t in self.to_host(out.reshape(-1))]
-        packed = self.to_host(torch.cat([n_acc[:, None], out], dim=1))  # the step's one D2H copy
-        return [row[1:2 + row[0]] for row in packed]
+        return sampled_accept(self, reqs, logits, num_draft)
 
     def _greedy_accept_host(self, reqs: list[Request], target: torch.Tensor,  # [B, K+1]
                             num_draft: list[int]) -> list[list[int]]:
@@ -305,18 +291,6 @@ class ModelRunner:
             base = self._draft_row.get(r.req_id, 0) * width
             out.append(greedy_accept(flat[i * k1:(i + 1) * k1], drafts[base:base + k_i], k_i))
         return out
-
-    def _gather_drafts(self, reqs: list[Request], kmax: int) -> torch.Tensor:
-        if kmax == 0:
-            return torch.zeros((len(reqs), 0), dtype=torch.int64, device=self.device)
-        idx = to_device([self._draft_row.get(r.req_id, 0) for r in reqs], self.device)
-        return self._drafts[idx, :kmax]
-
-    def _gather_draft_probs(self, reqs: list[Request], kmax: int) -> torch.Tensor | None:
-        if self._draft_probs is None or kmax == 0:
-            return None
-        idx = to_device([self._draft_row.get(r.req_id, 0) for r in reqs], self.device)
-        return self._draft_probs[idx, :kmax]
 
     @torch.inference_mode()
     def propose(self, reqs: list[Request], accepted: dict[int, int], draft: bool = True) -> None:

@@ -1,0 +1,46 @@
+"""A late step's acceptance when some request samples (temperature > 0): rejection sampling of
+the verified drafts against the target's filtered distribution, on the device, with the
+step's one device-to-host copy of the results (``ModelRunner._accept``'s sampled branch)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from compiled_spec.engine.batch import build_sampling_tensors, to_device
+from compiled_spec.engine.request import Request
+from compiled_spec.sampler import apply_filters
+from compiled_spec.spec.rejection import rejection_sample
+
+if TYPE_CHECKING:
+    from compiled_spec.engine.model_runner import ModelRunner
+
+
+def sampled_accept(rn: "ModelRunner", reqs: list[Request],
+                   logits: torch.Tensor,  # [B, K+1, V]
+                   num_draft: list[int]) -> list[list[int]]:
+    """Per request: its accepted drafts, then the token sampled after them."""
+    B, K1, V = logits.shape
+    kmax = K1 - 1
+    k_t = to_device(num_draft, rn.device)  # [B]
+    st = build_sampling_tensors(reqs, rn.device, repeat=kmax + 1)
+    probs = apply_filters(logits.view(B * (kmax + 1), V), st).view(B, kmax + 1, V)
+    seeds = st.seeds.view(B, kmax + 1)[:, 0]
+    positions0 = to_device([r.num_tokens for r in reqs], rn.device)
+    drafts, q = _last_proposal(rn, reqs, kmax)
+    out, n_acc = rejection_sample(probs, drafts, k_t, seeds, positions0, q)
+    if kmax == 0:  # nothing to accept (n_acc is 0): the sampled token is the whole row
+        return [[t] for t in rn.to_host(out.reshape(-1))]
+    packed = rn.to_host(torch.cat([n_acc[:, None], out], dim=1))  # the step's one D2H copy
+    return [row[1:2 + row[0]] for row in packed]
+
+
+def _last_proposal(rn: "ModelRunner", reqs: list[Request], kmax: int
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each request's row of the last proposal: drafts [B, kmax] and, when drafts were sampled,
+    their probabilities [B, kmax, V] (else None)."""
+    if kmax == 0:
+        return torch.zeros((len(reqs), 0), dtype=torch.int64, device=rn.device), None
+    idx = to_device([rn._draft_row.get(r.req_id, 0) for r in reqs], rn.device)
+    q = None if rn._draft_probs is None else rn._draft_probs[idx, :kmax]
+    return rn._drafts[idx, :kmax], q
