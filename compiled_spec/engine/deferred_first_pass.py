@@ -101,16 +101,19 @@ class DeferredFirstPass:
         self.stats = DeferredStats()
 
     def _ring_for(self, aux: list[torch.Tensor], listed: bool) -> list[torch.Tensor] | None:
-        """The ring, made at the first deferral from the aux states' widths and dtype; None when
-        these aux states do not fit it."""
+        """The ring, made at the first deferral from the aux states' widths and dtype (again when
+        they change and nothing is pending: the engine switched between graphs, which hand
+        them concatenated, and eager steps); None when they do not fit it."""
         shape = [(h.shape[1], h.dtype, h.device) for h in aux]
-        if self.ring is None:
-            self._listed = listed
-            self.ring = [torch.empty(self.slots * self.cap, w, dtype=dt, device=dev)
-                         for w, dt, dev in shape]
-        if listed != self._listed or [(h.shape[1], h.dtype, h.device)
-                                      for h in self.ring] != shape:
+        fits = (self.ring is not None and listed == self._listed
+                and [(h.shape[1], h.dtype, h.device) for h in self.ring] == shape)
+        if fits:
+            return self.ring
+        if self.pending:
             return None
+        self._listed = listed
+        self.ring = [torch.empty(self.slots * self.cap, w, dtype=dt, device=dev)
+                     for w, dt, dev in shape]
         return self.ring
 
     def defer(self, reqs: "list[Request]", starts: list[int], rows: list[int],
