@@ -1,7 +1,7 @@
 """Paused steps defer the draft's first pass (issue 16): while the adaptive policy pauses
 speculation, a steady step keeps its target's aux states in a small ring instead of running
-the draft's first pass over its one new position; every ``depth`` steps (and before any
-other first pass) one first pass writes the draft KV of all the deferred positions at once.
+the draft's first pass over its one new position; once ``depth`` steps wait (and before any
+other first pass) one first pass writes the draft KV of the deferred positions at once.
 
 Why: a paused step ran the draft's first pass every step, to keep the draft's KV complete
 for when drafting resumes. On the H100 (thirty-sixth session, ``adaptive.json``) paused steps
@@ -9,8 +9,9 @@ launched ahead cost 0.98 / 1.10 / 1.42 ms against vanilla's 0.77 / 0.95 / 1.06 m
 1 / 16 / 64: where drafting does not pay, pausing still left the engine up to 1.34x slower
 than vanilla. The first pass's graph is captured for ``k + 1`` rows per request (a drafting
 step's accepted positions), so a paused step's one row paid for ``k + 1`` padded ones, plus
-the host's staging; here ``k + 1`` paused steps share one such replay, and each pays three
-device-to-device copies of its aux rows.
+the host's staging; here ``k + 1`` paused steps share one such replay, and each pays a
+device-to-device copy of its aux rows (one tensor under graphs, which concatenate the aux
+layers; one per layer on eager steps).
 
 Exact by construction: the draft's KV at a position depends on that position's token and
 target state and on the KV before it (causal), so one first pass over ``c`` consecutive
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
     from compiled_spec.spec.proposer import EagleProposer
 
 log = logging.getLogger(__name__)
+
 
 @dataclass
 class DeferredStats:
