@@ -160,7 +160,7 @@ def test_speculative_samples_follow_the_target_distribution(bigram, smollm2_gguf
 
     # The same test catches a sampler that emits the draft's guess more often than it should
     # (recovering from p instead of normalize(max(p - q, 0))).
-    import compiled_spec.engine.model_runner as mr
+    import compiled_spec.engine.sampled_accept as mr
 
     real = mr.rejection_sample
 

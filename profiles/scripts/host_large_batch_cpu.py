@@ -42,7 +42,7 @@ from capture import CapturePolicy  # noqa: E402
 from capture.emulate import EmulatedGraph  # noqa: E402
 from compiled_spec import LLM, SamplingParams  # noqa: E402
 from compiled_spec.compile import CompileConfig, capture_graphs, compile_models  # noqa: E402
-from compiled_spec.engine import model_runner  # noqa: E402
+from compiled_spec.engine import sampled_accept  # noqa: E402
 
 # Model compute is not the subject: attention returns zeros (the op's CPU body looks the
 # reference up at call time), and what forward time remains is timed and subtracted.
@@ -74,8 +74,8 @@ def _timed(fn):
 
 # Sampling's tensor math (filters, the k = 0 rejection sample) is a few kernels on the GPU but real
 # compute here: timed as model work too. Building its inputs on the host stays host time.
-model_runner.apply_filters = _timed(model_runner.apply_filters)
-model_runner.rejection_sample = _timed(model_runner.rejection_sample)
+sampled_accept.apply_filters = _timed(sampled_accept.apply_filters)
+sampled_accept.rejection_sample = _timed(sampled_accept.rejection_sample)
 
 
 def tokenizer_dir() -> str:
