@@ -96,7 +96,9 @@ class DeferredFirstPass:
         self.cap = cap  # rows of one step the ring holds (a step's target rows)
         self.slots = depth + 1  # the newest step stays while the others flush
         self.ring: list[torch.Tensor] | None = None  # per aux layer [slots * cap, width]
-        self._listed = True  # EAGLE-3 hands its aux states as a list, EAGLE-1 one tensor
+        # (listed, per aux tensor (width, dtype, device)) the ring was made for: EAGLE-3 hands
+        # its aux states as a list, EAGLE-1 one tensor
+        self._key: tuple[bool, list[tuple[int, torch.dtype, torch.device]]] | None = None
         self.next_slot = 0
         self.live = 0  # slots holding rows not yet written
         self.pending: dict[int, _Rows] = {}  # req_id -> its deferred rows
@@ -106,16 +108,14 @@ class DeferredFirstPass:
         """The ring, made at the first deferral from the aux states' widths and dtype (again when
         they change and nothing is pending: the engine switched between graphs, which hand
         them concatenated, and eager steps); None when they do not fit it."""
-        shape = [(h.shape[1], h.dtype, h.device) for h in aux]
-        fits = (self.ring is not None and listed == self._listed
-                and [(h.shape[1], h.dtype, h.device) for h in self.ring] == shape)
-        if fits:
+        key = (listed, [(h.shape[1], h.dtype, h.device) for h in aux])
+        if key == self._key:
             return self.ring
         if self.pending:
             return None
-        self._listed = listed
+        self._key = key
         self.ring = [torch.empty(self.slots * self.cap, w, dtype=dt, device=dev)
-                     for w, dt, dev in shape]
+                     for w, dt, dev in key[1]]
         return self.ring
 
     def defer(self, reqs: "list[Request]", starts: list[int], rows: list[int],
@@ -128,8 +128,8 @@ class DeferredFirstPass:
         n_rows = aux[0].shape[0]  # [T, width]: the target forward's rows, all copied
         if n_rows > self.cap:
             return self._not("rows")
-        for r, p in zip(reqs, starts):
-            d = self.pending.get(r.req_id)
+        ds = [self.pending.get(r.req_id) for r in reqs]
+        for r, p, d in zip(reqs, starts, ds):
             if (p != r.draft_computed if d is None
                     else p != d.start + len(d.rows) or d.req is not r):
                 return self._not("not_consecutive")  # a first pass must cover the gap first
@@ -141,8 +141,7 @@ class DeferredFirstPass:
             h[base:base + n_rows].copy_(src)
         self.next_slot = (self.next_slot + 1) % self.slots
         self.live += 1
-        for r, p, row in zip(reqs, starts, rows):
-            d = self.pending.get(r.req_id)
+        for r, p, row, d in zip(reqs, starts, rows, ds):
             if d is None:
                 self.pending[r.req_id] = _Rows(r, p, [base + row])
             else:
@@ -192,12 +191,13 @@ class DeferredFirstPass:
         self.live = 0
         spans, tokens, ring_rows, reqs = [], [], [], []
         for d in pending.values():
-            keep = 1 if newest is not None and newest <= d.rows[-1] < newest + self.cap else 0
             c = self._live(d)
-            if keep and c == len(d.rows):
-                c -= 1  # (the late path has read the newest step's token already)
-            kept = keep and c + 1 == len(d.rows)  # its newest row waits for the next flush
+            # Its newest row waits for the next flush, if it is in the newest slot and live
+            # (the late path has read that step's token already: live, but kept all the same).
+            kept = (newest is not None and newest <= d.rows[-1] < newest + self.cap
+                    and c >= len(d.rows) - 1)
             if kept:
+                c = len(d.rows) - 1
                 self.pending[d.req.req_id] = _Rows(d.req, d.start + c, d.rows[c:])
             self.stats.dropped_rows += len(d.rows) - c - kept
             if c == 0:
@@ -216,16 +216,17 @@ class DeferredFirstPass:
         self.stats.flushed_rows += len(ring_rows)
         idx = to_device(ring_rows, self.ring[0].device)
         aux = [h.index_select(0, idx) for h in self.ring]  # [T, width] in the batch's order
+        listed = self._key[0]
         batch = ProposeBatch(first_pass=spans, token_ids=tokens,
                              hidden_rows=list(range(len(ring_rows))),
                              step_limits=[s.start + s.length - 1 for s in spans],
                              temperature=[r.params.temperature for r in reqs],
                              seeds=[r.seed for r in reqs])
         if newest is not None:  # a graph where one fits
-            self.proposer.sync(batch, aux if self._listed else aux[0])
+            self.proposer.sync(batch, aux if listed else aux[0])
         else:
             self.stats.eager_flushes += 1
-            self.proposer.first_pass(batch, self._per_layer(aux) if self._listed else aux[0])
+            self.proposer.first_pass(batch, self._per_layer(aux) if listed else aux[0])
         for r, s in zip(reqs, spans):
             r.draft_computed = s.start + s.length
 

@@ -43,8 +43,8 @@ import torch
 from capture import (CapturePolicy, GraphRegistry, GraphRunner, LiveBatch, StaticBuffers,
                      decode_sizes, verify_sizes)
 from capture.emulate import EmulatedGraphRunner
-from capture.pad import as_static
 from capture.host_stage import HostBatch
+from capture.pad import as_static
 from compiled_spec.attention_metadata import AttentionMetadata
 from compiled_spec.engine.batch import host_batch_to_device
 from compiled_spec.engine.model_runner import ModelRunner

@@ -265,7 +265,7 @@ class ModelRunner:
             tok = logits[:, 0].argmax(dim=-1)  # [B]
             if self.ahead.enabled and self.k == 0:  # the next decode launched from it first
                 return [[t] for t in self.to_host(self.ahead.decode(reqs, num_new, tok))]
-            if self.ahead.enabled and self.early is not None and self.early.paused:
+            if self.ahead.enabled and self.paused:
                 # ... and with speculation paused, after the draft's first pass run from it
                 first = lambda: sync_ahead(self, reqs, num_new, tok, row_start,  # noqa: E731
                                            target_hidden)
