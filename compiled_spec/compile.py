@@ -27,7 +27,7 @@ import torch.fx.experimental._config  # noqa: F401  (patched per call: use_duck_
 from capture import CapturePolicy
 from compiled_spec.compile_config import CompileConfig
 from compiled_spec.compile_guard import CompileGuard
-from compiled_spec.engine.graphs import EngineGraphs
+from compiled_spec.engine.graphs import EngineGraphs, by_rows
 from compiled_spec.engine.model_runner import ModelRunner
 from compiled_spec.gemm_policy import SkinnyChoice, resolve_skinny
 from compiled_spec.own_code import own_code
@@ -179,14 +179,23 @@ def compile_models(runner: ModelRunner, cfg: CompileConfig,
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     skinny = resolve_skinny(cfg.skinny_gemm, cfg.skinny_gemm_layer, runner.model)
     asked_pdl = cfg.pdl
-    pdl = resolve_pdl(asked_pdl, runner.device, skinny.layer, max_decode_rows)
-    cfg = replace(cfg, pdl=pdl.on)  # resolved: Inductor's config, our launches, cache keys
+    pdl = resolve_pdl(asked_pdl, runner.device, skinny.layer, max_decode_rows, cfg.pdl_narrow)
+    # Resolved: Inductor's config, our launches, cache keys. With PDL for narrow calls only,
+    # the target compiled without it serves the wide ones, a second compile (``narrow_cfg``)
+    # the rest (EngineGraphs picks by rows).
+    cfg = replace(cfg, pdl=pdl.on and pdl.max_rows is None, pdl_narrow=False)
+    narrow_cfg = replace(cfg, pdl=True) if pdl.on and pdl.max_rows is not None else None
     backend = functools.partial(make_backend, inductor=cfg.inductor,
                                 inductor_config=inductor_config(cfg))
     eager: dict[str, Any] = {"target": runner.target_fn}
     fusions = {"skinny_gemm": skinny.gemm, "skinny_layer": skinny.layer,
                "skinny_norms": cfg.skinny_gemm_norms}
     backends = {"target": backend(hoist_fc=False, per_layer_metadata=False, **fusions)}
+    if narrow_cfg is not None:
+        backends["target_pdl"] = make_backend(inductor=cfg.inductor,
+                                              inductor_config=inductor_config(narrow_cfg),
+                                              hoist_fc=False, per_layer_metadata=False,
+                                              **fusions)
     prop = runner.proposer
     # The draft's callables take the target's fusions unless told not to (nothing to fuse when
     # the target's resolved off: 8B-sized weights, fp32, the CPU without skinny_gemm=True).
@@ -206,6 +215,7 @@ def compile_models(runner: ModelRunner, cfg: CompileConfig,
         # Everything outside the module that shapes its graph (the module's own config, dtype
         # and device are read from it); k changes the verify's token counts (dynamic anyway).
         parts = {"k": getattr(prop, "k", 0), **asdict(cfg), "pdl_draft": dcfg.pdl,
+                 "pdl_max_rows": pdl.max_rows,
                  "skinny_gemm": skinny.gemm, "skinny_gemm_layer": skinny.layer}
         parts.pop("cache_dir")  # where the file lives, not what it holds
         parts.pop("precompile")  # None (the CUDA default) and True save the same artifacts
@@ -219,6 +229,9 @@ def compile_models(runner: ModelRunner, cfg: CompileConfig,
 
     compiled: dict[str, Any] = {"target": compile_callable(runner.model, backends["target"], cfg,
                                                            pre("target"))}
+    if narrow_cfg is not None:
+        compiled["target_pdl"] = compile_callable(runner.model, backends["target_pdl"],
+                                                  narrow_cfg, pre("target_pdl"))
     if prop is not None:
         eager.update(first_pass=prop.first_pass_fn, step=prop.step_fn)
         backends["draft_first_pass"] = dbackend(hoist_fc=True, **dk)
@@ -260,8 +273,8 @@ def capture_graphs(runner: ModelRunner, models: CompiledModels, policy: CaptureP
     route the engine through the graphs from now on while compiled mode is on. ``emulate``:
     CPU stand-ins for CUDA graphs (tests)."""
     use_compiled(runner, models, True)
-    graphs = EngineGraphs(runner, models.compiled["target"], policy, page_size, strict,
-                          emulate)
+    # (runner.target_fn: the compiled target, or the two picked by rows, see use_compiled)
+    graphs = EngineGraphs(runner, runner.target_fn, policy, page_size, strict, emulate)
     graphs.capture()
     models.graphs = graphs
     _route(runner, models, True)
@@ -275,6 +288,8 @@ def use_compiled(runner: ModelRunner, models: CompiledModels, on: bool) -> None:
     """Route the engine through the compiled (on) or eager (off) callables."""
     fns = models.compiled if on else models.eager
     runner.target_fn = fns["target"]
+    if on and "target_pdl" in fns and models.pdl is not None and models.pdl.max_rows:
+        runner.target_fn = by_rows(fns["target"], fns["target_pdl"], models.pdl.max_rows)
     if runner.proposer is not None:
         runner.proposer.first_pass_fn = fns["first_pass"]
         runner.proposer.step_fn = fns["step"]

@@ -62,8 +62,17 @@ class CompileConfig:
     # predecessor drains and waits on-device for its inputs. With the fused layer, SmolLM2's
     # vanilla batch 1 went from 0.98 to 0.78 ms/token on the H200, but EAGLE-3's 96-row verify
     # got slower (thirtieth session). None = decided per engine and model (pdl_policy.py: on
-    # with the fused layer when the model's widest decode call is at most 64 rows).
+    # with the fused layer when the model's widest decode call is at most 64 rows, and on
+    # the narrow calls of a wider engine, see pdl_narrow).
     pdl: bool | None = None
+    # An engine whose widest decode call passes 64 rows compiles its target a second time
+    # with PDL for the graphs of at most 64 rows (decode, small verifies, short prompts) and
+    # keeps the wide ones without: its batch-1 and paused steps then run as fast as a vanilla
+    # engine's (vanilla batch 1: 0.764 ms/token with PDL against an EAGLE-3 engine's paused
+    # 0.935 ms without, H100, fortieth session). Costs one target compile at a cold start.
+    # None = where pdl resolves on (auto) and the engine is wide; True = also with pdl=True;
+    # False = never (one target compile: PDL on every call or on none).
+    pdl_narrow: bool | None = None
     # One-sequence prompt steps of up to this many query tokens replay CUDA graphs padded to
     # 16, 32, ... tokens (capture.policy.prefill_sizes); 0 = none. Why: without a graph a
     # prompt step was host-bound at 15-40 ms on the H200 (SmolLM2: ~360 launches through
@@ -97,6 +106,11 @@ class CompileConfig:
         if self.pdl is not None and not isinstance(self.pdl, bool):
             raise ValueError(f"CompileConfig.pdl={self.pdl!r}: a bool, or None (decided per "
                              "engine)")
+        if self.pdl_narrow is not None and not isinstance(self.pdl_narrow, bool):
+            raise ValueError(f"CompileConfig.pdl_narrow={self.pdl_narrow!r}: a bool, or None "
+                             "(narrow calls of a wide engine get PDL where PDL is auto)")
+        if self.pdl_narrow and self.pdl is False:
+            raise ValueError("CompileConfig.pdl_narrow=True needs pdl True or None")
         if self.precompile is not None and not isinstance(self.precompile, bool):
             raise ValueError(f"CompileConfig.precompile={self.precompile!r}: a bool, or None "
                              "(on for CUDA engines)")

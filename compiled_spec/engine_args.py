@@ -15,7 +15,7 @@ import argparse
 COMPILE_FLAGS: dict[str, bool | None] = {
     "autotune_gemm": False, "skinny_gemm": None, "skinny_gemm_layer": None,
     "skinny_gemm_norms": False, "skinny_gemm_draft": None, "skinny_gemm_wide": False,
-    "precompile": None, "pdl": None}
+    "precompile": None, "pdl": None, "pdl_narrow": None}
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -70,6 +70,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    "kernels; default: on with the fused layer when the widest decode call, "
                    "max_num_seqs x rows per request, is at most 64 rows; the target and the "
                    "draft decide by their own)")
+    p.add_argument("--pdl-narrow", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --compile: an engine whose widest decode call passes 64 rows "
+                   "compiles its target twice, with PDL for the graphs of at most 64 rows "
+                   "(decode, small verifies) and without for the wider ones (default: where "
+                   "--pdl is left to the engine; --no-pdl-narrow: one target compile)")
     p.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=None,
                    help="with --compile: save the target's compiled result (torch's aot_compile) "
                    "in the compile cache and load it on later starts instead of tracing "

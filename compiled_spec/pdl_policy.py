@@ -11,10 +11,14 @@ with the fused layer (``gemm_policy.py``), bf16:
 - the Llama-3.1-8B shape's fused layer lost with it (T = 4: 6.48 vs 5.50 ms); its default
   (cuBLAS, no fused layer) has not been measured with PDL.
 So the default is on only where it measured faster: CUDA on Hopper or newer, the fused layer
-on, and an engine whose widest decode call (``max_num_seqs`` x rows per request) stays within
-``PDL_MAX_ROWS``. One engine compiles one target for all its batch sizes, so the choice is per
-engine and model, by its widest call: the target's is the verify, the draft's its first pass
-(or a tree's expansions), so a tree engine whose verify is too wide keeps PDL on its draft.
+on, and calls of at most ``PDL_MAX_ROWS`` rows. Inductor's half is a compile option, so an
+engine whose widest decode call (``max_num_seqs`` x rows per request) stays within that bound
+compiles one target with PDL; a wider one compiles its target twice (``CompileConfig.
+pdl_narrow``): with PDL for the graphs of at most ``PDL_MAX_ROWS`` rows, without for the rest
+(``PdlChoice.max_rows``). Without that split an EAGLE-3 engine of 64 requests ran every step
+without PDL, its paused steps at batch 1 0.935 ms against a vanilla engine's 0.764 (H100,
+fortieth session). The draft decides by its own widest call (its first pass, or a tree's
+expansions), with no split: a tree engine whose verify is too wide keeps PDL on its draft.
 """
 from __future__ import annotations
 
@@ -29,6 +33,9 @@ from kernels.dispatch import PDL_MAX_ROWS
 class PdlChoice:
     on: bool
     why: str  # what decided it (engine stats: ``compile_stats["pdl"]``)
+    # With ``on``: PDL only for graphs whose calls have at most this many rows (a second
+    # compile of the target serves them); None: every call.
+    max_rows: int | None = None
 
 
 def inductor_has_pdl() -> bool:
@@ -38,8 +45,10 @@ def inductor_has_pdl() -> bool:
 
 
 def pdl_auto(device_type: str, capability: tuple[int, int] | None, inductor_pdl: bool,
-             fused_layer: bool, max_decode_rows: int | None) -> PdlChoice:
-    """The default for one engine (a pure function of what it is given)."""
+             fused_layer: bool, max_decode_rows: int | None, narrow: bool = False
+             ) -> PdlChoice:
+    """The default for one engine (a pure function of what it is given). ``narrow``: a wide
+    engine may take PDL on its narrow calls (``CompileConfig.pdl_narrow``)."""
     if device_type != "cuda":
         return PdlChoice(False, f"auto: off on {device_type} (PDL is a CUDA launch attribute)")
     if capability is None or capability < (9, 0):
@@ -53,6 +62,10 @@ def pdl_auto(device_type: str, capability: tuple[int, int] | None, inductor_pdl:
                                 "it; the 8B shape's default layer is unmeasured with PDL)")
     if max_decode_rows is None:
         return PdlChoice(False, "auto: off, the engine's widest decode call is not known")
+    if max_decode_rows > PDL_MAX_ROWS and narrow:
+        return PdlChoice(True, f"auto: on for calls of <= {PDL_MAX_ROWS} rows, off for wider "
+                               f"(widest decode call {max_decode_rows}; a 96-row verify "
+                               "measured slower with PDL)", max_rows=PDL_MAX_ROWS)
     if max_decode_rows > PDL_MAX_ROWS:
         return PdlChoice(False, f"auto: off, widest decode call {max_decode_rows} rows > "
                                 f"{PDL_MAX_ROWS} (a 96-row verify measured slower with PDL)")
@@ -61,9 +74,18 @@ def pdl_auto(device_type: str, capability: tuple[int, int] | None, inductor_pdl:
 
 
 def resolve_pdl(pdl: bool | None, device: torch.device, fused_layer: bool,
-                max_decode_rows: int | None) -> PdlChoice:
-    """``CompileConfig.pdl`` with None resolved for an engine on ``device``."""
-    if pdl is not None:
-        return PdlChoice(pdl, f"set: pdl={pdl}")
+                max_decode_rows: int | None, narrow: bool | None = False) -> PdlChoice:
+    """``CompileConfig.pdl`` with None resolved for an engine on ``device``; ``narrow``:
+    ``CompileConfig.pdl_narrow`` (None: as pdl=None decides; True: with pdl=True too)."""
+    if pdl is False:
+        return PdlChoice(False, "set: pdl=False")
+    if pdl:
+        wide = max_decode_rows is None or max_decode_rows > PDL_MAX_ROWS
+        if narrow and wide:
+            return PdlChoice(True, f"set: pdl=True, pdl_narrow=True: on for calls of <= "
+                                   f"{PDL_MAX_ROWS} rows (widest {max_decode_rows})",
+                             max_rows=PDL_MAX_ROWS)
+        return PdlChoice(True, "set: pdl=True")
     cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    return pdl_auto(device.type, cap, inductor_has_pdl(), fused_layer, max_decode_rows)
+    return pdl_auto(device.type, cap, inductor_has_pdl(), fused_layer, max_decode_rows,
+                    narrow is not False)

@@ -63,3 +63,40 @@ def test_tree_engine_compiles_each_callable_once(trained_eagle3_pair, smollm2_gg
     # the target twice: causal, and with tree attention (a guard on the tree mask)
     assert counts == {"target": 2, "draft_first_pass": 1, "draft_step": 1, "tree_head": 1,
                       "tree_step": 1, "tree_finish": 1, "tree_early_stage": 1}, counts
+
+
+def test_narrow_pdl_target_takes_the_narrow_graphs(trained_eagle3_pair, smollm2_gguf_path,
+                                                   monkeypatch):
+    """PDL on the narrow calls of a wide engine (``CompileConfig.pdl_narrow``): the target is
+    compiled twice, once with PDL for the graphs of at most PDL_MAX_ROWS rows (4 here) and once
+    without for the wider; each compiles once, each graph captured the one its rows pick, and
+    the output is the eager one."""
+    import compiled_spec.pdl_policy as pdl_policy
+
+    monkeypatch.setattr(pdl_policy, "PDL_MAX_ROWS", 4)
+    target, head = trained_eagle3_pair
+    llm = LLM(model=target, tokenizer=smollm2_gguf_path, draft=head, num_speculative_tokens=3,
+              max_model_len=128, max_num_seqs=4)
+    eager = [o.token_ids for o in llm.generate(PROMPTS, SP)]
+    models = compile_models(llm.engine.runner,
+                            CompileConfig(inductor=False, pdl=True, pdl_narrow=True),
+                            max_decode_rows=16)
+    assert models.pdl.max_rows == 4 and "<= 4 rows" in models.pdl.why, models.pdl
+    rows: dict[str, list[int]] = {"target": [], "target_pdl": []}
+    for name in rows:  # the rows each compiled target is called with
+        real = models.compiled[name]
+        models.compiled[name] = (lambda real, seen: lambda ids, *a: (
+            seen.append(ids.shape[0]), real(ids, *a))[1])(real, rows[name])
+    llm._compiled = models
+    policy = CapturePolicy(max_batch_size=4, num_speculative_tokens=3, max_model_len=128,
+                           batch_sizes=(1, 2, 4), seq_len_buckets=(32, 128),
+                           prefill_sizes=(16, 32))
+    capture_graphs(llm.engine.runner, models, policy, llm.config.cache.page_size, emulate=True)
+    # decode at batch 2 / 4 and batch 1's verify (4 rows; it also serves batch 1's decode)
+    # narrow; the other verifies and the prompts wide
+    assert set(rows["target_pdl"]) == {2, 4}, rows
+    assert min(rows["target"]) > 4 and {8, 16, 32} <= set(rows["target"]), rows
+    assert [o.token_ids for o in llm.generate(PROMPTS, SP)] == eager
+    counts = {n: len(b.compiled) for n, b in models.backends.items()}
+    assert counts["target"] == 1 and counts["target_pdl"] == 1, counts
+    assert max(rows["target_pdl"]) <= 4 and min(rows["target"]) > 4, rows

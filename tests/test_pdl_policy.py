@@ -30,6 +30,37 @@ def test_auto_rule(device, cap, inductor, fused, rows, on, says) -> None:
     assert got.why.startswith("auto: on" if on else "auto: off")
 
 
+@pytest.mark.parametrize("rows, max_rows", [(1, None), (PDL_MAX_ROWS, None),
+                                             (PDL_MAX_ROWS + 1, PDL_MAX_ROWS), (384, PDL_MAX_ROWS)])
+def test_auto_narrow_calls_of_a_wide_engine(rows, max_rows) -> None:
+    """With pdl_narrow left on, a wide engine keeps PDL for its calls of at most PDL_MAX_ROWS
+    rows (a second target compile); a narrow engine has it everywhere."""
+    got = pdl_auto("cuda", H200, True, True, rows, narrow=True)
+    assert got.on is True and got.max_rows == max_rows
+    if max_rows is not None:
+        assert f"<= {PDL_MAX_ROWS} rows" in got.why and str(rows) in got.why
+    # everything that turns PDL off still does
+    assert pdl_auto("cuda", (8, 0), True, True, rows, narrow=True).on is False
+    assert pdl_auto("cuda", H200, True, False, rows, narrow=True).on is False
+    assert pdl_auto("cpu", None, True, True, rows, narrow=True).on is False
+
+
+def test_narrow_resolution() -> None:
+    cpu = torch.device("cpu")
+    assert resolve_pdl(None, cpu, True, 384, None).on is False  # auto: not on the CPU
+    forced = resolve_pdl(True, cpu, True, 384, True)  # what the CPU tests use
+    assert forced.on and forced.max_rows == PDL_MAX_ROWS
+    assert resolve_pdl(True, cpu, True, 8, True).max_rows is None  # nothing wide to split
+    assert resolve_pdl(True, cpu, True, 384, None).max_rows is None  # pdl=True alone: all
+    assert resolve_pdl(False, cpu, True, 384, True).on is False
+    from compiled_spec.compile import CompileConfig
+
+    with pytest.raises(ValueError, match="pdl_narrow=True needs pdl"):
+        CompileConfig(pdl=False, pdl_narrow=True)
+    with pytest.raises(ValueError, match=r"CompileConfig.pdl_narrow=1"):
+        CompileConfig(pdl_narrow=1)  # type: ignore[arg-type]
+
+
 def test_explicit_setting_wins() -> None:
     cpu = torch.device("cpu")
     assert resolve_pdl(True, cpu, False, 10_000).on is True
@@ -68,7 +99,8 @@ def test_engine_reads_its_widest_decode_call(tmp_path, smollm2_gguf_path, bigram
                                           else 3 * draft_per_request)
     stats = compile_models(llm.engine.runner, CompileConfig(inductor=False),
                            max_decode_rows(llm.config), max_draft_rows(llm.config)).stats()
-    off = {"on": False, "why": "auto: off on cpu (PDL is a CUDA launch attribute)"}
+    off = {"on": False, "why": "auto: off on cpu (PDL is a CUDA launch attribute)",
+           "max_rows": None}
     assert stats["pdl"] == off
     assert stats.get("pdl_draft") == (None if draft_per_request is None else off)
 
@@ -77,23 +109,29 @@ def test_a_tree_engine_keeps_pdl_on_its_draft_when_its_verify_is_too_wide(
         monkeypatch, smollm2_gguf_path, bigram_eagle3) -> None:
     """A tree of 10 nodes at 8 requests verifies 80 rows (over the rule) but drafts at most
     8 x 4: the draft's callables get PDL (Inductor's option and our launches' scope), the
-    target's do not. The rule is CUDA's, so the device's answer is stood in for."""
+    target's wide calls do not; its narrow ones do, through a second compile (pdl_narrow,
+    on by default), and with pdl_narrow=False the target has none. The rule is CUDA's, so the
+    device's answer is stood in for."""
     import compiled_spec.compile as comp
     from compiled_spec import LLM
     from compiled_spec.llm_compile import max_decode_rows, max_draft_rows
 
-    monkeypatch.setattr(comp, "resolve_pdl", lambda pdl, device, fused, rows: pdl_auto(
-        "cuda", H200, True, True, rows))
+    monkeypatch.setattr(comp, "resolve_pdl", lambda pdl, device, fused, rows, narrow=False:
+                        pdl_auto("cuda", H200, True, True, rows, narrow is not False))
     target, head = bigram_eagle3
     llm = LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=64, max_num_seqs=8,
               dtype="float32", draft=head, num_speculative_tokens=3, speculative_topk=4,
               speculative_num_draft_tokens=10)
-    models = comp.compile_models(llm.engine.runner, comp.CompileConfig(inductor=False),
-                                 max_decode_rows(llm.config), max_draft_rows(llm.config))
-    assert (models.pdl.on, models.pdl_draft.on) == (False, True)
-    assert "80 rows" in models.pdl.why and "32 rows" in models.pdl_draft.why
-    pdl_of = {name: b.inductor_config.get("triton.enable_pdl", False)
-              for name, b in models.backends.items()}
-    assert pdl_of.pop("target") is False
-    assert set(pdl_of) >= {"draft_first_pass", "tree_step", "tree_head"}
-    assert all(pdl_of.values()), pdl_of
+    for narrow in (None, False):
+        models = comp.compile_models(
+            llm.engine.runner, comp.CompileConfig(inductor=False, pdl_narrow=narrow),
+            max_decode_rows(llm.config), max_draft_rows(llm.config))
+        assert (models.pdl.on, models.pdl_draft.on) == (narrow is None, True)
+        assert models.pdl.max_rows == (PDL_MAX_ROWS if narrow is None else None)
+        assert "80" in models.pdl.why and "32 rows" in models.pdl_draft.why
+        pdl_of = {name: b.inductor_config.get("triton.enable_pdl", False)
+                  for name, b in models.backends.items()}
+        assert pdl_of.pop("target") is False
+        assert pdl_of.pop("target_pdl", None) is (True if narrow is None else None)
+        assert set(pdl_of) >= {"draft_first_pass", "tree_step", "tree_head"}
+        assert all(pdl_of.values()), pdl_of

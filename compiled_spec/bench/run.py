@@ -28,11 +28,12 @@ PROJECTED_TAUS = (2.0, 3.0, 4.0)
 AB_FLAGS = {"pdl": "PDL", "skinny_gemm": "skinny GEMMs", "autotune_gemm": "GEMM autotuning",
             "verify_ahead": "verify ahead", "size_oblivious": "size-oblivious",
             "skinny_gemm_draft": "skinny draft", "skinny_gemm_wide": "wide skinny GEMMs",
-            "defer_paused_first_pass": "deferred first pass"}
+            "defer_paused_first_pass": "deferred first pass", "pdl_narrow": "PDL on narrow calls"}
 AB_ENGINE = ("verify_ahead", "defer_paused_first_pass")
-# Flags that change only a draft's engine: a vanilla engine runs once, not twice the same;
+# Flags that change only a draft's engine: a vanilla engine runs once, not twice the same
+# (pdl_narrow: a vanilla engine's widest call, max_num_seqs rows, is narrow up to batch 64);
 # likewise an engine that never pauses
-AB_DRAFT_ONLY = ("skinny_gemm_draft",)
+AB_DRAFT_ONLY = ("skinny_gemm_draft", "pdl_narrow")
 AB_ADAPTIVE_ONLY = ("defer_paused_first_pass",)
 LLAMA8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
            "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,

@@ -70,6 +70,15 @@ def with_logits(out: tuple[torch.Tensor, Any], lm_head: Callable[[torch.Tensor],
     return hidden, aux, lm_head(hidden)
 
 
+def by_rows(wide: TargetFn, narrow: TargetFn, max_rows: int) -> TargetFn:
+    """The target as two compiled callables, picked by the call's rows (its input_ids): each
+    graph captures the one its padded size picks, so the choice costs a replay nothing."""
+    def target(input_ids: torch.Tensor, *args: Any) -> Any:  # input_ids [T]
+        return (narrow if input_ids.shape[0] <= max_rows else wide)(input_ids, *args)
+    target.wide, target.narrow = wide, narrow  # type: ignore[attr-defined]
+    return target
+
+
 class GraphedTarget:
     """Drop-in for ``ModelRunner.target_fn``: decode, verify or tree-verify graph, or (prefill)
     none. Decode, verify and tree-verify graphs also compute the logits of every row:
