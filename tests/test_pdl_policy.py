@@ -1,6 +1,8 @@
 """Whether an engine launches with PDL by default (compiled_spec/pdl_policy.py): on only where
-the H200 measured it faster (Hopper or newer, the fused layer, the widest decode call within
-64 rows); an explicit setting wins; the engine reports its choice and the widest call it read."""
+the H200 measured it faster (Hopper or newer, the fused layer, calls within 64 rows: every call
+of an engine whose widest decode call is that narrow, else its narrow calls through a second
+target compile); an explicit setting wins; the engine reports its choice and the widest call
+it read."""
 from __future__ import annotations
 
 import pytest
