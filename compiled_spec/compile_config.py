@@ -67,9 +67,10 @@ class CompileConfig:
     pdl: bool | None = None
     # An engine whose widest decode call passes 64 rows compiles its target a second time
     # with PDL for the graphs of at most 64 rows (decode, small verifies, short prompts) and
-    # keeps the wide ones without: its batch-1 and paused steps then run as fast as a vanilla
-    # engine's (vanilla batch 1: 0.764 ms/token with PDL against an EAGLE-3 engine's paused
-    # 0.935 ms without, H100, fortieth session). Costs one target compile at a cold start.
+    # keeps the wide ones without, so its batch-1 and paused steps get PDL as a vanilla
+    # engine's do (vanilla batch 1: 0.764 ms/token with PDL against a 64-request EAGLE-3
+    # engine's paused 0.935 ms without, H100, fortieth session; the split itself is not yet
+    # timed on a GPU). Costs one target compile at a cold start.
     # None = where pdl resolves on (auto) and the engine is wide; True = also with pdl=True;
     # False = never (one target compile: PDL on every call or on none).
     pdl_narrow: bool | None = None

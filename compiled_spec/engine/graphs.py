@@ -75,7 +75,6 @@ def by_rows(wide: TargetFn, narrow: TargetFn, max_rows: int) -> TargetFn:
     graph captures the one its padded size picks, so the choice costs a replay nothing."""
     def target(input_ids: torch.Tensor, *args: Any) -> Any:  # input_ids [T]
         return (narrow if input_ids.shape[0] <= max_rows else wide)(input_ids, *args)
-    target.wide, target.narrow = wide, narrow  # type: ignore[attr-defined]
     return target
 
 
