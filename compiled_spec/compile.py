@@ -191,11 +191,9 @@ def compile_models(runner: ModelRunner, cfg: CompileConfig,
     fusions = {"skinny_gemm": skinny.gemm, "skinny_layer": skinny.layer,
                "skinny_norms": cfg.skinny_gemm_norms}
     backends = {"target": backend(hoist_fc=False, per_layer_metadata=False, **fusions)}
-    if narrow_cfg is not None:
-        backends["target_pdl"] = make_backend(inductor=cfg.inductor,
-                                              inductor_config=inductor_config(narrow_cfg),
-                                              hoist_fc=False, per_layer_metadata=False,
-                                              **fusions)
+    if narrow_cfg is not None:  # the same backend but for Inductor's PDL option
+        backends["target_pdl"] = backend(hoist_fc=False, per_layer_metadata=False, **fusions,
+                                         inductor_config=inductor_config(narrow_cfg))
     prop = runner.proposer
     # The draft's callables take the target's fusions unless told not to (nothing to fuse when
     # the target's resolved off: 8B-sized weights, fp32, the CPU without skinny_gemm=True).
@@ -288,7 +286,7 @@ def use_compiled(runner: ModelRunner, models: CompiledModels, on: bool) -> None:
     """Route the engine through the compiled (on) or eager (off) callables."""
     fns = models.compiled if on else models.eager
     runner.target_fn = fns["target"]
-    if on and "target_pdl" in fns and models.pdl is not None and models.pdl.max_rows:
+    if on and "target_pdl" in fns:  # (compiled only where pdl.max_rows is set)
         runner.target_fn = by_rows(fns["target"], fns["target_pdl"], models.pdl.max_rows)
     if runner.proposer is not None:
         runner.proposer.first_pass_fn = fns["first_pass"]
