@@ -21,11 +21,14 @@ demo: setup
 # --durations: the slowest tests listed at the end (CI must stay under 30 minutes). Two worker
 # processes of one thread each (pytest-xdist): on CI's 2 cores the suite took 885 s instead of
 # 1410 s in one process with two threads (thirty-second session), most of a test's time being
-# single-threaded tracing and compiling. TEST_WORKERS=0 runs it in one process.
+# single-threaded tracing and compiling. TEST_WORKERS=0 runs it in one process. Work stealing,
+# with the tests marked heavy collected first (tests/conftest.py): a worker that runs out takes
+# the other's queued tests, so no multi-minute test is left to run alone at the end.
 TEST_WORKERS ?= 2
 test: setup
 	$(if $(filter 0,$(TEST_WORKERS)),,OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1}) \
-	  $(PY) -m pytest -q -n $(TEST_WORKERS) --durations=25
+	  $(PY) -m pytest -q -n $(TEST_WORKERS) $(if $(filter 0,$(TEST_WORKERS)),,--dist worksteal) \
+	  --durations=25
 
 bench: setup
 	$(VENV)/bin/compiled-spec bench --num-prompts 4 --max-tokens 64 --batch-sizes 1 4 --out-dir profiles/cpu_bench

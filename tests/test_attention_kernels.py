@@ -294,6 +294,7 @@ def triton_results() -> dict:
     return run_interpreted(__file__, "--triton-worker")
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("case", [c[0] for c in TRITON_CASES])
 def test_triton_kernels_match_reference(triton_results: dict, case: str) -> None:
     r = triton_results[case]
@@ -308,6 +309,7 @@ def test_triton_kernels_match_reference(triton_results: dict, case: str) -> None
 SPLIT_CASES = [c[0] for c in TRITON_CASES if c[5]]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("case", SPLIT_CASES)
 def test_fused_split_merge_equals_merge_kernel(triton_results: dict, case: str) -> None:
     """The last split to finish merges (one kernel): the same rows as the separate merge
@@ -319,6 +321,7 @@ def test_fused_split_merge_equals_merge_kernel(triton_results: dict, case: str) 
     assert r["counters_zero"], r
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("case", [c[0] for c in TREE_CASES])
 def test_triton_tree_attention_matches_reference(triton_results: dict, case: str) -> None:
     """Split cases run both merges (the merge kernel and the last split's)."""
@@ -363,6 +366,7 @@ if __name__ == "__main__" and "--triton-worker" in sys.argv:
     _triton_worker()
 
 
+@pytest.mark.heavy
 def test_warmup_launches_every_reachable_configuration(triton_results: dict) -> None:
     r = triton_results["warmup"]
     assert r["launched"] == r["expected"] and len(r["expected"]) == 3 * 5, r  # 3 block_q x 5 splits

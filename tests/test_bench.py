@@ -20,6 +20,7 @@ def tiny_hf_dir(tmp_path_factory, smollm2_tokenizer):
                             layers=4, max_positions=1024)
 
 
+@pytest.mark.heavy
 def test_bench_cpu_smoke(tiny_hf_dir, mt_bench_path, tmp_path, capsys):
     out = tmp_path / "out"
     rc = main(["bench", "--model", tiny_hf_dir, "--random-draft", "--device", "cpu",
@@ -92,6 +93,7 @@ def test_bench_cpu_smoke(tiny_hf_dir, mt_bench_path, tmp_path, capsys):
     assert "merged with" in (out2 / "BENCHMARKS.md").read_text()
 
 
+@pytest.mark.heavy
 def test_bench_runs_draft_trees_beside_chains(tiny_hf_dir, mt_bench_path, tmp_path):
     """--trees adds a tree row per EAGLE variant: tau and the tree verify's time are
     reported, and fp32 greedy output equals vanilla's."""

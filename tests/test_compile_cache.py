@@ -115,6 +115,7 @@ print(json.dumps({"cache": llm.compile_cache, "startup": sorted(llm.startup_s),
 """
 
 
+@pytest.mark.heavy
 def test_second_process_is_served_from_the_cache(tmp_path, smollm2_gguf_path):
     from tests.spec_models import write_bigram_target
 

@@ -68,6 +68,7 @@ def test_fuzz_requests_keep_the_engine_usable(engine, bigram_eagle3, smollm2_ggu
     _idle_and_full(llm)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("engine", ["vanilla", "eagle3", "eagle3_tree"])
 def test_fuzz_verify_ahead_matches_plain(engine, bigram_eagle3, smollm2_gguf_path):
     """Engines that launch each next step's target forward before the bookkeeping

@@ -86,6 +86,7 @@ def _loaded_all(cold: dict, warm: dict) -> None:
     assert warm["pre"]["precompiled"] == [True] * second["loaded"]
 
 
+@pytest.mark.heavy
 def test_warm_start_loads_target_and_draft_instead_of_tracing(tmp_path, bigram_eagle3,
                                                               smollm2_gguf_path):
     cold, warm = _starts(tmp_path, bigram_eagle3, smollm2_gguf_path, "chain", ["traced"])
@@ -103,6 +104,7 @@ def test_warm_start_loads_target_and_draft_instead_of_tracing(tmp_path, bigram_e
         assert stats["draft_step_pick"]["pass_matches"]["BindPerLayerAttnMetadata"] >= 1
 
 
+@pytest.mark.heavy
 def test_warm_tree_engine_loads_its_glue_too(tmp_path, bigram_eagle3, smollm2_gguf_path):
     """A draft tree engine: the tree's glue (top-k head, expansion, node selection, early
     staging: spec/tree_glue.py) saved and loaded with the rest; output vanilla's (fp32)."""

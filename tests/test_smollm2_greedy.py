@@ -1,9 +1,11 @@
 """The real target: our engine's greedy output equals transformers' greedy generate, token for token."""
+import pytest
 import torch
 
 from compiled_spec import LLM, SamplingParams
 
 
+@pytest.mark.heavy
 def test_greedy_matches_transformers_on_mt_bench(smollm2_gguf_path, smollm2_hf, mt_bench_questions):
     llm = LLM(model=smollm2_gguf_path, dtype="float32", device="cpu", max_model_len=1024, page_size=16)
     # Three prompts of different lengths run together as one continuously batched engine run.

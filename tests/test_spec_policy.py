@@ -286,6 +286,7 @@ def test_shrunk_k_is_lossless_and_verifies_fewer_drafts(pair, smollm2_gguf_path)
                 num_speculative_tokens=3, **kw)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("defer", [False, True])
 def test_paused_steps_launch_the_next_decode_ahead(pair, smollm2_gguf_path, monkeypatch, defer):
     """With graphs (emulated here) and verify ahead, a paused step replays the draft's first

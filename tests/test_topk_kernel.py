@@ -59,6 +59,7 @@ def _worker(device: str = "cpu", repeats: int = 1) -> None:
     print("RESULTS " + json.dumps(out))
 
 
+@pytest.mark.heavy
 def test_triton_row_topk_equals_the_stable_sort() -> None:
     res = run_interpreted(__file__)
     assert res == {k: True for k in res} and len(res) == 8 * len(CASES) + 1, res
