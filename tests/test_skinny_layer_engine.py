@@ -28,7 +28,7 @@ K = 3
 # Interpreted kernels are slow (an engine with the draft's callables fused spent 300 s on 10
 # tokens a prompt, forty-first session): few tokens, one captured batch size (the three
 # prompts decode together, padded to 4), still enough for drafts to be accepted.
-MAX_TOKENS = 6
+MAX_TOKENS = 4
 
 
 def _worker(root: str, tok: str) -> None:
