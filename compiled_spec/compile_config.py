@@ -69,8 +69,9 @@ class CompileConfig:
     # with PDL for the graphs of at most 64 rows (decode, small verifies, short prompts) and
     # keeps the wide ones without, so its batch-1 and paused steps get PDL as a vanilla
     # engine's do (vanilla batch 1: 0.764 ms/token with PDL against a 64-request EAGLE-3
-    # engine's paused 0.935 ms without, H100, fortieth session; the split itself is not yet
-    # timed on a GPU). Costs one target compile at a cold start.
+    # engine's paused 0.935 ms without, H100, fortieth session). With the split, that engine
+    # ran 2377.1 tok/s at batch 1 against 2205.8 without (H200, forty-first session,
+    # profiles/results/2026-12-06_h200_session41/). Costs one target compile at a cold start.
     # None = where pdl resolves on (auto) and the engine is wide; True = also with pdl=True;
     # False = never (one target compile: PDL on every call or on none).
     pdl_narrow: bool | None = None

@@ -18,7 +18,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Tests marked ``heavy`` (minutes each: Triton-interpreter workers, Inductor compiles in
     subprocesses) run first, in their files' order: on CI's two xdist workers a heavy test
     picked up near the end runs alone while the other worker idles (the fortieth session's CI
-    took 2,104 s, the 30-minute budget passed); run first, the light ones fill in around it.
+    took 2,104 s, over its 30-minute budget); run first, the light ones fill in around it.
     (A stable sort: every worker must collect the same order, as xdist requires.)"""
     items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
 
