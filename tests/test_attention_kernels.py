@@ -250,11 +250,17 @@ def _triton_worker() -> None:
             "unowned_max": tri[-NUM_UNOWNED_TOKENS:].float().abs().max().item(),
         }
         if splits:  # the split's merge: fused (last split merges) against the merge kernel
+            from kernels.attention_merge_triton import FUSED_MERGE
             from kernels.attention_triton import split_counters
 
-            fused, unfused = (_paged_attention(*batch.attn_args(tri_k, tri_v), num_splits=splits,
-                                               fused_merge=f, out=nan_out.clone())
-                              for f in (True, False))
+            # the default call above took the merge kernel unless FUSED_MERGE (interpreted
+            # split calls cost 4-12 s each: not run twice)
+            unfused = tri if not FUSED_MERGE else _paged_attention(
+                *batch.attn_args(tri_k, tri_v), num_splits=splits, fused_merge=False,
+                out=torch.full(batch.query.shape, float("nan"), dtype=dtype))
+            fused = _paged_attention(*batch.attn_args(tri_k, tri_v), num_splits=splits,
+                                     fused_merge=True,
+                                     out=torch.full(batch.query.shape, float("nan"), dtype=dtype))
             results[name].update(
                 fused_vs_unfused=(fused.float() - unfused.float()).abs().max().item(),
                 fused_unowned_max=fused[-NUM_UNOWNED_TOKENS:].float().abs().max().item(),
