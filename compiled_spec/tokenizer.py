@@ -6,10 +6,11 @@ once under ~/.cache/compiled_spec (keyed by the file's path, size and mtime) and
 from __future__ import annotations
 
 from pathlib import Path
+from unittest import mock
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from compiled_spec.models.gguf_index import gguf_cache_dir
+from compiled_spec.models.gguf_index import fast_reader, gguf_cache_dir
 
 
 def _cache_dir(gguf: Path) -> Path:
@@ -22,7 +23,12 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
         cached = _cache_dir(p)
         if (cached / "tokenizer_config.json").exists():
             return AutoTokenizer.from_pretrained(str(cached))
-        tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+        import gguf
+
+        # transformers imports gguf.GGUFReader when it converts: the faster reader parses
+        # (gguf_index.fast_reader; 9.8 s -> 5.9 s cold on CI's CPU)
+        with mock.patch.object(gguf, "GGUFReader", fast_reader()):
+            tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
         try:
             tok.save_pretrained(str(cached))
         except OSError:
