@@ -152,7 +152,9 @@ def test_early_tree_equals_vanilla_and_late(engines, batch):
     assert late == ref and early == ref
     assert late_st["early"] == 0 and late_st["late_reasons"].get("off", 0) > 0
     assert early_st["early"] > 0, early_st  # the early path ran: no pass by falling back
-    assert early_st["late_reasons"].get("near_end", 0) > 0, early_st  # said why, near ends
+    # requests near their budgets (and the one at its stop token) went early too: only the
+    # batch's end (a lone one-node request) sends a step late
+    assert "near_end" not in early_st["late_reasons"], early_st
     assert late_acc > 0 and early_acc == late_acc  # the device's acceptance is the host's
 
 
