@@ -91,7 +91,8 @@ def test_fuzz_verify_ahead_matches_plain(engine, bigram_eagle3, smollm2_gguf_pat
     rng = random.Random(f"fuzz-ahead-{engine}")
     compared = 0
     # the tree engine's steps cost ~2x the chain's on the CPU: fewer rounds keep CI in budget
-    for _ in range(28 if engine == "eagle3_tree" else 40):
+    # (85 s and 70 s for the tree and the chain at 28 / 40 rounds, forty-first session)
+    for _ in range(20 if engine == "eagle3_tree" else 28):
         reqs = [random_request(rng, VOCAB, MAX_LEN) for _ in range(rng.randint(1, 6))]
         reqs = [r for r in reqs if not r.bad]
         if not reqs:
