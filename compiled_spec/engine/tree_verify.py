@@ -134,6 +134,10 @@ def warm_mixed_verify(rn: "TreeModelRunner") -> None:
     t_tok = torch.zeros(1, n, dtype=torch.int64, device=dev)
     t_mask = torch.zeros(1, n, n, dtype=torch.bool, device=dev)
     t_mask[:, :, 0] = True
+    # the trees' rows gathered, as after an early step whose batch lost a request (its trees
+    # were drafted for every request: stage_and_verify's gathers)
+    rows = to_device([0], dev)
+    t_tok, t_mask = t_tok[rows], t_mask[rows]
     dst, input_ids, tok, depth, mask = mixed_inputs([0] * (n + 1), [0], t_tok, t_tok, t_mask,
                                                     dev)
     tree_info = torch.stack([tok, t_tok, t_tok])
