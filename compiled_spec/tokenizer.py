@@ -26,7 +26,7 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
         import gguf
 
         # transformers imports gguf.GGUFReader when it converts: the faster reader parses
-        # (gguf_index.fast_reader; 9.8 s -> 5.9 s cold on CI's CPU)
+        # (gguf_index.fast_reader; 9.8 s -> 5.3 s cold on CI's CPU)
         with mock.patch.object(gguf, "GGUFReader", fast_reader()):
             tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
         try:

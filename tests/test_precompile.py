@@ -19,8 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
 
 # One LLM with precompile on; with a 6th argument "vanilla" also vanilla decoding, whose token
-# ids its greedy output must equal. CPU stand-ins for the CUDA graphs, so that every draft callable serves: the graphs' first pass (the draft step), the
-# chain's step + pick and an early step's pick + plan besides the uncaptured first pass.
+# ids its greedy output must equal. CPU stand-ins for the CUDA graphs, so that every draft
+# callable serves: the graphs' first pass (the draft step), the chain's step + pick and an
+# early step's pick + plan besides the uncaptured first pass.
 _RUN = """
 import json, sys
 from capture import CapturePolicy
@@ -30,10 +31,10 @@ target, head, tok, cache, mode = sys.argv[1:6]
 tree = dict(speculative_topk=2, speculative_num_draft_tokens=6) if mode == "tree" else {}
 prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13]]  # longer than k + 1: a cut first pass
 sp = SamplingParams(max_tokens=12, ignore_eos=True)
-def run(pre):  # (pre=False: the traced path, served from the same Inductor cache)
+def run():
     llm = LLM(model=target, draft=head, tokenizer=tok, dtype="float32", device="cpu",
               num_speculative_tokens=3, max_model_len=64, page_size=4, max_num_seqs=2,
-              compile=True, compile_config=CompileConfig(cache_dir=cache, precompile=pre), **tree)
+              compile=True, compile_config=CompileConfig(cache_dir=cache, precompile=True), **tree)
     policy = CapturePolicy(max_batch_size=2, num_speculative_tokens=3, max_model_len=64,
                            batch_sizes=(1, 2), seq_len_buckets=(64,))
     capture_graphs(llm.engine.runner, llm._compiled, policy, 4, emulate=True)
@@ -42,7 +43,7 @@ def run(pre):  # (pre=False: the traced path, served from the same Inductor cach
             "stats": llm.compile_stats,
             "precompiled": [g.precompiled for b in llm._compiled.backends.values()
                             for g in b.graphs]}
-out = {"pre": run(True)}
+out = {"pre": run()}
 if "vanilla" in sys.argv[6:]:
     vanilla = LLM(model=target, tokenizer=tok, dtype="float32", device="cpu", max_model_len=64)
     out["vanilla"] = [o.token_ids for o in vanilla.generate(prompts, sp)]
