@@ -115,9 +115,12 @@ class SpecConfig:
     # acceptance (compiled_spec/engine/early_propose.py, early_tree.py); False: always after.
     early_propose: bool = True
     # "adaptive" only: a paused step keeps its one position's target states for a later draft
-    # first pass over k + 1 such steps at once (compiled_spec/engine/deferred_first_pass.py);
+    # first pass over many such steps at once (compiled_spec/engine/deferred_first_pass.py);
     # False: every paused step runs the draft's first pass itself.
     defer_paused_first_pass: bool = True
+    # Paused steps per such first pass (its CUDA graphs' rows per request); None: up to 32,
+    # fewer where max_num_seqs times it would pass 2048 rows (``flush_depth``).
+    paused_flush_depth: int | None = None
 
     @property
     def tree(self) -> "TreeConfig | None":
@@ -159,6 +162,9 @@ class SpecConfig:
         if not isinstance(self.defer_paused_first_pass, bool):
             raise ValueError(f"defer_paused_first_pass={self.defer_paused_first_pass!r}: "
                              "must be a bool")
+        d = self.paused_flush_depth
+        if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
+            raise ValueError(f"paused_flush_depth={d!r}: must be an integer >= 1 or None")
         if self.speculation_policy == "adaptive" and self.tree is not None:
             raise ValueError("speculation_policy='adaptive' is not supported with draft trees "
                              f"(speculative_topk={t}): use 'always' or a chain (topk 1)")

@@ -59,7 +59,8 @@ class LLM(CompileMixin):
     and acceptance say plain decoding is faster (``llm.stats.policy.summary()`` reports it);
     with ``adaptive_k`` it may also verify fewer drafts (k shrinks) where that is faster;
     ``defer_paused_first_pass=False`` makes every paused step run the draft's first pass itself
-    (default: k + 1 paused steps share one, ``llm.stats.deferred_first_pass``).
+    (default: ``paused_flush_depth`` paused steps share one, ``llm.stats.deferred_first_pass``;
+    None: up to 32, see ``deferred_first_pass.flush_depth``).
     None (default): adaptive for chains on one CUDA device, "always" for trees, on the CPU and
     under tensor parallel (``speculation_policy_default``; COMPILED_SPEC_SPECULATION_POLICY
     overrides).
@@ -96,6 +97,7 @@ class LLM(CompileMixin):
         speculation_policy: str | None = None,
         adaptive_k: tuple[int, ...] = (),
         defer_paused_first_pass: bool = True,
+        paused_flush_depth: int | None = None,
         early_propose: bool | None = None,
         verify_ahead: bool | None = None,
         compile: bool = False,
@@ -171,6 +173,7 @@ class LLM(CompileMixin):
                     dev, is_tree(speculative_topk, speculative_num_draft_tokens),
                     tensor_parallel_size),
                 adaptive_k=adaptive_k, defer_paused_first_pass=defer_paused_first_pass,
+                paused_flush_depth=paused_flush_depth,
                 early_propose=early_propose_default() if early_propose is None
                 else early_propose),
             verify_ahead=verify_ahead_default(dev) if verify_ahead is None else verify_ahead,

@@ -235,6 +235,12 @@ def test_ab_runs_each_compiled_engine_with_the_flag_off_then_on() -> None:
         ("ours EAGLE k=5 compiled + graphs", True),
         ("ours EAGLE k=5 adaptive compiled + graphs", False),
         ("ours EAGLE k=5 adaptive compiled + graphs + deferred first pass", True)]
+    # flush depth: k + 1 paused steps per flush against the default
+    deep = _variants(["ours_eagle_compiled"], "head", 5, adaptive=True, ab="deep_flush")
+    assert [(v.name, v.paused_flush_depth) for v in deep] == [
+        ("ours EAGLE k=5 compiled + graphs", None),
+        ("ours EAGLE k=5 adaptive compiled + graphs", 6),
+        ("ours EAGLE k=5 adaptive compiled + graphs + deep flushes", None)]
     with pytest.raises(SystemExit):
         main(["bench", "--ab", "fast_mode"])
 
@@ -257,6 +263,13 @@ def test_build_engine_takes_the_variants_flags(monkeypatch: pytest.MonkeyPatch) 
     assert [c.skinny_gemm for c in cfgs] == [True, True, True, True, False]
     # the layer fusions ride on the skinny GEMMs: the --ab skinny_gemm "off" engine has neither
     assert [c.skinny_gemm_layer for c in cfgs] == [True, True, True, True, False]
+    # a draft variant's flush depth reaches the engine only where it sets one
+    seen.clear()
+    for depth in (None, 6):
+        build_engine(Variant("d", "head", False, policy="adaptive", paused_flush_depth=depth),
+                     dict(model="m", num_speculative_tokens=5), [[1, 2]], [1], 4)
+    assert ["paused_flush_depth" in s for s in seen] == [False, True]
+    assert seen[1]["paused_flush_depth"] == 6
 
 
 def test_timed_engine_reads_the_graphs_logits(tiny_hf_dir, monkeypatch) -> None:

@@ -49,7 +49,8 @@ def test_paused_chain_engine_compiles_each_callable_once(trained_eagle3_pair, sm
     """Paused steps too: their deferred first passes flush from the first-pass graph (a full
     ring) and through the compiled first pass (a change to drafting)."""
     counts, st = _compiled_graphs(trained_eagle3_pair, smollm2_gguf_path,
-                                  [SPEC] * 2 + [PLAIN] * 12, speculation_policy="adaptive")
+                                  [SPEC] * 2 + [PLAIN] * 12, speculation_policy="adaptive",
+                                  paused_flush_depth=4)
     reasons = st["deferred"].flush_reasons
     assert reasons.get("full", 0) > 0 and reasons.get("draft", 0) > 0, reasons
     assert counts == {"target": 1, "draft_first_pass": 1, "draft_step": 1,

@@ -1,10 +1,12 @@
 """Paused steps defer the draft's first pass (compiled_spec/engine/deferred_first_pass.py): the
 output stays vanilla's, the draft's KV and the acceptance stay those of engines whose paused
-steps run the first pass every step, and k + 1 paused steps share one first-pass replay."""
+steps run the first pass every step, and ``paused_flush_depth`` paused steps share one
+first-pass replay."""
 import pytest
 import torch
 
 from compiled_spec import LLM, SamplingParams
+from compiled_spec.engine.deferred_first_pass import flush_depth
 from compiled_spec.engine.propose_graph import ProposeGraphs
 from compiled_spec.spec.policy import PLAIN, SPEC
 from tests.engine_runs import with_emulated_graphs
@@ -14,9 +16,10 @@ from tests.spec_models import write_bigram_target, write_mirror_eagle1
 PROMPTS = [[3, 7, 1], [5], [9, 2, 4, 4, 8, 1, 2], [11, 12]]
 # Budgets that end requests in the middle of pauses (their deferred rows are dropped)
 PARAMS = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (40, 23, 31, 40)]
-# Pauses longer than two full rings (k = 3: 5 slots), then drafting again
+# Pauses longer than two full rings (k = 3, depth 4: 5 slots), then drafting again
 MODES = [SPEC] * 2 + [PLAIN] * 13
 K = 3
+DEPTH = K + 1  # paused steps per flush here (the default, 32, would need far longer pauses)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +40,7 @@ def _run(target, head, tok, defer: bool, ahead: bool, monkeypatch, modes=MODES, 
     llm = with_emulated_graphs(LLM(
         model=target, tokenizer=tok, max_model_len=128, draft=head, num_speculative_tokens=K,
         speculation_policy="adaptive", verify_ahead=ahead, max_num_seqs=4,
-        defer_paused_first_pass=defer, **kw), k=K)
+        defer_paused_first_pass=defer, **{"paused_flush_depth": DEPTH, **kw}), k=K)
     eng = llm.engine
     eng.stats.policy = ModesInTurn(modes)
     tables, free = {}, eng.allocator.free
@@ -72,18 +75,23 @@ def _run(target, head, tok, defer: bool, ahead: bool, monkeypatch, modes=MODES, 
     return [o.token_ids for o in outs], kv, llm, calls
 
 
-@pytest.mark.parametrize("ahead", [False, True])
+@pytest.mark.parametrize("ahead,depth", [(False, DEPTH), (True, 5)])
 def test_deferred_first_pass_keeps_output_kv_and_acceptance(trained_eagle3_pair,
                                                             smollm2_gguf_path, monkeypatch,
-                                                            ahead):
+                                                            ahead, depth):
     """EAGLE-3 (the aux states as a list, fc in the flush): late and launched-ahead paused
-    steps. Full rings flush from the first-pass graph, a change to drafting flushes eagerly,
-    requests ending mid-pause drop their rows, and the paused steps issue no fc."""
+    steps. Full rings flush from the first-pass graph (of k + 1 rows per request as the
+    propose graphs, or of more), a change to drafting flushes eagerly, requests ending
+    mid-pause drop their rows, and the paused steps issue no fc."""
     target, head = trained_eagle3_pair
     want = _vanilla(target, smollm2_gguf_path)
     ref_ids, ref_kv, ref, ref_calls = _run(target, head, smollm2_gguf_path, False, ahead,
                                            monkeypatch)
-    ids, kv, llm, calls = _run(target, head, smollm2_gguf_path, True, ahead, monkeypatch)
+    ids, kv, llm, calls = _run(target, head, smollm2_gguf_path, True, ahead, monkeypatch,
+                               paused_flush_depth=depth)
+    graphs = llm.engine.runner.proposer.graph
+    assert graphs.q_sync == depth and graphs.q == K + 1
+    assert llm.engine.runner.deferred.slots == depth + 1
     assert ids == ref_ids == want
     for got, exp in zip(kv, ref_kv):
         torch.testing.assert_close(got, exp, rtol=1e-5, atol=1e-5)
@@ -96,12 +104,15 @@ def test_deferred_first_pass_keeps_output_kv_and_acceptance(trained_eagle3_pair,
     # one first-pass replay per ring and per change of mode, not per paused step
     assert calls["sync"] < ref_calls["sync"] / 2, (calls, ref_calls)
     assert calls["fc"] < ref_calls["fc"], (calls, ref_calls)
+    assert st["flush_ms_mean"] > 0, st  # the flushes' host time, reported
     if ahead:
         assert llm.stats.verify_ahead.taken >= 20, llm.stats.verify_ahead
+        assert llm.stats.host_phase_s["paused_sync"] > 0  # the deferral's own host phase
     # a flush that would write nothing leaves holes: the check above can fail
     d = llm.engine.runner.deferred
     monkeypatch.setattr(type(d), "_flush", lambda self, *a, **k: self.drop())
-    _, holes, _, _ = _run(target, head, smollm2_gguf_path, True, ahead, monkeypatch)
+    _, holes, _, _ = _run(target, head, smollm2_gguf_path, True, ahead, monkeypatch,
+                          paused_flush_depth=depth)
     assert not all(torch.allclose(h, e, rtol=1e-5, atol=1e-5) for h, e in zip(holes, ref_kv))
 
 
@@ -119,7 +130,7 @@ def test_deferred_first_pass_eagle1_and_preemption(eagle1_pair, smollm2_gguf_pat
         for defer in (False, True):
             llm = LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=128, draft=head,
                       num_speculative_tokens=K, speculation_policy="adaptive", max_num_seqs=4,
-                      defer_paused_first_pass=defer, **kw)
+                      defer_paused_first_pass=defer, paused_flush_depth=DEPTH, **kw)
             llm.engine.stats.policy = ModesInTurn(MODES)
             ids = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
             if "enable_prefix_caching" in kw:  # again: blocks registered only once their
@@ -142,9 +153,19 @@ def test_defer_option_is_checked(eagle1_pair, smollm2_gguf_path):
     with pytest.raises(ValueError, match="defer_paused_first_pass='yes'"):
         LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=64, draft=head,
             speculation_policy="adaptive", defer_paused_first_pass="yes")
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match=f"paused_flush_depth={bad!r}"):
+            LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=64, draft=head,
+                speculation_policy="adaptive", paused_flush_depth=bad)
     always = LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=64, draft=head,
                  speculation_policy="always")
     assert always.engine.runner.deferred is None  # nothing pauses
+    # the default depth: 32 paused steps per flush, fewer rows for wide engines, never < k + 1
+    auto = LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=64, draft=head,
+               num_speculative_tokens=K, speculation_policy="adaptive", max_num_seqs=4)
+    assert auto.engine.runner.deferred.depth == 32
+    assert [flush_depth(None, 5, n) for n in (1, 64, 128, 256, 1024)] == [32, 32, 16, 8, 6]
+    assert flush_depth(3, 5, 64) == 3
 
 
 def test_faults_in_paused_steps_and_flushes_leave_outputs_exact(bigram_eagle3,
@@ -161,7 +182,8 @@ def test_faults_in_paused_steps_and_flushes_leave_outputs_exact(bigram_eagle3,
                                      max_model_len=64).generate(prompts, sp)]
     for where in ("execute", "flush"):
         llm = LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=64, draft=head,
-                  num_speculative_tokens=K, speculation_policy="adaptive", page_size=4)
+                  num_speculative_tokens=K, speculation_policy="adaptive", page_size=4,
+                  paused_flush_depth=DEPTH)
         eng = llm.engine
         eng.stats.policy = ModesInTurn([SPEC] + [PLAIN] * 12)
         d = eng.runner.deferred

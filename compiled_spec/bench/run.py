@@ -28,13 +28,14 @@ PROJECTED_TAUS = (2.0, 3.0, 4.0)
 AB_FLAGS = {"pdl": "PDL", "skinny_gemm": "skinny GEMMs", "autotune_gemm": "GEMM autotuning",
             "verify_ahead": "verify ahead", "size_oblivious": "size-oblivious",
             "skinny_gemm_draft": "skinny draft", "skinny_gemm_wide": "wide skinny GEMMs",
-            "defer_paused_first_pass": "deferred first pass", "pdl_narrow": "PDL on narrow calls"}
+            "defer_paused_first_pass": "deferred first pass", "pdl_narrow": "PDL on narrow calls",
+            "deep_flush": "deep flushes"}
 AB_ENGINE = ("verify_ahead", "defer_paused_first_pass")
 # Flags that change only a draft's engine: a vanilla engine runs once, not twice the same
 # (pdl_narrow: a vanilla engine's widest call, max_num_seqs rows, is narrow up to batch 64);
 # likewise an engine that never pauses
 AB_DRAFT_ONLY = ("skinny_gemm_draft", "pdl_narrow")
-AB_ADAPTIVE_ONLY = ("defer_paused_first_pass",)
+AB_ADAPTIVE_ONLY = ("defer_paused_first_pass", "deep_flush")
 LLAMA8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
            "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
            "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 131072,
@@ -84,8 +85,11 @@ def _variants(names: list[str], draft: str | None, k: int,
                                + mode, draft, n.endswith("compiled"), (topk, tokens),
                                tree_depth=d))
     if ab is not None:
-        off, on = (({ab: False}, {ab: True}) if ab in AB_ENGINE
-                   else ({"flags": {ab: False}}, {"flags": {ab: True}}))
+        if ab == "deep_flush":  # a flush per k + 1 paused steps (forty-first session) vs default
+            off, on = {"paused_flush_depth": k + 1}, {"paused_flush_depth": None}
+        else:
+            off, on = (({ab: False}, {ab: True}) if ab in AB_ENGINE
+                       else ({"flags": {ab: False}}, {"flags": {ab: True}}))
         out = [w for v in out for w in (
             [replace(v, **off), replace(v, name=f"{v.name} + {AB_FLAGS[ab]}", **on)]
             if v.compile and (v.draft is not None or ab not in AB_DRAFT_ONLY)

@@ -7,11 +7,16 @@ Why: a paused step ran the draft's first pass every step, to keep the draft's KV
 for when drafting resumes. On the H100 (thirty-sixth session, ``adaptive.json``) paused steps
 launched ahead cost 0.98 / 1.10 / 1.42 ms against vanilla's 0.77 / 0.95 / 1.06 ms at batch
 1 / 16 / 64: where drafting does not pay, pausing still left the engine up to 1.34x slower
-than vanilla. The first pass's graph is captured for ``k + 1`` rows per request (a drafting
-step's accepted positions), so a paused step's one row paid for ``k + 1`` padded ones, plus
-the host's staging; here ``k + 1`` paused steps share one such replay, and each pays a
-device-to-device copy of its aux rows (one tensor under graphs, which concatenate the aux
-layers; one per layer on eager steps).
+than vanilla. Here ``depth`` paused steps share one first pass (one replay of a graph captured
+for ``depth`` rows per request, ``EagleProposer.sync_rows``), and each pays a device-to-device
+copy of its aux rows (one tensor under graphs, which concatenate the aux layers; one per layer
+on eager steps).
+
+Depth: the flush is host work on the step that runs it (staging, the fc, the replay) while
+the GPU runs out of queued work. With ``depth = k + 1`` (the forty-first session) the H200's
+paused steps took 0.80 ms at the median but 1.26 ms at p90, 0.914 ms on average against
+vanilla's 0.766: one step in six paid ~0.9 ms for its flush. ``flush_depth`` defaults to 32
+steps per flush, fewer where one replay would pass 2048 rows (its graph's activations).
 
 Exact by construction: the draft's KV at a position depends on that position's token and
 target state and on the KV before it (causal), so one first pass over ``c`` consecutive
@@ -38,6 +43,7 @@ chunk) and counted.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -64,13 +70,30 @@ class DeferredStats:
     eager_flushes: int = 0  # of the flushes: run without a graph (see the module docstring)
     dropped_rows: int = 0  # of requests that finished or were preempted before a flush
     not_deferred: dict[str, int] = field(default_factory=dict)  # paused steps that synced: why
+    # host seconds inside flushes (staging, the fc, the replay's launch; an eager one's ops):
+    # the GPU may run dry meanwhile, so this is what deeper flushes amortize
+    flush_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return {"deferred_steps": self.deferred_steps, "deferred_rows": self.deferred_rows,
                 "flushes": self.flushes, "flush_reasons": dict(self.flush_reasons),
                 "flushed_rows": self.flushed_rows, "eager_flushes": self.eager_flushes,
                 "dropped_rows": self.dropped_rows,
-                "not_deferred": dict(self.not_deferred)}
+                "not_deferred": dict(self.not_deferred),
+                "flush_ms_mean": round(1e3 * self.flush_s / max(self.flushes, 1), 4)}
+
+
+MAX_DEPTH = 32  # paused steps per flush by default
+MAX_FLUSH_ROWS = 2048  # ... fewer where one flush replay would pass this many rows
+
+
+def flush_depth(requested: int | None, k: int, max_num_seqs: int) -> int:
+    """Paused steps per flush: ``requested`` if given, else ``MAX_DEPTH`` cut so that
+    ``max_num_seqs`` requests flush at most ``MAX_FLUSH_ROWS`` rows (the sync graph's
+    activations grow with them), never below ``k + 1`` (the depth before it was a setting)."""
+    if requested is not None:
+        return requested
+    return max(k + 1, min(MAX_DEPTH, MAX_FLUSH_ROWS // max(max_num_seqs, 1)))
 
 
 def _count(d: dict[str, int], why: str) -> None:
@@ -187,6 +210,13 @@ class DeferredFirstPass:
         """One first pass over the deferred rows; ``newest`` (a full ring: the slot just written,
         its first row) stays deferred, and the rest is replayed from a first-pass graph where
         one fits."""
+        t0 = time.perf_counter()
+        try:
+            self._write(why, newest)
+        finally:
+            self.stats.flush_s += time.perf_counter() - t0
+
+    def _write(self, why: str, newest: int | None) -> None:
         pending, self.pending = self.pending, {}
         self.live = 0
         spans, tokens, ring_rows, reqs = [], [], [], []

@@ -7,7 +7,8 @@ import time
 
 from compiled_spec.config import EngineConfig
 from compiled_spec.draft.model import EagleDraft
-from compiled_spec.engine.deferred_first_pass import DeferredFirstPass, DeferredStats
+from compiled_spec.engine.deferred_first_pass import (DeferredFirstPass, DeferredStats,
+                                                      flush_depth)
 from compiled_spec.engine.early_propose import EarlyProposeStats
 from compiled_spec.engine.kv_pool import build_kv_pool
 from compiled_spec.engine.model_runner import ModelRunner
@@ -52,6 +53,10 @@ class LLMEngine:
             proposer = EagleProposer(draft, self.allocator, cfg.device, k,
                                      cfg.spec.draft_sampling == "sample", mcfg.vocab_size)
             proposer.capture_sync = cfg.spec.speculation_policy == "adaptive"
+            if proposer.capture_sync and cfg.spec.defer_paused_first_pass:
+                # the sync graphs take a whole flush: its depth of rows per request
+                proposer.sync_rows = flush_depth(cfg.spec.paused_flush_depth, k,
+                                                 cfg.scheduler.max_num_seqs)
             if draft.config.method == "eagle3":
                 aux_ids = tuple(draft.config.aux_layer_ids)
         # Uncaptured calls (prefills above all) meet attention launch configurations that no
@@ -82,8 +87,8 @@ class LLMEngine:
                                       proposer, aux_ids)
             if (proposer is not None and cfg.spec.speculation_policy == "adaptive"
                     and cfg.spec.defer_paused_first_pass):
-                # k + 1 paused steps per flush: the first-pass graphs' rows per request
-                self.runner.deferred = DeferredFirstPass(proposer, self.allocator, k + 1,
+                self.runner.deferred = DeferredFirstPass(proposer, self.allocator,
+                                                         proposer.sync_rows,
                                                          cfg.scheduler.max_num_seqs)
         self.eos_token_ids = set(eos_token_ids)
         self.detokenize = detokenize

@@ -24,6 +24,8 @@ class HostClock:
     the late verify's rest), within a verify ``verify_build`` / ``verify_replay`` /
     ``verify_logits``; ``plan``; ``accept`` (before and after the host's ``wait``);
     ``launch_ahead``; ``execute`` (the runner's work after its last mark: logprobs);
+    ``paused_sync`` (a paused step launched ahead: its deferral or first pass, before the
+    next decode's ``verify_build``);
     ``bookkeeping``; ``propose``; ``other`` (the step's statistics and
     whatever follows ``propose``, prefix-cache registration).
     A draft-tree step marks ``verify``, ``plan``, ``accept`` (up to the draft's launch, then the

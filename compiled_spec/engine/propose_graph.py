@@ -109,12 +109,15 @@ class ProposeGraphs(StepCapture):
         self.prop, self.allocator = proposer, allocator
         self.k = proposer.k
         self.q = self.k + 1  # first-pass tokens per request (accepted drafts + bonus token)
+        # ... of the sync graphs (the first pass alone): a paused step's, or a deferred flush's
+        self.q_sync = proposer.sync_rows or self.q
         self.steps = self.k - 1
         self.sizes = sorted(set(batch_sizes))
         self.max_blocks, self.bucket = max_blocks, max_seq_len
         self.pool, self.emulate, self.strict = pool, emulate, strict
         self.device = proposer.device
-        bm, tm, s, w = self.sizes[-1], self.sizes[-1] * self.q, self.steps, max_blocks
+        bm, s, w = self.sizes[-1], self.steps, max_blocks
+        tm = bm * max(self.q, self.q_sync if proposer.capture_sync else 0)
         self.l64 = _Layout([("ids", tm), ("positions", tm), ("slots", tm), ("rows", tm),
                             ("last", bm), ("seeds", bm), ("loop_pos", s * bm),
                             ("loop_slots", s * bm)])
@@ -165,8 +168,10 @@ class ProposeGraphs(StepCapture):
                 "capture_failures": list(self.capture_failures)}
 
     # ---- static views ----------------------------------------------------------------------
-    def _views(self, b: int) -> dict[str, Any]:
-        t, s, w = b * self.q, self.steps, self.max_blocks
+    def _views(self, b: int, q: int) -> dict[str, Any]:
+        """The static buffers as the graph of ``b`` requests and ``q`` first-pass rows each
+        reads them."""
+        t, s, w = b * q, self.steps, self.max_blocks
         g64 = lambda name, n=None: self.l64.seg(self.d64, name, n)  # noqa: E731
         g32 = lambda name, n=None: self.l32.seg(self.d32, name, n)  # noqa: E731
         bm = self.sizes[-1]
@@ -177,7 +182,7 @@ class ProposeGraphs(StepCapture):
             "meta": AttentionMetadata(
                 slot_mapping=g64("slots", t), block_tables=g32("tables", b * w).view(b, w),
                 seq_lens=g32("seq_lens", b), query_start_loc=g32("qsl", b + 1),
-                max_query_len=self.q, max_seq_len=self.bucket),
+                max_query_len=q, max_seq_len=self.bucket),
             "loop_pos": g64("loop_pos").view(s, bm)[:, :b],
             "loop_meta": AttentionMetadata(
                 slot_mapping=g64("loop_slots").view(s, bm)[:, :b],
@@ -219,12 +224,15 @@ class ProposeGraphs(StepCapture):
         l64.seg(h64, "loop_slots")[:] = -1
         l32.seg(h32, "loop_lens")[:] = 1
         self._upload()
-        views = self._views(b)
+        views = self._views(b, q)
         run = lambda: self._body(views)  # noqa: E731
         self._graphs[b] = (emulate_graph(run, self.pool) if self.emulate
                            else capture_graph(run, self.pool))
         if self.prop.capture_sync:
-            sync = lambda: self._body_sync(views)  # noqa: E731
+            stage_dummy(h64, h32, l64, l32, b, self.q_sync)
+            self._upload()
+            sync_views = self._views(b, self.q_sync)
+            sync = lambda: self._body_sync(sync_views)  # noqa: E731
             self._sync_graphs[b] = (emulate_graph(sync, self.pool) if self.emulate
                                     else capture_graph(sync, self.pool))[0]
 
@@ -245,7 +253,8 @@ class ProposeGraphs(StepCapture):
         if not self.enabled:
             return "cpu"
         n = len(batch.first_pass)
-        if any(s.length > self.q for s in batch.first_pass):
+        q = self.q if graphs is self._graphs else self.q_sync
+        if any(s.length > q for s in batch.first_pass):
             return "prefill"
         b = next((s for s in self.sizes if s >= n and s in graphs), None)
         if b is None:
@@ -302,8 +311,8 @@ class ProposeGraphs(StepCapture):
         not fit the captured graph. ``loop=False`` (the sync graph: the first pass alone)
         leaves the draft loop's rows out: host work a paused step would throw away (~70 us at
         64 requests and k=5 on this CPU)."""
-        alloc, q, w = self.allocator, self.q, self.max_blocks
-        s = self.steps if loop else 0
+        alloc, w = self.allocator, self.max_blocks
+        q, s = (self.q, self.steps) if loop else (self.q_sync, 0)
         t = b * q
         tables = [alloc.tables[sp.req_id] for sp in batch.first_pass]
         if max(len(table) for table in tables) > w:

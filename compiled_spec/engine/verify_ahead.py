@@ -279,6 +279,7 @@ class VerifyAhead:
         why = self._why_not_decode(reqs, num_new)
         if why is None and first is not None:
             why = first()
+            self.runner.clock.mark("paused_sync")  # its deferral (a flush now and then)
         if why is not None:
             _count(self.stats.skipped, why)
             return

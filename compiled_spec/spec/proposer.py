@@ -52,6 +52,9 @@ class EagleProposer:
         self.early_graph: "EarlyProposeGraphs | None" = None
         # Capture the first pass alone too (engines that may pause drafting: adaptive policy).
         self.capture_sync = False
+        # ... for this many first-pass rows per request: one paused step's (1, without the
+        # deferral) or a deferred flush's (engine/deferred_first_pass.py); 0: k + 1
+        self.sync_rows = 0
         # (target_hidden, its fc output) issued early by ``precombine``, taken by ``combine``.
         self._pre: tuple[object, torch.Tensor] | None = None
         self.allocator = allocator
