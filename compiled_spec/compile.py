@@ -50,6 +50,8 @@ class CompiledModels:
     skinny_draft: bool = False  # the draft's callables compiled with the target's fusions
     pdl: PdlChoice | None = None  # programmatic dependent launch as resolved (pdl_policy.py)
     pdl_draft: PdlChoice | None = None  # the same for the draft's callables (their own rows)
+    # Size 1 stays symbolic (CompileConfig.size_oblivious): a one-token graph compiles nothing
+    size_oblivious: bool = False
     # Graphs per compiled callable when start-up ended (None: it has not): any compiled later
     # ran inside a request, which start-up's dummy runs are there to prevent.
     startup_graphs: dict[str, int] | None = None
@@ -262,7 +264,8 @@ def compile_models(runner: ModelRunner, cfg: CompileConfig,
                                                      pre("pick_plan"))
     return CompiledModels(eager=eager, compiled=compiled, backends=backends, precompile=stats,
                           skinny=skinny, skinny_draft=draft_skinny, pdl=pdl,
-                          pdl_draft=draft_pdl if prop is not None else None)
+                          pdl_draft=draft_pdl if prop is not None else None,
+                          size_oblivious=cfg.size_oblivious)
 
 
 def capture_graphs(runner: ModelRunner, models: CompiledModels, policy: CapturePolicy,
@@ -272,7 +275,11 @@ def capture_graphs(runner: ModelRunner, models: CompiledModels, policy: CaptureP
     CPU stand-ins for CUDA graphs (tests)."""
     use_compiled(runner, models, True)
     # (runner.target_fn: the compiled target, or the two picked by rows, see use_compiled)
-    graphs = EngineGraphs(runner, runner.target_fn, policy, page_size, strict, emulate)
+    # An engine that may pause drafting decodes one token per request at batch 1 too: a graph
+    # of its own where that costs no compile, not the 1 + k-row verify graph padded
+    pauses = getattr(runner.proposer, "capture_sync", False)  # (tree proposers never pause)
+    graphs = EngineGraphs(runner, runner.target_fn, policy, page_size, strict, emulate,
+                          single_decode=pauses and models.size_oblivious)
     graphs.capture()
     models.graphs = graphs
     _route(runner, models, True)

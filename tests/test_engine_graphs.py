@@ -167,6 +167,37 @@ def test_self_distillation_chunk_counts_graph_replays(trained_eagle3_pair, smoll
     assert replays > 0 and prefill > 0 and misses > 0, (replays, prefill, misses)
 
 
+def test_engines_that_pause_capture_a_one_request_decode_graph(trained_eagle3_pair,
+                                                                smollm2_gguf_path):
+    """A paused step of one request decodes one token: an adaptive engine replays a decode
+    graph of one row for it (size 1 stays symbolic, so it compiles nothing), not the batch-1
+    verify graph padded from 1 + k rows; an always-drafting engine, which decodes alone only
+    after a prompt, keeps that padding and one capture fewer. Output stays vanilla's."""
+    from compiled_spec.spec.policy import PLAIN, SPEC
+    from tests.policy_stub import ModesInTurn
+
+    target, head = trained_eagle3_pair
+    sp = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    one = [PROMPTS[0]]
+    want = [o.outputs[0].token_ids for o in _llm(target, smollm2_gguf_path, None)
+            .generate(one, sp, use_tqdm=False)]
+    sizes = {}
+    for policy in ("adaptive", "always"):
+        llm = _llm(target, smollm2_gguf_path, head, speculation_policy=policy,
+                   verify_ahead=True)
+        graphs = _graphs(llm)
+        if policy == "adaptive":
+            llm.engine.stats.policy = ModesInTurn([SPEC] * 2 + [PLAIN] * 30)
+        got = [o.outputs[0].token_ids for o in llm.generate(one, sp, use_tqdm=False)]
+        assert got == want, policy
+        st = graphs.stats()["components"]
+        sizes[policy] = st["target_decode"]["captured_sizes"]
+        if policy == "adaptive":  # the paused steps: the one-row graph, not the verify graph
+            assert st["target_decode"]["graph_replays"] >= 15, st["target_decode"]
+            assert st["target_verify"]["graph_replays"] <= 5, st["target_verify"]
+    assert sizes == {"adaptive": [1, 2, 4], "always": [2, 4]}, sizes
+
+
 def test_adaptive_policy_with_graphs_equals_eager_and_counts_its_pauses(trained_eagle3_pair,
                                                                        smollm2_gguf_path,
                                                                        monkeypatch):
