@@ -125,6 +125,13 @@ class DeferredFirstPass:
         self.next_slot = 0
         self.live = 0  # slots holding rows not yet written
         self.pending: dict[int, _Rows] = {}  # req_id -> its deferred rows
+        # The current run: steps of the same requests in the same rows, each one position on.
+        # Its steps record only their slot's first row (``_bases``); each request's rows are
+        # written out in bulk (``_settle``). Per request and step, the Python work was most of
+        # a paused step's deferral at batch 64 (0.26 ms a step on the H100, forty-third session).
+        self._run: tuple[list["Request"], list[int]] | None = None  # (requests, their rows)
+        self._expect: list[int] = []  # each run request's next position
+        self._bases: list[int] = []
         self.stats = DeferredStats()
 
     def _ring_for(self, aux: list[torch.Tensor], listed: bool) -> list[torch.Tensor] | None:
@@ -151,11 +158,17 @@ class DeferredFirstPass:
         n_rows = aux[0].shape[0]  # [T, width]: the target forward's rows, all copied
         if n_rows > self.cap:
             return self._not("rows")
-        ds = [self.pending.get(r.req_id) for r in reqs]
-        for r, p, d in zip(reqs, starts, ds):
-            if (p != r.draft_computed if d is None
-                    else p != d.start + len(d.rows) or d.req is not r):
-                return self._not("not_consecutive")  # a first pass must cover the gap first
+        run = self._run
+        # (list equality tests identity first: the same request objects, a C loop)
+        same = run is not None and reqs == run[0] and rows == run[1] and starts == self._expect
+        ds: list[_Rows | None] = []
+        if not same:
+            ds = [self.pending.get(r.req_id) for r in reqs]
+            self._settle()
+            for r, p, d in zip(reqs, starts, ds):
+                if (p != r.draft_computed if d is None
+                        else p != d.start + len(d.rows) or d.req is not r):
+                    return self._not("not_consecutive")  # a first pass must cover the gap first
         ring = self._ring_for(aux, isinstance(target_hidden, list))
         if ring is None:
             return self._not("aux_shape")
@@ -164,11 +177,16 @@ class DeferredFirstPass:
             h[base:base + n_rows].copy_(src)
         self.next_slot = (self.next_slot + 1) % self.slots
         self.live += 1
-        for r, p, row, d in zip(reqs, starts, rows, ds):
-            if d is None:
-                self.pending[r.req_id] = _Rows(r, p, [base + row])
-            else:
-                d.rows.append(base + row)
+        if same:
+            self._bases.append(base)
+        else:
+            for r, p, row, d in zip(reqs, starts, rows, ds):
+                if d is None:
+                    self.pending[r.req_id] = _Rows(r, p, [base + row])
+                else:
+                    d.rows.append(base + row)
+            self._run = (list(reqs), list(rows))
+        self._expect = [p + 1 for p in starts]
         self.stats.deferred_steps += 1
         self.stats.deferred_rows += len(reqs)
         if self.live == self.slots:  # the next step's copy would overwrite the oldest slot
@@ -178,6 +196,15 @@ class DeferredFirstPass:
     def _not(self, why: str) -> str:
         _count(self.stats.not_deferred, why)
         return why
+
+    def _settle(self) -> None:
+        """Write the current run's rows into each request's list, and end the run."""
+        run, bases = self._run, self._bases
+        self._run, self._bases = None, []
+        if run is None or not bases:
+            return
+        for r, row in zip(*run):
+            self.pending[r.req_id].rows.extend([b + row for b in bases])
 
     def _live(self, d: _Rows) -> int:
         """How many of ``d``'s rows may be written now: those whose token and target KV are
@@ -217,6 +244,7 @@ class DeferredFirstPass:
             self.stats.flush_s += time.perf_counter() - t0
 
     def _write(self, why: str, newest: int | None) -> None:
+        self._settle()
         pending, self.pending = self.pending, {}
         self.live = 0
         spans, tokens, ring_rows, reqs = [], [], [], []
@@ -271,6 +299,7 @@ class DeferredFirstPass:
 
     def drop(self) -> None:
         """Forget every deferred row (their requests recompute, or ended)."""
+        self._settle()
         for d in self.pending.values():
             self.stats.dropped_rows += len(d.rows)
         self.pending, self.live = {}, 0

@@ -49,25 +49,27 @@ def sync_ahead(rn: "ModelRunner", reqs: "list[Request]", num_new: list[int],
         return "paused_no_graph"
     if max(num_new) != 1:
         return "prefill"  # a prompt's last chunk: its first pass spans the chunk
+    for r in reqs:  # the late path leaves such a request out of the first pass: it drafts
+        # no more (k_next below is <= 0 within two tokens of its KV limit)
+        if not r.spec_enabled or r.kv_limit - r.num_tokens <= 2:
+            return "not_spec"
+    starts = [r.num_computed for r in reqs]
+    d = rn.deferred
+    # Deferred: no KV to grow now (the flush writes positions the target already holds)
+    if d is not None and d.defer(reqs, starts, row_start, target_hidden) is None:
+        rn._synced = "deferred"  # kept for a later first pass (engine/deferred_first_pass.py)
+        return None
     k, look, grow_cap = rn.k, rn.lookahead, rn._grow_cap
     limits, wants = [], []
     for r in reqs:
         n_tok = r.num_tokens + 1  # with this step's token
-        k_next = min(k, r.kv_limit - n_tok - 1)
-        if not r.spec_enabled or k_next <= 0:
-            return "not_spec"  # the late path leaves such a request out of the first pass
         # the draft's positions of a later proposal, as ``propose`` grows them
         wants.append((r.req_id, min(n_tok + look, grow_cap(r))))
-        limits.append(n_tok - 2 + k_next)
+        limits.append(n_tok - 2 + min(k, r.kv_limit - n_tok - 1))
     # One check for the batch: a grow per request was a third of this function's host time
     # at batch 64 (CPU cProfile, fortieth session); all or none, as the late path then retries.
     if not rn.allocator.grow_all(wants):
         return "kv_exhausted"
-    starts = [r.num_computed for r in reqs]
-    d = rn.deferred
-    if d is not None and d.defer(reqs, starts, row_start, target_hidden) is None:
-        rn._synced = "deferred"  # kept for a later first pass (engine/deferred_first_pass.py)
-        return None
     n = len(reqs)
     first_pass = [Span(r.req_id, p, 1) for r, p in zip(reqs, starts)]
     batch = ProposeBatch(first_pass=first_pass, token_ids=[0] * n,  # ids: from ``tok``
