@@ -15,3 +15,4 @@ class ModesInTurn:
         pass
 
     observe_acceptance = observe
+    admitted = observe

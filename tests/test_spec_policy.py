@@ -43,6 +43,45 @@ def test_policy_probes_the_other_mode_and_follows_a_change():
     assert modes[-16:].count(PLAIN) >= 13
 
 
+def test_new_requests_are_probed_where_the_policy_pauses():
+    """Acceptance is the requests' own: a request that drafted badly must not keep the batch
+    paused for the requests after it. Once half the batch is new since the last drafting step,
+    a paused bucket probes drafting at once, its old acceptance weighing as one sample; fewer
+    new requests, or a bucket that drafts anyway, change nothing."""
+    def run(p: SpecPolicy, batch: int, steps: int, accepted: int) -> list[str]:
+        modes, prev = [], None
+        for _ in range(steps):
+            m = p.mode(batch)
+            if m == SPEC:
+                p.observe_acceptance(batch, [3] * batch, [accepted] * batch)
+            if m == prev:
+                p.observe(batch, m, 1.5e-3 if m == SPEC else 1.0e-3,
+                          1.0 + accepted if m == SPEC else 1.0)
+            prev = m
+            modes.append(m)
+        return modes
+
+    p = SpecPolicy(warmup=2, probe_every=1000, probe_len=2, k=3)
+    run(p, 4, 20, accepted=0)  # a bad draft: paused (1 token per 1.5 ms drafting)
+    assert p.summary()[4]["prefers"] == PLAIN
+    p.admitted(1)  # a quarter of the batch is new: no probe
+    assert set(run(p, 4, 10, accepted=3)) == {PLAIN}
+    p.admitted(1)  # half of it now: drafting is probed, the new acceptance decides
+    after = run(p, 4, 12, accepted=3)
+    assert after[:3] == [SPEC] * 3 and set(after[3:]) == {SPEC}, after
+    s = p.summary()[4]
+    assert s["fresh_probes"] == 1 and s["prefers"] == SPEC
+    # without the new requests, the stale estimate kept the batch paused (probes are rare)
+    q = SpecPolicy(warmup=2, probe_every=1000, probe_len=2, k=3)
+    run(q, 4, 20, accepted=0)
+    assert set(run(q, 4, 12, accepted=3)) == {PLAIN}
+    # a drafting bucket is not disturbed by new requests
+    d = SpecPolicy(warmup=2, probe_every=1000, probe_len=2, k=3)
+    run(d, 1, 20, accepted=3)
+    d.admitted(1)
+    assert set(run(d, 1, 6, accepted=3)) == {SPEC} and d.summary()[1]["fresh_probes"] == 0
+
+
 def test_policy_buckets_are_separate_and_arguments_checked():
     p = SpecPolicy(warmup=2, probe_every=1000)
     _drive(p, 1, 10, {SPEC: 1.2e-3, PLAIN: 1.0e-3}, tau=2.0)
@@ -185,8 +224,11 @@ def test_adaptive_engine_is_lossless_and_reports_its_choices(pair, smollm2_gguf_
                                         max_model_len=128).generate(PROMPTS, GREEDY)]
     llm = LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=128, draft=head,
               num_speculative_tokens=3, speculation_policy="adaptive")
-    llm.engine.stats.policy = SpecPolicy(warmup=3, probe_every=8, probe_len=2)
+    pol = llm.engine.stats.policy = SpecPolicy(warmup=3, probe_every=8, probe_len=2)
+    admitted, real = [], pol.admitted
+    pol.admitted = lambda n: admitted.append(n) or real(n)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == vanilla
+    assert sum(admitted) == len(PROMPTS)  # each request reported once, at its prompt
     s = llm.stats.policy.summary()[4]
     assert s["drafted_steps"] > 0 and s["paused_steps"] > 0
     assert s["spec_step_ms"] > 0 and s["plain_step_ms"] > 0 and s["tau"] >= 1.0

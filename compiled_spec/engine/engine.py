@@ -176,6 +176,10 @@ class LLMEngine:
         prompt = not batch.empty and max(batch.num_new_tokens) > 1  # carries a prompt chunk
         if prompt:
             clock.prompt_step()
+            if self.stats.policy is not None:  # new requests: their acceptance is unknown
+                fresh = sum(1 for r in batch.requests if r.num_computed == 0)
+                if fresh:
+                    self.stats.policy.admitted(fresh)
         clock.mark("schedule")
         finished = list(batch.aborted)
         stats = self.stats

@@ -21,6 +21,15 @@ Output never depends on the choice: a plain step verifies nothing, a drafting st
 through exact verification. A paused engine still runs the draft's first pass over the accepted
 token (no drafting), so the draft's KV stays complete and acceptance is intact on resume.
 
+New requests: acceptance belongs to the requests' text, costs to the batch size. While the
+policy pauses, nothing updates the acceptance estimate but the probes, so one request that
+drafted badly left the estimate low through the requests after it: at batch 1 on the H100
+(forty-third session, shipped head, MT-bench) the adaptive engine paused 13.5% of its steps,
+in runs of 32 and more, and ran 0.96x of always drafting. So once the requests admitted since
+the last drafting step make up half the batch (``admitted``), a paused bucket probes its best
+drafting mode right away, its acceptance estimate weighing as one sample: the new requests'
+own acceptance decides within the probe.
+
 Exploration: a bucket starts by drafting until ``warmup`` steps are measured, then measures
 each shrunk k and plain steps as long, then follows the best mode, and every ``probe_every``
 steps runs ``probe_len`` steps of another one (in turn) so its estimate follows drifting
@@ -97,6 +106,7 @@ class _Bucket:
     probe_left: int = 0  # steps of the probed mode still to run in the current probe
     probe_mode: str = PLAIN
     probes: int = 0
+    fresh_probes: int = 0  # of the probes: those new requests started (``SpecPolicy.admitted``)
     chosen: dict[str, int] = field(default_factory=dict)
     need: int = 0  # samples of each mode (a seed included) before the modes are compared
     seeded_from: int | None = None  # the neighbour bucket its estimates started from
@@ -129,6 +139,8 @@ class SpecPolicy:
     # position (``observe_acceptance``) where that covers its drafts; 0: from its own steps.
     k: int = 0
     buckets: dict[int, _Bucket] = field(default_factory=dict)
+    # requests admitted since the last drafting step (``admitted``)
+    fresh: int = 0
 
     def __post_init__(self) -> None:
         for name in ("warmup", "probe_every", "probe_len", "seed_warmup"):
@@ -204,7 +216,9 @@ class SpecPolicy:
         m = next((m for m in self.modes if b.cost[m].count < b.need), None)  # warm-up
         if m is None:
             best = self.better(b)
-            if b.probe_left == 0 and b.steps % self.probe_every == 0:
+            if best == PLAIN and b.probe_left == 0 and 2 * self.fresh >= batch_size:
+                self._probe_fresh(b)
+            elif b.probe_left == 0 and b.steps % self.probe_every == 0:
                 others = [o for o in self.modes if o != best]
                 b.probe_mode = others[b.probes % len(others)]
                 b.probes += 1
@@ -215,7 +229,22 @@ class SpecPolicy:
             else:
                 m = best
         b.chosen[m] += 1
+        if m != PLAIN:
+            self.fresh = 0  # their acceptance is observed now
         return m
+
+    def admitted(self, n: int) -> None:
+        """``n`` requests joined the running batch (their prompts run in this step)."""
+        self.fresh += n
+
+    def _probe_fresh(self, b: _Bucket) -> None:
+        """Probe ``b``'s best drafting mode now, the acceptance estimate kept as one sample."""
+        for e in (*b.accept, *b.tau.values()):
+            e.count = min(e.count, 1)
+        b.probe_mode = max((m for m in self.modes if m != PLAIN), key=lambda m: self.rate(b, m))
+        b.probes += 1
+        b.probe_left = self.probe_len + 1
+        b.fresh_probes += 1
 
     def observe(self, batch_size: int, mode: str, seconds: float, tokens_per_request: float
                 ) -> None:
@@ -257,6 +286,7 @@ class SpecPolicy:
                 "tau": self._tau_seen(b, SPEC),
                 "prefers": self.better(b) if b.measured() else None,
                 "seeded_from": b.seeded_from,
+                "probes": b.probes, "fresh_probes": b.fresh_probes,
             }
             shrunk_modes = [m for m in self.modes if m not in (SPEC, PLAIN)]
             if shrunk_modes:
