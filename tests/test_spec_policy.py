@@ -21,10 +21,10 @@ def _drive(policy: SpecPolicy, batch: int, steps: int, cost: dict[str, float], t
 
 
 def test_policy_explores_both_modes_then_keeps_the_faster():
-    p = SpecPolicy(warmup=4, probe_every=1000)
+    p = SpecPolicy(warmup=4, probe_every=1000, probe_first=1000)
     modes = _drive(p, 1, 40, {SPEC: 1.5e-3, PLAIN: 1.0e-3}, tau=2.5)  # 1.67 vs 1.0 tokens/ms
     assert modes[:8] == [SPEC] * 4 + [PLAIN] * 4 and set(modes[8:]) == {SPEC}
-    p = SpecPolicy(warmup=4, probe_every=1000)
+    p = SpecPolicy(warmup=4, probe_every=1000, probe_first=1000)
     modes = _drive(p, 64, 40, {SPEC: 3.0e-3, PLAIN: 1.0e-3}, tau=2.5)  # 0.83 vs 1.0
     assert modes[:8] == [SPEC] * 4 + [PLAIN] * 4 and set(modes[8:]) == {PLAIN}
     s = p.summary()[64]
@@ -41,6 +41,41 @@ def test_policy_probes_the_other_mode_and_follows_a_change():
     # acceptance collapses: the next probes' estimates turn the choice to plain decoding
     modes = _drive(p, 8, 64, {SPEC: 1.5e-3, PLAIN: 1.0e-3}, tau=1.0)
     assert modes[-16:].count(PLAIN) >= 13
+
+
+def test_a_paused_bucket_probes_drafting_soon_then_ever_less_often():
+    """Acceptance moves within a request (a stretch the draft cannot predict, then text it
+    can): after the bucket turns to plain decoding, drafting is probed ``probe_first`` steps
+    later, then twice as far each time, up to ``probe_every``; once acceptance is back, the
+    next probe finds it and the bucket drafts again. A bucket that drafts probes plain
+    decoding only every ``probe_every`` steps."""
+    p = SpecPolicy(warmup=2, probe_every=64, probe_len=2, probe_first=4, alpha=0.5, k=3)
+
+    def run(steps: int, accepted: int) -> list[str]:
+        out, prev = [], None
+        for _ in range(steps):
+            m = p.mode(1)
+            if m == SPEC:
+                p.observe_acceptance(1, [3], [accepted])
+            if m == prev:
+                p.observe(1, m, 1.5e-3 if m == SPEC else 1.0e-3,
+                          1.0 + accepted if m == SPEC else 1.0)
+            prev = m
+            out.append(m)
+        return out
+
+    assert set(run(40, accepted=3)[6:]) == {SPEC}  # (after warm-up) drafting pays
+    low = run(150, accepted=0)  # the draft stops predicting: plain decoding, probes back off
+    turned = low.index(PLAIN)
+    starts = [i for i in range(turned, len(low)) if low[i] == SPEC and low[i - 1] == PLAIN]
+    assert starts[0] == turned + 4, (turned, starts)
+    assert [b - a for a, b in zip(starts, starts[1:])] == [8, 16, 32, 64], starts
+    back = run(80, accepted=3)  # acceptance is back: the next probe turns the bucket around
+    first = back.index(SPEC)
+    assert first <= 64 and back[first:].count(PLAIN) <= 3, back  # (a probe of plain at most)
+    assert SpecPolicy(probe_first=8).probe_first == 8
+    with pytest.raises(ValueError, match="probe_first"):
+        SpecPolicy(probe_first=0)
 
 
 def test_new_requests_are_probed_where_the_policy_pauses():
@@ -61,7 +96,7 @@ def test_new_requests_are_probed_where_the_policy_pauses():
             modes.append(m)
         return modes
 
-    p = SpecPolicy(warmup=2, probe_every=1000, probe_len=2, k=3)
+    p = SpecPolicy(warmup=2, probe_every=1000, probe_first=1000, probe_len=2, k=3)
     run(p, 4, 20, accepted=0)  # a bad draft: paused (1 token per 1.5 ms drafting)
     assert p.summary()[4]["prefers"] == PLAIN
     p.admitted(1)  # a quarter of the batch is new: no probe
@@ -72,18 +107,18 @@ def test_new_requests_are_probed_where_the_policy_pauses():
     s = p.summary()[4]
     assert s["fresh_probes"] == 1 and s["prefers"] == SPEC
     # without the new requests, the stale estimate kept the batch paused (probes are rare)
-    q = SpecPolicy(warmup=2, probe_every=1000, probe_len=2, k=3)
+    q = SpecPolicy(warmup=2, probe_every=1000, probe_first=1000, probe_len=2, k=3)
     run(q, 4, 20, accepted=0)
     assert set(run(q, 4, 12, accepted=3)) == {PLAIN}
     # a drafting bucket is not disturbed by new requests
-    d = SpecPolicy(warmup=2, probe_every=1000, probe_len=2, k=3)
+    d = SpecPolicy(warmup=2, probe_every=1000, probe_first=1000, probe_len=2, k=3)
     run(d, 1, 20, accepted=3)
     d.admitted(1)
     assert set(run(d, 1, 6, accepted=3)) == {SPEC} and d.summary()[1]["fresh_probes"] == 0
 
 
 def test_policy_buckets_are_separate_and_arguments_checked():
-    p = SpecPolicy(warmup=2, probe_every=1000)
+    p = SpecPolicy(warmup=2, probe_every=1000, probe_first=1000)
     _drive(p, 1, 10, {SPEC: 1.2e-3, PLAIN: 1.0e-3}, tau=2.0)
     _drive(p, 100, 10, {SPEC: 4.0e-3, PLAIN: 1.0e-3}, tau=2.0)
     assert [bucket_of(n) for n in (1, 2, 3, 64, 65)] == [1, 2, 4, 64, 128]
@@ -98,7 +133,7 @@ def test_a_new_bucket_starts_from_its_measured_neighbour():
     """A batch run shrinks through buckets as requests finish: after the first bucket's full
     warm-up, each new one measures only seed_warmup steps of each mode (plus one switching
     step), starting from the nearest measured bucket's estimates."""
-    p = SpecPolicy(warmup=8, seed_warmup=2, probe_every=1000)
+    p = SpecPolicy(warmup=8, seed_warmup=2, probe_every=1000, probe_first=1000)
     cost = {SPEC: 2.0e-3, PLAIN: 1.5e-3}
     first = _drive(p, 64, 40, cost, tau=2.7)
     assert first.count(PLAIN) == 8 and p.summary()[64]["seeded_from"] is None
@@ -112,7 +147,7 @@ def test_a_new_bucket_starts_from_its_measured_neighbour():
 
 
 def test_a_seeded_bucket_follows_its_own_costs_where_they_disagree():
-    p = SpecPolicy(warmup=4, seed_warmup=2, probe_every=1000)
+    p = SpecPolicy(warmup=4, seed_warmup=2, probe_every=1000, probe_first=1000)
     _drive(p, 1, 20, {SPEC: 1.2e-3, PLAIN: 1.0e-3}, tau=3.0)  # batch 1: drafting wins
     assert p.summary()[1]["prefers"] == SPEC
     modes = _drive(p, 128, 30, {SPEC: 9.0e-3, PLAIN: 1.0e-3}, tau=2.0)  # 0.22 vs 1.0 per ms
@@ -128,7 +163,7 @@ def test_slow_first_steps_do_not_decide_the_mode():
     replays): the first samples' median, not their mean, makes the estimate, so three slow
     steps of 8 leave drafting the choice where it is 1.5x faster (their mean would be 2.85 ms
     against plain's 1.0 ms per 2.5 tokens: plain would win)."""
-    p = SpecPolicy(warmup=8, probe_every=1000)
+    p = SpecPolicy(warmup=8, probe_every=1000, probe_first=1000)
     modes = []
     for i in range(40):
         m = p.mode(1)
@@ -159,7 +194,7 @@ def test_policy_shrinks_k_where_fewer_drafts_verify_faster():
     at large batch: fewer rows cost less, the drafts past w are the least often accepted)."""
     w = shrunk(2)
     assert (mode_k(SPEC, 5), mode_k(w, 5), mode_k(PLAIN, 5)) == (5, 2, 0)
-    p = SpecPolicy(warmup=3, probe_every=1000, modes=(SPEC, w, PLAIN))
+    p = SpecPolicy(warmup=3, probe_every=1000, probe_first=1000, modes=(SPEC, w, PLAIN))
     cost = {SPEC: 3.0e-3, w: 1.6e-3, PLAIN: 1.0e-3}
     tau = {SPEC: 2.8, w: 2.0}  # 0.93, 1.25 and 1.0 tokens per ms
     modes = _drive_modes(p, 64, 40, cost, tau)
@@ -170,7 +205,7 @@ def test_policy_shrinks_k_where_fewer_drafts_verify_faster():
                               "tau": pytest.approx(2.0)}
     assert s["tau"] == pytest.approx(2.8)  # drafting k's own
     # where drafting k pays best it keeps k (the same costs, k's drafts accepted more often)
-    p = SpecPolicy(warmup=3, probe_every=1000, modes=(SPEC, w, PLAIN))
+    p = SpecPolicy(warmup=3, probe_every=1000, probe_first=1000, modes=(SPEC, w, PLAIN))
     assert set(_drive_modes(p, 64, 40, cost, {SPEC: 4.5, w: 2.0})[9:]) == {SPEC}
     # probes visit every other mode in turn, so each estimate follows the prompts
     p = SpecPolicy(warmup=2, probe_every=8, probe_len=1, modes=(SPEC, w, PLAIN))

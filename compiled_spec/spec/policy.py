@@ -21,14 +21,17 @@ Output never depends on the choice: a plain step verifies nothing, a drafting st
 through exact verification. A paused engine still runs the draft's first pass over the accepted
 token (no drafting), so the draft's KV stays complete and acceptance is intact on resume.
 
-New requests: acceptance belongs to the requests' text, costs to the batch size. While the
-policy pauses, nothing updates the acceptance estimate but the probes, so one request that
-drafted badly left the estimate low through the requests after it: at batch 1 on the H100
+Coming back from a pause: acceptance belongs to the text, costs to the batch size. While
+paused, nothing updates the acceptance estimate but the probes. At batch 1 on the H100
 (forty-third session, shipped head, MT-bench) the adaptive engine paused 13.5% of its steps,
-in runs of 32 and more, and ran 0.96x of always drafting. So once the requests admitted since
-the last drafting step make up half the batch (``admitted``), a paused bucket probes its best
-drafting mode right away, its acceptance estimate weighing as one sample: the new requests'
-own acceptance decides within the probe.
+in runs of 32 and more, and ran 0.96x of always drafting: a stretch the draft could not
+predict turned the bucket to plain decoding, and with a probe every 256 steps it stayed there
+long after. So a bucket that turns to plain decoding probes drafting ``probe_first`` steps
+later, then twice as far each time, up to ``probe_every`` (a simulation of requests whose
+acceptance comes and goes, in tests' terms: 1.67 -> 2.25 tokens/ms where always drafting
+makes 2.32; a random head loses 0.1%). And once the requests admitted since the last drafting
+step make up half the batch (``admitted``), a paused bucket probes its best drafting mode at
+once, its acceptance estimate weighing as one sample: the new requests' own acceptance decides.
 
 Exploration: a bucket starts by drafting until ``warmup`` steps are measured, then measures
 each shrunk k and plain steps as long, then follows the best mode, and every ``probe_every``
@@ -107,6 +110,9 @@ class _Bucket:
     probe_mode: str = PLAIN
     probes: int = 0
     fresh_probes: int = 0  # of the probes: those new requests started (``SpecPolicy.admitted``)
+    plain_since: int | None = None  # the step it turned to plain decoding (None: it drafts)
+    interval: int = 0  # steps from one probe of drafting to the next while plain is best
+    next_probe: int = 0
     chosen: dict[str, int] = field(default_factory=dict)
     need: int = 0  # samples of each mode (a seed included) before the modes are compared
     seeded_from: int | None = None  # the neighbour bucket its estimates started from
@@ -131,6 +137,9 @@ class SpecPolicy:
     warmup: int = 8  # measured steps of each mode before comparing
     probe_every: int = 256  # steps between probes of a mode not chosen
     probe_len: int = 4  # a probe's length (one more step switches modes and is not measured)
+    # Paused: the first probe of drafting this many steps after the bucket turned to plain
+    # decoding, each next one twice as far, up to probe_every (see the module docstring)
+    probe_first: int = 8
     alpha: float = 0.1  # EMA weight of a new observation
     seed_warmup: int = 2  # own steps of each mode in a bucket seeded from a measured neighbour
     # The modes compared, explored in this order: SPEC (k drafts), then any ``shrunk(w)``, PLAIN
@@ -143,7 +152,7 @@ class SpecPolicy:
     fresh: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("warmup", "probe_every", "probe_len", "seed_warmup"):
+        for name in ("warmup", "probe_every", "probe_len", "seed_warmup", "probe_first"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r}: must be a positive integer")
@@ -216,9 +225,20 @@ class SpecPolicy:
         m = next((m for m in self.modes if b.cost[m].count < b.need), None)  # warm-up
         if m is None:
             best = self.better(b)
+            if best != PLAIN:
+                b.plain_since = None
+                due = b.steps % self.probe_every == 0
+            else:
+                if b.plain_since is None:  # just turned: acceptance may come back soon
+                    b.plain_since, b.interval = b.steps, self.probe_first
+                    b.next_probe = b.steps + b.interval
+                due = b.steps >= b.next_probe
             if best == PLAIN and b.probe_left == 0 and 2 * self.fresh >= batch_size:
                 self._probe_fresh(b)
-            elif b.probe_left == 0 and b.steps % self.probe_every == 0:
+            elif b.probe_left == 0 and due:
+                if best == PLAIN:
+                    b.interval = min(2 * b.interval, self.probe_every)
+                    b.next_probe = b.steps + b.interval
                 others = [o for o in self.modes if o != best]
                 b.probe_mode = others[b.probes % len(others)]
                 b.probes += 1
