@@ -27,9 +27,10 @@ paused, nothing updates the acceptance estimate but the probes. At batch 1 on th
 in runs of 32 and more, and ran 0.96x of always drafting: a stretch the draft could not
 predict turned the bucket to plain decoding, and with a probe every 256 steps it stayed there
 long after. So a bucket that turns to plain decoding probes drafting ``probe_first`` steps
-later, then twice as far each time, up to ``probe_every`` (a simulation of requests whose
-acceptance comes and goes, in tests' terms: 1.67 -> 2.25 tokens/ms where always drafting
-makes 2.32; a random head loses 0.1%). And once the requests admitted since the last drafting
+later, then twice as far each time, up to ``probe_every``. In a simulation of requests whose
+acceptance comes and goes (profiles/scripts/policy_sim_cpu.py: stretches of 40 steps where
+the draft fails) that took 1.67 tokens/ms to 2.25, where always drafting makes 2.32; a random
+head loses 0.1%. And once the requests admitted since the last drafting
 step make up half the batch (``admitted``), a paused bucket probes its best drafting mode at
 once, its acceptance estimate weighing as one sample: the new requests' own acceptance decides.
 
