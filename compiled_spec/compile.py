@@ -315,5 +315,6 @@ def _route(runner: ModelRunner, models: CompiledModels, on: bool) -> None:
     if runner.proposer is not None:
         runner.proposer.graph = None if g is None else g.propose
         runner.proposer.early_graph = None if g is None else g.propose_early
+        runner.proposer.sync_graph = None if g is None else g.sync
     if g is not None:
         runner.target_fn = g.target

@@ -7,7 +7,7 @@ import torch
 
 from compiled_spec import LLM, SamplingParams
 from compiled_spec.engine.deferred_first_pass import flush_depth
-from compiled_spec.engine.propose_graph import ProposeGraphs
+from compiled_spec.engine.sync_graph import SyncGraphs
 from compiled_spec.spec.policy import PLAIN, SPEC
 from tests.engine_runs import with_emulated_graphs
 from tests.policy_stub import ModesInTurn
@@ -36,7 +36,7 @@ def _vanilla(target, tok) -> list[list[int]]:
 
 def _run(target, head, tok, defer: bool, ahead: bool, monkeypatch, modes=MODES, **kw):
     """(outputs, the draft's K rows per request over the positions every first pass has
-    covered by its end, the LLM, run_sync calls, fc calls), emulated graphs."""
+    covered by its end, the LLM, first-pass graph calls, fc calls), emulated graphs."""
     llm = with_emulated_graphs(LLM(
         model=target, tokenizer=tok, max_model_len=128, draft=head, num_speculative_tokens=K,
         speculation_policy="adaptive", verify_ahead=ahead, max_num_seqs=4,
@@ -50,7 +50,7 @@ def _run(target, head, tok, defer: bool, ahead: bool, monkeypatch, modes=MODES, 
         return free(req_id)
 
     calls = {"sync": 0, "fc": 0}
-    real_sync, real_fc = ProposeGraphs.run_sync, eng.draft.combine_aux
+    real_sync, real_fc = SyncGraphs.run, eng.draft.combine_aux
 
     def count_sync(self, *a, **k):
         calls["sync"] += 1
@@ -60,7 +60,7 @@ def _run(target, head, tok, defer: bool, ahead: bool, monkeypatch, modes=MODES, 
         calls["fc"] += 1
         return real_fc(*a, **k)
 
-    monkeypatch.setattr(ProposeGraphs, "run_sync", count_sync)
+    monkeypatch.setattr(SyncGraphs, "run", count_sync)
     monkeypatch.setattr(eng.draft, "combine_aux", count_fc)
     eng.allocator.free = keep_table
     outs = llm.generate(PROMPTS, PARAMS)
@@ -89,8 +89,8 @@ def test_deferred_first_pass_keeps_output_kv_and_acceptance(trained_eagle3_pair,
                                            monkeypatch)
     ids, kv, llm, calls = _run(target, head, smollm2_gguf_path, True, ahead, monkeypatch,
                                paused_flush_depth=depth)
-    graphs = llm.engine.runner.proposer.graph
-    assert graphs.q_sync == depth and graphs.q == K + 1
+    prop = llm.engine.runner.proposer
+    assert prop.sync_graph.q == depth and prop.graph.q == K + 1
     assert llm.engine.runner.deferred.slots == depth + 1
     assert ids == ref_ids == want
     for got, exp in zip(kv, ref_kv):
@@ -100,7 +100,9 @@ def test_deferred_first_pass_keeps_output_kv_and_acceptance(trained_eagle3_pair,
     st = llm.stats.deferred_first_pass.as_dict()
     assert st["deferred_steps"] > 20 and st["flush_reasons"]["full"] >= 4, st
     assert st["flush_reasons"]["draft"] >= 2 and st["dropped_rows"] > 0, st
-    assert st["eager_flushes"] == st["flushes"] - st["flush_reasons"]["full"], st
+    # every flush replays a graph, a change to drafting's too (the first-pass graphs have
+    # their own pool and buffers: the launched verify's outputs stay intact, as ``ids`` shows)
+    assert st["eager_flushes"] == 0 and st["flushes"] > st["flush_reasons"]["full"], st
     # one first-pass replay per ring and per change of mode, not per paused step
     assert calls["sync"] < ref_calls["sync"] / 2, (calls, ref_calls)
     assert calls["fc"] < ref_calls["fc"], (calls, ref_calls)

@@ -219,22 +219,24 @@ def test_adaptive_policy_with_graphs_equals_eager_and_counts_its_pauses(trained_
     loops, real_rows = [], pg.loop_rows  # the draft loop's rows each staging builds
     monkeypatch.setattr(pg, "loop_rows", lambda *a: loops.append(a[-1]) or real_rows(*a))
     assert _run(llm, sp) == eager
-    # a paused step's staging builds no loop rows (the sync graph runs no draft loop)
-    assert 0 in loops and max(loops) == llm.engine.runner.k - 1, loops
+    # a paused step stages no draft loop: its first pass replays the sync graphs, whose
+    # staging has none (engine/sync_graph.py); proposals stage their k - 1 loop steps
+    assert set(loops) == {llm.engine.runner.k - 1}, loops
     st = graphs.stats()
+    assert st["components"]["draft_sync"]["graph_replays"] > 0
     # paused steps replay the target's decode graph and the draft's first-pass-only graph
     assert st["components"]["target_decode"]["graph_replays"] > 0
-    assert sorted(graphs.propose._sync_graphs) == [1, 2, 4]
+    assert sorted(graphs.sync._graphs) == [1, 2, 4]
     summary = llm.stats.policy.summary()[4]
     assert summary["paused_steps"] > 0 and summary["drafted_steps"] > 0
-    assert "paused (first pass only)" not in st["without_graph"].get("draft_propose", {})
+    assert "paused (first pass only)" not in st["without_graph"].get("draft_sync", {})
     early = llm.stats.early_propose
     assert early.early > 0 and early.late_reasons.get("paused", 0) > 0, early
     assert llm.stats.verify_ahead.taken > 0, llm.stats.verify_ahead
     # ... and one that no graph fits runs uncaptured, and is counted so
-    graphs.propose._sync_graphs.clear()
+    graphs.sync._graphs.clear()
     assert _run(llm, sp) == eager
-    assert graphs.stats()["without_graph"]["draft_propose"]["paused (first pass only)"] > 0
+    assert graphs.stats()["without_graph"]["draft_sync"]["paused (first pass only)"] > 0
 
 
 def test_shrunk_k_replays_verify_graphs_of_its_own(trained_eagle3_pair, smollm2_gguf_path):

@@ -372,7 +372,7 @@ def test_paused_steps_launch_the_next_decode_ahead(pair, smollm2_gguf_path, monk
     and the draft's KV is what the late path writes (same acceptance per position; without the
     first pass's replay or flush the KV differs)."""
     from compiled_spec.engine.deferred_first_pass import DeferredFirstPass
-    from compiled_spec.engine.propose_graph import ProposeGraphs
+    from compiled_spec.engine.sync_graph import SyncGraphs
     from tests.engine_runs import with_emulated_graphs
 
     target, head = pair
@@ -401,7 +401,7 @@ def test_paused_steps_launch_the_next_decode_ahead(pair, smollm2_gguf_path, monk
                                  ahead=True, defer=defer)
     assert va.taken >= 10, va  # paused steps at batch 1 (the verify graph, one live row)
     torch.testing.assert_close(got, late, rtol=1e-5, atol=1e-5)
-    monkeypatch.setattr(ProposeGraphs, "run_sync", lambda self, *a, **k: True)  # no first pass
+    monkeypatch.setattr(SyncGraphs, "run", lambda self, *a, **k: True)  # no first pass
     monkeypatch.setattr(DeferredFirstPass, "_flush", lambda self, *a, **k: self.drop())
     _, holes, _ = _draft_kv_after(pair, smollm2_gguf_path, PROMPTS[0],
                                   ModesInTurn(modes.modes), ahead=True, defer=defer)

@@ -31,14 +31,12 @@ Layout: ``depth + 1`` slots, each the aux rows of one deferred step as its targe
 left them (``[cap, width]`` per aux layer, rows in that step's order), used in turn; each
 request keeps the position of its first deferred row and the ring rows of all of them.
 
-Graph memory: a replay may reuse the blocks of any other graph's outputs in the pool (the
-emulated graphs poison them, capture/emulate.py), so the only replayed flush is the one a
-full ring triggers, after the step's aux rows are copied and its logits read, before the
-next target forward; it writes every request's rows but the newest step's (at most
-``depth``, the first-pass graphs' rows per request). The other flushes come while a
-target forward's outputs are still to be read (a drafting step's verify, launched ahead;
-the aux states a first pass reads next): they run eagerly, rare (a change of mode, a prompt
-chunk) and counted.
+Flushes: a full ring's comes after the step's aux rows are copied, before the next target
+forward, and writes every request's rows but the newest step's (at most ``depth``, the
+first-pass graphs' rows per request). The others (a change to drafting, a prompt chunk, a
+reset) may come while a target forward's outputs are still to be read: the first-pass graphs
+have a memory pool, staging and input buffers of their own (engine/sync_graph.py), so those
+replay too; a flush that no graph fits runs eagerly, counted (``eager_flushes``).
 """
 from __future__ import annotations
 
@@ -67,7 +65,7 @@ class DeferredStats:
     flushes: int = 0  # first passes that wrote deferred positions
     flush_reasons: dict[str, int] = field(default_factory=dict)  # "full", "draft", "sync", ...
     flushed_rows: int = 0
-    eager_flushes: int = 0  # of the flushes: run without a graph (see the module docstring)
+    eager_flushes: int = 0  # of the flushes: run without a graph (none fits, or none at all)
     dropped_rows: int = 0  # of requests that finished or were preempted before a flush
     not_deferred: dict[str, int] = field(default_factory=dict)  # paused steps that synced: why
     # host seconds inside flushes (staging, the fc, the replay's launch; an eager one's ops):
@@ -234,9 +232,8 @@ class DeferredFirstPass:
 
     @torch.inference_mode()
     def _flush(self, why: str, newest: int | None = None) -> None:
-        """One first pass over the deferred rows; ``newest`` (a full ring: the slot just written,
-        its first row) stays deferred, and the rest is replayed from a first-pass graph where
-        one fits."""
+        """One first pass over the deferred rows, replayed from a first-pass graph where one
+        fits; ``newest`` (a full ring: the slot just written, its first row) stays deferred."""
         t0 = time.perf_counter()
         try:
             self._write(why, newest)
@@ -280,10 +277,9 @@ class DeferredFirstPass:
                              step_limits=[s.start + s.length - 1 for s in spans],
                              temperature=[r.params.temperature for r in reqs],
                              seeds=[r.seed for r in reqs])
-        if newest is not None:  # a graph where one fits
-            self.proposer.sync(batch, aux if listed else aux[0])
-        else:
-            self.stats.eager_flushes += 1
+        graphs = self.proposer.sync_graph
+        if graphs is None or not graphs.run(batch, aux if listed else aux[0]):
+            self.stats.eager_flushes += 1  # no graph fits (or none: CPU), counted there too
             self.proposer.first_pass(batch, self._per_layer(aux) if listed else aux[0])
         for r, s in zip(reqs, spans):
             r.draft_computed = s.start + s.length

@@ -51,6 +51,7 @@ from compiled_spec.engine.model_runner import ModelRunner
 from compiled_spec.engine.early_propose_graph import EarlyProposeGraphs
 from compiled_spec.engine.early_tree_graph import EarlyTreeGraphs
 from compiled_spec.engine.propose_graph import ProposeGraphs
+from compiled_spec.engine.sync_graph import SyncGraphs
 from compiled_spec.engine.tree_graphs import TreeProposeGraphs, register_tree_verify, tree_live
 
 TargetFn = Callable[..., Any]  # (input_ids, positions, meta, aux_layer_ids) -> (hidden, aux)
@@ -263,6 +264,7 @@ class EngineGraphs:
                                     narrow=narrow)
         self.propose: ProposeGraphs | TreeProposeGraphs | None = None
         self.propose_early: EarlyProposeGraphs | EarlyTreeGraphs | None = None
+        self.sync: SyncGraphs | None = None  # the first pass alone (engines that may pause)
         prop = runner.proposer
         if prop is None:
             return
@@ -283,6 +285,12 @@ class EngineGraphs:
                                      policy.seq_len_buckets[-1], dtype,
                                      pool=self.registry.pool, emulate=emulate, strict=strict)
         self.registry.runners[ProposeGraphs.name] = self.propose  # type: ignore[assignment]
+        if prop.capture_sync:  # paused steps and their deferred first passes
+            self.sync = SyncGraphs(prop, runner.allocator, policy.batch_sizes,
+                                   prop.sync_rows or k + 1, max_blocks,
+                                   policy.seq_len_buckets[-1], dtype, emulate=emulate,
+                                   strict=strict)
+            self.registry.runners[SyncGraphs.name] = self.sync  # type: ignore[assignment]
         # Early propose (engine/early_propose.py): its own graphs, captured only when it is on.
         if runner.early is not None and runner.early.enabled:
             self.propose_early = EarlyProposeGraphs(self.propose)

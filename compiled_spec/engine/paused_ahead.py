@@ -45,7 +45,7 @@ def sync_ahead(rn: "ModelRunner", reqs: "list[Request]", num_new: list[int],
     own checks passed (``VerifyAhead.launch_decode`` calls it): None when it ran, else why not
     (the launch is then skipped, counted under that reason)."""
     prop = rn.proposer
-    if prop is None or prop.graph is None or not prop.graph.enabled:
+    if prop is None or prop.sync_graph is None or not prop.sync_graph.enabled:
         return "paused_no_graph"
     if max(num_new) != 1:
         return "prefill"  # a prompt's last chunk: its first pass spans the chunk
@@ -77,7 +77,7 @@ def sync_ahead(rn: "ModelRunner", reqs: "list[Request]", num_new: list[int],
                          temperature=[r.params.temperature for r in reqs],
                          seeds=[r.seed for r in reqs])
     rn.flush_deferred("sync")  # before this first pass, which reads the KV they write
-    if not prop.graph.run_sync(batch, target_hidden, ids=tok):
+    if not prop.sync_graph.run(batch, target_hidden, ids=tok):
         return "paused_no_graph"
     for r, p in zip(reqs, starts):
         r.draft_computed = p + 1

@@ -109,15 +109,12 @@ class ProposeGraphs(StepCapture):
         self.prop, self.allocator = proposer, allocator
         self.k = proposer.k
         self.q = self.k + 1  # first-pass tokens per request (accepted drafts + bonus token)
-        # ... of the sync graphs (the first pass alone): a paused step's, or a deferred flush's
-        self.q_sync = proposer.sync_rows or self.q
         self.steps = self.k - 1
         self.sizes = sorted(set(batch_sizes))
         self.max_blocks, self.bucket = max_blocks, max_seq_len
         self.pool, self.emulate, self.strict = pool, emulate, strict
         self.device = proposer.device
-        bm, s, w = self.sizes[-1], self.steps, max_blocks
-        tm = bm * max(self.q, self.q_sync if proposer.capture_sync else 0)
+        bm, tm, s, w = self.sizes[-1], self.sizes[-1] * self.q, self.steps, max_blocks
         self.l64 = _Layout([("ids", tm), ("positions", tm), ("slots", tm), ("rows", tm),
                             ("last", bm), ("seeds", bm), ("loop_pos", s * bm),
                             ("loop_slots", s * bm)])
@@ -138,9 +135,6 @@ class ProposeGraphs(StepCapture):
             self.hidden = torch.zeros(tm, proposer.draft.config.hidden_size, dtype=hidden_dtype,
                                       device=self.device)
         self._graphs: dict[int, tuple[Any, Any]] = {}
-        # The first pass alone per size (speculation paused, see EagleProposer.sync), captured
-        # only when the engine may pause (proposer.capture_sync).
-        self._sync_graphs: dict[int, Any] = {}
         self.capture_failures: list[dict[str, Any]] = []
         self.graph_replays = self.padded_rows = self.eager_fallbacks = 0
         self.fallback_reasons: dict[str, int] = {}
@@ -168,10 +162,8 @@ class ProposeGraphs(StepCapture):
                 "capture_failures": list(self.capture_failures)}
 
     # ---- static views ----------------------------------------------------------------------
-    def _views(self, b: int, q: int) -> dict[str, Any]:
-        """The static buffers as the graph of ``b`` requests and ``q`` first-pass rows each
-        reads them."""
-        t, s, w = b * q, self.steps, self.max_blocks
+    def _views(self, b: int) -> dict[str, Any]:
+        t, s, w = b * self.q, self.steps, self.max_blocks
         g64 = lambda name, n=None: self.l64.seg(self.d64, name, n)  # noqa: E731
         g32 = lambda name, n=None: self.l32.seg(self.d32, name, n)  # noqa: E731
         bm = self.sizes[-1]
@@ -182,7 +174,7 @@ class ProposeGraphs(StepCapture):
             "meta": AttentionMetadata(
                 slot_mapping=g64("slots", t), block_tables=g32("tables", b * w).view(b, w),
                 seq_lens=g32("seq_lens", b), query_start_loc=g32("qsl", b + 1),
-                max_query_len=q, max_seq_len=self.bucket),
+                max_query_len=self.q, max_seq_len=self.bucket),
             "loop_pos": g64("loop_pos").view(s, bm)[:, :b],
             "loop_meta": AttentionMetadata(
                 slot_mapping=g64("loop_slots").view(s, bm)[:, :b],
@@ -191,12 +183,6 @@ class ProposeGraphs(StepCapture):
                 query_start_loc=g32("loop_qsl", b + 1), max_query_len=1,
                 max_seq_len=self.bucket),
         }
-
-    def _body_sync(self, v: dict[str, Any]) -> None:
-        """The paused step's computation: the first pass only (its KV writes are the point)."""
-        p = self.prop
-        hidden = v["hidden"].index_select(0, v["rows"])  # [T, h] accepted target rows
-        p.step_fn(v["ids"], hidden, v["positions"], {n: v["meta"] for n in p.layer_names})
 
     def _body(self, v: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The captured computation: first pass, first draft, k-1 loop steps."""
@@ -224,17 +210,10 @@ class ProposeGraphs(StepCapture):
         l64.seg(h64, "loop_slots")[:] = -1
         l32.seg(h32, "loop_lens")[:] = 1
         self._upload()
-        views = self._views(b, q)
+        views = self._views(b)
         run = lambda: self._body(views)  # noqa: E731
         self._graphs[b] = (emulate_graph(run, self.pool) if self.emulate
                            else capture_graph(run, self.pool))
-        if self.prop.capture_sync:
-            stage_dummy(h64, h32, l64, l32, b, self.q_sync)
-            self._upload()
-            sync_views = self._views(b, self.q_sync)
-            sync = lambda: self._body_sync(sync_views)  # noqa: E731
-            self._sync_graphs[b] = (emulate_graph(sync, self.pool) if self.emulate
-                                    else capture_graph(sync, self.pool))[0]
 
     def _upload(self) -> None:
         self.d64.copy_(self.t64, non_blocking=True)
@@ -245,24 +224,23 @@ class ProposeGraphs(StepCapture):
         self.eager_fallbacks += 1
         self.fallback_reasons[why] = self.fallback_reasons.get(why, 0) + 1
 
-    def _stage(self, batch: "ProposeBatch", target_hidden: torch.Tensor | list[torch.Tensor],
-               graphs: dict[int, Any]) -> int | str:
-        """Stage ``batch`` for a replay of one of ``graphs`` (by batch size): the captured size
-        it pads to, its inputs uploaded and the fc output in the static hidden buffer (the replay
-        that follows is counted here); or the reason no graph fits."""
+    def _stage(self, batch: "ProposeBatch", target_hidden: torch.Tensor | list[torch.Tensor]
+               ) -> int | str:
+        """Stage ``batch`` for a replay: the captured size it pads to, its inputs uploaded and
+        the fc output in the static hidden buffer (the replay that follows is counted here); or
+        the reason no graph fits."""
         if not self.enabled:
             return "cpu"
         n = len(batch.first_pass)
-        q = self.q if graphs is self._graphs else self.q_sync
-        if any(s.length > q for s in batch.first_pass):
+        if any(s.length > self.q for s in batch.first_pass):
             return "prefill"
-        b = next((s for s in self.sizes if s >= n and s in graphs), None)
+        b = next((s for s in self.sizes if s >= n and s in self._graphs), None)
         if b is None:
             return "size"
         aux = target_hidden if isinstance(target_hidden, list) else [target_hidden]
         if aux[0].shape[0] > self.hidden.shape[0]:  # a target step larger than any graph
             return "target_rows"
-        why = self._fill(batch, b, loop=graphs is self._graphs)
+        why = self._fill(batch, b)
         if why is not None:
             return why
         # EAGLE-3's fc, eager and outside the graph, over every target row of the step:
@@ -279,7 +257,7 @@ class ProposeGraphs(StepCapture):
             ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """Replay for ``batch`` and return (drafts [n, k], q or None); None (counted) when no
         captured graph fits, so the caller runs the uncaptured path."""
-        b = self._stage(batch, target_hidden, self._graphs)
+        b = self._stage(batch, target_hidden)
         if isinstance(b, str):
             self._miss(b)
             return None
@@ -288,31 +266,10 @@ class ProposeGraphs(StepCapture):
         n = len(batch.first_pass)
         return drafts[:n].clone(), (probs[:n].clone() if probs is not None else None)
 
-    @torch.inference_mode()  # writes the inference-tensor buffers (see __init__)
-    def run_sync(self, batch: "ProposeBatch", target_hidden: torch.Tensor | list[torch.Tensor],
-                 ids: torch.Tensor | None = None,  # [n] on the device: the first pass's tokens
-                 ) -> bool:
-        """Replay the first pass alone for ``batch`` (speculation paused); False (counted)
-        when no captured graph fits, so the caller runs it uncaptured. ``ids``: one token per
-        request taken from the device in place of ``batch.token_ids`` (a paused step launched
-        ahead, engine/paused_ahead.py: its tokens are not on the host yet)."""
-        b = self._stage(batch, target_hidden, self._sync_graphs)
-        if isinstance(b, str):  # no graph at all for this call: said as a paused first pass
-            # (a prompt's first pass is "prefill" in either mode: no graph takes its length)
-            self._miss("paused (first pass only)" if b in ("cpu", "size") else b)
-            return False
-        if ids is not None:  # behind the upload on the stream: it overwrites the staged ids
-            self.l64.seg(self.d64, "ids", ids.shape[0]).copy_(ids)
-        self._sync_graphs[b].replay()
-        return True
-
-    def _fill(self, batch: "ProposeBatch", b: int, loop: bool = True) -> str | None:
+    def _fill(self, batch: "ProposeBatch", b: int) -> str | None:
         """Write the padded inputs on the host and upload them; a reason string when they do
-        not fit the captured graph. ``loop=False`` (the sync graph: the first pass alone)
-        leaves the draft loop's rows out: host work a paused step would throw away (~70 us at
-        64 requests and k=5 on this CPU)."""
-        alloc, w = self.allocator, self.max_blocks
-        q, s = (self.q, self.steps) if loop else (self.q_sync, 0)
+        not fit the captured graph."""
+        alloc, q, s, w = self.allocator, self.q, self.steps, self.max_blocks
         t = b * q
         tables = [alloc.tables[sp.req_id] for sp in batch.first_pass]
         if max(len(table) for table in tables) > w:
@@ -341,8 +298,7 @@ class ProposeGraphs(StepCapture):
         put(l32.seg(h32, "seq_lens"), lens, b, 0)
         put(l32.seg(h32, "qsl"), qsl, b + 1, t_live)
         stage_tables(h32, l32, b, w, tables, batch.temperature)
-        if loop:
-            put(l32.seg(h32, "loop_qsl"), list(range(n + 1)), b + 1, n)
+        put(l32.seg(h32, "loop_qsl"), list(range(n + 1)), b + 1, n)
         self._upload()
         return None
 

@@ -26,6 +26,7 @@ from compiled_spec.spec.propose_batch import ProposeBatch  # noqa: F401  (re-exp
 if TYPE_CHECKING:
     from compiled_spec.engine.early_propose_graph import EarlyProposeGraphs
     from compiled_spec.engine.propose_graph import ProposeGraphs
+    from compiled_spec.engine.sync_graph import SyncGraphs
 
 
 class EagleProposer:
@@ -50,11 +51,13 @@ class EagleProposer:
         self.graph: "ProposeGraphs | None" = None
         # Its variant for steps whose acceptance is still on the device (engine/early_propose.py).
         self.early_graph: "EarlyProposeGraphs | None" = None
-        # Capture the first pass alone too (engines that may pause drafting: adaptive policy).
+        # Capture the first pass alone too (engines that may pause drafting: adaptive policy),
         self.capture_sync = False
-        # ... for this many first-pass rows per request: one paused step's (1, without the
-        # deferral) or a deferred flush's (engine/deferred_first_pass.py); 0: k + 1
+        # ... for this many first-pass rows per request: a deferred flush's
+        # (engine/deferred_first_pass.py); 0: k + 1
         self.sync_rows = 0
+        # ... replayed from here (engine/sync_graph.py) once captured
+        self.sync_graph: "SyncGraphs | None" = None
         # (target_hidden, its fc output) issued early by ``precombine``, taken by ``combine``.
         self._pre: tuple[object, torch.Tensor] | None = None
         self.allocator = allocator
@@ -109,13 +112,15 @@ class EagleProposer:
                                             else None)
 
     @torch.inference_mode()
-    def sync(self, batch: ProposeBatch, target_hidden: torch.Tensor | list[torch.Tensor]) -> None:
+    def sync(self, batch: ProposeBatch, target_hidden: torch.Tensor | list[torch.Tensor]) -> bool:
         """The first pass alone, no drafting: the draft's KV at the accepted positions is
         written as a proposal would write it, so drafting can resume later with its context
-        complete (a paused step of the adaptive policy; no logits, no loop, no graph)."""
-        if self.graph is not None and self.graph.run_sync(batch, target_hidden):
-            return
+        complete (a paused step of the adaptive policy; no logits, no loop). True where a
+        graph ran it, False where it ran uncaptured."""
+        if self.sync_graph is not None and self.sync_graph.run(batch, target_hidden):
+            return True
         self.first_pass(batch, target_hidden)
+        return False
 
     def first_pass(self, batch: ProposeBatch, target_hidden: torch.Tensor | list[torch.Tensor]
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
