@@ -247,6 +247,13 @@ def test_early_tree_graph_writes_what_the_late_graphs_write(engines):
         hidden_rows=[b * N + j for b in range(3) for j in [0] + path[b, :n_acc[b]].tolist()],
         step_limits=[0] * 3, temperature=[0.0] * 3, seeds=[1, 2, 3])
     target_kv = [c for kv in runner._caches() for c in kv]
+    # Distinct target KV at the requests' positions: a fresh pool may hold equal values there
+    # (this test alone), and then a move changes nothing the checks below could see
+    rows = [alloc.slot(i, p) for i, s in zip(ids, starts) for p in range(s, s + D + 2)]
+    with torch.inference_mode():
+        for c in target_kv:
+            flat = c.flatten(0, 1)  # [blocks * page, ...]
+            flat[rows] = torch.randn(len(rows), *flat.shape[1:], generator=gen).to(flat.dtype)
     caches = [t for t in tree_flatten(spec.engine.kv_caches)[0] if isinstance(t, torch.Tensor)]
     caches += [c for c in target_kv if all(c is not t for t in caches)]
     before = [t.clone() for t in caches]

@@ -44,24 +44,6 @@ class EarlyGraphSurface(StepCapture):
     or tree. Steps that could not take it ran the late graphs; the early path counts why, so
     it reports no fallbacks of its own."""
 
-    _graphs: dict[int, tuple[Any, Any]]
-    sizes: list[int]
-    bucket: int
-    graph_replays: int
-    padded_rows: int
-    capture_failures: list[dict[str, Any]]
-
-    @property
-    def captured_sizes(self) -> list[int]:
-        return sorted(self._graphs)
-
-    def stats(self) -> dict[str, Any]:
-        return {"graph_replays": self.graph_replays, "padded_rows": self.padded_rows,
-                "eager_fallbacks": 0, "fallback_reasons": {},
-                "captured_sizes": self.captured_sizes,
-                "captured_graphs": [(b, self.bucket) for b in self.captured_sizes],
-                "capture_failures": list(self.capture_failures)}
-
     def graph_size(self, n: int) -> int | None:
         """The smallest captured size that holds ``n`` requests (None: none does)."""
         return next((s for s in self.sizes if s >= n and s in self._graphs), None)
@@ -193,10 +175,6 @@ class EarlyProposeGraphs(EarlyGraphSurface):
         run = lambda: self._body(views)  # noqa: E731
         self._graphs[b] = (emulate_graph(run, self.base.pool) if self.base.emulate
                            else capture_graph(run, self.base.pool))
-
-    def _upload(self) -> None:
-        self.d64.copy_(self.t64, non_blocking=True)
-        self.d32.copy_(self.t32, non_blocking=True)
 
     # ---- per step ----------------------------------------------------------------------------
     @torch.inference_mode()  # writes the inference-tensor buffers (see __init__)

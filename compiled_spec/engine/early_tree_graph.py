@@ -105,11 +105,6 @@ class EarlyTreeGraphs(EarlyGraphSurface):
         self.capture_failures: list[dict[str, Any]] = []
         self.graph_replays = self.padded_rows = 0
 
-    # ---- GraphRunner-compatible surface ----------------------------------------------------
-    @property
-    def enabled(self) -> bool:
-        return self.emulate or self.device.type == "cuda"
-
     # ---- the captured computation ------------------------------------------------------------
     def _body(self, b: int) -> tuple[torch.Tensor, ...]:
         q, w, K, S = self.q, self.max_blocks, self.k, self.s
@@ -174,10 +169,6 @@ class EarlyTreeGraphs(EarlyGraphSurface):
         run = lambda: self._body(b)  # noqa: E731
         self._graphs[b] = (emulate_graph(run, self.pool) if self.emulate
                            else capture_graph(run, self.pool))
-
-    def _upload(self) -> None:
-        self.d64.copy_(self.t64, non_blocking=True)
-        self.d32.copy_(self.t32, non_blocking=True)
 
     # ---- per step ----------------------------------------------------------------------------
     @torch.inference_mode()  # writes the inference-tensor buffers (see __init__)

@@ -64,6 +64,16 @@ def stage_dummy(h64: Any, h32: Any, l64: _Layout, l32: _Layout, b: int, q: int) 
     l32.seg(h32, "loop_qsl", b + 1)[:] = np.arange(b + 1)
 
 
+def stage_first_pass(h64: Any, l64: _Layout, batch: "ProposeBatch", pos: list[int],
+                     slots: list[int], t: int) -> None:
+    """A first pass's token rows into the int64 host buffer, padded to ``t``: ids, positions,
+    KV slots (padding -1: never written) and the target rows each reads."""
+    put(l64.seg(h64, "ids"), batch.token_ids, t, 0)
+    put(l64.seg(h64, "positions"), pos, t, 0)
+    put(l64.seg(h64, "slots"), slots, t, -1)
+    put(l64.seg(h64, "rows"), batch.hidden_rows, t, 0)
+
+
 def stage_tables(h32: Any, l32: _Layout, b: int, w: int, tables: list[list[int]],
                  temperature: list[float]) -> None:
     """Each request's block table (zero-padded to ``w`` blocks) and sampling temperature into
@@ -75,19 +85,52 @@ def stage_tables(h32: Any, l32: _Layout, b: int, w: int, tables: list[list[int]]
 
 
 class StepCapture:
-    """``capture()`` of a runner that captures a whole proposal step per batch size (the propose
-    graphs, late and early): every size's ``_capture_one`` under inference mode, as the engine
-    replays them, with progress and failures recorded (``capture_each``)."""
+    """A runner that captures a whole step of the draft per batch size (the propose graphs, late
+    and early, and the first-pass graphs): ``capture()``, every size's ``_capture_one`` under
+    inference mode, as the engine replays them, with progress and failures recorded
+    (``capture_each``); the GraphRunner-compatible surface (``assert_captured``, stats); the
+    upload of its two staging buffers."""
 
     name: str
     sizes: list[int]
     bucket: int
     strict: bool
+    emulate: bool
+    device: torch.device
     capture_failures: list[dict[str, Any]]
+    _graphs: dict[int, Any]
+    t64: torch.Tensor  # pinned host staging -> the static device buffers
+    t32: torch.Tensor
+    d64: torch.Tensor
+    d32: torch.Tensor
+    graph_replays: int = 0
+    padded_rows: int = 0
+    eager_fallbacks: int = 0
+    fallback_reasons: dict[str, int]
 
     @property
     def enabled(self) -> bool:
-        raise NotImplementedError
+        return self.emulate or self.device.type == "cuda"
+
+    @property
+    def captured_sizes(self) -> list[int]:
+        return sorted(self._graphs)
+
+    def stats(self) -> dict[str, Any]:
+        return {"graph_replays": self.graph_replays, "padded_rows": self.padded_rows,
+                "eager_fallbacks": self.eager_fallbacks,
+                "fallback_reasons": dict(getattr(self, "fallback_reasons", {})),
+                "captured_sizes": self.captured_sizes,
+                "captured_graphs": [(b, self.bucket) for b in self.captured_sizes],
+                "capture_failures": list(self.capture_failures)}
+
+    def _miss(self, why: str) -> None:
+        self.eager_fallbacks += 1
+        self.fallback_reasons[why] = self.fallback_reasons.get(why, 0) + 1
+
+    def _upload(self) -> None:
+        self.d64.copy_(self.t64, non_blocking=True)
+        self.d32.copy_(self.t32, non_blocking=True)
 
     def _capture_one(self, b: int) -> None:
         raise NotImplementedError
@@ -144,23 +187,6 @@ class ProposeGraphs(StepCapture):
         None when a step has more target rows than it holds."""
         return self.hidden[:rows] if rows <= self.hidden.shape[0] else None
 
-    # ---- GraphRunner-compatible surface (assert_captured, stats) ---------------------------
-    @property
-    def enabled(self) -> bool:
-        return self.emulate or self.device.type == "cuda"
-
-    @property
-    def captured_sizes(self) -> list[int]:
-        return sorted(self._graphs)
-
-    def stats(self) -> dict[str, Any]:
-        return {"graph_replays": self.graph_replays, "padded_rows": self.padded_rows,
-                "eager_fallbacks": self.eager_fallbacks,
-                "fallback_reasons": dict(self.fallback_reasons),
-                "captured_sizes": self.captured_sizes,
-                "captured_graphs": [(b, self.bucket) for b in self.captured_sizes],
-                "capture_failures": list(self.capture_failures)}
-
     # ---- static views ----------------------------------------------------------------------
     def _views(self, b: int) -> dict[str, Any]:
         t, s, w = b * self.q, self.steps, self.max_blocks
@@ -215,15 +241,7 @@ class ProposeGraphs(StepCapture):
         self._graphs[b] = (emulate_graph(run, self.pool) if self.emulate
                            else capture_graph(run, self.pool))
 
-    def _upload(self) -> None:
-        self.d64.copy_(self.t64, non_blocking=True)
-        self.d32.copy_(self.t32, non_blocking=True)
-
     # ---- per propose -------------------------------------------------------------------------
-    def _miss(self, why: str) -> None:
-        self.eager_fallbacks += 1
-        self.fallback_reasons[why] = self.fallback_reasons.get(why, 0) + 1
-
     def _stage(self, batch: "ProposeBatch", target_hidden: torch.Tensor | list[torch.Tensor]
                ) -> int | str:
         """Stage ``batch`` for a replay: the captured size it pads to, its inputs uploaded and
@@ -281,10 +299,7 @@ class ProposeGraphs(StepCapture):
             return "max_seq_len"
         n, t_live = len(batch.first_pass), len(pos)
         h64, h32, l64, l32 = self.h64, self.h32, self.l64, self.l32
-        put(l64.seg(h64, "ids"), batch.token_ids, t, 0)
-        put(l64.seg(h64, "positions"), pos, t, 0)
-        put(l64.seg(h64, "slots"), slots, t, -1)
-        put(l64.seg(h64, "rows"), batch.hidden_rows, t, 0)
+        stage_first_pass(h64, l64, batch, pos, slots, t)
         put(l64.seg(h64, "last"), last, b, 0)
         put(l64.seg(h64, "seeds"), batch.seeds, b, 0)
         bm = self.sizes[-1]

@@ -29,7 +29,7 @@ from capture.emulate import emulate_graph
 from capture.host_stage import put, put_rows, put_tables, staging
 from compiled_spec.attention_metadata import AttentionMetadata
 from compiled_spec.engine.batch import span_rows
-from compiled_spec.engine.propose_graph import StepCapture, _Layout
+from compiled_spec.engine.propose_graph import StepCapture, _Layout, stage_first_pass
 
 if TYPE_CHECKING:
     from compiled_spec.kv_cache import BlockAllocator
@@ -77,22 +77,8 @@ class SyncGraphs(StepCapture):
         self.graph_replays = self.padded_rows = self.eager_fallbacks = 0
         self.fallback_reasons: dict[str, int] = {}
 
-    # ---- GraphRunner-compatible surface (assert_captured, stats) ---------------------------
-    @property
-    def enabled(self) -> bool:
-        return self.emulate or self.device.type == "cuda"
-
-    @property
-    def captured_sizes(self) -> list[int]:
-        return sorted(self._graphs)
-
     def stats(self) -> dict[str, Any]:
-        return {"graph_replays": self.graph_replays, "padded_rows": self.padded_rows,
-                "eager_fallbacks": self.eager_fallbacks,
-                "fallback_reasons": dict(self.fallback_reasons),
-                "captured_sizes": self.captured_sizes, "rows_per_request": self.q,
-                "captured_graphs": [(b, self.bucket) for b in self.captured_sizes],
-                "capture_failures": list(self.capture_failures)}
+        return super().stats() | {"rows_per_request": self.q}
 
     # ---- start-up ----------------------------------------------------------------------------
     def _views(self, b: int) -> dict[str, Any]:
@@ -130,15 +116,7 @@ class SyncGraphs(StepCapture):
     def _use(self, i: int) -> None:
         ((self.t64, self.h64), (self.t32, self.h32)) = self._stage_sets[i]
 
-    def _upload(self) -> None:
-        self.d64.copy_(self.t64, non_blocking=True)
-        self.d32.copy_(self.t32, non_blocking=True)
-
     # ---- per call ----------------------------------------------------------------------------
-    def _miss(self, why: str) -> None:
-        self.eager_fallbacks += 1
-        self.fallback_reasons[why] = self.fallback_reasons.get(why, 0) + 1
-
     @torch.inference_mode()  # writes the inference-tensor buffers
     def run(self, batch: "ProposeBatch", target_hidden: torch.Tensor | list[torch.Tensor],
             ids: torch.Tensor | None = None,  # [n] on the device: the first pass's tokens
@@ -183,10 +161,7 @@ class SyncGraphs(StepCapture):
         self._turn ^= 1
         self._use(self._turn)
         h64, h32, l64, l32 = self.h64, self.h32, self.l64, self.l32
-        put(l64.seg(h64, "ids"), batch.token_ids, t, 0)
-        put(l64.seg(h64, "positions"), pos, t, 0)
-        put(l64.seg(h64, "slots"), slots, t, -1)
-        put(l64.seg(h64, "rows"), batch.hidden_rows, t, 0)
+        stage_first_pass(h64, l64, batch, pos, slots, t)
         put(l32.seg(h32, "seq_lens"), lens, b, 0)
         put(l32.seg(h32, "qsl"), qsl, b + 1, len(pos))
         put_tables(l32.seg(h32, "tables", b * w).reshape(b, w), tables)
