@@ -121,6 +121,10 @@ class SpecConfig:
     # Paused steps per such first pass (its CUDA graphs' rows per request); None: up to 32,
     # fewer where max_num_seqs times it would pass 2048 rows (``flush_depth``).
     paused_flush_depth: int | None = None
+    # "adaptive" only: a paused batch's probe of drafting ends once its own verifications have
+    # tried SpecPolicy.probe_trials first drafts and lose to plain decoding; False: probes run
+    # their length
+    cut_losing_probes: bool = True
 
     @property
     def tree(self) -> "TreeConfig | None":
@@ -162,6 +166,8 @@ class SpecConfig:
         if not isinstance(self.defer_paused_first_pass, bool):
             raise ValueError(f"defer_paused_first_pass={self.defer_paused_first_pass!r}: "
                              "must be a bool")
+        if not isinstance(self.cut_losing_probes, bool):
+            raise ValueError(f"cut_losing_probes={self.cut_losing_probes!r}: must be a bool")
         d = self.paused_flush_depth
         if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
             raise ValueError(f"paused_flush_depth={d!r}: must be an integer >= 1 or None")

@@ -60,7 +60,9 @@ class LLM(CompileMixin):
     with ``adaptive_k`` it may also verify fewer drafts (k shrinks) where that is faster;
     ``defer_paused_first_pass=False`` makes every paused step run the draft's first pass itself
     (default: ``paused_flush_depth`` paused steps share one, ``llm.stats.deferred_first_pass``;
-    None: up to 32, see ``deferred_first_pass.flush_depth``).
+    None: up to 32, see ``deferred_first_pass.flush_depth``); ``cut_losing_probes=False``
+    lets a paused batch's probes of drafting run their length even once their own
+    verifications show drafting losing.
     None (default): adaptive for chains on one CUDA device, "always" for trees, on the CPU and
     under tensor parallel (``speculation_policy_default``; COMPILED_SPEC_SPECULATION_POLICY
     overrides).
@@ -98,6 +100,7 @@ class LLM(CompileMixin):
         adaptive_k: tuple[int, ...] = (),
         defer_paused_first_pass: bool = True,
         paused_flush_depth: int | None = None,
+        cut_losing_probes: bool = True,
         early_propose: bool | None = None,
         verify_ahead: bool | None = None,
         compile: bool = False,
@@ -173,7 +176,7 @@ class LLM(CompileMixin):
                     dev, is_tree(speculative_topk, speculative_num_draft_tokens),
                     tensor_parallel_size),
                 adaptive_k=adaptive_k, defer_paused_first_pass=defer_paused_first_pass,
-                paused_flush_depth=paused_flush_depth,
+                paused_flush_depth=paused_flush_depth, cut_losing_probes=cut_losing_probes,
                 early_propose=early_propose_default() if early_propose is None
                 else early_propose),
             verify_ahead=verify_ahead_default(dev) if verify_ahead is None else verify_ahead,

@@ -241,6 +241,12 @@ def test_ab_runs_each_compiled_engine_with_the_flag_off_then_on() -> None:
         ("ours EAGLE k=5 compiled + graphs", None),
         ("ours EAGLE k=5 adaptive compiled + graphs", 6),
         ("ours EAGLE k=5 adaptive compiled + graphs + deep flushes", None)]
+    # losing probes: run their length against cut (the default)
+    cut = _variants(["ours_eagle_compiled"], "head", 5, adaptive=True, ab="cut_probes")
+    assert [(v.name, v.cut_losing_probes) for v in cut] == [
+        ("ours EAGLE k=5 compiled + graphs", True),
+        ("ours EAGLE k=5 adaptive compiled + graphs", False),
+        ("ours EAGLE k=5 adaptive compiled + graphs + losing probes cut", True)]
     with pytest.raises(SystemExit):
         main(["bench", "--ab", "fast_mode"])
 
@@ -270,6 +276,12 @@ def test_build_engine_takes_the_variants_flags(monkeypatch: pytest.MonkeyPatch) 
                      dict(model="m", num_speculative_tokens=5), [[1, 2]], [1], 4)
     assert ["paused_flush_depth" in s for s in seen] == [False, True]
     assert seen[1]["paused_flush_depth"] == 6
+    # an adaptive variant says whether it cuts losing probes; one that drafts always does not
+    seen.clear()
+    for policy, cut in (("adaptive", False), ("adaptive", True), ("always", False)):
+        build_engine(Variant("d", "head", False, policy=policy, cut_losing_probes=cut),
+                     dict(model="m", num_speculative_tokens=5), [[1, 2]], [1], 4)
+    assert [s.get("cut_losing_probes") for s in seen] == [False, True, None]
 
 
 def test_timed_engine_reads_the_graphs_logits(tiny_hf_dir, monkeypatch) -> None:

@@ -8,7 +8,7 @@ import torch
 from compiled_spec import LLM, SamplingParams
 from compiled_spec.engine.deferred_first_pass import flush_depth
 from compiled_spec.engine.sync_graph import SyncGraphs
-from compiled_spec.spec.policy import PLAIN, SPEC
+from compiled_spec.spec.policy import PLAIN, SPEC, SpecPolicy
 from tests.engine_runs import with_emulated_graphs
 from tests.policy_stub import ModesInTurn
 from tests.spec_models import write_bigram_target, write_mirror_eagle1
@@ -159,6 +159,9 @@ def test_defer_option_is_checked(eagle1_pair, smollm2_gguf_path):
         with pytest.raises(ValueError, match=f"paused_flush_depth={bad!r}"):
             LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=64, draft=head,
                 speculation_policy="adaptive", paused_flush_depth=bad)
+    with pytest.raises(ValueError, match="cut_losing_probes=1"):
+        LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=64, draft=head,
+            speculation_policy="adaptive", cut_losing_probes=1)
     always = LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=64, draft=head,
                  speculation_policy="always")
     assert always.engine.runner.deferred is None  # nothing pauses
@@ -166,6 +169,11 @@ def test_defer_option_is_checked(eagle1_pair, smollm2_gguf_path):
     auto = LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=64, draft=head,
                num_speculative_tokens=K, speculation_policy="adaptive", max_num_seqs=4)
     assert auto.engine.runner.deferred.depth == 32
+    # the policy cuts losing probes unless told not to
+    assert auto.stats.policy.probe_trials == SpecPolicy.probe_trials
+    uncut = LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=64, draft=head,
+                speculation_policy="adaptive", cut_losing_probes=False)
+    assert uncut.stats.policy.probe_trials is None
     assert [flush_depth(None, 5, n) for n in (1, 64, 128, 256, 1024)] == [32, 32, 16, 8, 6]
     assert flush_depth(3, 5, 64) == 3
 

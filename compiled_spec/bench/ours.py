@@ -35,6 +35,7 @@ class Variant:
     verify_ahead: bool | None = None  # EngineConfig.verify_ahead; None: the LLM's default
     defer_paused_first_pass: bool = True  # SpecConfig's (what an adaptive engine's pauses do)
     paused_flush_depth: int | None = None  # SpecConfig's; None: its default
+    cut_losing_probes: bool = True  # SpecConfig's
     # CompileConfig flags this variant sets over the run's own (bench --ab: one of a pair)
     flags: dict[str, bool] = field(default_factory=dict)
 
@@ -78,6 +79,8 @@ def build_engine(v: Variant, kw: dict[str, Any], prompts: list[list[int]],
         kw["speculation_policy"] = v.policy
         kw["early_propose"] = v.early_propose
         kw["defer_paused_first_pass"] = v.defer_paused_first_pass
+        if v.policy == "adaptive":
+            kw["cut_losing_probes"] = v.cut_losing_probes
         if v.paused_flush_depth is not None:
             kw["paused_flush_depth"] = v.paused_flush_depth
     if v.verify_ahead is not None:

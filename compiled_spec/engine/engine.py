@@ -114,8 +114,11 @@ class LLMEngine:
         self.stats = EngineStats()
         if self.cfg.spec is not None and self.cfg.spec.speculation_policy == "adaptive":
             # dummy steps' costs (compiles) taught it nothing
-            self.stats.policy = SpecPolicy(modes=(SPEC, *map(shrunk, self.cfg.spec.adaptive_k),
-                                                  PLAIN), k=self.runner.k)
+            spec = self.cfg.spec
+            self.stats.policy = SpecPolicy(modes=(SPEC, *map(shrunk, spec.adaptive_k), PLAIN),
+                                           k=self.runner.k,
+                                           probe_trials=None if not spec.cut_losing_probes
+                                           else SpecPolicy.probe_trials)
         if self.draft is not None and self.runner.early is not None:
             self.runner.early.stats = EarlyProposeStats()
             self.stats.early_propose = self.runner.early.stats

@@ -33,6 +33,12 @@ the draft fails) that took 1.67 tokens/ms to 2.25, where always drafting makes 2
 head loses 0.1%. And once the requests admitted since the last drafting
 step make up half the batch (``admitted``), a paused bucket probes its best drafting mode at
 once, its acceptance estimate weighing as one sample: the new requests' own acceptance decides.
+A probe of drafting in a paused bucket ends early once its own verifications have tried
+``probe_trials`` first drafts and show drafting losing to plain decoding: at batch 64 one
+verification tries 64, and each drafting step there costs about two plain ones (H100,
+forty-third session: 2.2 vs 1.0 ms; 89 drafted steps of a random head's 1,584, most of them
+probes of 5 steps that the first verification had already decided). At batch 1 a probe never
+gathers that many, so it runs its length.
 
 Exploration: a bucket starts by drafting until ``warmup`` steps are measured, then measures
 each shrunk k and plain steps as long, then follows the best mode, and every ``probe_every``
@@ -111,6 +117,11 @@ class _Bucket:
     probe_mode: str = PLAIN
     probes: int = 0
     fresh_probes: int = 0  # of the probes: those new requests started (``SpecPolicy.admitted``)
+    cut_probes: int = 0  # probes of drafting ended early: their own verifications decided
+    # The current probe's own verifications, per draft position j - 1: requests that verified
+    # >= j drafts, and of them those that accepted >= j
+    probe_seen: list[int] = field(default_factory=list)
+    probe_hit: list[int] = field(default_factory=list)
     plain_since: int | None = None  # the step it turned to plain decoding (None: it drafts)
     interval: int = 0  # steps from one probe of drafting to the next while plain is best
     next_probe: int = 0
@@ -141,6 +152,9 @@ class SpecPolicy:
     # Paused: the first probe of drafting this many steps after the bucket turned to plain
     # decoding, each next one twice as far, up to probe_every (see the module docstring)
     probe_first: int = 8
+    # A drafting probe in a paused bucket ends once it has verified this many first drafts and
+    # its own acceptance loses to plain decoding (see the module docstring)
+    probe_trials: int | None = 16  # None: probes run their length
     alpha: float = 0.1  # EMA weight of a new observation
     seed_warmup: int = 2  # own steps of each mode in a bucket seeded from a measured neighbour
     # The modes compared, explored in this order: SPEC (k drafts), then any ``shrunk(w)``, PLAIN
@@ -153,8 +167,11 @@ class SpecPolicy:
     fresh: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("warmup", "probe_every", "probe_len", "seed_warmup", "probe_first"):
+        for name in ("warmup", "probe_every", "probe_len", "seed_warmup", "probe_first",
+                     "probe_trials"):
             v = getattr(self, name)
+            if name == "probe_trials" and v is None:
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r}: must be a positive integer")
         if not 0 < self.alpha <= 1:
@@ -234,6 +251,9 @@ class SpecPolicy:
                     b.plain_since, b.interval = b.steps, self.probe_first
                     b.next_probe = b.steps + b.interval
                 due = b.steps >= b.next_probe
+                if b.probe_left > 0 and b.probe_mode != PLAIN and self._probe_lost(b):
+                    b.probe_left = 0
+                    b.cut_probes += 1
             if best == PLAIN and b.probe_left == 0 and 2 * self.fresh >= batch_size:
                 self._probe_fresh(b)
             elif b.probe_left == 0 and due:
@@ -241,9 +261,7 @@ class SpecPolicy:
                     b.interval = min(2 * b.interval, self.probe_every)
                     b.next_probe = b.steps + b.interval
                 others = [o for o in self.modes if o != best]
-                b.probe_mode = others[b.probes % len(others)]
-                b.probes += 1
-                b.probe_left = self.probe_len + 1  # + the switching step, not measured
+                self._start_probe(b, others[b.probes % len(others)])
             if b.probe_left > 0:
                 b.probe_left -= 1
                 m = b.probe_mode
@@ -262,10 +280,25 @@ class SpecPolicy:
         """Probe ``b``'s best drafting mode now, the acceptance estimate kept as one sample."""
         for e in (*b.accept, *b.tau.values()):
             e.count = min(e.count, 1)
-        b.probe_mode = max((m for m in self.modes if m != PLAIN), key=lambda m: self.rate(b, m))
-        b.probes += 1
-        b.probe_left = self.probe_len + 1
+        self._start_probe(b, max((m for m in self.modes if m != PLAIN),
+                                 key=lambda m: self.rate(b, m)))
         b.fresh_probes += 1
+
+    def _start_probe(self, b: _Bucket, mode: str) -> None:
+        b.probe_mode = mode
+        b.probes += 1
+        b.probe_left = self.probe_len + 1  # + the switching step, not measured
+        b.probe_seen, b.probe_hit = [], []
+
+    def _probe_lost(self, b: _Bucket) -> bool:
+        """The running drafting probe has tried ``probe_trials`` first drafts, and the tau of
+        its own verifications makes its mode slower than plain decoding."""
+        if (self.probe_trials is None or not b.probe_seen
+                or b.probe_seen[0] < self.probe_trials):
+            return False
+        w = mode_k(b.probe_mode, self.k) if self.k else len(b.probe_seen)
+        tau = 1.0 + sum(h / n for n, h in zip(b.probe_seen[:w], b.probe_hit[:w]) if n)
+        return tau / max(b.cost[b.probe_mode].value, 1e-12) < self.rate(b, PLAIN)
 
     def observe(self, batch_size: int, mode: str, seconds: float, tokens_per_request: float
                 ) -> None:
@@ -290,10 +323,18 @@ class SpecPolicy:
             accepted[a] += 1
         while len(b.accept) < top:
             b.accept.append(_Ema())
+        probing = b.probe_left > 0 and b.probe_mode != PLAIN
+        if probing:
+            grow = top - len(b.probe_seen)
+            b.probe_seen += [0] * grow
+            b.probe_hit += [0] * grow
         tried = hit = 0
         for j in range(top, 0, -1):
             tried, hit = tried + verified[j], hit + accepted[j]
             b.accept[j - 1].add(hit / tried, self.alpha)
+            if probing:
+                b.probe_seen[j - 1] += tried
+                b.probe_hit[j - 1] += hit
 
     def summary(self) -> dict[int, dict[str, Any]]:
         """Per bucket: steps drafted / paused, the estimates (ms, tau), the mode preferred;
@@ -308,6 +349,7 @@ class SpecPolicy:
                 "prefers": self.better(b) if b.measured() else None,
                 "seeded_from": b.seeded_from,
                 "probes": b.probes, "fresh_probes": b.fresh_probes,
+                "cut_probes": b.cut_probes,
             }
             shrunk_modes = [m for m in self.modes if m not in (SPEC, PLAIN)]
             if shrunk_modes:

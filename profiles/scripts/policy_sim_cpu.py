@@ -10,6 +10,14 @@ probability q given the ones before it were: 0.8 in a "high" stretch (tau 3.69 a
 a "low" one; stretches alternate with exponential lengths (their mean in steps). Policies:
 ``old`` probes only every probe_every (256) steps (probe_first = 256), ``new`` the default
 (probe_first = 8, doubling). Both see each new request through ``admitted``.
+
+``waves``: a batch of 64 running requests, 2 waves of 256 tokens each (128 requests, a
+finished request's slot refilled: the bench's ``--waves 2``), with the engine's timing (a step
+verifies the drafts of the step before it). Step costs interpolate between the H100's batch 1
+and batch 64 (forty-third session: 2.0 ms drafting, 1.03 plain at 64). Heads: ``random``
+(nothing accepted) and ``good`` (q = 0.7 at every position). ``cut`` is the default policy,
+``uncut`` the same without ending a losing probe early (probe_trials past any batch),
+``always`` drafts every step.
 """
 from __future__ import annotations
 
@@ -94,6 +102,51 @@ def random_head(kind: str, requests: int = 40) -> float:
     return toks / ms
 
 
+def _cost_ms(mode: str, batch: int) -> float:
+    f = (batch - 1) / 63
+    return (SPEC_MS + f * (2.0 - SPEC_MS)) if mode == SPEC else (PLAIN_MS_RANDOM + f * (1.03 - PLAIN_MS_RANDOM))
+
+
+def waves(kind: str, head: str, seed: int = 0, batch: int = 64, n_waves: int = 2,
+          tokens: int = 256) -> dict[str, float]:
+    """Tokens per ms (and drafted steps) of a continuous batch, the engine's step timing."""
+    rng = random.Random(seed)
+    p = SpecPolicy(k=5, probe_trials=10 ** 9) if kind == "uncut" else SpecPolicy(k=5)
+    always = kind == "always"  # the policy out of the loop: every step drafts
+    waiting, running = batch * n_waves, []  # running: tokens each request still needs
+    toks, ms, prev, drafted, steps = 0, 0.0, None, 0, 0
+    q = 0.0 if head == "random" else 0.7
+    while waiting or running:
+        new = min(batch - len(running), waiting)
+        if new:
+            waiting -= new
+            running += [tokens] * new
+            p.admitted(new)
+        m = SPEC if always else p.mode(len(running))
+        verify = prev is not None and prev != PLAIN and not new
+        emitted, ks, accs = [], [], []
+        for left in running:
+            a = 0
+            if verify:
+                while a < 5 and rng.random() < q:
+                    a += 1
+                ks.append(5)
+                accs.append(a)
+            emitted.append(min(1 + a, left))
+        dt = _cost_ms(m, len(running))
+        if ks:
+            p.observe_acceptance(len(running), ks, accs)
+        if m == prev and not new:
+            p.observe(len(running), m, dt * 1e-3, sum(emitted) / len(running))
+        toks += sum(emitted)
+        ms += dt
+        steps += 1
+        drafted += m != PLAIN
+        running = [left - e for left, e in zip(running, emitted) if left - e > 0]
+        prev = m
+    return {"tokens_per_ms": toks / ms, "drafted_steps": drafted, "steps": steps}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", type=int, default=6)
@@ -109,6 +162,15 @@ def main() -> None:
     print(json.dumps({"random_head_tokens_per_ms": {k: round(random_head(k), 4)
                                                     for k in ("old", "new")},
                       "vanilla": round(1 / PLAIN_MS_RANDOM, 4)}))
+    for head in ("random", "good"):
+        for kind in ("always", "uncut", "cut"):
+            runs = [waves(kind, head, s) for s in range(a.seeds)]
+            print(json.dumps({"waves_b64": head, "policy": kind,
+                              "tokens_per_ms": round(statistics.mean(r["tokens_per_ms"]
+                                                                     for r in runs), 3),
+                              "drafted_steps": statistics.mean(r["drafted_steps"] for r in runs),
+                              "steps": statistics.mean(r["steps"] for r in runs)}))
+    print(json.dumps({"waves_b64_vanilla_tokens_per_ms": round(64 / 1.03, 3)}))
 
 
 if __name__ == "__main__":
