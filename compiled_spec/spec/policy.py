@@ -122,7 +122,7 @@ class _Bucket:
     # >= j drafts, and of them those that accepted >= j
     probe_seen: list[int] = field(default_factory=list)
     probe_hit: list[int] = field(default_factory=list)
-    plain_since: int | None = None  # the step it turned to plain decoding (None: it drafts)
+    paused: bool = False  # plain decoding is its best mode (probes back off while so)
     interval: int = 0  # steps from one probe of drafting to the next while plain is best
     next_probe: int = 0
     chosen: dict[str, int] = field(default_factory=dict)
@@ -244,11 +244,11 @@ class SpecPolicy:
         if m is None:
             best = self.better(b)
             if best != PLAIN:
-                b.plain_since = None
+                b.paused = False
                 due = b.steps % self.probe_every == 0
             else:
-                if b.plain_since is None:  # just turned: acceptance may come back soon
-                    b.plain_since, b.interval = b.steps, self.probe_first
+                if not b.paused:  # just turned: acceptance may come back soon
+                    b.paused, b.interval = True, self.probe_first
                     b.next_probe = b.steps + b.interval
                 due = b.steps >= b.next_probe
                 if b.probe_left > 0 and b.probe_mode != PLAIN and self._probe_lost(b):

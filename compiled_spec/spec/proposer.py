@@ -112,15 +112,13 @@ class EagleProposer:
                                             else None)
 
     @torch.inference_mode()
-    def sync(self, batch: ProposeBatch, target_hidden: torch.Tensor | list[torch.Tensor]) -> bool:
+    def sync(self, batch: ProposeBatch, target_hidden: torch.Tensor | list[torch.Tensor]) -> None:
         """The first pass alone, no drafting: the draft's KV at the accepted positions is
         written as a proposal would write it, so drafting can resume later with its context
-        complete (a paused step of the adaptive policy; no logits, no loop). True where a
-        graph ran it, False where it ran uncaptured."""
-        if self.sync_graph is not None and self.sync_graph.run(batch, target_hidden):
-            return True
-        self.first_pass(batch, target_hidden)
-        return False
+        complete (a paused step of the adaptive policy; no logits, no loop). A first-pass
+        graph runs it where one was captured for the batch (its misses are in its stats)."""
+        if self.sync_graph is None or not self.sync_graph.run(batch, target_hidden):
+            self.first_pass(batch, target_hidden)
 
     def first_pass(self, batch: ProposeBatch, target_hidden: torch.Tensor | list[torch.Tensor]
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
