@@ -78,17 +78,20 @@ def test_a_paused_bucket_probes_drafting_soon_then_ever_less_often():
         SpecPolicy(probe_first=0)
 
 
-def _run_engine_timing(p: SpecPolicy, batch: int, steps: int, accepted: int) -> list[str]:
-    """As the engine calls it: a step verifies the drafts of the step before (if it drafted),
-    and is measured when it ran the same mode as the step before."""
+def _run_steps(p: SpecPolicy, batch: int, steps: int, accepted: int,
+               spec_cost: float = 2.0e-3, engine_timing: bool = True) -> list[str]:
+    """Drive ``p`` for ``steps`` steps of ``batch`` requests, each accepting ``accepted`` of 3
+    drafts. As the engine calls it (``engine_timing``): a step verifies the drafts of the step
+    before (if it drafted); else a drafting step's own drafts are verified at once. A step is
+    measured when it ran the same mode as the step before."""
     modes: list[str] = []
     prev = None
     for _ in range(steps):
         m = p.mode(batch)
-        if prev is not None and prev != PLAIN:
+        if (prev if engine_timing else m) not in (None, PLAIN):
             p.observe_acceptance(batch, [3] * batch, [accepted] * batch)
         if m == prev:
-            p.observe(batch, m, 2.0e-3 if m == SPEC else 1.0e-3,
+            p.observe(batch, m, spec_cost if m == SPEC else 1.0e-3,
                       1.0 + accepted if m == SPEC else 1.0)
         prev = m
         modes.append(m)
@@ -113,23 +116,23 @@ def test_a_losing_probe_ends_once_its_own_verifications_decide():
     steps instead of probe_len + 1. At batch 1 one verification tries one draft: the probe
     runs its length. A probe that finds acceptance back is not cut and turns the bucket."""
     p = SpecPolicy(warmup=2, probe_every=64, probe_len=4, probe_first=8, alpha=0.5, k=3)
-    low = _run_engine_timing(p, 32, 140, accepted=0)
+    low = _run_steps(p, 32, 140, accepted=0)
     turned = low.index(PLAIN)
     assert _probe_runs(low, turned) == [2, 2, 2, 2], low  # probes at +8, +16, +32, +64
     assert p.summary()[32]["cut_probes"] == 4 and p.summary()[32]["probes"] == 4
     # the same without the cut: every probe drafts probe_len + 1 steps
     q = SpecPolicy(warmup=2, probe_every=64, probe_len=4, probe_first=8, alpha=0.5, k=3,
                    probe_trials=10 ** 6)
-    low_q = _run_engine_timing(q, 32, 140, accepted=0)
+    low_q = _run_steps(q, 32, 140, accepted=0)
     assert _probe_runs(low_q, low_q.index(PLAIN)) == [5, 5, 5, 5]
     assert q.summary()[32]["cut_probes"] == 0
     # batch 1: too few drafts tried within a probe to cut it
     one = SpecPolicy(warmup=2, probe_every=64, probe_len=4, probe_first=8, alpha=0.5, k=3)
-    low_1 = _run_engine_timing(one, 1, 140, accepted=0)
+    low_1 = _run_steps(one, 1, 140, accepted=0)
     assert _probe_runs(low_1, low_1.index(PLAIN)) == [5, 5, 5, 5]
     assert one.summary()[1]["cut_probes"] == 0
     # acceptance is back: the next probe is not cut and the bucket drafts again
-    back = _run_engine_timing(p, 32, 80, accepted=3)
+    back = _run_steps(p, 32, 80, accepted=3)
     first = back.index(SPEC)
     assert back[first:].count(PLAIN) <= 3 and p.summary()[32]["cut_probes"] == 4, back
     with pytest.raises(ValueError, match="probe_trials"):
@@ -142,17 +145,7 @@ def test_new_requests_are_probed_where_the_policy_pauses():
     a paused bucket probes drafting at once, its old acceptance weighing as one sample; fewer
     new requests, or a bucket that drafts anyway, change nothing."""
     def run(p: SpecPolicy, batch: int, steps: int, accepted: int) -> list[str]:
-        modes, prev = [], None
-        for _ in range(steps):
-            m = p.mode(batch)
-            if m == SPEC:
-                p.observe_acceptance(batch, [3] * batch, [accepted] * batch)
-            if m == prev:
-                p.observe(batch, m, 1.5e-3 if m == SPEC else 1.0e-3,
-                          1.0 + accepted if m == SPEC else 1.0)
-            prev = m
-            modes.append(m)
-        return modes
+        return _run_steps(p, batch, steps, accepted, spec_cost=1.5e-3, engine_timing=False)
 
     p = SpecPolicy(warmup=2, probe_every=1000, probe_first=1000, probe_len=2, k=3)
     run(p, 4, 20, accepted=0)  # a bad draft: paused (1 token per 1.5 ms drafting)
