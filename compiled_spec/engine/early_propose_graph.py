@@ -44,10 +44,6 @@ class EarlyGraphSurface(StepCapture):
     or tree. Steps that could not take it ran the late graphs; the early path counts why, so
     it reports no fallbacks of its own."""
 
-    def graph_size(self, n: int) -> int | None:
-        """The smallest captured size that holds ``n`` requests (None: none does)."""
-        return next((s for s in self.sizes if s >= n and s in self._graphs), None)
-
 
 class EarlyProposeGraphs(EarlyGraphSurface):
     name = "draft_propose_early"

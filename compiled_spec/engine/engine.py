@@ -117,8 +117,8 @@ class LLMEngine:
             spec = self.cfg.spec
             self.stats.policy = SpecPolicy(modes=(SPEC, *map(shrunk, spec.adaptive_k), PLAIN),
                                            k=self.runner.k,
-                                           probe_trials=None if not spec.cut_losing_probes
-                                           else SpecPolicy.probe_trials)
+                                           probe_trials=SpecPolicy.probe_trials
+                                           if spec.cut_losing_probes else None)
         if self.draft is not None and self.runner.early is not None:
             self.runner.early.stats = EarlyProposeStats()
             self.stats.early_propose = self.runner.early.stats

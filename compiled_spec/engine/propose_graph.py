@@ -103,6 +103,8 @@ class StepCapture:
     t32: torch.Tensor
     d64: torch.Tensor
     d32: torch.Tensor
+    q: int  # first-pass rows per request a graph holds
+    hidden: torch.Tensor  # [T_max, h]: the fc output the first pass gathers its rows from
     graph_replays: int = 0
     padded_rows: int = 0
     eager_fallbacks: int = 0
@@ -123,6 +125,25 @@ class StepCapture:
                 "captured_sizes": self.captured_sizes,
                 "captured_graphs": [(b, self.bucket) for b in self.captured_sizes],
                 "capture_failures": list(self.capture_failures)}
+
+    def graph_size(self, n: int) -> int | None:
+        """The smallest captured size that holds ``n`` requests (None: none does)."""
+        return next((s for s in self.sizes if s >= n and s in self._graphs), None)
+
+    def _fit(self, batch: "ProposeBatch", target_hidden: torch.Tensor | list[torch.Tensor]
+             ) -> int | str:
+        """The captured size ``batch`` pads to, or why no graph takes it (nothing staged)."""
+        if not self.enabled:
+            return "cpu"
+        if any(s.length > self.q for s in batch.first_pass):
+            return "prefill"
+        b = self.graph_size(len(batch.first_pass))
+        if b is None:
+            return "size"
+        aux = target_hidden[0] if isinstance(target_hidden, list) else target_hidden
+        if aux.shape[0] > self.hidden.shape[0]:  # a target step larger than any graph
+            return "target_rows"
+        return b
 
     def _miss(self, why: str) -> None:
         self.eager_fallbacks += 1
@@ -247,17 +268,9 @@ class ProposeGraphs(StepCapture):
         """Stage ``batch`` for a replay: the captured size it pads to, its inputs uploaded and
         the fc output in the static hidden buffer (the replay that follows is counted here); or
         the reason no graph fits."""
-        if not self.enabled:
-            return "cpu"
-        n = len(batch.first_pass)
-        if any(s.length > self.q for s in batch.first_pass):
-            return "prefill"
-        b = next((s for s in self.sizes if s >= n and s in self._graphs), None)
-        if b is None:
-            return "size"
-        aux = target_hidden if isinstance(target_hidden, list) else [target_hidden]
-        if aux[0].shape[0] > self.hidden.shape[0]:  # a target step larger than any graph
-            return "target_rows"
+        b = self._fit(batch, target_hidden)
+        if isinstance(b, str):
+            return b
         why = self._fill(batch, b)
         if why is not None:
             return why
@@ -267,7 +280,7 @@ class ProposeGraphs(StepCapture):
         hidden = self.prop.combine(target_hidden)
         put_rows(self.hidden, hidden)  # no launch when precombine wrote it there (fc_out)
         self.graph_replays += 1
-        self.padded_rows += b - n
+        self.padded_rows += b - len(batch.first_pass)
         return b
 
     @torch.inference_mode()  # writes the inference-tensor buffers (see __init__)

@@ -140,17 +140,11 @@ class SyncGraphs(StepCapture):
                ) -> int | str:
         """The captured size ``batch`` pads to, its inputs uploaded and its rows' fc output in
         the hidden buffer; or the reason no graph fits."""
-        if not self.enabled:
-            return "cpu"
+        b = self._fit(batch, target_hidden)
+        if isinstance(b, str):
+            return b
         n, q, w = len(batch.first_pass), self.q, self.max_blocks
-        if any(s.length > q for s in batch.first_pass):
-            return "prefill"
-        b = next((s for s in self.sizes if s >= n and s in self._graphs), None)
-        if b is None:
-            return "size"
         aux = target_hidden if isinstance(target_hidden, list) else [target_hidden]
-        if aux[0].shape[0] > self.hidden.shape[0]:
-            return "target_rows"
         tables = [self.allocator.tables[sp.req_id] for sp in batch.first_pass]
         if max(len(table) for table in tables) > w:
             return "block_table_width"
