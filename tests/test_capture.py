@@ -626,3 +626,31 @@ def test_emulated_replay_poisons_the_other_graphs_outputs_of_its_pool():
     assert torch.equal(out_b, x + 1) and torch.equal(out_c, x - 1)
     ga.replay()
     assert torch.equal(out_a[0], x * 2)
+
+
+def test_step_captures_name_a_table_or_sequence_they_cannot_hold():
+    """The propose and first-pass graphs (StepCapture._rows) share one check of a batch's block
+    tables and seq_lens against what they captured: the reason names which was too large."""
+    from compiled_spec.engine.batch import Span
+    from compiled_spec.engine.propose_graph import ProposeGraphs
+    from compiled_spec.kv_cache import BlockAllocator
+    from compiled_spec.spec.propose_batch import ProposeBatch
+
+    alloc = BlockAllocator(16, 4)
+    alloc.grow(0, 8)   # 2 blocks
+    alloc.grow(1, 13)  # 4 blocks
+    g = object.__new__(ProposeGraphs)
+    g.allocator, g.max_blocks, g.bucket = alloc, 4, 16
+
+    def batch(*spans: Span) -> ProposeBatch:
+        return ProposeBatch(first_pass=list(spans), token_ids=[], hidden_rows=[], step_limits=[],
+                            temperature=[], seeds=[])
+
+    tables, (pos, slots, lens, qsl) = g._rows(batch(Span(0, 5, 3), Span(1, 12, 1)))
+    assert tables == [alloc.tables[0], alloc.tables[1]] and lens == [8, 13] and qsl == [0, 3, 4]
+    assert pos == [5, 6, 7, 12] and slots[-1] == alloc.tables[1][3] * 4
+    g.bucket = 12
+    assert g._rows(batch(Span(0, 5, 3), Span(1, 12, 1))) == "max_seq_len"
+    g.bucket, g.max_blocks = 16, 3
+    assert g._rows(batch(Span(0, 5, 3), Span(1, 12, 1))) == "block_table_width"
+    assert g._rows(batch(Span(0, 5, 3)))[1][2] == [8]  # a batch within both is taken

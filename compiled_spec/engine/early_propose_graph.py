@@ -44,6 +44,10 @@ class EarlyGraphSurface(StepCapture):
     or tree. Steps that could not take it ran the late graphs; the early path counts why, so
     it reports no fallbacks of its own."""
 
+    @property
+    def fallback_reasons(self) -> dict[str, int]:  # type: ignore[override]
+        return {}
+
 
 class EarlyProposeGraphs(EarlyGraphSurface):
     name = "draft_propose_early"

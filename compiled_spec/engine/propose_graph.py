@@ -121,7 +121,7 @@ class StepCapture:
     def stats(self) -> dict[str, Any]:
         return {"graph_replays": self.graph_replays, "padded_rows": self.padded_rows,
                 "eager_fallbacks": self.eager_fallbacks,
-                "fallback_reasons": dict(getattr(self, "fallback_reasons", {})),
+                "fallback_reasons": dict(self.fallback_reasons),
                 "captured_sizes": self.captured_sizes,
                 "captured_graphs": [(b, self.bucket) for b in self.captured_sizes],
                 "capture_failures": list(self.capture_failures)}
@@ -144,6 +144,19 @@ class StepCapture:
         if aux.shape[0] > self.hidden.shape[0]:  # a target step larger than any graph
             return "target_rows"
         return b
+
+    def _rows(self, batch: "ProposeBatch"
+              ) -> tuple[list[list[int]], tuple[list[int], list[int], list[int], list[int]]] | str:
+        """Each request's block table and its first-pass rows (positions, KV slots, seq_lens,
+        query_start_loc); or why they do not fit the captured graphs (a table wider than they
+        hold, a sequence past their max_seq_len bucket)."""
+        tables = [self.allocator.tables[sp.req_id] for sp in batch.first_pass]
+        if max(len(table) for table in tables) > self.max_blocks:
+            return "block_table_width"
+        rows = span_rows(self.allocator, batch.first_pass)
+        if max(rows[2]) > self.bucket:
+            return "max_seq_len"
+        return tables, rows
 
     def _miss(self, why: str) -> None:
         self.eager_fallbacks += 1
@@ -300,15 +313,16 @@ class ProposeGraphs(StepCapture):
     def _fill(self, batch: "ProposeBatch", b: int) -> str | None:
         """Write the padded inputs on the host and upload them; a reason string when they do
         not fit the captured graph."""
-        alloc, q, s, w = self.allocator, self.q, self.steps, self.max_blocks
+        q, s, w = self.q, self.steps, self.max_blocks
         t = b * q
-        tables = [alloc.tables[sp.req_id] for sp in batch.first_pass]
-        if max(len(table) for table in tables) > w:
-            return "block_table_width"
-        pos, slots, lens, qsl = span_rows(alloc, batch.first_pass)
+        fit = self._rows(batch)
+        if isinstance(fit, str):
+            return fit
+        tables, (pos, slots, lens, qsl) = fit
         last = [end - 1 for end in qsl[1:]]
-        loop_pos, loop_slots, loop_lens = loop_rows(alloc, batch.first_pass, batch.step_limits, s)
-        if max(lens) > self.bucket or (s and max(max(r) for r in loop_lens) > self.bucket):
+        loop_pos, loop_slots, loop_lens = loop_rows(self.allocator, batch.first_pass,
+                                                    batch.step_limits, s)
+        if s and max(max(r) for r in loop_lens) > self.bucket:
             return "max_seq_len"
         n, t_live = len(batch.first_pass), len(pos)
         h64, h32, l64, l32 = self.h64, self.h32, self.l64, self.l32

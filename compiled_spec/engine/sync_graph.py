@@ -28,7 +28,6 @@ from capture.cuda_graphs import capture_graph
 from capture.emulate import emulate_graph
 from capture.host_stage import put, put_rows, put_tables, staging
 from compiled_spec.attention_metadata import AttentionMetadata
-from compiled_spec.engine.batch import span_rows
 from compiled_spec.engine.propose_graph import StepCapture, _Layout, stage_first_pass
 
 if TYPE_CHECKING:
@@ -145,12 +144,10 @@ class SyncGraphs(StepCapture):
             return b
         n, q, w = len(batch.first_pass), self.q, self.max_blocks
         aux = target_hidden if isinstance(target_hidden, list) else [target_hidden]
-        tables = [self.allocator.tables[sp.req_id] for sp in batch.first_pass]
-        if max(len(table) for table in tables) > w:
-            return "block_table_width"
-        pos, slots, lens, qsl = span_rows(self.allocator, batch.first_pass)
-        if max(lens) > self.bucket:
-            return "max_seq_len"
+        fit = self._rows(batch)
+        if isinstance(fit, str):
+            return fit
+        tables, (pos, slots, lens, qsl) = fit
         t = b * q
         self._turn ^= 1
         self._use(self._turn)
