@@ -283,6 +283,10 @@ def main() -> int:
     ap.add_argument("--startup-only", action="store_true",
                     help="issue 16's warm start: load, compile and capture, report start-up "
                          "(llm.startup_s, compile-cache hits, precompile loads) and stop")
+    ap.add_argument("--blas", choices=["cublas", "cublaslt"], default=None,
+                    help="torch's BLAS library for the GEMMs Inductor leaves to ATen (default: "
+                         "torch's choice, cuBLAS): cuBLASLt may reduce split-K inside the GEMM "
+                         "where cuBLAS launches a separate reduce kernel")
     ap.add_argument("--skip-eager", action="store_true",
                     help="time only the compiled + graph paths (eager and compiled-only measured "
                          "before)")
@@ -290,7 +294,9 @@ def main() -> int:
     global DEVICE, EMULATE
     DEVICE = torch.device(args.device)
     EMULATE = DEVICE.type == "cpu"
-    report: dict[str, Any] = {"shape": args.shape, "torch": torch.__version__,
+    if args.blas and DEVICE.type == "cuda":
+        torch.backends.cuda.preferred_blas_library(args.blas)
+    report: dict[str, Any] = {"shape": args.shape, "torch": torch.__version__, "blas": args.blas,
                               "gpu": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu", "context": CTX, "batch": 1,
                               "date": time.strftime("%Y-%m-%d")}
     with tempfile.TemporaryDirectory() as tmp:
