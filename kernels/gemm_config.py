@@ -21,6 +21,9 @@ MAX_M = 64  # rows one tile holds, and rows the ops take by default; larger M go
 # first). For verifies past 64 rows (a tree's 48 nodes x 4 requests, a chain's 6 x 16), which
 # otherwise run the unfused path: cuBLAS plus the norm, SiLU-and-mul and rope + KV kernels.
 WIDE_MAX_M = 256
+# K from which wide-N GEMMs step through K 128 deep (the 8B shape's 4096 took it; SmolLM2's
+# lm_head, K = 576, keeps its measured 64)
+DEEP_K = 2048
 
 
 def _next_pow2(n: int) -> int:
@@ -63,9 +66,17 @@ def gemm_config(m: int, n: int, k: int) -> GemmConfig:
     shape (qkv 3.34 us vs cuBLAS 3.66, o_proj 3.30 vs 3.58, gate_up 4.09 vs 4.04, down 5.22 vs
     5.00); the tenth session's 64-deep steps and split-K for down ran 4.5-5.7 us. Split-K lost
     everywhere it was tried (its reducing launch), so the pick never splits; ``candidates`` keeps
-    it for the benchmark. lm_head: 64-wide tiles, 64-deep steps (15.9-16.5 us vs cuBLAS 16.4-17.0)."""
+    it for the benchmark. lm_head: 64-wide tiles, 64-deep steps (15.9-16.5 us vs cuBLAS 16.4-17.0).
+
+    Wide N over a deep K (the Llama-3.1-8B shape's qkv, 4096 -> 6144, and gate_up, 4096 ->
+    28672; H100, thirty-third session, ``profiles/results/2026-12-05_h100_session33/gemm8b.json``,
+    M = 1..8): 128-deep K steps won there, qkv 20.9 us against 30.3 with 64-deep steps (cuBLAS
+    21.0), gate_up 82.0 against 83.1 (cuBLAS 82.9); 4 stages where the N tiles are few (qkv's
+    96: 20.9 against 22.5 us in 3), 3 where they are many (gate_up's 448: 82.0 against 87.5)."""
     if n <= 4096:
         return GemmConfig(block_m_for(m), 16, 128, num_stages=4)
+    if k >= DEEP_K:
+        return GemmConfig(block_m_for(m), 64, 128, num_stages=4 if n <= 8192 else 3)
     return GemmConfig(block_m_for(m), 64, 64)
 
 

@@ -172,6 +172,11 @@ def test_launch_policy() -> None:
     # past MAX_M (the wide option): tiles of MAX_M rows, up to WIDE_MAX_M
     assert {block_m_for(m) for m in range(MAX_M + 1, WIDE_MAX_M + 1)} == {MAX_M}
     assert gemm_config(192, 576, 576).block_m == MAX_M
+    # wide N over deep K (the 8B shape on the H100, session 33): 128-deep steps, 4 stages for
+    # qkv's few N tiles, 3 for gate_up's many; SmolLM2's lm_head (K = 576) keeps 64-deep steps
+    assert gemm_config(1, 6144, 4096) == GemmConfig(16, 64, 128, num_stages=4)
+    assert gemm_config(8, 28672, 4096) == GemmConfig(16, 64, 128, num_stages=3)
+    assert gemm_config(1, 49152, 576) == GemmConfig(16, 64, 64)
     with pytest.raises(ValueError, match="rows"):
         gemm_config(WIDE_MAX_M + 1, 576, 576)
 
