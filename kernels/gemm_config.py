@@ -94,6 +94,10 @@ def candidates(m: int, n: int, k: int) -> list[GemmConfig]:
             out.append(GemmConfig(bm, bn, 64, split))
     out.append(GemmConfig(bm, bn, 64, num_warps=2))
     out.append(GemmConfig(bm, bn, 128, num_stages=4))
+    if k >= DEEP_K:  # more bytes in flight per CTA: the 8B shape's qkv and o_proj ran at 70-78%
+        # of the read bandwidth (cuBLAS and our best alike), short of what deep K allows
+        out += [GemmConfig(bm, bn, 256, num_stages=st) for st in (3, 4)]
+        out.append(GemmConfig(bm, bn, 128, num_stages=6))
     if m <= 8:  # GEMV-like: no padding of M to 16 rows; the [bm, bn, bk] product stays in
         bm = block_m_for(m, False)  # registers (<= 128 fp32 per thread at 4 warps)
         out += [GemmConfig(bm, bn, bk, use_dot=False) for bk in (32, 64, 128)
