@@ -86,6 +86,10 @@ def test_graphed_speculative_engine_equals_eager(trained_eagle3_pair, smollm2_gg
     use_compiled(llm.engine.runner, llm._compiled, False)  # back to eager: graphs not used
     replays = graphs.stats()["replayed"]
     assert _run(llm, sp) == eager and graphs.stats()["replayed"] == replays
+    graphs.reset_counts()  # what start-up's end does (compile.end_startup), early graphs too
+    st = graphs.stats()["components"]
+    assert all(c["graph_replays"] == 0 and c.get("fallback_reasons", {}) == {}
+               for c in st.values()), st
 
 
 def test_one_request_decodes_through_the_verify_graph(trained_eagle3_pair, smollm2_gguf_path):

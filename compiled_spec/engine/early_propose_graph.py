@@ -42,11 +42,7 @@ if TYPE_CHECKING:
 class EarlyGraphSurface(StepCapture):
     """The GraphRunner-compatible surface (``assert_captured``, stats) of an early graph, chain
     or tree. Steps that could not take it ran the late graphs; the early path counts why, so
-    it reports no fallbacks of its own."""
-
-    @property
-    def fallback_reasons(self) -> dict[str, int]:  # type: ignore[override]
-        return {}
+    it reports no fallbacks of its own (``fallback_reasons`` stays empty)."""
 
 
 class EarlyProposeGraphs(EarlyGraphSurface):
@@ -94,6 +90,7 @@ class EarlyProposeGraphs(EarlyGraphSurface):
         self._graphs: dict[int, tuple[Any, Any]] = {}
         self.capture_failures: list[dict[str, Any]] = []
         self.graph_replays = self.padded_rows = 0
+        self.fallback_reasons: dict[str, int] = {}
 
     # ---- GraphRunner-compatible surface ----------------------------------------------------
     @property

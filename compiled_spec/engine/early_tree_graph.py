@@ -104,6 +104,7 @@ class EarlyTreeGraphs(EarlyGraphSurface):
         prop.early_stage.regions = self._regions()  # where its compiled writes go
         self.capture_failures: list[dict[str, Any]] = []
         self.graph_replays = self.padded_rows = 0
+        self.fallback_reasons: dict[str, int] = {}
 
     # ---- the captured computation ------------------------------------------------------------
     def _body(self, b: int) -> tuple[torch.Tensor, ...]:
