@@ -29,7 +29,7 @@ from compiled_spec.compile_config import CompileConfig
 from compiled_spec.compile_guard import CompileGuard
 from compiled_spec.engine.graphs import EngineGraphs, by_rows
 from compiled_spec.engine.model_runner import ModelRunner
-from compiled_spec.gemm_policy import SkinnyChoice, resolve_skinny
+from compiled_spec.gemm_policy import SkinnyChoice, largest_layer_weight, resolve_skinny
 from compiled_spec.own_code import own_code
 from compiled_spec.pdl_policy import PdlChoice, resolve_pdl
 from compiled_spec.precompile import PrecompiledModule, PrecompileStats, cache_key, precompile_dir
@@ -181,7 +181,8 @@ def compile_models(runner: ModelRunner, cfg: CompileConfig,
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     skinny = resolve_skinny(cfg.skinny_gemm, cfg.skinny_gemm_layer, runner.model)
     asked_pdl = cfg.pdl
-    pdl = resolve_pdl(asked_pdl, runner.device, skinny.layer, max_decode_rows, cfg.pdl_narrow)
+    pdl = resolve_pdl(asked_pdl, runner.device, skinny.layer, max_decode_rows, cfg.pdl_narrow,
+                      largest_layer_weight(runner.model))
     # Resolved: Inductor's config, our launches, cache keys. With PDL for narrow calls only,
     # the target compiled without it serves the wide ones, a second compile (``narrow_cfg``)
     # the rest (EngineGraphs picks by rows).
@@ -198,14 +199,16 @@ def compile_models(runner: ModelRunner, cfg: CompileConfig,
                                          inductor_config=inductor_config(narrow_cfg))
     prop = runner.proposer
     # The draft's callables take the target's fusions unless told not to (nothing to fuse when
-    # the target's resolved off: 8B-sized weights, fp32, the CPU without skinny_gemm=True).
+    # the target's resolved off: fp32, the CPU without skinny_gemm=True).
     draft_skinny = cfg.skinny_gemm_draft is not False and skinny.gemm and prop is not None
     dk: dict[str, Any] = fusions if draft_skinny else {}
     # The draft decides PDL by its own widest call: a tree verifies num_draft_tokens rows per
     # request but drafts at most num_steps + 1 (a chain: k + 1 both), so a tree engine of a
     # few requests keeps PDL on its draft while its wide verify goes without.
     draft_pdl = resolve_pdl(asked_pdl, runner.device, skinny.layer and draft_skinny,
-                            max_decode_rows if max_draft_rows is None else max_draft_rows)
+                            max_decode_rows if max_draft_rows is None else max_draft_rows,
+                            largest_weight=0 if prop is None else
+                            largest_layer_weight(prop.draft))
     dcfg = replace(cfg, pdl=draft_pdl.on)
     dbackend = functools.partial(make_backend, inductor=cfg.inductor,
                                  inductor_config=inductor_config(dcfg))

@@ -1,17 +1,20 @@
 """Whether an engine's target runs our skinny GEMMs (passes/skinny_gemm.py) when its
 ``CompileConfig`` leaves it to us (``skinny_gemm=None``, the default).
 
-Measured on the H200 (thirtieth session, profiles/results/2026-12-04_h200_session30/):
-- SmolLM2-135M (largest layer weight 3072 x 576 = 1.8M elements), bf16: every bench row measured
-  gains with the GEMMs and the layer fusions: vanilla batch 4 / 16 by 7.5 / 5.2% (batch 1 by
-  8.8% and 64 by 4.7% in the twenty-ninth session), EAGLE-3 batch 4 / 16 by 14 / 7.4%; a verify
-  of 96 rows (beyond the kernels' 64, so cuBLAS with the residual in its epilogue) ties.
-  EAGLE-3 at batch 64 (384-row verifies) is not yet measured on that path.
-- The Llama-3.1-8B shape (weights of 16.8M-117M elements), bf16: the decode call is slower with
-  them (5.47 vs 4.76 ms): cuBLAS streams large weights better than our split-K tiles.
+Measured:
+- SmolLM2-135M (largest layer weight 3072 x 576 = 1.8M elements), bf16, H200 (thirtieth
+  session, profiles/results/2026-12-04_h200_session30/): every bench row gained with the GEMMs
+  and the layer fusions: vanilla batch 4 / 16 by 7.5 / 5.2% (batch 1 by 8.8% and 64 by 4.7% in
+  the twenty-ninth session), EAGLE-3 batch 4 / 16 by 14 / 7.4%; a verify of 96 rows (beyond
+  the kernels' 64, so cuBLAS with the residual in its epilogue) ties.
+- The Llama-3.1-8B shape (weights of 16.8M-117M elements), bf16, H100 (forty-fifth session,
+  profiles/results/2026-12-06_h100_session45/): with the deep-K tiles of
+  ``kernels.gemm_config`` each layer GEMM beats cuBLAS (1.01-1.06x) and the fused layer
+  without PDL takes the decode call with lm_head from 6.267 to 5.963 ms (1.20x -> 1.14x its
+  floor), verify T = 8 from 6.458 to 6.100. (With the earlier 64-deep tiles it was slower:
+  5.47 vs 4.76 ms on the H200.) PDL on that layer loses (6.807 ms): ``pdl_policy``.
 - fp32: slower (3.33 vs 1.17 ms per SmolLM2 token): the kernels are tuned for 16-bit tiles.
-So the default is on for CUDA, 16-bit dtypes and targets whose largest projection stays within
-``AUTO_MAX_WEIGHT`` elements (between the two shapes measured, nearer the one that gains).
+So the default is on for CUDA and 16-bit dtypes.
 """
 from __future__ import annotations
 
@@ -19,7 +22,6 @@ from dataclasses import dataclass
 
 import torch
 
-AUTO_MAX_WEIGHT = 4 * 1024 * 1024  # elements of the largest decoder-layer projection
 AUTO_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -46,10 +48,7 @@ def skinny_auto(device_type: str, dtype: torch.dtype, largest_weight: int) -> tu
         return False, f"auto: off for {dtype} (tuned for 16-bit tiles; fp32 measured slower)"
     if largest_weight <= 0:
         return False, "auto: off, no Linear layer to size (not our decoder's layout)"
-    if largest_weight > AUTO_MAX_WEIGHT:
-        return False, (f"auto: off, largest layer weight {largest_weight} elements > "
-                       f"{AUTO_MAX_WEIGHT} (cuBLAS measured faster on large weights)")
-    return True, f"auto: on, largest layer weight {largest_weight} <= {AUTO_MAX_WEIGHT} elements"
+    return True, f"auto: on ({dtype} on CUDA, largest layer weight {largest_weight} elements)"
 
 
 def resolve_skinny(gemm: bool | None, layer: bool | None, model: torch.nn.Module) -> SkinnyChoice:

@@ -24,6 +24,10 @@ WIDE_MAX_M = 256
 # K from which wide-N GEMMs step through K 128 deep (the 8B shape's 4096 took it; SmolLM2's
 # lm_head, K = 576, keeps its measured 64)
 DEEP_K = 2048
+# Rows of a tile up to which deep K takes 256-deep steps (measured at M = 1..8): the A tile, the
+# norm prologue's [BLOCK_M, BLOCK_K] fp32 squares and the paired gate_up's two weight tiles grow
+# with it, and at 64 rows they would pass the SM's shared memory and registers.
+DEEP_K_MAX_BLOCK_M = 16
 
 
 def _next_pow2(n: int) -> int:
@@ -68,16 +72,20 @@ def gemm_config(m: int, n: int, k: int) -> GemmConfig:
     everywhere it was tried (its reducing launch), so the pick never splits; ``candidates`` keeps
     it for the benchmark. lm_head: 64-wide tiles, 64-deep steps (15.9-16.5 us vs cuBLAS 16.4-17.0).
 
-    Wide N over a deep K (the Llama-3.1-8B shape's qkv, 4096 -> 6144, and gate_up, 4096 ->
-    28672; H100, thirty-third session, ``profiles/results/2026-12-05_h100_session33/gemm8b.json``,
-    M = 1..8): 128-deep K steps won there, qkv 20.9 us against 30.3 with 64-deep steps (cuBLAS
-    21.0), gate_up 82.0 against 83.1 (cuBLAS 82.9); 4 stages where the N tiles are few (qkv's
-    96: 20.9 against 22.5 us in 3), 3 where they are many (gate_up's 448: 82.0 against 87.5)."""
-    if n <= 4096:
-        return GemmConfig(block_m_for(m), 16, 128, num_stages=4)
+    Deep K (the Llama-3.1-8B shape, K = 4096 and 14336; H100, forty-fifth session,
+    ``profiles/results/2026-12-06_h100_session45/``, M = 1 and 4): 256-deep K steps won every
+    layer GEMM, each then ahead of cuBLAS: qkv 19.9 us (cuBLAS 21.0; 30.3 with the 64-deep steps
+    picked before), o_proj 14.9 (15.5), gate_up 81.4 (82.6), down 43.7 (44.0); 4 stages where
+    the N tiles are few, 3 where they are many (gate_up's 448). Tiles of more than
+    ``DEEP_K_MAX_BLOCK_M`` rows step 128 deep (the thirty-third session's best for wide N)."""
+    bm = block_m_for(m)
     if k >= DEEP_K:
-        return GemmConfig(block_m_for(m), 64, 128, num_stages=4 if n <= 8192 else 3)
-    return GemmConfig(block_m_for(m), 64, 64)
+        bn = 16 if n <= 4096 else 64
+        stages = 4 if n <= 8192 else 3
+        return GemmConfig(bm, bn, 256 if bm <= DEEP_K_MAX_BLOCK_M else 128, num_stages=stages)
+    if n <= 4096:
+        return GemmConfig(bm, 16, 128, num_stages=4)
+    return GemmConfig(bm, 64, 64)
 
 
 def candidates(m: int, n: int, k: int) -> list[GemmConfig]:

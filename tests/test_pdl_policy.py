@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compiled_spec.pdl_policy import pdl_auto, resolve_pdl
+from compiled_spec.pdl_policy import PDL_MAX_WEIGHT, pdl_auto, resolve_pdl
 from kernels.dispatch import PDL_MAX_ROWS
 
 H200 = (9, 0)
@@ -30,6 +30,20 @@ def test_auto_rule(device, cap, inductor, fused, rows, on, says) -> None:
     got = pdl_auto(device, cap, inductor, fused, rows)
     assert got.on is on and says in got.why
     assert got.why.startswith("auto: on" if on else "auto: off")
+
+
+@pytest.mark.parametrize("weight, on", [(2 * 1536 * 576, True), (PDL_MAX_WEIGHT, True),
+                                        (PDL_MAX_WEIGHT + 1, False), (4096 * 4096, False)])
+def test_large_layer_weights_go_without(weight, on) -> None:
+    """SmolLM2's fused layer (1.8M-element weights) gained with PDL, the 8B shape's (16.8M and
+    up) lost, narrow engine or wide; an explicit pdl=True still wins."""
+    for rows, narrow in ((1, False), (384, True)):
+        got = pdl_auto("cuda", H200, True, True, rows, narrow=narrow, largest_weight=weight)
+        assert got.on is on, (weight, rows, got)
+        if not on:
+            assert "largest layer weight" in got.why and str(weight) in got.why
+    cpu = torch.device("cpu")
+    assert resolve_pdl(True, cpu, True, 1, largest_weight=4096 * 4096).on is True
 
 
 @pytest.mark.parametrize("rows, max_rows", [(1, None), (PDL_MAX_ROWS, None),
@@ -118,8 +132,13 @@ def test_a_tree_engine_keeps_pdl_on_its_draft_when_its_verify_is_too_wide(
     from compiled_spec import LLM
     from compiled_spec.llm_compile import max_decode_rows, max_draft_rows
 
-    monkeypatch.setattr(comp, "resolve_pdl", lambda pdl, device, fused, rows, narrow=False:
-                        pdl_auto("cuda", H200, True, True, rows, narrow is not False))
+    weights: list[int] = []
+
+    def on_cuda(pdl, device, fused, rows, narrow=False, largest_weight=0):
+        weights.append(largest_weight)
+        return pdl_auto("cuda", H200, True, True, rows, narrow is not False, largest_weight)
+
+    monkeypatch.setattr(comp, "resolve_pdl", on_cuda)
     target, head = bigram_eagle3
     llm = LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=64, max_num_seqs=8,
               dtype="float32", draft=head, num_speculative_tokens=3, speculative_topk=4,
@@ -137,3 +156,8 @@ def test_a_tree_engine_keeps_pdl_on_its_draft_when_its_verify_is_too_wide(
         assert pdl_of.pop("target_pdl", None) is (True if narrow is None else None)
         assert set(pdl_of) >= {"draft_first_pass", "tree_step", "tree_head"}
         assert all(pdl_of.values()), pdl_of
+    # the rule read each model's largest layer weight (target, then draft)
+    from compiled_spec.gemm_policy import largest_layer_weight
+    assert weights[:2] == [largest_layer_weight(llm.engine.runner.model),
+                           largest_layer_weight(llm.engine.runner.proposer.draft)]
+    assert all(0 < w <= PDL_MAX_WEIGHT for w in weights)

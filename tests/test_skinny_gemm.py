@@ -172,11 +172,23 @@ def test_launch_policy() -> None:
     # past MAX_M (the wide option): tiles of MAX_M rows, up to WIDE_MAX_M
     assert {block_m_for(m) for m in range(MAX_M + 1, WIDE_MAX_M + 1)} == {MAX_M}
     assert gemm_config(192, 576, 576).block_m == MAX_M
-    # wide N over deep K (the 8B shape on the H100, session 33): 128-deep steps, 4 stages for
-    # qkv's few N tiles, 3 for gate_up's many; SmolLM2's lm_head (K = 576) keeps 64-deep steps
-    assert gemm_config(1, 6144, 4096) == GemmConfig(16, 64, 128, num_stages=4)
-    assert gemm_config(8, 28672, 4096) == GemmConfig(16, 64, 128, num_stages=3)
+    # deep K (the 8B shape on the H100, session 45): 256-deep steps for tiles of <= 16 rows, 4
+    # stages for few N tiles, 3 for gate_up's many; 128-deep steps for taller tiles (their A
+    # tile and squares would not fit); SmolLM2's lm_head (K = 576) keeps 64-deep steps
+    assert gemm_config(1, 6144, 4096) == GemmConfig(16, 64, 256, num_stages=4)
+    assert gemm_config(8, 14336, 4096) == GemmConfig(16, 64, 256, num_stages=3)  # gate_up
+    assert gemm_config(1, 4096, 14336) == GemmConfig(16, 16, 256, num_stages=4)
+    assert gemm_config(24, 6144, 4096) == GemmConfig(32, 64, 128, num_stages=4)
     assert gemm_config(1, 49152, 576) == GemmConfig(16, 64, 64)
+    # shared memory of the num_stages - 1 buffered A and W tiles (gate_up's paired W tiles: its
+    # 14336 outputs read two weight rows each): at most what ran on the H100 (session 45,
+    # gate_up at 16 rows, ~147 KB)
+    for m in (1, 16, 17, 64):
+        for k, n, w_tiles in ((4096, 6144, 1), (4096, 4096, 1), (4096, 14336, 2),
+                              (14336, 4096, 1)):
+            c = gemm_config(m, n, k)
+            smem = (c.num_stages - 1) * (c.block_m + w_tiles * c.block_n) * c.block_k * 2
+            assert smem <= 150 * 1024, (c, smem)
     # the benchmark tries deeper pipelines for deep K only (few binaries for SmolLM2's shapes)
     assert {c.block_k for c in candidates(1, 4096, 4096)} >= {256}
     assert all(c.block_k <= 128 and c.num_stages <= 4 for c in candidates(1, 576, 576))

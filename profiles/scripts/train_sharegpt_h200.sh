@@ -509,6 +509,8 @@ g8ab)
   for v in ${G8:-default skinny lt}; do
     case $v in
       default) A=() ;; skinny) A=(--skinny-gemm --skinny-gemm-layer --pdl) ;;
+      skinny_nopdl) A=(--skinny-gemm --skinny-gemm-layer) ;;
+      gemm_only) A=(--skinny-gemm --no-skinny-gemm-layer --pdl) ;;
       lt) A=(--blas cublaslt) ;; *) echo "unknown variant $v"; continue ;;
     esac
     timeout ${G8_LIMIT:-170} python3 profiles/scripts/graphs_h200.py --shape llama8b --skip-eager \
