@@ -60,9 +60,9 @@ class LLM(CompileMixin):
     with ``adaptive_k`` it may also verify fewer drafts (k shrinks) where that is faster;
     ``defer_paused_first_pass=False`` makes every paused step run the draft's first pass itself
     (default: ``paused_flush_depth`` paused steps share one, ``llm.stats.deferred_first_pass``;
-    None: up to 32, see ``deferred_first_pass.flush_depth``); ``cut_losing_probes=False``
-    lets a paused batch's probes of drafting run their length even once their own
-    verifications show drafting losing.
+    None: up to 32, see ``deferred_first_pass.flush_depth``); ``cut_losing_probes=True``
+    (opt-in) ends a paused batch's probe of drafting once its own verifications show drafting
+    losing.
     None (default): adaptive for chains on one CUDA device, "always" for trees, on the CPU and
     under tensor parallel (``speculation_policy_default``; COMPILED_SPEC_SPECULATION_POLICY
     overrides).
@@ -100,7 +100,7 @@ class LLM(CompileMixin):
         adaptive_k: tuple[int, ...] = (),
         defer_paused_first_pass: bool = True,
         paused_flush_depth: int | None = None,
-        cut_losing_probes: bool = True,
+        cut_losing_probes: bool = False,
         early_propose: bool | None = None,
         verify_ahead: bool | None = None,
         compile: bool = False,

@@ -241,10 +241,10 @@ def test_ab_runs_each_compiled_engine_with_the_flag_off_then_on() -> None:
         ("ours EAGLE k=5 compiled + graphs", None),
         ("ours EAGLE k=5 adaptive compiled + graphs", 6),
         ("ours EAGLE k=5 adaptive compiled + graphs + deep flushes", None)]
-    # losing probes: run their length against cut (the default)
+    # losing probes: run their length (the default) against cut
     cut = _variants(["ours_eagle_compiled"], "head", 5, adaptive=True, ab="cut_probes")
     assert [(v.name, v.cut_losing_probes) for v in cut] == [
-        ("ours EAGLE k=5 compiled + graphs", True),
+        ("ours EAGLE k=5 compiled + graphs", False),
         ("ours EAGLE k=5 adaptive compiled + graphs", False),
         ("ours EAGLE k=5 adaptive compiled + graphs + losing probes cut", True)]
     with pytest.raises(SystemExit):

@@ -169,11 +169,11 @@ def test_defer_option_is_checked(eagle1_pair, smollm2_gguf_path):
     auto = LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=64, draft=head,
                num_speculative_tokens=K, speculation_policy="adaptive", max_num_seqs=4)
     assert auto.engine.runner.deferred.depth == 32
-    # the policy cuts losing probes unless told not to
-    assert auto.stats.policy.probe_trials == SpecPolicy.probe_trials
-    uncut = LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=64, draft=head,
-                speculation_policy="adaptive", cut_losing_probes=False)
-    assert uncut.stats.policy.probe_trials is None
+    # the policy cuts losing probes only when told to (opt-in since the forty-fifth session)
+    assert auto.stats.policy.probe_trials is None
+    cut = LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=64, draft=head,
+              speculation_policy="adaptive", cut_losing_probes=True)
+    assert cut.stats.policy.probe_trials == SpecPolicy.probe_trials
     assert [flush_depth(None, 5, n) for n in (1, 64, 128, 256, 1024)] == [32, 32, 16, 8, 6]
     assert flush_depth(3, 5, 64) == 3
 

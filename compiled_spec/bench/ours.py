@@ -35,7 +35,7 @@ class Variant:
     verify_ahead: bool | None = None  # EngineConfig.verify_ahead; None: the LLM's default
     defer_paused_first_pass: bool = True  # SpecConfig's (what an adaptive engine's pauses do)
     paused_flush_depth: int | None = None  # SpecConfig's; None: its default
-    cut_losing_probes: bool = True  # SpecConfig's
+    cut_losing_probes: bool = False  # SpecConfig's
     # CompileConfig flags this variant sets over the run's own (bench --ab: one of a pair)
     flags: dict[str, bool] = field(default_factory=dict)
 
