@@ -505,15 +505,19 @@ g8ab)
   # Issue 16: the 8B shape against its floors, one process per variant (G8="default skinny lt";
   # G8_LIMIT s each), JSON + log per variant: default = cuBLAS + Inductor's kernels; skinny =
   # our fused layer GEMMs with PDL (the forty-fifth session's deep-K pick); lt = cuBLASLt for
-  # ATen's GEMMs. Needs only the tokenizer (setup0's ~/tok), not the GGUF.
+  # ATen's GEMMs; skinny_nopdl / gemm_only: the layer without PDL / the GEMMs alone (with the
+  # forty-fifth session's defaults, default = skinny_nopdl); fused_merge: the default with
+  # COMPILED_SPEC_FUSED_MERGE=1. Needs only the tokenizer (setup0's ~/tok), not the GGUF.
   for v in ${G8:-default skinny lt}; do
+    E=()
     case $v in
       default) A=() ;; skinny) A=(--skinny-gemm --skinny-gemm-layer --pdl) ;;
+      fused_merge) A=(); E=(COMPILED_SPEC_FUSED_MERGE=1) ;;  # attention's split merge in its launch
       skinny_nopdl) A=(--skinny-gemm --skinny-gemm-layer) ;;
       gemm_only) A=(--skinny-gemm --no-skinny-gemm-layer --pdl) ;;
       lt) A=(--blas cublaslt) ;; *) echo "unknown variant $v"; continue ;;
     esac
-    timeout ${G8_LIMIT:-170} python3 profiles/scripts/graphs_h200.py --shape llama8b --skip-eager \
+    env "${E[@]}" timeout ${G8_LIMIT:-170} python3 profiles/scripts/graphs_h200.py --shape llama8b --skip-eager \
       --tokenizer ~/tok --out "$OUT/g8_$v.json" "${A[@]}" > "$OUT/g8_$v.log" 2>&1
     echo "== $v rc=$?"
     grep -E "^floor at|^target T=|^propose k" "$OUT/g8_$v.log" | cut -c1-300
