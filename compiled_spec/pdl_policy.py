@@ -15,10 +15,10 @@ with the fused layer (``gemm_policy.py``), bf16:
   (cuBLAS with PDL changed nothing: 6.298 vs 6.294 ms, thirty-eighth session).
 So the default is on only where it measured faster: CUDA on Hopper or newer, the fused layer
 on, layer weights of at most ``PDL_MAX_WEIGHT`` elements (SmolLM2's 1.8M gained, the 8B
-shape's 16.8M-117M lost), and calls of at most ``PDL_MAX_ROWS`` rows. Inductor's half is a compile option, so an
-engine whose widest decode call (``max_num_seqs`` x rows per request) stays within that bound
-compiles one target with PDL; a wider one compiles its target twice (``CompileConfig.
-pdl_narrow``): with PDL for the graphs of at most ``PDL_MAX_ROWS`` rows, without for the rest
+shape's 16.8M-117M lost), and calls of at most ``PDL_MAX_ROWS`` rows. Inductor's half is a
+compile option, so an engine whose widest decode call (``max_num_seqs`` x rows per request)
+stays within that bound compiles one target with PDL; a wider one compiles its target twice
+(``CompileConfig.pdl_narrow``): with PDL for the graphs of at most ``PDL_MAX_ROWS`` rows, without for the rest
 (``PdlChoice.max_rows``). Without that split an EAGLE-3 engine of 64 requests ran every step
 without PDL, its paused steps at batch 1 0.935 ms against a vanilla engine's 0.764 (H100,
 fortieth session). The draft decides by its own widest call (its first pass, or a tree's
@@ -68,7 +68,7 @@ def pdl_auto(device_type: str, capability: tuple[int, int] | None, inductor_pdl:
                                 "triton.enable_pdl")
     if not fused_layer:
         return PdlChoice(False, "auto: off without the fused layer (measured faster only with "
-                                "it; the 8B shape's default layer is unmeasured with PDL)")
+                                "it; the 8B shape's cuBLAS layer gained nothing from it)")
     if largest_weight > PDL_MAX_WEIGHT:
         return PdlChoice(False, f"auto: off, largest layer weight {largest_weight} elements > "
                                 f"{PDL_MAX_WEIGHT} (the 8B shape's fused layer measured slower "

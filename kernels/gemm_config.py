@@ -21,8 +21,8 @@ MAX_M = 64  # rows one tile holds, and rows the ops take by default; larger M go
 # first). For verifies past 64 rows (a tree's 48 nodes x 4 requests, a chain's 6 x 16), which
 # otherwise run the unfused path: cuBLAS plus the norm, SiLU-and-mul and rope + KV kernels.
 WIDE_MAX_M = 256
-# K from which wide-N GEMMs step through K 128 deep (the 8B shape's 4096 took it; SmolLM2's
-# lm_head, K = 576, keeps its measured 64)
+# K from which the pick takes the deep-K tiles (the 8B shape's 4096 and 14336 did; SmolLM2's
+# K = 576 and 1536 keep the tiles measured for them)
 DEEP_K = 2048
 # Rows of a tile up to which deep K takes 256-deep steps (measured at M = 1..8): the A tile, the
 # norm prologue's [BLOCK_M, BLOCK_K] fp32 squares and the paired gate_up's two weight tiles grow

@@ -88,7 +88,7 @@ def test_graphed_speculative_engine_equals_eager(trained_eagle3_pair, smollm2_gg
     assert _run(llm, sp) == eager and graphs.stats()["replayed"] == replays
     graphs.reset_counts()  # what start-up's end does (compile.end_startup), early graphs too
     st = graphs.stats()["components"]
-    assert all(c["graph_replays"] == 0 and c.get("fallback_reasons", {}) == {}
+    assert all(c["graph_replays"] == 0 and c["fallback_reasons"] == {}
                for c in st.values()), st
 
 
