@@ -13,16 +13,17 @@ with the fused layer (``gemm_policy.py``), bf16:
   decode with lm_head 6.807 ms with PDL against 5.963 without, propose k=5 1.716 against
   1.584: the next kernel's programs, resident early, take the GEMM's SMs while they wait
   (cuBLAS with PDL changed nothing: 6.298 vs 6.294 ms, thirty-eighth session).
-So the default is on only where it measured faster: CUDA on Hopper or newer, the fused layer
-on, layer weights of at most ``PDL_MAX_WEIGHT`` elements (SmolLM2's 1.8M gained, the 8B
-shape's 16.8M-117M lost), and calls of at most ``PDL_MAX_ROWS`` rows. Inductor's half is a
-compile option, so an engine whose widest decode call (``max_num_seqs`` x rows per request)
-stays within that bound compiles one target with PDL; a wider one compiles its target twice
+So the default is on only where it measured faster: CUDA on Hopper or newer, the fused layer on,
+layer weights of at most ``PDL_MAX_WEIGHT`` elements (SmolLM2's 1.8M gained, the 8B shape's
+16.8M-117M lost), and calls of at most ``PDL_MAX_ROWS`` rows. Inductor's half is a compile
+option, so an engine whose widest decode call (``max_num_seqs`` x rows per request) stays within
+that bound compiles one target with PDL; a wider one compiles its target twice
 (``CompileConfig.pdl_narrow``): with PDL for the graphs of at most ``PDL_MAX_ROWS`` rows,
-without for the rest (``PdlChoice.max_rows``). Without that split an EAGLE-3 engine of 64 requests ran every step
-without PDL, its paused steps at batch 1 0.935 ms against a vanilla engine's 0.764 (H100,
-fortieth session). The draft decides by its own widest call (its first pass, or a tree's
-expansions), with no split: a tree engine whose verify is too wide keeps PDL on its draft.
+without for the rest (``PdlChoice.max_rows``). Without that split an EAGLE-3 engine of 64
+requests ran every step without PDL, its paused steps at batch 1 0.935 ms against a vanilla
+engine's 0.764 (H100, fortieth session). The draft decides by its own widest call (its first
+pass, or a tree's expansions), with no split: a tree engine whose verify is too wide keeps PDL
+on its draft.
 """
 from __future__ import annotations
 
