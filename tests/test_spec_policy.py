@@ -43,39 +43,73 @@ def test_policy_probes_the_other_mode_and_follows_a_change():
     assert modes[-16:].count(PLAIN) >= 13
 
 
+def _paused_run(p: SpecPolicy, steps: int, accepted: int, spec_cost: float = 1.5e-3
+                ) -> list[str]:
+    """Batch-1 steps of 3 drafts each accepting ``accepted``, as the engine reports them:
+    a drafting step's verification, and its cost when the step before ran the same mode."""
+    out, prev = [], None
+    for _ in range(steps):
+        m = p.mode(1)
+        if m == SPEC:
+            p.observe_acceptance(1, [3], [accepted])
+        if m == prev:
+            p.observe(1, m, spec_cost if m == SPEC else 1.0e-3,
+                      1.0 + accepted if m == SPEC else 1.0)
+        prev = m
+        out.append(m)
+    return out
+
+
+def _probe_starts(modes: list[str]) -> tuple[int, list[int]]:
+    """The step the bucket turned to plain decoding, and the steps its probes of drafting began."""
+    turned = modes.index(PLAIN)
+    return turned, [i for i in range(turned, len(modes))
+                    if modes[i] == SPEC and modes[i - 1] == PLAIN]
+
+
 def test_a_paused_bucket_probes_drafting_soon_then_ever_less_often():
     """Acceptance moves within a request (a stretch the draft cannot predict, then text it
     can): after the bucket turns to plain decoding, drafting is probed ``probe_first`` steps
     later, then twice as far each time, up to ``probe_every``; once acceptance is back, the
     next probe finds it and the bucket drafts again. A bucket that drafts probes plain
     decoding only every ``probe_every`` steps."""
-    p = SpecPolicy(warmup=2, probe_every=64, probe_len=2, probe_first=4, alpha=0.5, k=3)
-
-    def run(steps: int, accepted: int) -> list[str]:
-        out, prev = [], None
-        for _ in range(steps):
-            m = p.mode(1)
-            if m == SPEC:
-                p.observe_acceptance(1, [3], [accepted])
-            if m == prev:
-                p.observe(1, m, 1.5e-3 if m == SPEC else 1.0e-3,
-                          1.0 + accepted if m == SPEC else 1.0)
-            prev = m
-            out.append(m)
-        return out
-
-    assert set(run(40, accepted=3)[6:]) == {SPEC}  # (after warm-up) drafting pays
-    low = run(150, accepted=0)  # the draft stops predicting: plain decoding, probes back off
-    turned = low.index(PLAIN)
-    starts = [i for i in range(turned, len(low)) if low[i] == SPEC and low[i - 1] == PLAIN]
+    # probe_cost_ref = the drafting step's extra cost (1.5 vs 1.0 ms): the intervals as given
+    p = SpecPolicy(warmup=2, probe_every=64, probe_len=2, probe_first=4, alpha=0.5, k=3,
+                   probe_cost_ref=0.5)
+    assert set(_paused_run(p, 40, accepted=3)[6:]) == {SPEC}  # (after warm-up) drafting pays
+    # the draft stops predicting: plain decoding, probes back off
+    turned, starts = _probe_starts(_paused_run(p, 150, accepted=0))
     assert starts[0] == turned + 4, (turned, starts)
     assert [b - a for a, b in zip(starts, starts[1:])] == [8, 16, 32, 64], starts
-    back = run(80, accepted=3)  # acceptance is back: the next probe turns the bucket around
+    back = _paused_run(p, 80, accepted=3)  # acceptance is back: the next probe turns it around
     first = back.index(SPEC)
     assert first <= 64 and back[first:].count(PLAIN) <= 3, back  # (a probe of plain at most)
     assert SpecPolicy(probe_first=8).probe_first == 8
     with pytest.raises(ValueError, match="probe_first"):
         SpecPolicy(probe_first=0)
+
+
+def test_costlier_drafting_stretches_a_paused_buckets_probe_intervals():
+    """A probe of drafting in a paused bucket loses its drafting steps' extra cost: where that
+    is twice ``probe_cost_ref`` (a drafting step at 3x a plain one's cost, as at batch 64 on a
+    small target), the probes go twice as far apart, their cap (``probe_every``) included; at
+    or below it they keep the configured intervals."""
+    def starts(spec_cost: float, ref: float) -> tuple[int, list[int]]:
+        p = SpecPolicy(warmup=2, probe_every=32, probe_len=2, probe_first=4, alpha=0.5, k=3,
+                       probe_cost_ref=ref)
+        _paused_run(p, 20, accepted=3, spec_cost=spec_cost)
+        return _probe_starts(_paused_run(p, 300, accepted=0, spec_cost=spec_cost))
+
+    turned, s = starts(3.0e-3, ref=1.0)  # extra cost 2.0: twice the reference
+    assert s[0] == turned + 8 and [b - a for a, b in zip(s, s[1:])][:4] == [16, 32, 64, 64], s
+    turned, s = starts(3.0e-3, ref=2.0)  # at the reference: as configured
+    assert s[0] == turned + 4 and [b - a for a, b in zip(s, s[1:])][:4] == [8, 16, 32, 32], s
+    turned, s = starts(1.2e-3, ref=0.5)  # cheaper than the reference: never closer
+    assert s[0] == turned + 4, s
+    assert SpecPolicy(probe_cost_ref=0.25).probe_cost_ref == 0.25
+    for bad in (0, -1.0, True):
+        with pytest.raises(ValueError, match="probe_cost_ref"):
+            SpecPolicy(probe_cost_ref=bad)
 
 
 def _run_steps(p: SpecPolicy, batch: int, steps: int, accepted: int,
@@ -114,20 +148,23 @@ def test_a_losing_probe_ends_once_its_own_verifications_decide():
     """A drafting step at batch 32 costs two plain ones: a probe of drafting whose first
     verification (32 first drafts tried, none accepted) already loses ends there, two drafted
     steps instead of probe_len + 1. At batch 1 one verification tries one draft: the probe
-    runs its length. A probe that finds acceptance back is not cut and turns the bucket."""
-    p = SpecPolicy(warmup=2, probe_every=64, probe_len=4, probe_first=8, alpha=0.5, k=3)
+    runs its length. (probe_cost_ref = the drafting step's extra cost: the intervals as
+    configured.) A probe that finds acceptance back is not cut and turns the bucket."""
+    p = SpecPolicy(warmup=2, probe_every=64, probe_len=4, probe_first=8, alpha=0.5, k=3,
+                   probe_cost_ref=1.0)
     low = _run_steps(p, 32, 140, accepted=0)
     turned = low.index(PLAIN)
     assert _probe_runs(low, turned) == [2, 2, 2, 2], low  # probes at +8, +16, +32, +64
     assert p.summary()[32]["cut_probes"] == 4 and p.summary()[32]["probes"] == 4
     # the same without the cut: every probe drafts probe_len + 1 steps
     q = SpecPolicy(warmup=2, probe_every=64, probe_len=4, probe_first=8, alpha=0.5, k=3,
-                   probe_trials=10 ** 6)
+                   probe_trials=10 ** 6, probe_cost_ref=1.0)
     low_q = _run_steps(q, 32, 140, accepted=0)
     assert _probe_runs(low_q, low_q.index(PLAIN)) == [5, 5, 5, 5]
     assert q.summary()[32]["cut_probes"] == 0
     # batch 1: too few drafts tried within a probe to cut it
-    one = SpecPolicy(warmup=2, probe_every=64, probe_len=4, probe_first=8, alpha=0.5, k=3)
+    one = SpecPolicy(warmup=2, probe_every=64, probe_len=4, probe_first=8, alpha=0.5, k=3,
+                   probe_cost_ref=1.0)
     low_1 = _run_steps(one, 1, 140, accepted=0)
     assert _probe_runs(low_1, low_1.index(PLAIN)) == [5, 5, 5, 5]
     assert one.summary()[1]["cut_probes"] == 0

@@ -30,10 +30,17 @@ long after. So a bucket that turns to plain decoding probes drafting ``probe_fir
 later, then twice as far each time, up to ``probe_every``. In a simulation of requests whose
 acceptance comes and goes (profiles/scripts/policy_sim_cpu.py: stretches of 40 steps where
 the draft fails) that took 1.67 tokens/ms to 2.25, where always drafting makes 2.32; a random
-head loses 0.1%. And once the requests admitted since the last drafting
+head loses 0.1%. A probe's loss is its drafting steps' extra cost over plain ones, which
+grows with the batch (H100, forty-third session: 1.145 vs 0.815 ms at batch 1, 2.0 vs 1.03
+at 64), while what a recovery wins shrinks with it (1.8x vanilla at batch 1, 1.07x at 64):
+so where a drafting step costs more than ``1 + probe_cost_ref`` plain ones, both intervals
+stretch in proportion (forty-sixth session; in the simulation's batch-64 waves a random
+head went from 57.98 to 58.48 tokens/ms, vanilla making 62.14, and one whose acceptance
+comes and goes from 65.97 to 67.42). And once the requests admitted since the last drafting
 step make up half the batch (``admitted``), a paused bucket probes its best drafting mode at
 once, its acceptance estimate weighing as one sample: the new requests' own acceptance decides.
-A probe of drafting in a paused bucket ends early once its own verifications have tried
+Opt-in (``SpecConfig.cut_losing_probes``: in the engine it did not pay, forty-fifth session),
+a probe of drafting in a paused bucket ends early once its own verifications have tried
 ``probe_trials`` first drafts and show drafting losing to plain decoding: at batch 64 one
 verification tries 64, and each drafting step there costs about two plain ones (H100,
 forty-third session: 2.2 vs 1.0 ms; 89 drafted steps of a random head's 1,584, most of them
@@ -152,6 +159,10 @@ class SpecPolicy:
     # Paused: the first probe of drafting this many steps after the bucket turned to plain
     # decoding, each next one twice as far, up to probe_every (see the module docstring)
     probe_first: int = 8
+    # Paused: the extra cost of a drafting step over a plain one (cost_spec / cost_plain - 1) at
+    # which probe_first and probe_every hold as given; a bucket whose drafting costs more
+    # relative to plain decoding stretches both in proportion (see the module docstring)
+    probe_cost_ref: float = 0.4
     # A drafting probe in a paused bucket ends once it has verified this many first drafts and
     # its own acceptance loses to plain decoding (see the module docstring)
     probe_trials: int | None = 16  # None: probes run their length
@@ -176,6 +187,8 @@ class SpecPolicy:
                 raise ValueError(f"{name}={v!r}: must be a positive integer")
         if not 0 < self.alpha <= 1:
             raise ValueError(f"alpha={self.alpha!r}: must be in (0, 1]")
+        if isinstance(self.probe_cost_ref, bool) or not self.probe_cost_ref > 0:
+            raise ValueError(f"probe_cost_ref={self.probe_cost_ref!r}: must be > 0")
         modes = tuple(self.modes)
         if (len(set(modes)) != len(modes) or SPEC not in modes or PLAIN not in modes
                 or any(m not in (SPEC, PLAIN) and not m.startswith(_SHRUNK) for m in modes)):
@@ -248,7 +261,7 @@ class SpecPolicy:
                 due = b.steps % self.probe_every == 0
             else:
                 if not b.paused:  # just turned: acceptance may come back soon
-                    b.paused, b.interval = True, self.probe_first
+                    b.paused, b.interval = True, round(self.probe_first * self._stretch(b))
                     b.next_probe = b.steps + b.interval
                 due = b.steps >= b.next_probe
                 if b.probe_left > 0 and b.probe_mode != PLAIN and self._probe_lost(b):
@@ -258,7 +271,7 @@ class SpecPolicy:
                 self._probe_fresh(b)
             elif b.probe_left == 0 and due:
                 if best == PLAIN:
-                    b.interval = min(2 * b.interval, self.probe_every)
+                    b.interval = min(2 * b.interval, round(self.probe_every * self._stretch(b)))
                     b.next_probe = b.steps + b.interval
                 others = [o for o in self.modes if o != best]
                 self._start_probe(b, others[b.probes % len(others)])
@@ -271,6 +284,14 @@ class SpecPolicy:
         if m != PLAIN:
             self.fresh = 0  # their acceptance is observed now
         return m
+
+    def _stretch(self, b: _Bucket) -> float:
+        """How much farther apart a paused bucket's probes of drafting go than as configured:
+        a probe's loss grows with its drafting steps' extra cost over plain ones (the cheapest
+        drafting mode's, relative; 1 at or below ``probe_cost_ref``)."""
+        plain = max(b.cost[PLAIN].value, 1e-12)
+        extra = min(b.cost[m].value for m in self.modes if m != PLAIN) / plain - 1.0
+        return max(1.0, extra / self.probe_cost_ref)
 
     def admitted(self, n: int) -> None:
         """``n`` requests joined the running batch (their prompts run in this step)."""

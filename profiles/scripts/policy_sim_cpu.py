@@ -15,9 +15,11 @@ a "low" one; stretches alternate with exponential lengths (their mean in steps).
 finished request's slot refilled: the bench's ``--waves 2``), with the engine's timing (a step
 verifies the drafts of the step before it). Step costs interpolate between the H100's batch 1
 and batch 64 (forty-third session: 2.0 ms drafting, 1.03 plain at 64). Heads: ``random``
-(nothing accepted) and ``good`` (q = 0.7 at every position). ``cut`` is the default policy,
-``uncut`` the same without ending a losing probe early (probe_trials past any batch),
-``always`` drafts every step.
+(nothing accepted), ``good`` (q = 0.7 at every position) and ``comes_goes`` (q = 0.7 but 0 in
+the first 40 steps of every 120). ``uncut`` is the engine's default policy, ``cut`` ends a
+losing probe early (``cut_losing_probes=True``), ``flat`` is the default without stretching a
+paused bucket's probe intervals by the cost of drafting (forty-sixth session;
+probe_cost_ref past any cost), ``always`` drafts every step.
 """
 from __future__ import annotations
 
@@ -111,12 +113,13 @@ def waves(kind: str, head: str, seed: int = 0, batch: int = 64, n_waves: int = 2
           tokens: int = 256) -> dict[str, float]:
     """Tokens per ms (and drafted steps) of a continuous batch, the engine's step timing."""
     rng = random.Random(seed)
-    p = SpecPolicy(k=5, probe_trials=10 ** 9) if kind == "uncut" else SpecPolicy(k=5)
+    p = SpecPolicy(k=5, probe_trials=None if kind != "cut" else SpecPolicy.probe_trials,
+                   probe_cost_ref=1e9 if kind == "flat" else SpecPolicy.probe_cost_ref)
     always = kind == "always"  # the policy out of the loop: every step drafts
     waiting, running = batch * n_waves, []  # running: tokens each request still needs
     toks, ms, prev, drafted, steps = 0, 0.0, None, 0, 0
-    q = 0.0 if head == "random" else 0.7
     while waiting or running:
+        q = 0.0 if head == "random" or (head == "comes_goes" and steps % 120 < 40) else 0.7
         new = min(batch - len(running), waiting)
         if new:
             waiting -= new
@@ -162,8 +165,8 @@ def main() -> None:
     print(json.dumps({"random_head_tokens_per_ms": {k: round(random_head(k), 4)
                                                     for k in ("old", "new")},
                       "vanilla": round(1 / PLAIN_MS_RANDOM, 4)}))
-    for head in ("random", "good"):
-        for kind in ("always", "uncut", "cut"):
+    for head in ("random", "good", "comes_goes"):
+        for kind in ("always", "flat", "uncut", "cut"):
             runs = [waves(kind, head, s) for s in range(a.seeds)]
             print(json.dumps({"waves_b64": head, "policy": kind,
                               "tokens_per_ms": round(statistics.mean(r["tokens_per_ms"]
