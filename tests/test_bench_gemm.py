@@ -60,10 +60,11 @@ def test_report_arithmetic() -> None:
     assert "| 6 | 16.00 | 8.00 |" in text and "- note: n1" in text
 
 
-def test_llama8b_shapes_are_the_layer_gemms() -> None:
+def test_llama8b_shapes_are_the_layer_gemms_and_lm_head() -> None:
     from kernels.bench_gemm import MODELS, parse_args
 
     assert parse_args(["--out", "x.json"]).model == "smollm2"
     assert parse_args(["--out", "x.json", "--model", "llama8b"]).model == "llama8b"
-    assert tuple(MODELS["llama8b"]) == LAYER_GEMMS
+    assert tuple(MODELS["llama8b"]) == (*LAYER_GEMMS, "lm_head")
+    assert MODELS["llama8b"]["lm_head"] == (4096, 128256)  # K, N: Llama-3.1's vocabulary
     assert MODELS["llama8b"]["gate_up"] == (4096, 2 * 14336)  # K, N of the fused projection
