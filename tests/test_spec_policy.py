@@ -205,6 +205,44 @@ def test_new_requests_are_probed_where_the_policy_pauses():
     assert set(run(d, 1, 6, accepted=3)) == {SPEC} and d.summary()[1]["fresh_probes"] == 0
 
 
+def test_admission_probes_back_off_while_they_keep_losing():
+    """A head that no request's text suits (a random one) would be probed at every admission of
+    a paused batch-1 bucket: the probes of new requests back off, each losing one doubling the
+    admissions passed over before the next (the 1st, 2nd, 4th, 8th ...); one that turns the
+    bucket to drafting resets that. ``fresh_backoff=False`` probes every admission."""
+    def admissions(p: SpecPolicy, n: int, accepted: int) -> list[int]:
+        """Admit n requests one after another, 12 steps each; which of them were probed."""
+        probed = []
+        for i in range(n):
+            before = p.summary()[1]["fresh_probes"]
+            p.admitted(1)
+            _run_steps(p, 1, 12, accepted, spec_cost=1.5e-3, engine_timing=False)
+            if p.summary()[1]["fresh_probes"] > before:
+                probed.append(i + 1)
+        return probed
+
+    def paused_policy(**kw) -> SpecPolicy:
+        p = SpecPolicy(warmup=2, probe_every=1000, probe_first=1000, probe_len=2, k=3, **kw)
+        _run_steps(p, 1, 20, 0, spec_cost=1.5e-3, engine_timing=False)
+        assert p.summary()[1]["prefers"] == PLAIN
+        return p
+
+    p = paused_policy()
+    assert admissions(p, 16, accepted=0) == [1, 2, 4, 8, 16]
+    assert p.summary()[1]["fresh_skipped"] == 11
+    assert admissions(p, 1, accepted=3) == []  # the 17th is passed over, though drafting pays
+    assert admissions(p, 16, accepted=3)[:1] == [15]  # the 32nd is probed and finds it back
+    assert p.summary()[1]["prefers"] == SPEC
+    _run_steps(p, 1, 30, 0, spec_cost=1.5e-3, engine_timing=False)  # paused again: from 1
+    assert p.summary()[1]["prefers"] == PLAIN
+    assert admissions(p, 2, accepted=0) == [1, 2]
+    flat = paused_policy(fresh_backoff=False)
+    assert admissions(flat, 6, accepted=0) == [1, 2, 3, 4, 5, 6]
+    assert flat.summary()[1]["fresh_skipped"] == 0
+    with pytest.raises(ValueError, match="fresh_backoff"):
+        SpecPolicy(fresh_backoff=1)
+
+
 def test_policy_buckets_are_separate_and_arguments_checked():
     p = SpecPolicy(warmup=2, probe_every=1000, probe_first=1000)
     _drive(p, 1, 10, {SPEC: 1.2e-3, PLAIN: 1.0e-3}, tau=2.0)
