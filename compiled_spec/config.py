@@ -126,6 +126,10 @@ class SpecConfig:
     # the H100 (forty-fifth session) it measured no gain (batch 1 +1.3%, batch 64 -8.9% at the
     # median, both inside the rounds' spread); False: probes run their length
     cut_losing_probes: bool = False
+    # "adaptive" only: a paused batch's probes of drafting go farther apart where drafting costs
+    # more against plain steps, and its probes of new requests back off while they lose
+    # (SpecPolicy.probe_cost_ref / fresh_backoff, forty-sixth session); False: neither
+    probe_backoff: bool = True
 
     @property
     def tree(self) -> "TreeConfig | None":
@@ -169,6 +173,8 @@ class SpecConfig:
                              "must be a bool")
         if not isinstance(self.cut_losing_probes, bool):
             raise ValueError(f"cut_losing_probes={self.cut_losing_probes!r}: must be a bool")
+        if not isinstance(self.probe_backoff, bool):
+            raise ValueError(f"probe_backoff={self.probe_backoff!r}: must be a bool")
         d = self.paused_flush_depth
         if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
             raise ValueError(f"paused_flush_depth={d!r}: must be an integer >= 1 or None")

@@ -62,7 +62,8 @@ class LLM(CompileMixin):
     (default: ``paused_flush_depth`` paused steps share one, ``llm.stats.deferred_first_pass``;
     None: up to 32, see ``deferred_first_pass.flush_depth``); ``cut_losing_probes=True``
     (opt-in) ends a paused batch's probe of drafting once its own verifications show drafting
-    losing.
+    losing; ``probe_backoff=False`` keeps a paused batch's probes at their configured intervals
+    and probes every batch of new requests.
     None (default): adaptive for chains on one CUDA device, "always" for trees, on the CPU and
     under tensor parallel (``speculation_policy_default``; COMPILED_SPEC_SPECULATION_POLICY
     overrides).
@@ -101,6 +102,7 @@ class LLM(CompileMixin):
         defer_paused_first_pass: bool = True,
         paused_flush_depth: int | None = None,
         cut_losing_probes: bool = False,
+        probe_backoff: bool = True,
         early_propose: bool | None = None,
         verify_ahead: bool | None = None,
         compile: bool = False,
@@ -177,6 +179,7 @@ class LLM(CompileMixin):
                     tensor_parallel_size),
                 adaptive_k=adaptive_k, defer_paused_first_pass=defer_paused_first_pass,
                 paused_flush_depth=paused_flush_depth, cut_losing_probes=cut_losing_probes,
+                probe_backoff=probe_backoff,
                 early_propose=early_propose_default() if early_propose is None
                 else early_propose),
             verify_ahead=verify_ahead_default(dev) if verify_ahead is None else verify_ahead,

@@ -247,6 +247,12 @@ def test_ab_runs_each_compiled_engine_with_the_flag_off_then_on() -> None:
         ("ours EAGLE k=5 compiled + graphs", False),
         ("ours EAGLE k=5 adaptive compiled + graphs", False),
         ("ours EAGLE k=5 adaptive compiled + graphs + losing probes cut", True)]
+    # the probe back-off (the default) against the forty-fifth session's schedule
+    back = _variants(["ours_eagle_compiled"], "head", 5, adaptive=True, ab="probe_backoff")
+    assert [(v.name, v.probe_backoff) for v in back] == [
+        ("ours EAGLE k=5 compiled + graphs", True),
+        ("ours EAGLE k=5 adaptive compiled + graphs", False),
+        ("ours EAGLE k=5 adaptive compiled + graphs + probes backing off", True)]
     with pytest.raises(SystemExit):
         main(["bench", "--ab", "fast_mode"])
 
@@ -282,6 +288,11 @@ def test_build_engine_takes_the_variants_flags(monkeypatch: pytest.MonkeyPatch) 
         build_engine(Variant("d", "head", False, policy=policy, cut_losing_probes=cut),
                      dict(model="m", num_speculative_tokens=5), [[1, 2]], [1], 4)
     assert [s.get("cut_losing_probes") for s in seen] == [False, True, None]
+    seen.clear()
+    for policy, back in (("adaptive", False), ("adaptive", True), ("always", False)):
+        build_engine(Variant("d", "head", False, policy=policy, probe_backoff=back),
+                     dict(model="m", num_speculative_tokens=5), [[1, 2]], [1], 4)
+    assert [s.get("probe_backoff") for s in seen] == [False, True, None]
 
 
 def test_timed_engine_reads_the_graphs_logits(tiny_hf_dir, monkeypatch) -> None:

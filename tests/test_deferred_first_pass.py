@@ -2,6 +2,8 @@
 output stays vanilla's, the draft's KV and the acceptance stay those of engines whose paused
 steps run the first pass every step, and ``paused_flush_depth`` paused steps share one
 first-pass replay."""
+import math
+
 import pytest
 import torch
 
@@ -174,6 +176,15 @@ def test_defer_option_is_checked(eagle1_pair, smollm2_gguf_path):
     cut = LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=64, draft=head,
               speculation_policy="adaptive", cut_losing_probes=True)
     assert cut.stats.policy.probe_trials == SpecPolicy.probe_trials
+    # probes back off by default (forty-sixth session); probe_backoff=False: neither back-off
+    assert auto.stats.policy.fresh_backoff is True
+    assert auto.stats.policy.probe_cost_ref == SpecPolicy.probe_cost_ref
+    flat = LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=64, draft=head,
+               speculation_policy="adaptive", probe_backoff=False)
+    assert flat.stats.policy.fresh_backoff is False and flat.stats.policy.probe_cost_ref == math.inf
+    with pytest.raises(ValueError, match="probe_backoff='no'"):
+        LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=64, draft=head,
+            speculation_policy="adaptive", probe_backoff="no")
     assert [flush_depth(None, 5, n) for n in (1, 64, 128, 256, 1024)] == [32, 32, 16, 8, 6]
     assert flush_depth(3, 5, 64) == 3
 

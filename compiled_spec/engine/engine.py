@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 
@@ -118,7 +119,10 @@ class LLMEngine:
             self.stats.policy = SpecPolicy(modes=(SPEC, *map(shrunk, spec.adaptive_k), PLAIN),
                                            k=self.runner.k,
                                            probe_trials=SpecPolicy.probe_trials
-                                           if spec.cut_losing_probes else None)
+                                           if spec.cut_losing_probes else None,
+                                           probe_cost_ref=SpecPolicy.probe_cost_ref
+                                           if spec.probe_backoff else math.inf,
+                                           fresh_backoff=spec.probe_backoff)
         if self.draft is not None and self.runner.early is not None:
             self.runner.early.stats = EarlyProposeStats()
             self.stats.early_propose = self.runner.early.stats
