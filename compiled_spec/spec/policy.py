@@ -34,17 +34,18 @@ head loses 0.1%. A probe's loss is its drafting steps' extra cost over plain one
 grows with the batch (H100, forty-third session: 1.145 vs 0.815 ms at batch 1, 2.0 vs 1.03
 at 64), while what a recovery wins shrinks with it (1.8x vanilla at batch 1, 1.07x at 64):
 so where a drafting step costs more than ``1 + probe_cost_ref`` plain ones, both intervals
-stretch in proportion (forty-sixth session; in the simulation's batch-64 waves a random
-head went from 57.98 to 58.48 tokens/ms, vanilla making 62.14, and one whose acceptance
-comes and goes from 66.21 to 67.19). And once the requests admitted since the last drafting
-step make up half the batch (``admitted``), a paused bucket probes its best drafting mode at
-once, its acceptance estimate weighing as one sample: the new requests' own acceptance decides.
+stretch in proportion (forty-sixth session). And once the requests admitted since the last
+drafting step make up half the batch (``admitted``), a paused bucket probes its best drafting
+mode at once, its acceptance estimate weighing as one sample: the new requests' own
+acceptance decides.
 Those probes back off while they keep losing (``fresh_backoff``): the 1st, 2nd, 4th, 8th ...
 such admission is probed, and a probe that turns the bucket to drafting starts the count
 again. The forty-fifth session's random head at batch 1 (H100) drafted 290 of 5,152 steps, 100
-of them in probes of its 20 requests, at 1.545 ms a drafting step against 0.779 plain; with
-those costs the simulation's random head went from 1.245 to 1.274 tokens/ms (vanilla 1.290)
-with both changes, and requests whose acceptance comes and goes moved by -0.3% to +0.8%.
+of them in probes of its 20 requests, at 1.545 ms a drafting step against 0.779 plain. In the
+simulation (``policy_sim_cpu.py --ab --seeds 12``) the two changes took that random head from
+1.245 to 1.274 tokens/ms (vanilla 1.290), at batch 64 a random head from 57.98 to 58.48 (vanilla
+62.14) and one whose acceptance comes and goes from 66.99 to 67.61; batch-1 requests whose
+acceptance comes and goes moved by +0.6% (bad stretches of 40 steps) to -3.2% (150 steps).
 Opt-in (``SpecConfig.cut_losing_probes``: in the engine it did not pay, forty-fifth session),
 a probe of drafting in a paused bucket ends early once its own verifications have tried
 ``probe_trials`` first drafts and show drafting losing to plain decoding: at batch 64 one

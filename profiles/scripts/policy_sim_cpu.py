@@ -2,7 +2,7 @@
 no model): tokens per ms of batch-1 decoding where drafting pays in some stretches and not in
 others, against drafting always and against an oracle that knows each stretch.
 
-python profiles/scripts/policy_sim_cpu.py [--seeds 6]
+python profiles/scripts/policy_sim_cpu.py [--seeds 6] [--ab]
 
 Step costs are the H100's at batch 1 (forty-third session, shipped head): a drafting step
 1.145 ms, a plain one 0.815 ms (0.775 with a random head). Each draft position is accepted with
@@ -159,10 +159,45 @@ def waves(kind: str, head: str, seed: int = 0, batch: int = 64, n_waves: int = 2
     return {"tokens_per_ms": toks / ms, "drafted_steps": drafted, "steps": steps}
 
 
+# The forty-sixth session's two changes, each alone and both (--ab): the paused bucket's probe
+# intervals stretched by drafting's extra cost (probe_cost_ref), the admission probes' back-off
+AB = {"flat": dict(probe_cost_ref=1e9, fresh_backoff=False),
+      "stretch": dict(fresh_backoff=False), "backoff": dict(probe_cost_ref=1e9), "both": {}}
+
+
+def ab(seeds: int) -> None:
+    """Batch 1: requests whose acceptance comes and goes, and a random head at the forty-fifth
+    session's measured probe cost; batch-64 waves: random and comes-and-goes heads."""
+    global _policy
+    base = _policy
+    try:
+        for name, kw in AB.items():
+            _policy = lambda kind, probe_first=None, kw=kw: SpecPolicy(k=5, probe_trials=None,
+                                                                       **kw)
+            row = {low: round(statistics.mean(stretches("new", s, low) for s in range(seeds)), 3)
+                   for low in (10, 40, 150)}
+            print(json.dumps({"ab": name, "b1_tokens_per_ms_by_low_stretch": row,
+                              "b1_random_head_at_probe_cost": round(
+                                  random_head("new", spec_ms=PROBE_SPEC_MS), 4)}))
+    finally:
+        _policy = base
+    for kind in ("flat", "uncut"):
+        for head in ("random", "comes_goes"):
+            runs = [waves(kind, head, s) for s in range(seeds)]
+            print(json.dumps({"ab_waves_b64": "flat" if kind == "flat" else "both", "head": head,
+                              "tokens_per_ms": round(statistics.mean(r["tokens_per_ms"]
+                                                                     for r in runs), 3),
+                              "drafted_steps": statistics.mean(r["drafted_steps"] for r in runs)}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", type=int, default=6)
+    ap.add_argument("--ab", action="store_true", help="the forty-sixth session's A/B alone")
     a = ap.parse_args()
+    if a.ab:
+        ab(a.seeds)
+        return
     for low_len in (10, 40, 150):
         row = {k: round(statistics.mean(stretches(k, s, low_len) for s in range(a.seeds)), 3)
                for k in ("always", "oracle", "old", "new")}
