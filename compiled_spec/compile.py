@@ -179,7 +179,10 @@ def compile_models(runner: ModelRunner, cfg: CompileConfig,
     # Dynamo's recompile limit counts per code object, and every engine's modules run the same
     # forward code: the default 8 would make the 9th engine in a process fail (fullgraph=True).
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    skinny = resolve_skinny(cfg.skinny_gemm, cfg.skinny_gemm_layer, runner.model)
+    skinny = resolve_skinny(cfg.skinny_gemm, cfg.skinny_gemm_layer, runner.model,
+                            cfg.skinny_gemm_readout)
+    if hasattr(runner.model, "skinny_readout"):  # eager and captured logits alike
+        runner.model.skinny_readout = skinny.readout
     asked_pdl = cfg.pdl
     pdl = resolve_pdl(asked_pdl, runner.device, skinny.layer, max_decode_rows, cfg.pdl_narrow,
                       largest_layer_weight(runner.model))

@@ -28,8 +28,8 @@ class CompileConfig:
     autotune_gemm: bool = False
     # The target's residual adds folded into skinny-GEMM ops (passes.skinny_gemm; one Triton
     # launch each at decode sizes). None = decided per target (compiled_spec/gemm_policy.py:
-    # on for CUDA, 16-bit dtypes and small layer weights, where every bench row measured on the
-    # H200 was faster; off for the 8B shape's large weights and for fp32, measured slower).
+    # on for CUDA and 16-bit dtypes, where SmolLM2's bench rows and the 8B shape's decode
+    # measured faster; off for fp32, measured slower).
     skinny_gemm: bool | None = None
     # With skinny_gemm: gate_up's SiLU-and-mul and qkv's rope + KV write folded into their
     # GEMMs too (8 kernels per decoder layer instead of 10 at decode sizes). None = as
@@ -38,6 +38,11 @@ class CompileConfig:
     # With skinny_gemm: the RMSNorms folded into the GEMMs after them as well. Slower on the
     # H200 (the norm costs the GEMM more than Inductor's norm kernel); for benchmarks.
     skinny_gemm_norms: bool = False
+    # With skinny_gemm: the target's lm_head through our skinny GEMM too, at decode sizes, in
+    # its eager logits and its graphs' alike (``CausalLM.readout``; never for a sharded one).
+    # None = as skinny_gemm resolves (the 8B shape's, M = 1: 345.7 against cuBLAS's 373.0 us
+    # on the H100, forty-sixth session).
+    skinny_gemm_readout: bool | None = None
     # The same fusions (as skinny_gemm / skinny_gemm_layer / skinny_gemm_norms resolve for the
     # target) in the draft's compiled callables too: first pass, step, step + pick, pick + plan,
     # the tree's expansion. Why: the chain's propose at batch 1 was 100 kernels with cuBLAS
@@ -97,7 +102,8 @@ class CompileConfig:
                      "skinny_gemm_norms", "size_oblivious", "skinny_gemm_wide"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"CompileConfig.{name}={getattr(self, name)!r}: must be a bool")
-        for name in ("skinny_gemm", "skinny_gemm_layer", "skinny_gemm_draft"):
+        for name in ("skinny_gemm", "skinny_gemm_layer", "skinny_gemm_draft",
+                     "skinny_gemm_readout"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ValueError(f"CompileConfig.{name}={getattr(self, name)!r}: a bool, or "
                                  "None (decided per target)")

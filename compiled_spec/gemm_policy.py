@@ -14,7 +14,10 @@ Measured:
   floor), verify T = 8 from 6.458 to 6.100. (With the earlier 64-deep tiles it was slower:
   5.47 vs 4.76 ms on the H200.) PDL on that layer loses (6.807 ms): ``pdl_policy``.
 - fp32: slower (3.33 vs 1.17 ms per SmolLM2 token): the kernels are tuned for 16-bit tiles.
-So the default is on for CUDA and 16-bit dtypes.
+So the default is on for CUDA and 16-bit dtypes. The lm_head goes with the layers (unless the
+model is sharded): the 8B shape's, M = 1 / 16, took 345.7 / 354.0 us against cuBLAS's 373.0 /
+378.1 (H100, forty-sixth session, ``kernels.bench_gemm --model llama8b``), SmolLM2's 15.86 us
+against 16.42 (H200, eleventh session).
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ class SkinnyChoice:
     gemm: bool  # residual adds into our skinny GEMMs
     layer: bool  # with gemm: SiLU-and-mul and rope + KV write too
     why: str  # what decided it (engine stats)
+    readout: bool = False  # with gemm: the lm_head too (``CausalLM.readout``; not sharded)
 
 
 def largest_layer_weight(model: torch.nn.Module) -> int:
@@ -51,9 +55,11 @@ def skinny_auto(device_type: str, dtype: torch.dtype, largest_weight: int) -> tu
     return True, f"auto: on ({dtype} on CUDA, largest layer weight {largest_weight} elements)"
 
 
-def resolve_skinny(gemm: bool | None, layer: bool | None, model: torch.nn.Module) -> SkinnyChoice:
-    """``CompileConfig.skinny_gemm`` / ``skinny_gemm_layer`` with None resolved for ``model``:
-    the GEMMs by ``skinny_auto``, the layer fusions as the GEMMs go."""
+def resolve_skinny(gemm: bool | None, layer: bool | None, model: torch.nn.Module,
+                   readout: bool | None = None) -> SkinnyChoice:
+    """``CompileConfig.skinny_gemm`` / ``skinny_gemm_layer`` / ``skinny_gemm_readout`` with None
+    resolved for ``model``: the GEMMs by ``skinny_auto``, the layer fusions and the lm_head as
+    the GEMMs go (the lm_head only for a model with ``CausalLM.readout``, not sharded)."""
     if gemm is None:
         param = next(model.parameters(), None)
         if param is None:
@@ -62,4 +68,6 @@ def resolve_skinny(gemm: bool | None, layer: bool | None, model: torch.nn.Module
             gemm, why = skinny_auto(param.device.type, param.dtype, largest_layer_weight(model))
     else:
         why = f"set: skinny_gemm={gemm}"
-    return SkinnyChoice(gemm, gemm if layer is None else (layer and gemm), why)
+    readout = (gemm if readout is None else readout and gemm) \
+        and getattr(model, "tp", None) is None and hasattr(model, "skinny_readout")
+    return SkinnyChoice(gemm, gemm if layer is None else (layer and gemm), why, readout)

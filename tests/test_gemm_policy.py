@@ -47,6 +47,19 @@ def test_explicit_settings_win_and_layer_follows() -> None:
     assert "auto: off on cpu" in resolve_skinny(None, None, toy).why
     on = resolve_skinny(True, None, toy)
     assert (on.gemm, on.layer, on.why) == (True, True, "set: skinny_gemm=True")
+    assert on.readout is False  # a model without CausalLM.readout keeps its lm_head
+    toy.skinny_readout = False
+    assert resolve_skinny(True, None, toy).readout is True
+    assert resolve_skinny(False, None, toy).readout is False
+    assert resolve_skinny(True, None, toy, readout=False).readout is False  # told not to
+    assert resolve_skinny(False, None, toy, readout=True).readout is False  # no GEMMs: none
+    toy.tp = object()  # a sharded lm_head gathers across ranks: never ours
+    assert resolve_skinny(True, None, toy).readout is False
+    from compiled_spec.compile import CompileConfig
+
+    assert CompileConfig(skinny_gemm_readout=False).skinny_gemm_readout is False
+    with pytest.raises(ValueError, match="skinny_gemm_readout=1"):
+        CompileConfig(skinny_gemm_readout=1)  # type: ignore[arg-type]
     assert resolve_skinny(True, False, toy).layer is False
     off = resolve_skinny(False, None, toy)
     assert (off.gemm, off.layer) == (False, False)
@@ -65,8 +78,30 @@ def test_engine_reports_the_choice(tmp_path, smollm2_gguf_path) -> None:
     assert auto["skinny_gemm"]["gemm"] is False and "auto: off on cpu" in auto["skinny_gemm"]["why"]
     forced = compile_models(llm.engine.runner, CompileConfig(inductor=False, skinny_gemm=True))
     assert forced.stats()["skinny_gemm"] == {"gemm": True, "layer": True,
-                                             "why": "set: skinny_gemm=True",
+                                             "why": "set: skinny_gemm=True", "readout": True,
                                              "draft": False}  # (no draft to fuse)
+    # the lm_head goes with them: eager logits and the graphs' read the same op
+    model = llm.engine.runner.model
+    assert model.skinny_readout is True
+    hidden = torch.randn(3, 64)  # [rows, hidden]
+    seen = []
+    real = torch.ops.compiled_spec.skinny_linear
+
+    class _Spy:
+        def __call__(self, *a):
+            seen.append(a[0].shape)
+            return real(*a)
+
+    ops = torch.ops.compiled_spec
+    try:
+        torch.ops.compiled_spec.__dict__["skinny_linear"] = _Spy()
+        logits = model.compute_logits(hidden)
+    finally:
+        torch.ops.compiled_spec.__dict__["skinny_linear"] = real
+    assert seen == [torch.Size([3, 64])] and ops.skinny_linear is real
+    assert torch.equal(logits, model.lm_head(hidden).float())  # (the op's CPU path: the matmul)
+    compile_models(llm.engine.runner, CompileConfig(inductor=False, skinny_gemm=False))
+    assert model.skinny_readout is False
     from passes.skinny_gemm import SkinnyGemmFusion
 
     passes = forced.backends["target"].pass_manager.passes

@@ -28,6 +28,7 @@ PROJECTED_TAUS = (2.0, 3.0, 4.0)
 AB_FLAGS = {"pdl": "PDL", "skinny_gemm": "skinny GEMMs", "autotune_gemm": "GEMM autotuning",
             "verify_ahead": "verify ahead", "size_oblivious": "size-oblivious",
             "skinny_gemm_draft": "skinny draft", "skinny_gemm_wide": "wide skinny GEMMs",
+            "skinny_gemm_readout": "skinny lm_head",
             "defer_paused_first_pass": "deferred first pass", "pdl_narrow": "PDL on narrow calls",
             "deep_flush": "deep flushes", "cut_probes": "losing probes cut",
             "probe_backoff": "probes backing off"}

@@ -221,7 +221,7 @@ class EngineGraphs:
         # captured with them (one launch fewer on the step's host path, the bf16 logits in
         # the graph's pool instead of a fresh allocation each step). Tensor-parallel readouts
         # gather across ranks: they stay eager.
-        lm_head = runner.model.lm_head if getattr(runner.model, "tp", None) is None else None
+        lm_head = runner.model.readout if getattr(runner.model, "tp", None) is None else None
         step_graph_fn = target_graph_fn if lm_head is None else (
             lambda b: with_logits(target_graph_fn(b), lm_head))
         via_verify = k > 0 and not single_decode

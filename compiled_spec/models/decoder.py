@@ -171,6 +171,9 @@ class CausalLM(nn.Module):
         self.config = config
         self.model = DecoderModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # The lm_head through our skinny GEMM at decode sizes (``readout``): compile_models sets
+        # it where the target's skinny GEMMs are on (compiled_spec/gemm_policy.py)
+        self.skinny_readout = False
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -236,7 +239,15 @@ class CausalLM(nn.Module):
             if idx == layer_idx:
                 captured[j] = hidden
 
+    def readout(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
+        """The lm_head in the model dtype. With ``skinny_readout``, rows up to the skinny
+        kernels' limit go through our GEMM (the op falls back to the same matmul elsewhere):
+        captured steps and eager ones read the same logits."""
+        if self.skinny_readout:
+            return torch.ops.compiled_spec.skinny_linear(hidden, self.lm_head.weight)
+        return self.lm_head(hidden)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
         # The matmul runs in the model dtype (an fp32 copy of lm_head would cost vocab*hidden
         # memory); the result is upcast so softmax/sampling/acceptance math downstream is fp32.
-        return self.lm_head(hidden).float()
+        return self.readout(hidden).float()

@@ -122,6 +122,7 @@ def build(args: argparse.Namespace, tmp: Path) -> tuple[LLM, float]:
                                            skinny_gemm=args.skinny_gemm,
                                            skinny_gemm_layer=args.skinny_gemm_layer,
                                            skinny_gemm_norms=args.skinny_gemm_norms,
+                                           skinny_gemm_readout=args.skinny_gemm_readout,
                                            pdl=args.pdl))
     return llm, time.perf_counter() - t0
 
@@ -275,6 +276,8 @@ def main() -> int:
                     help="with the skinny GEMMs: SiLU-and-mul and rope + KV write too")
     ap.add_argument("--skinny-gemm-norms", action="store_true",
                     help="with --skinny-gemm: the RMSNorms too")
+    ap.add_argument("--skinny-gemm-readout", action=argparse.BooleanOptionalAction, default=None,
+                    help="with the skinny GEMMs: the lm_head too (default: with them)")
     ap.add_argument("--pdl", action="store_true",
                     help="Inductor's kernels and ours with programmatic dependent launch "
                          "(CompileConfig.pdl)")
