@@ -14,10 +14,11 @@ Measured:
   floor), verify T = 8 from 6.458 to 6.100. (With the earlier 64-deep tiles it was slower:
   5.47 vs 4.76 ms on the H200.) PDL on that layer loses (6.807 ms): ``pdl_policy``.
 - fp32: slower (3.33 vs 1.17 ms per SmolLM2 token): the kernels are tuned for 16-bit tiles.
-So the default is on for CUDA and 16-bit dtypes. The lm_head goes with the layers (unless the
-model is sharded): the 8B shape's, M = 1 / 16, took 345.7 / 354.0 us against cuBLAS's 373.0 /
-378.1 (H100, forty-sixth session, ``kernels.bench_gemm --model llama8b``), SmolLM2's 15.86 us
-against 16.42 (H200, eleventh session).
+So the default is on for CUDA and 16-bit dtypes. The lm_head may go with the layers
+(``CompileConfig.skinny_gemm_readout``, opt-in until timed end to end; never for a sharded
+model): the 8B shape's, M = 1 / 16, took 345.7 / 354.0 us against cuBLAS's 373.0 / 378.1 (H100,
+forty-sixth session, ``kernels.bench_gemm --model llama8b``), SmolLM2's 15.86 us against 16.42
+(H200, eleventh session).
 """
 from __future__ import annotations
 

@@ -78,11 +78,14 @@ def test_engine_reports_the_choice(tmp_path, smollm2_gguf_path) -> None:
     assert auto["skinny_gemm"]["gemm"] is False and "auto: off on cpu" in auto["skinny_gemm"]["why"]
     forced = compile_models(llm.engine.runner, CompileConfig(inductor=False, skinny_gemm=True))
     assert forced.stats()["skinny_gemm"] == {"gemm": True, "layer": True,
-                                             "why": "set: skinny_gemm=True", "readout": True,
+                                             "why": "set: skinny_gemm=True", "readout": False,
                                              "draft": False}  # (no draft to fuse)
-    # the lm_head goes with them: eager logits and the graphs' read the same op
     model = llm.engine.runner.model
-    assert model.skinny_readout is True
+    assert model.skinny_readout is False  # opt-in until timed end to end
+    # told to, the lm_head goes with them: eager logits and the graphs' read the same op
+    both = compile_models(llm.engine.runner, CompileConfig(inductor=False, skinny_gemm=True,
+                                                           skinny_gemm_readout=True))
+    assert both.stats()["skinny_gemm"]["readout"] is True and model.skinny_readout is True
     hidden = torch.randn(3, 64)  # [rows, hidden]
     seen = []
     real = torch.ops.compiled_spec.skinny_linear
@@ -100,8 +103,9 @@ def test_engine_reports_the_choice(tmp_path, smollm2_gguf_path) -> None:
         torch.ops.compiled_spec.__dict__["skinny_linear"] = real
     assert seen == [torch.Size([3, 64])] and ops.skinny_linear is real
     assert torch.equal(logits, model.lm_head(hidden).float())  # (the op's CPU path: the matmul)
-    compile_models(llm.engine.runner, CompileConfig(inductor=False, skinny_gemm=False))
-    assert model.skinny_readout is False
+    compile_models(llm.engine.runner, CompileConfig(inductor=False, skinny_gemm=False,
+                                                    skinny_gemm_readout=True))
+    assert model.skinny_readout is False  # no skinny GEMMs, no skinny lm_head
     from passes.skinny_gemm import SkinnyGemmFusion
 
     passes = forced.backends["target"].pass_manager.passes
