@@ -40,9 +40,10 @@ class CompileConfig:
     skinny_gemm_norms: bool = False
     # With skinny_gemm: the target's lm_head through our skinny GEMM too, at decode sizes, in
     # its eager logits and its graphs' alike (``CausalLM.readout``; never for a sharded one).
-    # None = as skinny_gemm resolves. Off until the decode call is timed with it: per GEMM the
-    # 8B shape's took 345.7 against cuBLAS's 373.0 us at M = 1 (H100, forty-sixth session).
-    skinny_gemm_readout: bool | None = False
+    # None = with skinny_gemm for lm_heads of READOUT_MIN_WEIGHT elements and more
+    # (compiled_spec/gemm_policy.py: the 8B shape's took 345.7 against cuBLAS's 373.0 us at
+    # M = 1 on the H100, forty-sixth session; SmolLM2's is not timed end to end with it).
+    skinny_gemm_readout: bool | None = None
     # The same fusions (as skinny_gemm / skinny_gemm_layer / skinny_gemm_norms resolve for the
     # target) in the draft's compiled callables too: first pass, step, step + pick, pick + plan,
     # the tree's expansion. Why: the chain's propose at batch 1 was 100 kernels with cuBLAS

@@ -15,7 +15,7 @@ import argparse
 COMPILE_FLAGS: dict[str, bool | None] = {
     "autotune_gemm": False, "skinny_gemm": None, "skinny_gemm_layer": None,
     "skinny_gemm_norms": False, "skinny_gemm_draft": None, "skinny_gemm_wide": False,
-    "skinny_gemm_readout": False, "precompile": None, "pdl": None, "pdl_narrow": None}
+    "skinny_gemm_readout": None, "precompile": None, "pdl": None, "pdl_narrow": None}
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -60,9 +60,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skinny-gemm-wide", action="store_true",
                    help="with the skinny GEMMs: calls of 65-256 rows (wide verifies) through the "
                    "fused kernels too, in tiles of 64 rows (off until timed on a GPU)")
-    p.add_argument("--skinny-gemm-readout", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--skinny-gemm-readout", action=argparse.BooleanOptionalAction, default=None,
                    help="with the skinny GEMMs: the target's lm_head through them too at decode "
-                   "sizes (off until timed end to end)")
+                   "sizes (default: for lm_heads of 100M elements and more)")
     p.add_argument("--skinny-gemm-draft", action=argparse.BooleanOptionalAction, default=None,
                    help="with the skinny GEMMs: the draft's compiled callables take the target's "
                    "fusions too (first pass, draft steps, tree expansion; default: whenever "

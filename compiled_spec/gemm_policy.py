@@ -14,11 +14,15 @@ Measured:
   floor), verify T = 8 from 6.458 to 6.100. (With the earlier 64-deep tiles it was slower:
   5.47 vs 4.76 ms on the H200.) PDL on that layer loses (6.807 ms): ``pdl_policy``.
 - fp32: slower (3.33 vs 1.17 ms per SmolLM2 token): the kernels are tuned for 16-bit tiles.
-So the default is on for CUDA and 16-bit dtypes. The lm_head may go with the layers
-(``CompileConfig.skinny_gemm_readout``, opt-in until timed end to end; never for a sharded
-model): the 8B shape's, M = 1 / 16, took 345.7 / 354.0 us against cuBLAS's 373.0 / 378.1 (H100,
-forty-sixth session, ``kernels.bench_gemm --model llama8b``), SmolLM2's 15.86 us against 16.42
-(H200, eleventh session).
+So the default is on for CUDA and 16-bit dtypes.
+
+The lm_head (``CompileConfig.skinny_gemm_readout``; never for a sharded model) goes with the
+layers where it is large: the 8B shape's (525M elements), M = 1 / 16, took 345.7 / 354.0 us
+against cuBLAS's 373.0 / 378.1 (H100, forty-sixth session, ``kernels.bench_gemm --model
+llama8b``), and its decode call with it ran at 1.124x its floor, the lm_head adding 0.334 ms to
+the call where cuBLAS's added 0.395 (two H100s of that model, not one A/B). SmolLM2's (28M
+elements; 15.86 against 16.42 us per GEMM on the H200, eleventh session) is not timed end to
+end with it, so it stays cuBLAS's below ``READOUT_MIN_WEIGHT``.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 AUTO_DTYPES = (torch.bfloat16, torch.float16)
+READOUT_MIN_WEIGHT = 100_000_000  # lm_head elements from which it is ours by default
 
 
 @dataclass(frozen=True)
@@ -59,8 +64,9 @@ def skinny_auto(device_type: str, dtype: torch.dtype, largest_weight: int) -> tu
 def resolve_skinny(gemm: bool | None, layer: bool | None, model: torch.nn.Module,
                    readout: bool | None = None) -> SkinnyChoice:
     """``CompileConfig.skinny_gemm`` / ``skinny_gemm_layer`` / ``skinny_gemm_readout`` with None
-    resolved for ``model``: the GEMMs by ``skinny_auto``, the layer fusions and the lm_head as
-    the GEMMs go (the lm_head only for a model with ``CausalLM.readout``, not sharded)."""
+    resolved for ``model``: the GEMMs by ``skinny_auto``, the layer fusions as the GEMMs go, the
+    lm_head with them from ``READOUT_MIN_WEIGHT`` elements (only for a model with
+    ``CausalLM.readout``, not sharded)."""
     if gemm is None:
         param = next(model.parameters(), None)
         if param is None:
@@ -69,6 +75,9 @@ def resolve_skinny(gemm: bool | None, layer: bool | None, model: torch.nn.Module
             gemm, why = skinny_auto(param.device.type, param.dtype, largest_layer_weight(model))
     else:
         why = f"set: skinny_gemm={gemm}"
-    readout = (gemm if readout is None else readout and gemm) \
-        and getattr(model, "tp", None) is None and hasattr(model, "skinny_readout")
+    if readout is None:
+        head = getattr(getattr(model, "lm_head", None), "weight", None)
+        readout = head is not None and head.numel() >= READOUT_MIN_WEIGHT
+    readout = readout and gemm and getattr(model, "tp", None) is None \
+        and hasattr(model, "skinny_readout")
     return SkinnyChoice(gemm, gemm if layer is None else (layer and gemm), why, readout)

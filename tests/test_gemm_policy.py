@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compiled_spec.gemm_policy import largest_layer_weight, resolve_skinny, skinny_auto
+from compiled_spec.gemm_policy import (READOUT_MIN_WEIGHT, largest_layer_weight, resolve_skinny,
+                                       skinny_auto)
 
 SMOLLM2_GATE_UP = 2 * 1536 * 576
 LLAMA8B_O_PROJ = 4096 * 4096  # the 8B shape's smallest projection
@@ -49,7 +50,13 @@ def test_explicit_settings_win_and_layer_follows() -> None:
     assert (on.gemm, on.layer, on.why) == (True, True, "set: skinny_gemm=True")
     assert on.readout is False  # a model without CausalLM.readout keeps its lm_head
     toy.skinny_readout = False
-    assert resolve_skinny(True, None, toy).readout is True
+    assert resolve_skinny(True, None, toy, readout=True).readout is True
+    assert resolve_skinny(True, None, toy).readout is False  # 32 x 1000: below the minimum
+    big = torch.nn.Module()  # an lm_head of READOUT_MIN_WEIGHT elements (no storage)
+    big.lm_head = torch.nn.Linear(READOUT_MIN_WEIGHT // 1000, 1000, bias=False, device="meta")
+    big.skinny_readout = False
+    assert resolve_skinny(True, None, big).readout is True
+    assert resolve_skinny(None, None, big).readout is False  # no parameters' device: no GEMMs
     assert resolve_skinny(False, None, toy).readout is False
     assert resolve_skinny(True, None, toy, readout=False).readout is False  # told not to
     assert resolve_skinny(False, None, toy, readout=True).readout is False  # no GEMMs: none
@@ -81,7 +88,7 @@ def test_engine_reports_the_choice(tmp_path, smollm2_gguf_path) -> None:
                                              "why": "set: skinny_gemm=True", "readout": False,
                                              "draft": False}  # (no draft to fuse)
     model = llm.engine.runner.model
-    assert model.skinny_readout is False  # opt-in until timed end to end
+    assert model.skinny_readout is False  # a small lm_head (64 x 64) stays cuBLAS's
     # told to, the lm_head goes with them: eager logits and the graphs' read the same op
     both = compile_models(llm.engine.runner, CompileConfig(inductor=False, skinny_gemm=True,
                                                            skinny_gemm_readout=True))

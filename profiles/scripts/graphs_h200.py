@@ -276,8 +276,8 @@ def main() -> int:
                     help="with the skinny GEMMs: SiLU-and-mul and rope + KV write too")
     ap.add_argument("--skinny-gemm-norms", action="store_true",
                     help="with --skinny-gemm: the RMSNorms too")
-    ap.add_argument("--skinny-gemm-readout", action=argparse.BooleanOptionalAction, default=False,
-                    help="with the skinny GEMMs: the lm_head too (CompileConfig's default: off)")
+    ap.add_argument("--skinny-gemm-readout", action=argparse.BooleanOptionalAction, default=None,
+                    help="with the skinny GEMMs: the lm_head too (default: the engine's)")
     ap.add_argument("--pdl", action="store_true",
                     help="Inductor's kernels and ours with programmatic dependent launch "
                          "(CompileConfig.pdl)")

@@ -508,8 +508,8 @@ g8ab)
   # ATen's GEMMs; skinny_nopdl / gemm_only: the layer without PDL / the GEMMs alone (with the
   # forty-fifth session's defaults, default = skinny_nopdl); fused_merge: the default with
   # COMPILED_SPEC_FUSED_MERGE=1; norms: the default with the RMSNorms folded into the GEMMs
-  # after them (6 kernels a layer, not 8); readout: the default with the lm_head through our
-  # skinny GEMM (CompileConfig.skinny_gemm_readout). Needs only the tokenizer (setup0's ~/tok), not the GGUF.
+  # after them (6 kernels a layer, not 8); readout / cublas_head: the lm_head through our
+  # skinny GEMM / cuBLAS (CompileConfig.skinny_gemm_readout; the 8B shape's default: ours). Needs only the tokenizer (setup0's ~/tok), not the GGUF.
   for v in ${G8:-default skinny lt}; do
     E=()
     case $v in
@@ -517,7 +517,8 @@ g8ab)
       fused_merge) A=(); E=(COMPILED_SPEC_FUSED_MERGE=1) ;;  # attention's split merge in its launch
       skinny_nopdl) A=(--skinny-gemm --skinny-gemm-layer) ;;
       norms) A=(--skinny-gemm --skinny-gemm-layer --skinny-gemm-norms) ;;  # the RMSNorms too
-      readout) A=(--skinny-gemm-readout) ;;  # the lm_head through our skinny GEMM (opt-in)
+      readout) A=(--skinny-gemm-readout) ;;  # the lm_head through our skinny GEMM
+      cublas_head) A=(--no-skinny-gemm-readout) ;;  # the lm_head on cuBLAS
       gemm_only) A=(--skinny-gemm --no-skinny-gemm-layer --pdl) ;;
       lt) A=(--blas cublaslt) ;; *) echo "unknown variant $v"; continue ;;
     esac
