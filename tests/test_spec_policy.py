@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from compiled_spec import LLM, SamplingParams
-from compiled_spec.spec.policy import PLAIN, SPEC, SpecPolicy, bucket_of, mode_k, shrunk
+from compiled_spec.spec.policy import (MAX_STRETCH, PLAIN, SPEC, SpecPolicy, bucket_of, mode_k,
+                                       shrunk)
 from tests.policy_stub import ModesInTurn
 from tests.spec_models import write_bigram_target, write_mirror_eagle1
 
@@ -106,6 +107,9 @@ def test_costlier_drafting_stretches_a_paused_buckets_probe_intervals():
     assert s[0] == turned + 4 and [b - a for a, b in zip(s, s[1:])][:4] == [8, 16, 32, 32], s
     turned, s = starts(1.2e-3, ref=0.5)  # cheaper than the reference: never closer
     assert s[0] == turned + 4, s
+    # a drafting step at 1000x (the bucket pauses at once): stretched MAX_STRETCH at most
+    _, s = starts(1.0, ref=0.5)
+    assert [b - a for a, b in zip(s, s[1:])][:2] == [8 * MAX_STRETCH, 16 * MAX_STRETCH], s
     assert SpecPolicy(probe_cost_ref=0.25).probe_cost_ref == 0.25
     for bad in (0, -1.0, True):
         with pytest.raises(ValueError, match="probe_cost_ref"):

@@ -37,10 +37,9 @@ so where a drafting step costs more than ``1 + probe_cost_ref`` plain ones, both
 stretch in proportion (forty-sixth session). And once the requests admitted since the last
 drafting step make up half the batch (``admitted``), a paused bucket probes its best drafting
 mode at once, its acceptance estimate weighing as one sample: the new requests' own
-acceptance decides.
-Those probes back off while they keep losing (``fresh_backoff``): the 1st, 2nd, 4th, 8th ...
-such admission is probed, and a probe that turns the bucket to drafting starts the count
-again. The forty-fifth session's random head at batch 1 (H100) drafted 290 of 5,152 steps, 100
+acceptance decides. Those probes back off while they keep losing (``fresh_backoff``): the 1st,
+2nd, 4th, 8th ... such admission is probed, and a probe that turns the bucket to drafting
+starts the count again. The forty-fifth session's random head at batch 1 (H100) drafted 290 of 5,152 steps, 100
 of them in probes of its 20 requests, at 1.545 ms a drafting step against 0.779 plain. In the
 simulation (``policy_sim_cpu.py --ab --seeds 12``) the two changes took that random head from
 1.245 to 1.274 tokens/ms (vanilla 1.290), at batch 64 a random head from 57.98 to 58.48 (vanilla
@@ -75,6 +74,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SPEC, PLAIN = "spec", "plain"
+MAX_STRETCH = 8.0  # the most a paused bucket's probe intervals stretch (a bad estimate's bound)
 _SHRUNK = "spec_k"
 
 
@@ -305,10 +305,10 @@ class SpecPolicy:
     def _stretch(self, b: _Bucket) -> float:
         """How much farther apart a paused bucket's probes of drafting go than as configured:
         a probe's loss grows with its drafting steps' extra cost over plain ones (the cheapest
-        drafting mode's, relative; 1 at or below ``probe_cost_ref``)."""
+        drafting mode's, relative; 1 at or below ``probe_cost_ref``, at most MAX_STRETCH)."""
         plain = max(b.cost[PLAIN].value, 1e-12)
         extra = min(b.cost[m].value for m in self.modes if m != PLAIN) / plain - 1.0
-        return max(1.0, extra / self.probe_cost_ref)
+        return min(MAX_STRETCH, max(1.0, extra / self.probe_cost_ref))
 
     def admitted(self, n: int) -> None:
         """``n`` requests joined the running batch (their prompts run in this step)."""
