@@ -155,7 +155,8 @@ PY
 case "$PHASE" in
 setup0)
   mkdir -p ~/m ~/site $D
-  cp .device/q0/part0 ~/m/ && cp -r .device/tok ~/tok
+  cp .device/q0/part0 ~/m/  # (g8ab needs the tokenizer alone: copied whether or not q0 came)
+  [ -d .device/tok ] && { rm -rf ~/tok; cp -r .device/tok ~/tok; }
   # Data of earlier sessions (.device/gen, see `data`) may ride along with this small call.
   [ -d .device/gen ] && rm -rf ~/gen && cp -r .device/gen ~/gen
   python3 -m pip install -q --no-index --no-deps --target ~/site .device/whl/*.whl
