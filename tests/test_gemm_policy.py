@@ -73,7 +73,7 @@ def test_explicit_settings_win_and_layer_follows() -> None:
     assert resolve_skinny(None, None, torch.nn.Sequential()).gemm is False
 
 
-def test_engine_reports_the_choice(tmp_path, smollm2_gguf_path) -> None:
+def test_engine_reports_the_choice(tmp_path, smollm2_gguf_path, monkeypatch) -> None:
     from compiled_spec import LLM
     from compiled_spec.compile import CompileConfig, compile_models
     from tests.spec_models import write_bigram_target
@@ -96,19 +96,11 @@ def test_engine_reports_the_choice(tmp_path, smollm2_gguf_path) -> None:
     hidden = torch.randn(3, 64)  # [rows, hidden]
     seen = []
     real = torch.ops.compiled_spec.skinny_linear
-
-    class _Spy:
-        def __call__(self, *a):
-            seen.append(a[0].shape)
-            return real(*a)
-
-    ops = torch.ops.compiled_spec
-    try:
-        torch.ops.compiled_spec.__dict__["skinny_linear"] = _Spy()
-        logits = model.compute_logits(hidden)
-    finally:
-        torch.ops.compiled_spec.__dict__["skinny_linear"] = real
-    assert seen == [torch.Size([3, 64])] and ops.skinny_linear is real
+    monkeypatch.setattr(torch.ops.compiled_spec, "skinny_linear",
+                        lambda *a: seen.append(a[0].shape) or real(*a))
+    logits = model.compute_logits(hidden)
+    monkeypatch.undo()
+    assert seen == [torch.Size([3, 64])] and torch.ops.compiled_spec.skinny_linear is real
     assert torch.equal(logits, model.lm_head(hidden).float())  # (the op's CPU path: the matmul)
     compile_models(llm.engine.runner, CompileConfig(inductor=False, skinny_gemm=False,
                                                     skinny_gemm_readout=True))

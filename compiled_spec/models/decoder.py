@@ -172,7 +172,7 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # The lm_head through our skinny GEMM at decode sizes (``readout``): compile_models sets
-        # it where the target's skinny GEMMs are on (compiled_spec/gemm_policy.py)
+        # it as CompileConfig.skinny_gemm_readout resolves (compiled_spec/gemm_policy.py)
         self.skinny_readout = False
         self.tie_weights()
 

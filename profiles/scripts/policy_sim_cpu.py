@@ -17,9 +17,10 @@ verifies the drafts of the step before it). Step costs interpolate between the H
 and batch 64 (forty-third session: 2.0 ms drafting, 1.03 plain at 64). Heads: ``random``
 (nothing accepted), ``good`` (q = 0.7 at every position) and ``comes_goes`` (q = 0.7 but 0 in
 the first 40 steps of every 120). ``uncut`` is the engine's default policy, ``cut`` ends a
-losing probe early (``cut_losing_probes=True``), ``flat`` is the default without stretching a
-paused bucket's probe intervals by the cost of drafting (forty-sixth session;
-probe_cost_ref past any cost), ``always`` drafts every step.
+losing probe early (``cut_losing_probes=True``), ``flat`` is the default without the forty-sixth
+session's back-off (``probe_backoff=False``: neither a paused bucket's probe intervals
+stretched by the cost of drafting nor the admission probes backing off), ``always`` drafts
+every step.
 """
 from __future__ import annotations
 

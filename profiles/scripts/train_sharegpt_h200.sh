@@ -504,13 +504,14 @@ treecap)
     --batch ${BATCH:-4} --limit ${VARIANT_LIMIT:-140} "${@:2}" ;;
 g8ab)
   # Issue 16: the 8B shape against its floors, one process per variant (G8="default skinny lt";
-  # G8_LIMIT s each), JSON + log per variant: default = cuBLAS + Inductor's kernels; skinny =
-  # our fused layer GEMMs with PDL (the forty-fifth session's deep-K pick); lt = cuBLASLt for
-  # ATen's GEMMs; skinny_nopdl / gemm_only: the layer without PDL / the GEMMs alone (with the
-  # forty-fifth session's defaults, default = skinny_nopdl); fused_merge: the default with
+  # G8_LIMIT s each), JSON + log per variant: default = the engine's defaults (since the
+  # forty-fifth session our fused layer without PDL, since the forty-sixth our lm_head too);
+  # skinny = the fused layer with PDL; lt = cuBLASLt for ATen's GEMMs; skinny_nopdl /
+  # gemm_only: the layer without PDL / the GEMMs alone; fused_merge: the default with
   # COMPILED_SPEC_FUSED_MERGE=1; norms: the default with the RMSNorms folded into the GEMMs
   # after them (6 kernels a layer, not 8); readout / cublas_head: the lm_head through our
-  # skinny GEMM / cuBLAS (CompileConfig.skinny_gemm_readout; the 8B shape's default: ours). Needs only the tokenizer (setup0's ~/tok), not the GGUF.
+  # skinny GEMM / cuBLAS (CompileConfig.skinny_gemm_readout). Needs only the tokenizer
+  # (setup0's ~/tok), not the GGUF.
   for v in ${G8:-default skinny lt}; do
     E=()
     case $v in
