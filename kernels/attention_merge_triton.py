@@ -71,12 +71,14 @@ def _merge_splits_kernel(
         tl.store(out_ptr + tok * stride_ot + head * stride_oh + d,
                  tl.zeros([DIM_PAD], tl.float32).to(out_ptr.dtype.element_ty), mask=d_ok)
         return
+    # The parts load beside the lse, not after it: an empty split's part is zeros (finite),
+    # weighted 0 below, and one dependent load fewer is ~0.5 us of a decode layer's latency.
     lse = tl.load(lse_ptr + s * stride_ls + tok * stride_lt + head)  # [S]
+    part = tl.load(part_ptr + s[:, None] * stride_ps + tok * stride_pt + head * stride_ph
+                   + d[None, :], mask=d_ok[None, :], other=0.0)  # [S, D]
     m = tl.max(lse, 0)
     m_safe = tl.where(m > float("-inf"), m, 0.0)
     w = tl.where(lse > float("-inf"), tl.exp2(lse - m_safe), 0.0)  # [S]
-    part = tl.load(part_ptr + s[:, None] * stride_ps + tok * stride_pt + head * stride_ph
-                   + d[None, :], mask=(w > 0.0)[:, None] & d_ok[None, :], other=0.0)  # [S, D]
     w_sum = tl.sum(w, 0)
     out = tl.sum(part * w[:, None], 0) / tl.where(w_sum > 0.0, w_sum, 1.0)  # unowned -> 0
     tl.store(out_ptr + tok * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),

@@ -274,14 +274,14 @@ def _paged_attention(
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n, DIM_PAD=dim_pad,
         NUM_SPLITS=num_splits, DOT_FP32=_dot_in_fp32(query.dtype), TREE=tree, FUSED_MERGE=fused,
         MERGE_CHUNK=merge_chunk_for(block_q * group_pad, dim_pad, num_splits),
-        **pdl_launch(query),
+        **pdl_launch(query, attention=True),
     )
     if num_splits > 1 and not fused:
         _merge_splits_kernel[(num_tokens, num_heads)](
             part, lse, out, query_start_loc, num_seqs,
             part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1), head_dim,
-            NUM_SPLITS=num_splits, DIM_PAD=dim_pad, **pdl_launch(query),
+            NUM_SPLITS=num_splits, DIM_PAD=dim_pad, **pdl_launch(query, attention=True),
         )
     return out
 

@@ -56,6 +56,20 @@ def pdl_scope(on: bool) -> AbstractContextManager[None]:
     return _scoped(_PDL, on or ENV_PDL)
 
 
+# PDL for the attention kernel and its split merge alone, in engines whose other kernels launch
+# without it (the 8B shape: its GEMMs lost with PDL, pdl_policy.py). Those two are small grids
+# after a GEMM, so their programs resident early take no SMs a wave still needs; the attention's
+# launch overlaps the fused qkv kernel's tail (that kernel lets it launch once its K loop is done,
+# ``late_trigger``), the merge's the attention's. On inside ``pdl_attention_scope(True)``;
+# COMPILED_SPEC_PDL_ATTN=1 turns it on for every engine of the process.
+ENV_PDL_ATTN = os.environ.get("COMPILED_SPEC_PDL_ATTN", "0") == "1"
+_PDL_ATTN: ContextVar[bool] = ContextVar("compiled_spec_pdl_attn", default=ENV_PDL_ATTN)
+
+
+def pdl_attention_scope(on: bool) -> AbstractContextManager[None]:
+    return _scoped(_PDL_ATTN, on or ENV_PDL_ATTN)
+
+
 # The skinny-GEMM ops past MAX_M rows (kernels.gemm_config.WIDE_MAX_M, tiles of MAX_M): on
 # inside ``skinny_wide_scope(True)``, which an engine with ``CompileConfig.skinny_gemm_wide``
 # holds around its compiled calls (and so its captures); COMPILED_SPEC_SKINNY_WIDE=1 turns it on
@@ -75,8 +89,20 @@ def skinny_max_rows() -> int:
     return WIDE_MAX_M if _WIDE.get() else MAX_M
 
 
-def pdl_launch(x: torch.Tensor, allowed: bool = True) -> dict:
+def _narrow_cuda(x: torch.Tensor) -> bool:
+    return x.is_cuda and x.shape[0] <= PDL_MAX_ROWS
+
+
+def pdl_launch(x: torch.Tensor, allowed: bool = True, attention: bool = False) -> dict:
     """A launch's GDC constexpr and, when on, Triton's PDL launch option (CUDA only: the
-    interpreter has no griddepcontrol). ``x``: the launch's activations, rows first."""
-    on = _PDL.get() and allowed and x.is_cuda and x.shape[0] <= PDL_MAX_ROWS
+    interpreter has no griddepcontrol). ``x``: the launch's activations, rows first;
+    ``attention``: the attention kernel or its merge (on in ``pdl_attention_scope`` too)."""
+    on = (_PDL.get() or (attention and _PDL_ATTN.get())) and allowed and _narrow_cuda(x)
     return {"GDC": 1, "launch_pdl": True} if on else {"GDC": 0}
+
+
+def late_trigger(x: torch.Tensor) -> bool:
+    """Whether the kernel before the attention (the fused qkv + rope + KV write) lets the
+    attention launch after its K loop: in ``pdl_attention_scope`` without the engine-wide PDL
+    (with it, the kernel triggers at its start)."""
+    return _PDL_ATTN.get() and not _PDL.get() and _narrow_cuda(x)

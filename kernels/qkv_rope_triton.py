@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention_triton import _dot_in_fp32
-from kernels.dispatch import pdl_launch
+from kernels.dispatch import late_trigger, pdl_launch
 from kernels.gemm_config import GemmConfig, gemm_config
 from kernels.skinny_gemm_triton import _k_loop
 
@@ -31,7 +31,7 @@ def _qkv_rope_kv_kernel(
     num_heads, num_kv_heads, page_size, eps,
     HALF: tl.constexpr, NORM: tl.constexpr, NW_IN_A: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
-    GDC: tl.constexpr,
+    GDC: tl.constexpr, LATE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     head = pid // (HALF // BLOCK_N)  # 0 .. heads + 2 kv heads - 1, in the qkv weight's order
@@ -43,6 +43,8 @@ def _qkv_rope_kv_kernel(
                          M, K, stride_xm, stride_wn, 0, tl.cdiv(K, BLOCK_K), ss, NORM, NW_IN_A,
                          True, 1,
                          BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, DOT_FP32, GDC)
+    if LATE:  # the attention after us launches now (kernels.dispatch.late_trigger)
+        tl.extra.cuda.gdc_launch_dependents()
     if NORM:
         rstd = tl.rsqrt(ss / K + eps)[:, None]
         lo = lo * rstd
@@ -130,5 +132,5 @@ def qkv_rope_write_kv_triton(
         HALF=half, NORM=norm_weight is not None or norm_in_weight,
         NW_IN_A=norm_weight is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot, DOT_FP32=_dot_in_fp32(x.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x))
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, LATE=late_trigger(x), **pdl_launch(x))
     return q

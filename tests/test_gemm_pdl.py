@@ -39,7 +39,7 @@ def count(k, consts):
 gemm = dict(NORM=False, NW_IN_A=False, GATED=True, HAS_RES=False, BLOCK_M=16, BLOCK_N=16,
             BLOCK_K=128, SPLIT_K=1, USE_DOT=True, DOT_FP32=False)
 qkv = dict(HALF=32, NORM=False, NW_IN_A=False, BLOCK_M=16, BLOCK_N=16, BLOCK_K=128,
-           USE_DOT=True, DOT_FP32=False)
+           USE_DOT=True, DOT_FP32=False, LATE=False)
 attn = dict(GROUP=3, GROUP_PAD=4, BLOCK_Q=4, BLOCK_N=64, DIM_PAD=64, NUM_SPLITS=32,
             DOT_FP32=False, TREE=False, FUSED_MERGE=False, MERGE_CHUNK=1)
 merge = dict(NUM_SPLITS=32, DIM_PAD=64)
@@ -47,7 +47,8 @@ print(json.dumps({f"{name}{g}": count(k, dict(c, GDC=g)) for g in (0, 1)
                   for name, k, c in (("gemm", _skinny_gemm_kernel, gemm),
                                      ("qkv", _qkv_rope_kv_kernel, qkv),
                                      ("attn", _paged_attn_kernel, attn),
-                                     ("merge", _merge_splits_kernel, merge))}))
+                                     ("merge", _merge_splits_kernel, merge))}
+                 | {"qkvlate": count(_qkv_rope_kv_kernel, dict(qkv, GDC=0, LATE=True))}))
 """
 
 
@@ -59,8 +60,9 @@ def test_gdc_path_compiles_for_hopper_with_one_wait_and_one_trigger() -> None:
                          text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
+    # LATE (attention-only PDL): no wait, one launch-dependents after the K loop
     assert got == {f"{k}{g}": [g, g] for k in ("gemm", "qkv", "attn", "merge")
-                   for g in (0, 1)}, got
+                   for g in (0, 1)} | {"qkvlate": [0, 1]}, got
 
 
 def test_pdl_launch_option() -> None:
@@ -83,6 +85,29 @@ def test_pdl_launch_option() -> None:
             assert sg.pdl_launch(cuda_like(1)) == {"GDC": 0}
         assert sg.pdl_launch(cuda_like(1)) == {"GDC": 1, "launch_pdl": True}
     assert sg.pdl_launch(cuda_like(1)) == {"GDC": 0}
+
+
+def test_attention_only_pdl() -> None:
+    """``pdl_attention_scope``: the attention and its merge launch with PDL, nothing else does,
+    and the kernel before them triggers late; under the engine-wide scope, no late trigger."""
+    import kernels.dispatch as sg
+
+    def cuda_like(rows: int) -> object:
+        return type("T", (), {"is_cuda": True, "shape": (rows, 576)})()
+
+    assert not sg.ENV_PDL_ATTN
+    assert not sg.late_trigger(cuda_like(1))
+    with sg.pdl_attention_scope(True):
+        assert sg.pdl_launch(cuda_like(1), attention=True) == {"GDC": 1, "launch_pdl": True}
+        assert sg.pdl_launch(cuda_like(1)) == {"GDC": 0}  # a GEMM stays off
+        assert sg.late_trigger(cuda_like(1))
+        assert not sg.late_trigger(torch.zeros(1, 2))  # the interpreter: no griddepcontrol
+        assert sg.pdl_launch(cuda_like(sg.PDL_MAX_ROWS + 1), attention=True) == {"GDC": 0}
+        assert not sg.late_trigger(cuda_like(sg.PDL_MAX_ROWS + 1))
+        with sg.pdl_scope(True):  # engine-wide PDL: every kernel triggers at its start
+            assert not sg.late_trigger(cuda_like(1))
+            assert sg.pdl_launch(cuda_like(1)) == {"GDC": 1, "launch_pdl": True}
+    assert sg.pdl_launch(cuda_like(1), attention=True) == {"GDC": 0}
 
 
 _SEEN: list[bool] = []
