@@ -32,7 +32,8 @@ from kernels.write_kv_triton import write_kv_triton  # noqa: F401  (re-exported)
 # Per-call integers kept off the specialisation key (kernels.launch): a new value class would
 # otherwise compile a new binary mid-serving. All are scalar offsets (no vectorised access).
 # So are the metadata pointers' 16-byte alignment (see kernels/launch.py).
-@triton.jit(do_not_specialize=["stride_bt", "stride_ls", "kv_chunk", "num_seqs", "num_tokens"],
+@triton.jit(do_not_specialize=["stride_bt", "stride_ls", "kv_chunk", "num_seqs", "num_tokens",
+                               "table_keys"],
             do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr",
                                             "query_start_loc_ptr", "tree_start_ptr",
                                             "tree_mask_ptr"])
@@ -43,7 +44,7 @@ def _paged_attn_kernel(
     stride_qt, stride_qh,  # query may be a strided view (q and k roped as one tensor)
     stride_ot, stride_oh,  # out is allocated contiguous
     stride_cb, stride_cp, stride_ch,  # k_cache and v_cache share strides
-    stride_bt,
+    stride_bt, table_keys,  # table_keys: keys the block table's rows can address
     stride_ps, stride_pt, stride_ph,  # partial out [splits, tokens, heads, dim] (split path only)
     stride_ls, stride_lt,  # partial lse [splits, tokens, heads] (split path only)
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2 (exp2 is the fast path)
@@ -78,6 +79,13 @@ def _paged_attn_kernel(
                      tl.zeros([BLOCK_Q * GROUP_PAD, DIM_PAD], out_ptr.dtype.element_ty),
                      mask=z_ok[:, None] & d_ok[None, :])
 
+    # The first key tile's block-table entries: this split's first key (lo below) is known
+    # without the sequence's length, so the load goes out beside the metadata's instead of
+    # after it, and the tile's K / V loads wait on one round trip to memory, not two. Entries
+    # past the sequence are read but never used (the K / V loads are masked by position).
+    bt_row = block_tables_ptr + seq * stride_bt
+    first = split * kv_chunk + tl.arange(0, BLOCK_N)  # [N]
+    blk = tl.load(bt_row + first // page_size, mask=first < table_keys, other=0)  # [N]
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     if q_block * BLOCK_Q >= q_len:  # covers q_len 0 (padding sequences) and short sequences
@@ -113,13 +121,15 @@ def _paged_attn_kernel(
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)  # [N] absolute key positions
         pos_ok = pos < hi
-        # Physical slot through the block table, per position, so any page_size works.
-        blk = tl.load(block_tables_ptr + seq * stride_bt + pos // page_size, mask=pos_ok, other=0)
+        # Physical slot through the block table (blk: this tile's entries, loaded one tile
+        # ahead), per position, so any page_size works.
         kv_off = (blk.to(tl.int64) * stride_cb + (pos % page_size) * stride_cp
                   + kv_head * stride_ch)[:, None] + d[None, :]  # [N, D]
         kv_mask = pos_ok[:, None] & d_ok[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)  # [N, D]
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)  # [N, D]
+        nxt = pos + BLOCK_N  # the next tile's entries, in flight during this tile's math
+        blk = tl.load(bt_row + nxt // page_size, mask=nxt < hi, other=0)
         if DOT_FP32:  # exact fp32 products, not the GPU's default TF32 rounding
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -267,7 +277,7 @@ def _paged_attention(
         mask_u8.stride(0) if tree else 0, num_tree if tree else 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0),
+        block_tables.stride(0), block_tables.shape[1] * page_size,
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         scale * 1.4426950408889634,  # log2(e)
         head_dim, page_size, kv_chunk,
