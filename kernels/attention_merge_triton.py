@@ -64,15 +64,12 @@ def _merge_splits_kernel(
     d = tl.arange(0, DIM_PAD)  # [D]
     d_ok = d < head_dim
     # Tokens past the last sequence's (padding rows of a captured batch) belong to no program of
-    # the attention kernel, so their lse was never written (lse is allocated uninitialised: no
-    # fill kernel per layer); they get zeros, like the reference. Every owned token has an lse
-    # from every split (-inf for an empty one).
-    if tok >= tl.load(query_start_loc_ptr + num_seqs):
-        tl.store(out_ptr + tok * stride_ot + head * stride_oh + d,
-                 tl.zeros([DIM_PAD], tl.float32).to(out_ptr.dtype.element_ty), mask=d_ok)
-        return
-    # The parts load beside the lse, not after it: an empty split's part is zeros (finite),
-    # weighted 0 below, and one dependent load fewer is ~0.5 us of a decode layer's latency.
+    # the attention kernel, so their lse and parts were never written (allocated uninitialised:
+    # no fill kernel per layer); they get zeros, like the reference. Every owned token has an
+    # lse and a part from every split (-inf and zeros for an empty one). All three loads go out
+    # together (one round trip to memory, not three in a chain: ~0.5 us each of a decode
+    # layer's latency); an unowned row's garbage, NaN included, is discarded by the select.
+    owned = tok < tl.load(query_start_loc_ptr + num_seqs)
     lse = tl.load(lse_ptr + s * stride_ls + tok * stride_lt + head)  # [S]
     part = tl.load(part_ptr + s[:, None] * stride_ps + tok * stride_pt + head * stride_ph
                    + d[None, :], mask=d_ok[None, :], other=0.0)  # [S, D]
@@ -80,6 +77,7 @@ def _merge_splits_kernel(
     m_safe = tl.where(m > float("-inf"), m, 0.0)
     w = tl.where(lse > float("-inf"), tl.exp2(lse - m_safe), 0.0)  # [S]
     w_sum = tl.sum(w, 0)
-    out = tl.sum(part * w[:, None], 0) / tl.where(w_sum > 0.0, w_sum, 1.0)  # unowned -> 0
+    out = tl.sum(part * w[:, None], 0) / tl.where(w_sum > 0.0, w_sum, 1.0)  # [D]
+    out = tl.where(owned, out, 0.0)
     tl.store(out_ptr + tok * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
              mask=d_ok)
