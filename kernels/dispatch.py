@@ -101,8 +101,18 @@ def pdl_launch(x: torch.Tensor, allowed: bool = True, attention: bool = False) -
     return {"GDC": 1, "launch_pdl": True} if on else {"GDC": 0}
 
 
+# With engine-wide PDL our GEMMs let the next kernel launch as soon as they have waited for the
+# one before, so its programs sit resident through the whole GEMM; where a GEMM has more
+# programs than fit at once, they take SM slots its later programs need (the 8B shape measured
+# slower with PDL, pdl_policy.py). COMPILED_SPEC_PDL_LATE=1: they trigger after their K loop.
+ENV_PDL_LATE = os.environ.get("COMPILED_SPEC_PDL_LATE", "0") == "1"
+
+
 def late_trigger(x: torch.Tensor) -> bool:
-    """Whether the kernel before the attention (the fused qkv + rope + KV write) lets the
-    attention launch after its K loop: in ``pdl_attention_scope`` without the engine-wide PDL
-    (with it, the kernel triggers at its start)."""
-    return _PDL_ATTN.get() and not _PDL.get() and _narrow_cuda(x)
+    """Whether a GEMM kernel lets the kernel after it launch once its K loop is done rather
+    than at its start: the fused qkv + rope + KV write before the attention in
+    ``pdl_attention_scope`` (no engine-wide PDL), and every GEMM under engine-wide PDL with
+    COMPILED_SPEC_PDL_LATE=1."""
+    if not _narrow_cuda(x):
+        return False
+    return ENV_PDL_LATE if _PDL.get() else _PDL_ATTN.get()

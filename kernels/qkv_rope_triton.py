@@ -42,7 +42,7 @@ def _qkv_rope_kv_kernel(
     lo, hi, ss = _k_loop(x_ptr, w_ptr, nw_ptr, offs_m, head * 2 * HALF + lane, lane < HALF, HALF,
                          M, K, stride_xm, stride_wn, 0, tl.cdiv(K, BLOCK_K), ss, NORM, NW_IN_A,
                          True, 1,
-                         BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, DOT_FP32, GDC)
+                         BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, DOT_FP32, GDC, LATE)
     if LATE:  # the attention after us launches now (kernels.dispatch.late_trigger)
         tl.extra.cuda.gdc_launch_dependents()
     if NORM:

@@ -30,7 +30,7 @@ import triton.language as tl
 # fp32 stays fp32 (F.linear uses no TF32 by default); bf16 is upcast only under the CPU
 # interpreter, which runs tl.dot on bf16 tiles as matmuls of their raw bits.
 from kernels.attention_triton import _dot_in_fp32
-from kernels.dispatch import pdl_launch
+from kernels.dispatch import late_trigger, pdl_launch
 from kernels.gemm_config import GemmConfig, gemm_config
 
 
@@ -81,7 +81,8 @@ def _k_loop(x_ptr, w_ptr, nw_ptr, offs_m, offs_n, n_ok, pair_rows, M, K, stride_
             k_begin, steps, ss, NORM: tl.constexpr, NW_IN_A: tl.constexpr,
             PAIRED: tl.constexpr, SPLIT_K: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-            USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, GDC: tl.constexpr):
+            USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, GDC: tl.constexpr,
+            LATE: tl.constexpr = False):
     """This program's K steps: (acc [BLOCK_M, BLOCK_N] over W rows offs_n, acc2 over rows
     offs_n + pair_rows when PAIRED (gate / up, a head's two rope halves), ss + each row's sum
     of x^2 with NORM and one K split). With NORM the caller applies rstd; the norm weight
@@ -93,7 +94,8 @@ def _k_loop(x_ptr, w_ptr, nw_ptr, offs_m, offs_n, n_ok, pair_rows, M, K, stride_
     kernel writes, are loaded while the kernel before is still running; then the program waits
     for it (griddepcontrol.wait: its outputs, x among them, are visible after) and lets the
     kernel after it launch, which does the same. Nothing is read from or written to memory
-    another kernel writes before the wait."""
+    another kernel writes before the wait. LATE: the caller lets the kernel after it launch
+    once its K loop is done, not here (``kernels.dispatch.late_trigger``)."""
     m_ok = offs_m < M
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -106,7 +108,8 @@ def _k_loop(x_ptr, w_ptr, nw_ptr, offs_m, offs_n, n_ok, pair_rows, M, K, stride_
         if PAIRED:
             w2 = _w_tile(w_ptr, offs_n + pair_rows, n_ok, offs_k, k_ok, stride_wn)
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if not LATE:
+            tl.extra.cuda.gdc_launch_dependents()
         a, sq = _a_tile(x_ptr, nw_ptr, offs_m, offs_k, m_ok, k_ok, stride_xm, sq, NORM,
                         NW_IN_A, SPLIT_K)
         acc += _mma(a, w, USE_DOT, DOT_FP32)
@@ -133,7 +136,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, res_ptr, part_ptr,
                         NORM: tl.constexpr, NW_IN_A: tl.constexpr, GATED: tl.constexpr,
                         HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr,
-                        DOT_FP32: tl.constexpr, GDC: tl.constexpr):
+                        DOT_FP32: tl.constexpr, GDC: tl.constexpr, LATE: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # this tile's rows
@@ -152,7 +155,9 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, nw_ptr, res_ptr, part_ptr,
     acc, acc_up, ss = _k_loop(x_ptr, w_ptr, nw_ptr, offs_m, offs_n, offs_n < N, N, M, K,
                               stride_xm, stride_wn, pid_k * steps * BLOCK_K, steps, ss,
                               NORM, NW_IN_A, GATED, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K,
-                              USE_DOT, DOT_FP32, GDC)
+                              USE_DOT, DOT_FP32, GDC, LATE)
+    if LATE:  # the kernel after us launches now (kernels.dispatch.late_trigger)
+        tl.extra.cuda.gdc_launch_dependents()
     if NORM:
         rstd = tl.rsqrt(ss / K + eps)  # [BLOCK_M]; padding rows: finite, times a zero sum
         acc = acc * rstd[:, None]
@@ -268,7 +273,7 @@ def skinny_gemm_triton(x: torch.Tensor,  # [M, K]
         HAS_RES=residual is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, USE_DOT=cfg.use_dot,
         DOT_FP32=_dot_in_fp32(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl_launch(x, cfg.split_k == 1))
+        LATE=cfg.split_k == 1 and late_trigger(x), **pdl_launch(x, cfg.split_k == 1))
     if cfg.split_k > 1:
         block = 1024
         _split_k_reduce[(triton.cdiv(m * n, block),)](

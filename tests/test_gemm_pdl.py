@@ -37,7 +37,7 @@ def count(k, consts):
     return [ptx.count("griddepcontrol.wait"), ptx.count("griddepcontrol.launch_dependents")]
 
 gemm = dict(NORM=False, NW_IN_A=False, GATED=True, HAS_RES=False, BLOCK_M=16, BLOCK_N=16,
-            BLOCK_K=128, SPLIT_K=1, USE_DOT=True, DOT_FP32=False)
+            BLOCK_K=128, SPLIT_K=1, USE_DOT=True, DOT_FP32=False, LATE=False)
 qkv = dict(HALF=32, NORM=False, NW_IN_A=False, BLOCK_M=16, BLOCK_N=16, BLOCK_K=128,
            USE_DOT=True, DOT_FP32=False, LATE=False)
 attn = dict(GROUP=3, GROUP_PAD=4, BLOCK_Q=4, BLOCK_N=64, DIM_PAD=64, NUM_SPLITS=32,
@@ -48,7 +48,9 @@ print(json.dumps({f"{name}{g}": count(k, dict(c, GDC=g)) for g in (0, 1)
                                      ("qkv", _qkv_rope_kv_kernel, qkv),
                                      ("attn", _paged_attn_kernel, attn),
                                      ("merge", _merge_splits_kernel, merge))}
-                 | {"qkvlate": count(_qkv_rope_kv_kernel, dict(qkv, GDC=0, LATE=True))}))
+                 | {f"{name}late{g}": count(k, dict(c, GDC=g, LATE=True)) for g in (0, 1)
+                    for name, k, c in (("gemm", _skinny_gemm_kernel, gemm),
+                                       ("qkv", _qkv_rope_kv_kernel, qkv))}))
 """
 
 
@@ -60,9 +62,10 @@ def test_gdc_path_compiles_for_hopper_with_one_wait_and_one_trigger() -> None:
                          text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
-    # LATE (attention-only PDL): no wait, one launch-dependents after the K loop
+    # LATE: one launch-dependents, after the K loop (the wait only where launched with PDL)
     assert got == {f"{k}{g}": [g, g] for k in ("gemm", "qkv", "attn", "merge")
-                   for g in (0, 1)} | {"qkvlate": [0, 1]}, got
+                   for g in (0, 1)} | {f"{k}late{g}": [g, 1] for k in ("gemm", "qkv")
+                                       for g in (0, 1)}, got
 
 
 def test_pdl_launch_option() -> None:
@@ -104,8 +107,8 @@ def test_attention_only_pdl() -> None:
         assert not sg.late_trigger(torch.zeros(1, 2))  # the interpreter: no griddepcontrol
         assert sg.pdl_launch(cuda_like(sg.PDL_MAX_ROWS + 1), attention=True) == {"GDC": 0}
         assert not sg.late_trigger(cuda_like(sg.PDL_MAX_ROWS + 1))
-        with sg.pdl_scope(True):  # engine-wide PDL: every kernel triggers at its start
-            assert not sg.late_trigger(cuda_like(1))
+        with sg.pdl_scope(True):  # engine-wide PDL: kernels trigger at their start
+            assert sg.late_trigger(cuda_like(1)) == sg.ENV_PDL_LATE
             assert sg.pdl_launch(cuda_like(1)) == {"GDC": 1, "launch_pdl": True}
     assert sg.pdl_launch(cuda_like(1), attention=True) == {"GDC": 0}
 
