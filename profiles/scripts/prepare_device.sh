@@ -12,10 +12,20 @@
 #                               Since the thirty-third session the tree (27 MB) + q1 + data passes
 #                               64 MiB, so benches carry q1 alone, then q2 + mt (see
 #                               train_sharegpt_h200.sh's header)
+#   base/                       with BASE=<commit>: that commit's tree (no tests, no results),
+#                               what `g8ab`'s `base` variant times beside the working tree's
 # Usage (repository root, after `make setup`): bash profiles/scripts/prepare_device.sh [SHARED_DIR]
+#   BASE=<commit> bash profiles/scripts/prepare_device.sh --base-only: .device/base alone
 set -euo pipefail
 SHARED=${1:-../shared}
 PY=${PY:-.venv/bin/python}
+if [ -n "${BASE:-}" ]; then
+  rm -rf .device/base && mkdir -p .device/base
+  git archive "$BASE" compiled_spec kernels passes capture profiles/scripts pyproject.toml \
+    | tar -x -C .device/base
+  du -sh .device/base
+  [ "$SHARED" = --base-only ] && exit 0
+fi
 mkdir -p .device/q0 .device/q1 .device/q2 .device/whl .device/data .device/mt
 M=$($PY - <<'EOF'
 import importlib.util, pathlib

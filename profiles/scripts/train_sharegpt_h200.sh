@@ -512,9 +512,10 @@ g8ab)
   # after them (6 kernels a layer, not 8); readout / cublas_head: the lm_head through our
   # skinny GEMM / cuBLAS (CompileConfig.skinny_gemm_readout); pdl_attn: the default with
   # COMPILED_SPEC_PDL_ATTN=1 (kernels/dispatch.py); pdl_late: PDL on every kernel with the
-  # GEMMs letting the next launch after their K loop (COMPILED_SPEC_PDL_LATE=1). Needs only
-  # the tokenizer
-  # (setup0's ~/tok), not the GGUF.
+  # GEMMs letting the next launch after their K loop (COMPILED_SPEC_PDL_LATE=1); base: the
+  # default of another commit's tree (carry .device/base: BASE=<commit> bash
+  # profiles/scripts/prepare_device.sh --base-only), a same-machine A/B of kernel changes.
+  # Needs only the tokenizer (setup0's ~/tok), not the GGUF.
   for v in ${G8:-default skinny lt}; do
     E=()
     case $v in
@@ -527,10 +528,16 @@ g8ab)
       readout) A=(--skinny-gemm-readout) ;;  # the lm_head through our skinny GEMM
       cublas_head) A=(--no-skinny-gemm-readout) ;;  # the lm_head on cuBLAS
       gemm_only) A=(--skinny-gemm --no-skinny-gemm-layer --pdl) ;;
-      lt) A=(--blas cublaslt) ;; *) echo "unknown variant $v"; continue ;;
+      lt) A=(--blas cublaslt) ;; base) A=() ;; *) echo "unknown variant $v"; continue ;;
     esac
-    env "${E[@]}" timeout ${G8_LIMIT:-170} python3 profiles/scripts/graphs_h200.py --shape llama8b --skip-eager \
-      --tokenizer ~/tok --out "$OUT/g8_$v.json" "${A[@]}" > "$OUT/g8_$v.log" 2>&1
+    if [ $v = base ]; then  # the same command from the base tree's root
+      (cd .device/base && PYTHONPATH=~/site:$PWD timeout ${G8_LIMIT:-170} python3 \
+        profiles/scripts/graphs_h200.py --shape llama8b --skip-eager --tokenizer ~/tok \
+        --out "$OUT/g8_$v.json" > "$OUT/g8_$v.log" 2>&1)
+    else
+      env "${E[@]}" timeout ${G8_LIMIT:-170} python3 profiles/scripts/graphs_h200.py --shape llama8b --skip-eager \
+        --tokenizer ~/tok --out "$OUT/g8_$v.json" "${A[@]}" > "$OUT/g8_$v.log" 2>&1
+    fi
     echo "== $v rc=$?"
     grep -E "^floor at|^target T=|^propose k" "$OUT/g8_$v.log" | cut -c1-300
   done ;;
