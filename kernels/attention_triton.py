@@ -79,12 +79,13 @@ def _paged_attn_kernel(
                      tl.zeros([BLOCK_Q * GROUP_PAD, DIM_PAD], out_ptr.dtype.element_ty),
                      mask=z_ok[:, None] & d_ok[None, :])
 
-    # The first key tile's block-table entries: this split's first key (lo below) is known
+    # The first key tile's block-table entries: this split's first key ``lo`` is known
     # without the sequence's length, so the load goes out beside the metadata's instead of
     # after it, and the tile's K / V loads wait on one round trip to memory, not two. Entries
     # past the sequence are read but never used (the K / V loads are masked by position).
+    lo = split * kv_chunk
     bt_row = block_tables_ptr + seq * stride_bt
-    first = split * kv_chunk + tl.arange(0, BLOCK_N)  # [N]
+    first = lo + tl.arange(0, BLOCK_N)  # [N]
     blk = tl.load(bt_row + first // page_size, mask=first < table_keys, other=0)  # [N]
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -109,7 +110,6 @@ def _paged_attn_kernel(
         kv_end = seq_len
     else:
         kv_end = tl.minimum(seq_len, ctx_len + (q_block + 1) * BLOCK_Q)
-    lo = split * kv_chunk
     hi = kv_end
     if split < NUM_SPLITS - 1:
         hi = tl.minimum(kv_end, lo + kv_chunk)

@@ -39,8 +39,8 @@ drafting step make up half the batch (``admitted``), a paused bucket probes its 
 mode at once, its acceptance estimate weighing as one sample: the new requests' own
 acceptance decides. Those probes back off while they keep losing (``fresh_backoff``): the 1st,
 2nd, 4th, 8th ... such admission is probed, and a probe that turns the bucket to drafting
-starts the count again. The forty-fifth session's random head at batch 1 (H100) drafted 290 of 5,152 steps, 100
-of them in probes of its 20 requests, at 1.545 ms a drafting step against 0.779 plain. In the
+starts the count again. The forty-fifth session's random head at batch 1 (H100) drafted 290
+of 5,152 steps, 100 of them in probes of its 20 requests, at 1.545 ms a drafting step against 0.779 plain. In the
 simulation (``policy_sim_cpu.py --ab --seeds 12``) the two changes took that random head from
 1.245 to 1.274 tokens/ms (vanilla 1.290), at batch 64 a random head from 57.98 to 58.48 (vanilla
 62.14) and one whose acceptance comes and goes from 66.99 to 67.61; batch-1 requests whose

@@ -530,14 +530,10 @@ g8ab)
       gemm_only) A=(--skinny-gemm --no-skinny-gemm-layer --pdl) ;;
       lt) A=(--blas cublaslt) ;; base) A=() ;; *) echo "unknown variant $v"; continue ;;
     esac
-    if [ $v = base ]; then  # the same command from the base tree's root
-      (cd .device/base && PYTHONPATH=~/site:$PWD timeout ${G8_LIMIT:-170} python3 \
-        profiles/scripts/graphs_h200.py --shape llama8b --skip-eager --tokenizer ~/tok \
-        --out "$OUT/g8_$v.json" > "$OUT/g8_$v.log" 2>&1)
-    else
-      env "${E[@]}" timeout ${G8_LIMIT:-170} python3 profiles/scripts/graphs_h200.py --shape llama8b --skip-eager \
-        --tokenizer ~/tok --out "$OUT/g8_$v.json" "${A[@]}" > "$OUT/g8_$v.log" 2>&1
-    fi
+    R=.; [ $v = base ] && R=.device/base  # base: the same command from that tree's root
+    (cd $R && env "${E[@]}" PYTHONPATH=~/site:$PWD timeout ${G8_LIMIT:-170} python3 \
+      profiles/scripts/graphs_h200.py --shape llama8b --skip-eager --tokenizer ~/tok \
+      --out "$OUT/g8_$v.json" "${A[@]}" > "$OUT/g8_$v.log" 2>&1)
     echo "== $v rc=$?"
     grep -E "^floor at|^target T=|^propose k" "$OUT/g8_$v.log" | cut -c1-300
   done ;;
