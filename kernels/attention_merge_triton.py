@@ -66,18 +66,20 @@ def _merge_splits_kernel(
     # Tokens past the last sequence's (padding rows of a captured batch) belong to no program of
     # the attention kernel, so their lse and parts were never written (allocated uninitialised:
     # no fill kernel per layer); they get zeros, like the reference. Every owned token has an
-    # lse and a part from every split (-inf and zeros for an empty one). All three loads go out
-    # together (one round trip to memory, not three in a chain: ~0.5 us each of a decode
-    # layer's latency); an unowned row's garbage, NaN included, is discarded by the select.
+    # lse from every split (-inf for an empty one). The ownership check and the lse load go out
+    # together (one round trip, not two in a chain); the parts wait on the lse so that an empty
+    # split's part (never written) is not read: loading every split's part was measured slower
+    # (forty-eighth session, H100). An unowned row's garbage lse, NaN included, masks its parts
+    # off (its weights are set to 0).
     owned = tok < tl.load(query_start_loc_ptr + num_seqs)
     lse = tl.load(lse_ptr + s * stride_ls + tok * stride_lt + head)  # [S]
-    part = tl.load(part_ptr + s[:, None] * stride_ps + tok * stride_pt + head * stride_ph
-                   + d[None, :], mask=d_ok[None, :], other=0.0)  # [S, D]
     m = tl.max(lse, 0)
     m_safe = tl.where(m > float("-inf"), m, 0.0)
     w = tl.where(lse > float("-inf"), tl.exp2(lse - m_safe), 0.0)  # [S]
+    w = tl.where(owned, w, 0.0)  # an unowned row: no part read, zeros out
+    part = tl.load(part_ptr + s[:, None] * stride_ps + tok * stride_pt + head * stride_ph
+                   + d[None, :], mask=(w > 0.0)[:, None] & d_ok[None, :], other=0.0)  # [S, D]
     w_sum = tl.sum(w, 0)
     out = tl.sum(part * w[:, None], 0) / tl.where(w_sum > 0.0, w_sum, 1.0)  # [D]
-    out = tl.where(owned, out, 0.0)
     tl.store(out_ptr + tok * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
              mask=d_ok)
