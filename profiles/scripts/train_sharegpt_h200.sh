@@ -511,8 +511,8 @@ g8ab)
   # COMPILED_SPEC_FUSED_MERGE=1; norms: the default with the RMSNorms folded into the GEMMs
   # after them (6 kernels a layer, not 8); readout / cublas_head: the lm_head through our
   # skinny GEMM / cuBLAS (CompileConfig.skinny_gemm_readout); pdl_attn: the default with
-  # COMPILED_SPEC_PDL_ATTN=1 (kernels/dispatch.py); pdl_late: PDL on every kernel with the
-  # GEMMs letting the next launch after their K loop (COMPILED_SPEC_PDL_LATE=1); base: the
+  # COMPILED_SPEC_PDL_ATTN=1 (kernels/dispatch.py; the forty-seventh session's pdl_late,
+  # engine-wide PDL with GEMMs triggering late, lost in the forty-eighth and is gone); base: the
   # default of another commit's tree (carry .device/base: BASE=<commit> bash
   # profiles/scripts/prepare_device.sh --base-only), a same-machine A/B of kernel changes.
   # Needs only the tokenizer (setup0's ~/tok), not the GGUF.
@@ -522,7 +522,6 @@ g8ab)
       default) A=() ;; skinny) A=(--skinny-gemm --skinny-gemm-layer --pdl) ;;
       fused_merge) A=(); E=(COMPILED_SPEC_FUSED_MERGE=1) ;;  # attention's split merge in its launch
       pdl_attn) A=(); E=(COMPILED_SPEC_PDL_ATTN=1) ;;  # PDL for the attention and its merge alone
-      pdl_late) A=(--pdl); E=(COMPILED_SPEC_PDL_LATE=1) ;;  # PDL, the GEMMs triggering late
       skinny_nopdl) A=(--skinny-gemm --skinny-gemm-layer) ;;
       norms) A=(--skinny-gemm --skinny-gemm-layer --skinny-gemm-norms) ;;  # the RMSNorms too
       readout) A=(--skinny-gemm-readout) ;;  # the lm_head through our skinny GEMM
