@@ -9,13 +9,20 @@ separate), checks every config against the pick's output, and prints us per call
 CUDA-graph replay with the weights L2-cold, beside cuBLAS and our plain GEMM at the same shape.
 
 PYTHONPATH=. python profiles/scripts/qkv_sweep_h100.py --out $OUT/qkv_sweep.json
+``--dry-run`` (CPU, TRITON_INTERPRET=1 set by the script): 2 heads + 2 kv heads of 128 by K =
+256, three configs, wall clock; the script's sake only.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
+import sys
 import time
+
+if "--dry-run" in sys.argv:  # before Triton is imported
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
 import torch.nn.functional as F
@@ -26,12 +33,13 @@ from kernels.qkv_rope_triton import qkv_config, qkv_rope_write_kv_triton
 from kernels.skinny_gemm_triton import skinny_gemm_triton
 
 H, KVH, D, HID = 32, 8, 128, 4096  # Llama-3.1-8B
+DRY = dict(H=2, KVH=1, HID=256)
 EPS, FLUSH = 1e-5, 192 << 20
 
 
 def configs(m: int) -> list[GemmConfig]:
     bm = block_m_for(m)
-    out = [qkv_config(m, (H + 2 * KVH) * D, HID, D // 2)]
+    out = [qkv_config(m, (H + 2 * KVH) * D, HID, D // 2)]  # (the module's H, KVH, HID)
     out += [GemmConfig(bm, bn, bk, num_warps=w, num_stages=st)
             for bn in (16, 32, 64) for bk in (128, 256) for st in (3, 4, 5) for w in (4, 8)]
     if m == 1:  # CUDA-core FMA tiles, no padding of M to 16 rows
@@ -41,13 +49,27 @@ def configs(m: int) -> list[GemmConfig]:
     return [c for c in out if not (c in seen or seen.add(c))]
 
 
+def wall_us(call, calls: int) -> float:
+    """The dry run's stand-in for ``graph_us``: wall clock of one pass over the calls."""
+    t = time.perf_counter()
+    for i in range(calls):
+        call(i)
+    return (time.perf_counter() - t) * 1e6 / calls
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--ms", nargs="+", type=int, default=[1, 4, 8])
     p.add_argument("--limit", type=float, default=150.0)
+    p.add_argument("--dry-run", action="store_true")
     a = p.parse_args()
     t0, dev, dt = time.time(), "cuda", torch.bfloat16
+    timer = graph_us
+    if a.dry_run:
+        globals().update(DRY)
+        dev, dt, a.ms = "cpu", torch.float32, [1]
+        timer = wall_us
     g = torch.Generator(device="cpu").manual_seed(0)
     rows: list[dict] = []
 
@@ -55,7 +77,7 @@ def main() -> None:
         return (torch.randn(*shape, generator=g) * scale).to(dev, dt)
 
     wq = rand((H + 2 * KVH) * D, HID, scale=HID ** -0.5)
-    copies = math.ceil(FLUSH / wq.nbytes)
+    copies = 2 if a.dry_run else math.ceil(FLUSH / wq.nbytes)  # weights L2-cold on a GPU
     wqs = [wq] + [wq.clone() for _ in range(copies - 1)]
     kc, vc = rand(64, 16, KVH, D), rand(64, 16, KVH, D)
     nw = rand(HID, scale=0.1) + 1
@@ -74,18 +96,18 @@ def main() -> None:
             print(f"M={m:<2d} {variant:14s} {us:7.2f} us {wq.nbytes / us / 1e6:5.2f} TB/s "
                   f"err {err}  {cfg.name if cfg else ''}", flush=True)
 
-        row("cublas", graph_us(lambda i: F.linear(x, wqs[i]), copies), None, None)
+        row("cublas", timer(lambda i: F.linear(x, wqs[i]), copies), None, None)
         plain = gemm_config(m, wq.shape[0], HID)
-        row("plain_pick", graph_us(lambda i: skinny_gemm_triton(x, wqs[i], config=plain),
+        row("plain_pick", timer(lambda i: skinny_gemm_triton(x, wqs[i], config=plain),
                                    copies), None, plain)
-        for cfg in configs(m):
+        for cfg in configs(m)[:3 if a.dry_run else None]:
             if time.time() - t0 > a.limit:
                 print("time limit: rest skipped", flush=True)
                 break
             try:
                 got = qkv_rope_write_kv_triton(x, wq, kc, vc, slots, cos, sin, H, config=cfg)
                 err = ((got.float() - want).abs().max() / want.abs().max()).item()
-                us = graph_us(lambda i: qkv_rope_write_kv_triton(
+                us = timer(lambda i: qkv_rope_write_kv_triton(
                     x, wqs[i], kc, vc, slots, cos, sin, H, config=cfg), copies)
             except Exception as e:  # a config past the SM's resources: recorded, not fatal
                 print(f"M={m} {cfg.name}: {type(e).__name__}: {str(e)[:120]}", flush=True)
@@ -96,7 +118,7 @@ def main() -> None:
         if best is not None:  # the norm-in-A form at the pick and the best config
             for name in {pick.name, best["config"]}:
                 cfg = next(c for c in configs(m) if c.name == name)
-                us = graph_us(lambda i: qkv_rope_write_kv_triton(
+                us = timer(lambda i: qkv_rope_write_kv_triton(
                     x, wqs[i], kc, vc, slots, cos, sin, H, nw, EPS, config=cfg), copies)
                 row("norm_in_a", us, None, cfg)
         with open(a.out, "w") as f:
