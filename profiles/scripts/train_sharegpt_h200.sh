@@ -107,7 +107,7 @@
 set -u
 PHASE=${1:?setup0|gen|speed|mt|data|train|bench|pair|trees|warmstart|warm8b|coldstart|coldcap|inproc|noise|treecap|g8ab|gemm|genprof|hostprof|parity}
 export PYTHONPATH=~/site:$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)  # absolute: g8ab's base runs from another root
 M=~/m/model.gguf
 D=~/data
 HEAD=~/head
