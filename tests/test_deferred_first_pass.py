@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from compiled_spec import LLM, SamplingParams
-from compiled_spec.engine.deferred_first_pass import flush_depth
+from compiled_spec.engine.deferred_first_pass import DeferredFirstPass, flush_depth
 from compiled_spec.engine.sync_graph import SyncGraphs
+from compiled_spec.engine.verify_ahead import VerifyAhead
 from compiled_spec.spec.policy import PLAIN, SPEC, SpecPolicy
 from tests.engine_runs import with_emulated_graphs
 from tests.policy_stub import ModesInTurn
@@ -77,6 +78,20 @@ def _run(target, head, tok, defer: bool, ahead: bool, monkeypatch, modes=MODES, 
     return [o.token_ids for o in outs], kv, llm, calls
 
 
+def _spy_order(monkeypatch) -> list[str]:
+    """The order of deferrals, flushes (with their reason) and launched-ahead target forwards."""
+    events: list[str] = []
+    for cls, name, label in ((DeferredFirstPass, "defer", lambda *a, **k: "defer"),
+                             (DeferredFirstPass, "_flush", lambda self, why, *a, **k:
+                              f"flush {why}"),
+                             (VerifyAhead, "_launch", lambda *a, **k: "launch")):
+        def spy(*a, _real=getattr(cls, name), _label=label, **k):
+            events.append(_label(*a, **k))
+            return _real(*a, **k)
+        monkeypatch.setattr(cls, name, spy)
+    return events
+
+
 @pytest.mark.parametrize("ahead,depth", [(False, DEPTH), (True, 5)])
 def test_deferred_first_pass_keeps_output_kv_and_acceptance(trained_eagle3_pair,
                                                             smollm2_gguf_path, monkeypatch,
@@ -89,6 +104,7 @@ def test_deferred_first_pass_keeps_output_kv_and_acceptance(trained_eagle3_pair,
     want = _vanilla(target, smollm2_gguf_path)
     ref_ids, ref_kv, ref, ref_calls = _run(target, head, smollm2_gguf_path, False, ahead,
                                            monkeypatch)
+    events = _spy_order(monkeypatch)  # (undone by _run)
     ids, kv, llm, calls = _run(target, head, smollm2_gguf_path, True, ahead, monkeypatch,
                                paused_flush_depth=depth)
     prop = llm.engine.runner.proposer
@@ -109,9 +125,24 @@ def test_deferred_first_pass_keeps_output_kv_and_acceptance(trained_eagle3_pair,
     assert calls["sync"] < ref_calls["sync"] / 2, (calls, ref_calls)
     assert calls["fc"] < ref_calls["fc"], (calls, ref_calls)
     assert st["flush_ms"] > 0, st  # the flushes' host time, reported
+    # A full ring's flush runs behind the next target forward's launch, not before it: in a
+    # late engine at the next deferral; launched ahead, right after the launch (or at the next
+    # deferral where a step ran late). It ran inside the deferral that filled the ring before.
+    full = [i for i, e in enumerate(events) if e == "flush full"]
+    assert len(full) == st["flush_reasons"]["full"], events
+    after = [events[i - 1] for i in full]
+    assert set(after) <= {"launch", "defer"}, after
+    if ahead:
+        assert after.count("launch") >= len(full) - 1, [events[i - 3:i + 1] for i in full]
+    else:  # from an empty ring: a deferral per slot, then the next one's flushes it
+        last = [max((j for j in range(i) if events[j].startswith("flush")), default=0)
+                for i in full]
+        fresh = [events[j:i] for j, i in zip(last, full) if events[j] != "flush full"]
+        assert fresh and all(seg.count("defer") == depth + 2 for seg in fresh), fresh
     if ahead:
         assert llm.stats.verify_ahead.taken >= 20, llm.stats.verify_ahead
         assert llm.stats.host_phase_s["paused_sync"] > 0  # the deferral's own host phase
+        assert llm.stats.host_phase_s["deferred_flush"] > 0  # the full rings' flushes
     # a flush that would write nothing leaves holes: the check above can fail
     d = llm.engine.runner.deferred
     monkeypatch.setattr(type(d), "_flush", lambda self, *a, **k: self.drop())

@@ -269,7 +269,10 @@ class ModelRunner:
                 # ... and with speculation paused, after the draft's first pass run from it
                 first = lambda: sync_ahead(self, reqs, num_new, tok, row_start,  # noqa: E731
                                            target_hidden)
-                return [[t] for t in self.to_host(self.ahead.decode(reqs, num_new, tok, first))]
+                copy = self.ahead.decode(reqs, num_new, tok, first)
+                if self.deferred is not None and self.deferred.run_due():
+                    self.clock.mark("deferred_flush")  # a full ring's, behind that launch
+                return [[t] for t in self.to_host(copy)]
             return [[t] for t in self.to_host(tok)]
         if self.k == 0 and self.ahead.enabled:
             self.ahead.skip("sampling")
