@@ -121,6 +121,10 @@ class SpecConfig:
     # Paused steps per such first pass (its CUDA graphs' rows per request); None: up to 32,
     # fewer where max_num_seqs times it would pass 2048 rows (``flush_depth``).
     paused_flush_depth: int | None = None
+    # A full ring's flush runs behind the next target forward's launch, its host work beside
+    # the GPU's forward (forty-ninth session); False: in the deferral that filled the ring,
+    # before that launch, the GPU idle meanwhile
+    flush_behind_launch: bool = True
     # "adaptive" only: True ends a paused batch's probe of drafting once its own verifications
     # have tried SpecPolicy.probe_trials first drafts and lose to plain decoding. Opt-in: on
     # the H100 (forty-fifth session) it measured no gain (batch 1 +1.3%, batch 64 -8.9% at the
@@ -171,6 +175,8 @@ class SpecConfig:
         if not isinstance(self.defer_paused_first_pass, bool):
             raise ValueError(f"defer_paused_first_pass={self.defer_paused_first_pass!r}: "
                              "must be a bool")
+        if not isinstance(self.flush_behind_launch, bool):
+            raise ValueError(f"flush_behind_launch={self.flush_behind_launch!r}: must be a bool")
         if not isinstance(self.cut_losing_probes, bool):
             raise ValueError(f"cut_losing_probes={self.cut_losing_probes!r}: must be a bool")
         if not isinstance(self.probe_backoff, bool):

@@ -60,7 +60,9 @@ class LLM(CompileMixin):
     with ``adaptive_k`` it may also verify fewer drafts (k shrinks) where that is faster;
     ``defer_paused_first_pass=False`` makes every paused step run the draft's first pass itself
     (default: ``paused_flush_depth`` paused steps share one, ``llm.stats.deferred_first_pass``;
-    None: up to 32, see ``deferred_first_pass.flush_depth``); ``cut_losing_probes=True``
+    None: up to 32, see ``deferred_first_pass.flush_depth``; ``flush_behind_launch=False``
+    runs a full ring's flush before the next target forward's launch, not behind it);
+    ``cut_losing_probes=True``
     (opt-in) ends a paused batch's probe of drafting once its own verifications show drafting
     losing; ``probe_backoff=False`` keeps a paused batch's probes at their configured intervals
     and probes every batch of new requests.
@@ -101,6 +103,7 @@ class LLM(CompileMixin):
         adaptive_k: tuple[int, ...] = (),
         defer_paused_first_pass: bool = True,
         paused_flush_depth: int | None = None,
+        flush_behind_launch: bool = True,
         cut_losing_probes: bool = False,
         probe_backoff: bool = True,
         early_propose: bool | None = None,
@@ -178,7 +181,8 @@ class LLM(CompileMixin):
                     dev, is_tree(speculative_topk, speculative_num_draft_tokens),
                     tensor_parallel_size),
                 adaptive_k=adaptive_k, defer_paused_first_pass=defer_paused_first_pass,
-                paused_flush_depth=paused_flush_depth, cut_losing_probes=cut_losing_probes,
+                paused_flush_depth=paused_flush_depth, flush_behind_launch=flush_behind_launch,
+                cut_losing_probes=cut_losing_probes,
                 probe_backoff=probe_backoff,
                 early_propose=early_propose_default() if early_propose is None
                 else early_propose),

@@ -253,6 +253,13 @@ def test_ab_runs_each_compiled_engine_with_the_flag_off_then_on() -> None:
         ("ours EAGLE k=5 compiled + graphs", True),
         ("ours EAGLE k=5 adaptive compiled + graphs", False),
         ("ours EAGLE k=5 adaptive compiled + graphs + probes backing off", True)]
+    # a full ring's flush before the next launch against behind it (the default)
+    behind = _variants(["ours_eagle_compiled"], "head", 5, adaptive=True,
+                       ab="flush_behind_launch")
+    assert [(v.name, v.flush_behind_launch) for v in behind] == [
+        ("ours EAGLE k=5 compiled + graphs", True),
+        ("ours EAGLE k=5 adaptive compiled + graphs", False),
+        ("ours EAGLE k=5 adaptive compiled + graphs + flush behind launch", True)]
     with pytest.raises(SystemExit):
         main(["bench", "--ab", "fast_mode"])
 
@@ -293,6 +300,11 @@ def test_build_engine_takes_the_variants_flags(monkeypatch: pytest.MonkeyPatch) 
         build_engine(Variant("d", "head", False, policy=policy, probe_backoff=back),
                      dict(model="m", num_speculative_tokens=5), [[1, 2]], [1], 4)
     assert [s.get("probe_backoff") for s in seen] == [False, True, None]
+    seen.clear()
+    for policy, behind in (("adaptive", False), ("adaptive", True), ("always", False)):
+        build_engine(Variant("d", "head", False, policy=policy, flush_behind_launch=behind),
+                     dict(model="m", num_speculative_tokens=5), [[1, 2]], [1], 4)
+    assert [s.get("flush_behind_launch") for s in seen] == [False, True, None]
 
 
 def test_timed_engine_reads_the_graphs_logits(tiny_hf_dir, monkeypatch) -> None:

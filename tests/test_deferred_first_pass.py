@@ -92,10 +92,11 @@ def _spy_order(monkeypatch) -> list[str]:
     return events
 
 
-@pytest.mark.parametrize("ahead,depth", [(False, DEPTH), (True, 5)])
+@pytest.mark.parametrize("ahead,depth,behind", [(False, DEPTH, True), (True, 5, True),
+                                                (True, 5, False)])
 def test_deferred_first_pass_keeps_output_kv_and_acceptance(trained_eagle3_pair,
                                                             smollm2_gguf_path, monkeypatch,
-                                                            ahead, depth):
+                                                            ahead, depth, behind):
     """EAGLE-3 (the aux states as a list, fc in the flush): late and launched-ahead paused
     steps. Full rings flush from the first-pass graph (of k + 1 rows per request as the
     propose graphs, or of more), a change to drafting flushes eagerly, requests ending
@@ -106,7 +107,7 @@ def test_deferred_first_pass_keeps_output_kv_and_acceptance(trained_eagle3_pair,
                                            monkeypatch)
     events = _spy_order(monkeypatch)  # (undone by _run)
     ids, kv, llm, calls = _run(target, head, smollm2_gguf_path, True, ahead, monkeypatch,
-                               paused_flush_depth=depth)
+                               paused_flush_depth=depth, flush_behind_launch=behind)
     prop = llm.engine.runner.proposer
     assert prop.sync_graph.q == depth and prop.graph.q == K + 1
     assert llm.engine.runner.deferred.slots == depth + 1
@@ -132,7 +133,11 @@ def test_deferred_first_pass_keeps_output_kv_and_acceptance(trained_eagle3_pair,
     assert len(full) == st["flush_reasons"]["full"], events
     after = [events[i - 1] for i in full]
     assert set(after) <= {"launch", "defer"}, after
-    if ahead:
+    if not behind:  # flush_behind_launch=False: inside the deferral that filled the ring
+        assert set(after) == {"defer"}, [events[i - 3:i + 2] for i in full]
+        nxt = [events[i + 1] for i in full if i + 1 < len(events)]
+        assert nxt.count("launch") >= len(full) - 1, [events[i - 2:i + 2] for i in full]
+    elif ahead:
         assert after.count("launch") >= len(full) - 1, [events[i - 3:i + 1] for i in full]
     else:  # from an empty ring: a deferral per slot, then the next one's flushes it
         last = [max((j for j in range(i) if events[j].startswith("flush")), default=0)
@@ -142,7 +147,8 @@ def test_deferred_first_pass_keeps_output_kv_and_acceptance(trained_eagle3_pair,
     if ahead:
         assert llm.stats.verify_ahead.taken >= 20, llm.stats.verify_ahead
         assert llm.stats.host_phase_s["paused_sync"] > 0  # the deferral's own host phase
-        assert llm.stats.host_phase_s["deferred_flush"] > 0  # the full rings' flushes
+        # the full rings' flushes behind the launch: a phase of their own
+        assert ("deferred_flush" in llm.stats.host_phase_s) == behind, llm.stats.host_phase_s
     # a flush that would write nothing leaves holes: the check above can fail
     d = llm.engine.runner.deferred
     monkeypatch.setattr(type(d), "_flush", lambda self, *a, **k: self.drop())
@@ -216,6 +222,14 @@ def test_defer_option_is_checked(eagle1_pair, smollm2_gguf_path):
     with pytest.raises(ValueError, match="probe_backoff='no'"):
         LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=64, draft=head,
             speculation_policy="adaptive", probe_backoff="no")
+    # a full ring flushes behind the next launch by default; False: before it
+    assert auto.engine.runner.deferred.behind is True
+    before = LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=64, draft=head,
+                 speculation_policy="adaptive", flush_behind_launch=False)
+    assert before.engine.runner.deferred.behind is False
+    with pytest.raises(ValueError, match="flush_behind_launch=1"):
+        LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=64, draft=head,
+            speculation_policy="adaptive", flush_behind_launch=1)
     assert [flush_depth(None, 5, n) for n in (1, 64, 128, 256, 1024)] == [32, 32, 16, 8, 6]
     assert flush_depth(3, 5, 64) == 3
 

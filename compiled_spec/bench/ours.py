@@ -35,6 +35,7 @@ class Variant:
     verify_ahead: bool | None = None  # EngineConfig.verify_ahead; None: the LLM's default
     defer_paused_first_pass: bool = True  # SpecConfig's (what an adaptive engine's pauses do)
     paused_flush_depth: int | None = None  # SpecConfig's; None: its default
+    flush_behind_launch: bool = True  # SpecConfig's
     cut_losing_probes: bool = False  # SpecConfig's
     probe_backoff: bool = True  # SpecConfig's
     # CompileConfig flags this variant sets over the run's own (bench --ab: one of a pair)
@@ -83,6 +84,7 @@ def build_engine(v: Variant, kw: dict[str, Any], prompts: list[list[int]],
         if v.policy == "adaptive":
             kw["cut_losing_probes"] = v.cut_losing_probes
             kw["probe_backoff"] = v.probe_backoff
+            kw["flush_behind_launch"] = v.flush_behind_launch
         if v.paused_flush_depth is not None:
             kw["paused_flush_depth"] = v.paused_flush_depth
     if v.verify_ahead is not None:

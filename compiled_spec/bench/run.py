@@ -31,13 +31,14 @@ AB_FLAGS = {"pdl": "PDL", "skinny_gemm": "skinny GEMMs", "autotune_gemm": "GEMM 
             "skinny_gemm_readout": "skinny lm_head",
             "defer_paused_first_pass": "deferred first pass", "pdl_narrow": "PDL on narrow calls",
             "deep_flush": "deep flushes", "cut_probes": "losing probes cut",
-            "probe_backoff": "probes backing off"}
+            "probe_backoff": "probes backing off", "flush_behind_launch": "flush behind launch"}
 AB_ENGINE = ("verify_ahead", "defer_paused_first_pass")
 # Flags that change only a draft's engine: a vanilla engine runs once, not twice the same
 # (pdl_narrow: a vanilla engine's widest call, max_num_seqs rows, is narrow up to batch 64);
 # likewise an engine that never pauses
 AB_DRAFT_ONLY = ("skinny_gemm_draft", "pdl_narrow")
-AB_ADAPTIVE_ONLY = ("defer_paused_first_pass", "deep_flush", "cut_probes", "probe_backoff")
+AB_ADAPTIVE_ONLY = ("defer_paused_first_pass", "deep_flush", "cut_probes", "probe_backoff",
+                    "flush_behind_launch")
 LLAMA8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
            "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
            "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 131072,
@@ -91,8 +92,8 @@ def _variants(names: list[str], draft: str | None, k: int,
             off, on = {"paused_flush_depth": k + 1}, {"paused_flush_depth": None}
         elif ab == "cut_probes":  # probes of drafting run their length (forty-third session)
             off, on = {"cut_losing_probes": False}, {"cut_losing_probes": True}
-        elif ab == "probe_backoff":  # the forty-fifth session's probe schedule vs the default
-            off, on = {"probe_backoff": False}, {"probe_backoff": True}
+        elif ab in ("probe_backoff", "flush_behind_launch"):  # a Variant field each
+            off, on = {ab: False}, {ab: True}
         else:
             off, on = (({ab: False}, {ab: True}) if ab in AB_ENGINE
                        else ({"flags": {ab: False}}, {"flags": {ab: True}}))

@@ -112,13 +112,14 @@ class _Rows:
 
 class DeferredFirstPass:
     def __init__(self, proposer: "EagleProposer", allocator: "BlockAllocator", depth: int,
-                 cap: int) -> None:
+                 cap: int, behind: bool = True) -> None:
         if depth < 1 or cap < 1:
             raise ValueError(f"depth={depth}, cap={cap}: both must be >= 1")
         self.proposer, self.allocator = proposer, allocator
         self.depth = depth  # rows per request of a replayed flush (the graphs' first pass)
         self.cap = cap  # rows of one step the ring holds (a step's target rows)
         self.slots = depth + 1  # the newest step stays while the others flush
+        self.behind = behind  # a full ring flushes behind the next launch (``run_due``)
         self.ring: list[torch.Tensor] | None = None  # per aux layer [slots * cap, width]
         # (listed, per aux tensor (width, dtype, device)) the ring was made for: EAGLE-3 hands
         # its aux states as a list, EAGLE-1 one tensor
@@ -195,6 +196,8 @@ class DeferredFirstPass:
         self.stats.deferred_rows += len(reqs)
         if self.live == self.slots:  # the next step's copy would overwrite the oldest slot
             self._due = base
+            if not self.behind:  # before the next launch (the forty-eighth session's order)
+                self.run_due()
         return None
 
     def run_due(self) -> bool:

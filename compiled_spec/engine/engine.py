@@ -90,7 +90,8 @@ class LLMEngine:
                     and cfg.spec.defer_paused_first_pass):
                 self.runner.deferred = DeferredFirstPass(proposer, self.allocator,
                                                          proposer.sync_rows,
-                                                         cfg.scheduler.max_num_seqs)
+                                                         cfg.scheduler.max_num_seqs,
+                                                         cfg.spec.flush_behind_launch)
         self.eos_token_ids = set(eos_token_ids)
         self.detokenize = detokenize
         self._rng = random.Random(cfg.seed)
