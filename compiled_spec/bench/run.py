@@ -49,6 +49,11 @@ LLAMA8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_
 TINY = dict(LLAMA8B, vocab_size=49152, hidden_size=64, intermediate_size=128,
             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=4096, rope_scaling=None, bos_token_id=1, eos_token_id=2)
+# SmolLM2-135M-Instruct's shape (the GGUF's metadata), for random-weight runs
+SMOLLM2 = dict(LLAMA8B, vocab_size=49152, hidden_size=576, intermediate_size=1536,
+               num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+               max_position_embeddings=8192, rope_theta=100000.0, rope_scaling=None,
+               tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
 
 
 def _variants(names: list[str], draft: str | None, k: int,
@@ -153,8 +158,6 @@ def run_bench(a: argparse.Namespace) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="bench_"))
     draft = a.draft
     if draft is None and a.random_draft:
-        if str(model).startswith("random:"):
-            raise ValueError("--random-draft with a random: model: use --shape instead")
         from compiled_spec.draft.testing import write_eagle3_head
         from compiled_spec.models.loader import read_model_config
 

@@ -36,13 +36,8 @@ from compiled_spec import LLM, SamplingParams  # noqa: E402
 from compiled_spec.compile import CompileConfig, capture_graphs, use_compiled  # noqa: E402
 from compiled_spec.engine.batch import Span, build_metadata  # noqa: E402
 from compiled_spec.engine.graphs import EngineGraphs  # noqa: E402
-from compiled_spec.bench.run import LLAMA8B, TINY  # noqa: E402
+from compiled_spec.bench.run import LLAMA8B, SMOLLM2, TINY  # noqa: E402
 
-# SmolLM2-135M-Instruct's shape (the GGUF's metadata), for random-weight runs
-SMOLLM2 = dict(LLAMA8B, vocab_size=49152, hidden_size=576, intermediate_size=1536,
-               num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-               max_position_embeddings=8192, rope_theta=100000.0, rope_scaling=None,
-               tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
 RANDOM_SHAPES = {"llama8b": LLAMA8B, "tiny": TINY, "smollm2-random": SMOLLM2}
 from compiled_spec.bench.timing import HBM_BYTES_PER_S, read_bandwidth, weight_bytes  # noqa: E402
 from compiled_spec.spec.proposer import ProposeBatch  # noqa: E402

