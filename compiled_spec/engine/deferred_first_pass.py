@@ -48,6 +48,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from compiled_spec.engine.batch import Span, to_device
@@ -219,8 +220,12 @@ class DeferredFirstPass:
         self._run, self._bases = None, []
         if run is None or not bases:
             return
-        for r, row in zip(*run):
-            self.pending[r.req_id].rows.extend([b + row for b in bases])
+        # [n, steps]: request i's ring row of each step, one numpy op (a Python list per
+        # request was 0.2 ms of a 2048-row flush on the CPU, forty-ninth session)
+        rows = np.add.outer(np.asarray(run[1]), np.asarray(bases)).tolist()
+        pending = self.pending
+        for r, mine in zip(run[0], rows):
+            pending[r.req_id].rows.extend(mine)
 
     def _live(self, d: _Rows) -> int:
         """How many of ``d``'s rows may be written now: those whose token and target KV are
