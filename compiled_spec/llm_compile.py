@@ -17,6 +17,8 @@ from compiled_spec.compile_cache import CacheStats, activate as activate_compile
 from compiled_spec.config import EngineConfig
 from compiled_spec.engine.warm_paths import warm_uncaptured_paths
 from compiled_spec.gc_heap import freeze_startup_heap
+from kernels.warmup import warm_model_attention
+from kernels.warmup_parallel import pdl_warmup_enabled
 
 if TYPE_CHECKING:
     from compiled_spec.engine.engine import LLMEngine
@@ -67,6 +69,25 @@ def max_draft_rows(ec: EngineConfig) -> int | None:
     return ec.scheduler.max_num_seqs * per
 
 
+def warm_pdl_attention(engine: "LLMEngine", models: CompiledModels, max_model_len: int
+                       ) -> dict[str, float | int] | None:
+    """The attention binaries that the engine's PDL launches use (GDC=1), compiled now for the
+    target's layers and the draft's where their calls launch with PDL (``models.pdl`` /
+    ``pdl_draft`` as resolved), with ``COMPILED_SPEC_PDL_WARMUP=1``; None where nothing is.
+    The engine's own warm-up (``LLMEngine.kernel_warmup``) ran before PDL was resolved and
+    compiled GDC=0 binaries only, so the captures compiled these, serially."""
+    if not pdl_warmup_enabled():
+        return None
+    layers = []
+    if models.pdl is not None and models.pdl.on:
+        layers += [layer.self_attn for layer in engine.model.model.layers]
+    if models.pdl_draft is not None and models.pdl_draft.on and engine.draft is not None:
+        layers += [layer.self_attn for layer in engine.draft.layers]
+    if not layers:
+        return None
+    return warm_model_attention(layers, max_model_len, max_model_len, gdc=True)
+
+
 class CompileMixin:
     """The compilation half of ``LLM``; ``LLM.__init__`` sets the attributes below (a
     tensor-parallel launcher sets only ``config``: its workers compile)."""
@@ -90,6 +111,9 @@ class CompileMixin:
             self._cache_stats = CacheStats.begin(activate_compile_cache(cc.cache_dir))
             self._compiled = compile_models(self.engine.runner, cc, max_decode_rows(ec),
                                             max_draft_rows(ec))
+            pdl_warm = warm_pdl_attention(self.engine, self._compiled, ec.max_model_len)
+            if pdl_warm is not None:  # (within "compile_models" below too)
+                self.startup_detail_s["attention_warmup_pdl"] = float(pdl_warm["seconds"])
             t_models = time.perf_counter()
             self.startup_detail_s["compile_models"] = t_models - t0  # precompile loads
             if not cc.cudagraphs or ec.device.type != "cuda":

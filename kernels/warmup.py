@@ -20,6 +20,7 @@ import torch
 
 import kernels.warmup_parallel as parallel
 from kernels import warmup_pending
+from kernels.dispatch import PDL_MAX_ROWS, pdl_scope
 from kernels.launch import BLOCK_N, reachable_configs
 
 
@@ -72,13 +73,27 @@ def warm_rope_write_kv(k_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_
 
 
 def warm_model_attention(layers: list[torch.nn.Module], max_query_len: int, max_seq_len: int,
-                         defer: bool = False) -> dict[str, float | int]:
+                         defer: bool = False, gdc: bool = False) -> dict[str, float | int]:
     """``warm_attention`` once per distinct attention shape among ``layers`` (modules with
     ``num_heads`` and bound ``k_cache`` / ``v_cache``). Returns {configs, seconds}, plus the
     parallel_* counts of ``_compile_in_workers`` where workers compiled. ``defer``: workers
     that started are not waited for here; the first attention launch (or
     ``kernels.warmup_pending.finish``) joins them and loads the binaries, and adds "join_s"
-    (its seconds) and the workers' counts to the returned dict then."""
+    (its seconds) and the workers' counts to the returned dict then.
+
+    ``gdc``: the binaries of launches with PDL (``kernels.dispatch.pdl_launch``: GDC=1, a
+    binary of its own), which only calls of at most ``PDL_MAX_ROWS`` query tokens take, for an
+    engine whose calls launch with PDL; without it the captures compiled them, one by one.
+    Never deferred (the join must launch inside the PDL scope); no rope kernel (no GDC)."""
+    if gdc:
+        with pdl_scope(True):
+            return _warm_model_attention(layers, min(max_query_len, PDL_MAX_ROWS), max_seq_len,
+                                         False, True)
+    return _warm_model_attention(layers, max_query_len, max_seq_len, defer, False)
+
+
+def _warm_model_attention(layers: list[torch.nn.Module], max_query_len: int, max_seq_len: int,
+                          defer: bool, gdc: bool) -> dict[str, float | int]:
     warmup_pending.finish()  # an earlier engine's, never launched
     t0 = time.perf_counter()
     seen: set[tuple] = set()
@@ -109,7 +124,7 @@ def warm_model_attention(layers: list[torch.nn.Module], max_query_len: int, max_
                                         _sms(k))
             if procs:  # another shape's workers first: this one's may share their binaries
                 wait_workers()
-            started = _compile_in_workers(k, v, attn.num_heads, configs)
+            started = _compile_in_workers(k, v, attn.num_heads, configs, gdc)
             if started:
                 procs += started
                 out["parallel_workers"] = out.get("parallel_workers", 0) + len(started)
@@ -123,7 +138,7 @@ def warm_model_attention(layers: list[torch.nn.Module], max_query_len: int, max_
         for k, v, heads, configs in serial:  # from the cache the workers filled, or compiled
             count += len(warm_attention(k, v, heads, max_query_len, max_seq_len,
                                         configs=configs))
-            if k.is_cuda:  # the rope + KV-write kernel too: one padding row (slot -1)
+            if k.is_cuda and not gdc:  # the rope + KV-write kernel too: one padding row (slot -1)
                 warm_rope_write_kv(k, v, heads)
                 count += 1
         if count and torch.cuda.is_available():
@@ -152,7 +167,7 @@ def _sms(k_cache: torch.Tensor) -> int | None:
 
 
 def _compile_in_workers(k: torch.Tensor, v: torch.Tensor, num_heads: int,
-                        configs: list[tuple[int, int]]) -> list:
+                        configs: list[tuple[int, int]], gdc: bool = False) -> list:
     """When the second of ``configs`` takes a compile (Triton's cache is cold), the others are
     compiled by worker processes (``kernels.warmup_parallel``), left running; the serial
     warm-up after them loads their binaries from the cache. Returns the workers ([] when the
@@ -163,7 +178,7 @@ def _compile_in_workers(k: torch.Tensor, v: torch.Tensor, num_heads: int,
     # for the verdict first put ~2.9 s of in-process compiles ahead of it on a cold H200 (the
     # 8B shape, twenty-eighth session). A warm verdict stops them unfinished.
     procs = parallel.start(
-        [parallel.spec_of(k, num_heads, g, rope=i == 0)
+        [parallel.spec_of(k, num_heads, g, rope=i == 0 and not gdc, gdc=gdc)
          for i, g in enumerate(parallel.shares(rest, parallel.num_workers(len(rest))))]
     ) if parallel.enough_to_share(len(rest)) else []
     # The process's first Triton launch pays one-time costs (driver, launcher stubs: ~0.2 s on
@@ -196,7 +211,8 @@ def _worker(spec: dict[str, Any]) -> None:
     k = torch.empty_strided(size, stride, dtype=dtype, device=dev)
     v = torch.empty_strided(size, stride, dtype=dtype, device=dev)
     configs = [tuple(c) for c in spec["configs"]]
-    done = warm_attention(k, v, spec["num_heads"], 1, 1, force=force, configs=configs)
+    with pdl_scope(bool(spec.get("gdc"))):  # GDC=1 binaries (launched with PDL) if asked
+        done = warm_attention(k, v, spec["num_heads"], 1, 1, force=force, configs=configs)
     if spec["rope"] and not force:
         warm_rope_write_kv(k, v, spec["num_heads"])
     if dev.type == "cuda":

@@ -49,6 +49,17 @@ def overlap_enabled() -> bool:
     return os.environ.get(OVERLAP_ENV, "0") == "1"
 
 
+PDL_ENV = "COMPILED_SPEC_PDL_WARMUP"
+
+
+def pdl_warmup_enabled() -> bool:
+    """Whether an engine whose calls launch with PDL also compiles the attention binaries
+    those launches use (GDC=1, ``kernels.warmup.warm_model_attention(gdc=True)``) at start-up,
+    in workers on a cold cache, rather than inside the captures that first launch them:
+    ``1`` only, until a cold start on a GPU times the two."""
+    return os.environ.get(PDL_ENV, "0") == "1"
+
+
 def enabled() -> bool:
     """Workers unless the environment says ``0`` (only CUDA engines ask)."""
     return os.environ.get(ENV, "1") != "0"
@@ -77,12 +88,13 @@ def shares(configs: list[tuple[int, int]], workers: int) -> list[list[tuple[int,
 
 
 def spec_of(k_cache: torch.Tensor, num_heads: int, configs: list[tuple[int, int]],
-            rope: bool) -> dict[str, Any]:
-    """What a worker needs to launch ``configs`` as the engine would (JSON)."""
+            rope: bool, gdc: bool = False) -> dict[str, Any]:
+    """What a worker needs to launch ``configs`` as the engine would (JSON); ``gdc``: as
+    launched with PDL (their GDC=1 binaries)."""
     return {"num_heads": num_heads, "shape": list(k_cache.shape[1:]),
             "stride": list(k_cache.stride()), "dtype": str(k_cache.dtype).removeprefix("torch."),
             "device": k_cache.device.index or 0, "configs": [list(c) for c in configs],
-            "rope": rope}
+            "rope": rope, "gdc": gdc}
 
 
 def start(specs: list[dict[str, Any]]) -> list[subprocess.Popen]:

@@ -138,7 +138,7 @@ def test_a_cold_starts_workers_run_on_until_the_first_attention_launch(monkeypat
     monkeypatch.setattr(warmup, "_spreads", lambda k: True)
     monkeypatch.setattr(warmup, "_sms", lambda k: 132)
     monkeypatch.setattr(warmup, "_compile_in_workers",
-                        lambda k, v, h, configs: events.append("spawn") or ["p1", "p2"])
+                        lambda k, v, h, configs, gdc: events.append("spawn") or ["p1", "p2"])
     monkeypatch.setattr(wp, "wait", lambda procs: events.append(f"wait {len(procs)}") or (7, 0))
     monkeypatch.setattr(warmup, "warm_attention",
                         lambda k, v, h, q, s, configs: events.append("load") or configs)
@@ -158,3 +158,70 @@ def test_a_cold_starts_workers_run_on_until_the_first_attention_launch(monkeypat
     assert out["configs"] == len(reachable_configs(4, 1, 64, 256, 132))
     warmup_pending.finish()  # nothing left: a no-op
     assert events == ["spawn", "wait 2", "load"]
+
+
+def test_pdl_warm_up_launches_inside_the_pdl_scope_for_narrow_calls_only(monkeypatch):
+    """An engine whose calls launch with PDL meets GDC=1 binaries, which the engine's own
+    warm-up (before PDL is resolved) never compiles: ``gdc=True`` launches the configurations
+    of calls of at most PDL_MAX_ROWS query tokens inside the PDL scope, workers included."""
+    from kernels import dispatch, warmup
+
+    seen = []
+
+    def spy(k, v, num_heads, max_query_len, max_seq_len, force=False, sms=None, configs=None):
+        seen.append((dispatch._PDL.get(), max_query_len))
+        return []
+
+    monkeypatch.setattr(warmup, "warm_attention", spy)
+    monkeypatch.delenv("COMPILED_SPEC_GEMM_PDL", raising=False)
+    warmup.warm_model_attention([_Attn()], 2048, 2048)
+    warmup.warm_model_attention([_Attn()], 2048, 2048, defer=True, gdc=True)  # never deferred
+    warmup.warm_model_attention([_Attn()], 16, 2048, gdc=True)
+    assert seen == [(False, 2048), (True, dispatch.PDL_MAX_ROWS), (True, 16)]
+    assert not dispatch._PDL.get()  # the scope ends with the warm-up
+    # a worker asked for GDC=1 binaries launches inside the scope too, and skips the rope kernel
+    k = torch.zeros(2, 16, 1, 8)  # [num_blocks, page_size, num_kv_heads, head_dim]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    seen.clear()
+    for gdc in (False, True):
+        warmup._worker(wp.spec_of(k, 4, [(16, 1)], rope=False, gdc=gdc))
+    assert [s[0] for s in seen] == [False, True]
+    assert wp.spec_of(k, 4, [(16, 1)], rope=True)["gdc"] is False
+    # ... and a cold cache's workers are started with it
+    specs = []
+    monkeypatch.setattr(wp, "start", lambda s: specs.extend(s) or s)
+    monkeypatch.setattr(wp, "worth_spreading", lambda first_s, rest: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    configs = [(16, s) for s in (1, 2, 4, 8, 16)]
+    assert warmup._compile_in_workers(k, k, 4, configs, gdc=True) == specs
+    assert specs and all(s["gdc"] and not s["rope"] for s in specs)
+
+
+def test_pdl_warm_up_takes_the_layers_whose_calls_launch_with_pdl(monkeypatch):
+    from types import SimpleNamespace as NS
+
+    from compiled_spec import llm_compile
+    from compiled_spec.pdl_policy import PdlChoice
+
+    calls = []
+    monkeypatch.setattr(llm_compile, "warm_model_attention",
+                        lambda layers, q, s, gdc: calls.append((layers, q, s, gdc)) or
+                        {"seconds": 0.5})
+    target = [NS(self_attn=f"t{i}") for i in range(2)]
+    draft = [NS(self_attn="d0")]
+    engine = NS(model=NS(model=NS(layers=target)), draft=NS(layers=draft))
+    on, off = PdlChoice(True, "on"), PdlChoice(False, "off")
+
+    def warm(pdl, pdl_draft):
+        calls.clear()
+        out = llm_compile.warm_pdl_attention(engine, NS(pdl=pdl, pdl_draft=pdl_draft), 1024)
+        return out, [c[0] for c in calls]
+
+    monkeypatch.delenv(wp.PDL_ENV, raising=False)
+    assert warm(on, on) == (None, [])  # opt-in until timed on a GPU
+    monkeypatch.setenv(wp.PDL_ENV, "1")
+    assert warm(on, on) == ({"seconds": 0.5}, [["t0", "t1", "d0"]])
+    assert calls[0][1:] == (1024, 1024, True)
+    assert warm(on, off)[1] == [["t0", "t1"]]
+    assert warm(off, on)[1] == [["d0"]]
+    assert warm(off, None) == (None, [])
