@@ -105,14 +105,16 @@ def install(root: Path) -> None:
 
     import kernels.warmup as kw
     import compiled_spec.engine.engine as eng
+    import compiled_spec.llm_compile as lc
 
     plain = kw.warm_model_attention
 
-    def warm(*a: Any, **k: Any) -> Any:
-        return stepped("attention warm-up", lambda: plain(*a, **k), root)
+    def warm(*a: Any, **k: Any) -> Any:  # (gdc=True: COMPILED_SPEC_PDL_WARMUP=1's GDC=1 pass)
+        name = "attention warm-up (PDL)" if k.get("gdc") else "attention warm-up"
+        return stepped(name, lambda: plain(*a, **k), root)
 
     kw.warm_model_attention = warm
-    for mod in (eng,):  # modules that imported the name
+    for mod in (eng, lc):  # modules that imported the name
         if getattr(mod, "warm_model_attention", None) is plain:
             mod.warm_model_attention = warm  # type: ignore[attr-defined]
 
