@@ -273,9 +273,10 @@ def main() -> int:
                     help="with --skinny-gemm: the RMSNorms too")
     ap.add_argument("--skinny-gemm-readout", action=argparse.BooleanOptionalAction, default=None,
                     help="with the skinny GEMMs: the lm_head too (default: the engine's)")
-    ap.add_argument("--pdl", action="store_true",
+    ap.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
                     help="Inductor's kernels and ours with programmatic dependent launch "
-                         "(CompileConfig.pdl)")
+                         "(CompileConfig.pdl; default: the engine's, pdl_policy.pdl_auto; "
+                         "before the forty-ninth session off unless given)")
     ap.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=None,
                     help="the target from torch's aot_compile artifacts (default: on for CUDA)")
     ap.add_argument("--startup-only", action="store_true",
