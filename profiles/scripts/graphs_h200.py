@@ -314,7 +314,8 @@ def main() -> int:
         report["compile_cache"] = llm.compile_cache
         report["kernel_warmup"] = llm.engine.kernel_warmup  # parallel_* keys: workers compiled
         cm = llm._compiled  # PDL as resolved: its launches use GDC=1 attention binaries
-        report["pdl"] = {"target": cm.pdl and cm.pdl.why, "draft": cm.pdl_draft and cm.pdl_draft.why}
+        report["pdl"] = {"target": cm.pdl and cm.pdl.why,
+                         "draft": cm.pdl_draft and cm.pdl_draft.why}
         print("start-up", report, flush=True)
         if args.startup_only:
             Path(args.out).write_text(json.dumps(report, indent=1, default=str))
