@@ -37,9 +37,10 @@ next deferral or flush runs it, which a late step reaches after its target forwa
 host work (~1.5 ms at batch 64 on the H100, forty-sixth session) overlaps the GPU's forward
 instead of leaving the GPU idle. It writes every request's rows but the newest step's (at
 most ``depth``, the first-pass graphs' rows per request). The others (a change to drafting, a
-prompt chunk, a reset) may come while a target forward's outputs are still to be read: the first-pass graphs
-have a memory pool, staging and input buffers of their own (engine/sync_graph.py), so those
-replay too; a flush that no graph fits runs eagerly, counted (``eager_flushes``).
+prompt chunk, a reset) may come while a target forward's outputs are still to be read: the
+first-pass graphs have a memory pool, staging and input buffers of their own
+(engine/sync_graph.py), so those replay too; a flush that no graph fits runs eagerly, counted
+(``eager_flushes``).
 """
 from __future__ import annotations
 
