@@ -32,7 +32,7 @@ AB_FLAGS = {"pdl": "PDL", "skinny_gemm": "skinny GEMMs", "autotune_gemm": "GEMM 
             "defer_paused_first_pass": "deferred first pass", "pdl_narrow": "PDL on narrow calls",
             "deep_flush": "deep flushes", "cut_probes": "losing probes cut",
             "probe_backoff": "probes backing off", "flush_behind_launch": "flush behind launch"}
-AB_ENGINE = ("verify_ahead", "defer_paused_first_pass")
+AB_ENGINE = ("verify_ahead", "defer_paused_first_pass", "probe_backoff", "flush_behind_launch")
 # Flags that change only a draft's engine: a vanilla engine runs once, not twice the same
 # (pdl_narrow: a vanilla engine's widest call, max_num_seqs rows, is narrow up to batch 64);
 # likewise an engine that never pauses
@@ -97,8 +97,6 @@ def _variants(names: list[str], draft: str | None, k: int,
             off, on = {"paused_flush_depth": k + 1}, {"paused_flush_depth": None}
         elif ab == "cut_probes":  # probes of drafting run their length (forty-third session)
             off, on = {"cut_losing_probes": False}, {"cut_losing_probes": True}
-        elif ab in ("probe_backoff", "flush_behind_launch"):  # a Variant field each
-            off, on = {ab: False}, {ab: True}
         else:
             off, on = (({ab: False}, {ab: True}) if ab in AB_ENGINE
                        else ({"flags": {ab: False}}, {"flags": {ab: True}}))
