@@ -78,11 +78,8 @@ def warm_pdl_attention(engine: "LLMEngine", models: CompiledModels, max_model_le
     compiled GDC=0 binaries only, so the captures compiled these, serially."""
     if not pdl_warmup_enabled():
         return None
-    layers = []
-    if models.pdl is not None and models.pdl.on:
-        layers += [layer.self_attn for layer in engine.model.model.layers]
-    if models.pdl_draft is not None and models.pdl_draft.on and engine.draft is not None:
-        layers += [layer.self_attn for layer in engine.draft.layers]
+    layers = engine.attention_layers(target=models.pdl is not None and models.pdl.on,
+                                     draft=models.pdl_draft is not None and models.pdl_draft.on)
     if not layers:
         return None
     return warm_model_attention(layers, max_model_len, max_model_len, gdc=True)

@@ -201,6 +201,7 @@ def test_pdl_warm_up_takes_the_layers_whose_calls_launch_with_pdl(monkeypatch):
     from types import SimpleNamespace as NS
 
     from compiled_spec import llm_compile
+    from compiled_spec.engine.engine import LLMEngine
     from compiled_spec.pdl_policy import PdlChoice
 
     calls = []
@@ -210,6 +211,9 @@ def test_pdl_warm_up_takes_the_layers_whose_calls_launch_with_pdl(monkeypatch):
     target = [NS(self_attn=f"t{i}") for i in range(2)]
     draft = [NS(self_attn="d0")]
     engine = NS(model=NS(model=NS(layers=target)), draft=NS(layers=draft))
+    # the engine's own list (the one its GDC=0 warm-up takes), on this stand-in
+    engine.attention_layers = lambda target, draft: LLMEngine.attention_layers(
+        engine, target, draft)
     on, off = PdlChoice(True, "on"), PdlChoice(False, "off")
 
     def warm(pdl, pdl_draft):

@@ -6,6 +6,8 @@ import math
 import random
 import time
 
+from torch import nn
+
 from compiled_spec.config import EngineConfig
 from compiled_spec.draft.model import EagleDraft
 from compiled_spec.engine.deferred_first_pass import (DeferredFirstPass, DeferredStats,
@@ -63,8 +65,7 @@ class LLMEngine:
         # Uncaptured calls (prefills above all) meet attention launch configurations that no
         # graph capture compiled: compile every reachable one now (CUDA only), not inside the
         # first request of each new prompt-length class.
-        attn = [layer.self_attn for layer in model.model.layers]
-        attn += [layer.self_attn for layer in draft.layers] if draft is not None else []
+        attn = self.attention_layers(target=True, draft=True)
         # A cold cache's compile workers keep running while the model compiles (start-up joins
         # them at the first attention launch or at its end: kernels/warmup_pending.py).
         self.kernel_warmup = warm_model_attention(attn, cfg.max_model_len, cfg.max_model_len,
@@ -107,6 +108,14 @@ class LLMEngine:
         self.reset_stats()
         self._mode_prev = SPEC  # the last proposal's mode: what this step verifies
         self._obs: tuple[int, str, float] | None = None  # this step, if steady: (B, mode, tau)
+
+    def attention_layers(self, target: bool, draft: bool) -> list[nn.Module]:
+        """The attention modules of the target's layers and/or the draft's (the kernel
+        warm-ups' list)."""
+        attn = [layer.self_attn for layer in self.model.model.layers] if target else []
+        if draft and self.draft is not None:
+            attn += [layer.self_attn for layer in self.draft.layers]
+        return attn
 
     def reset_stats(self) -> None:
         """Every counter back to zero (after start-up's dummy requests,
