@@ -144,6 +144,45 @@ def bench() -> None:
                       f"{t_one:8.1f} {t_ref:8.1f} {kv_bytes / t_tri / 1e3:8.0f}")
 
 
+def binaries() -> None:
+    """Registers, spills and shared memory of the decode binaries, split kernel + merge against
+    the fused merge: the fused form ran 2.8-9x slower than the split kernel and its merge on the
+    H100 (forty-eighth session; 84.4 against 9.0 us for the 8B shape at 2048 tokens), slower
+    than a single split even, though its merge loads a few KB. A merge branch that spills would
+    slow every program of the launch."""
+    import kernels.attention_triton as at
+
+    real, seen = at._paged_attn_kernel, []
+
+    class Recorder:  # records what ``kernel[grid](...)`` returns: the compiled binary
+        def __getitem__(self, grid):
+            def launch(*a, **k):
+                binary = real[grid](*a, **k)
+                seen.append((grid, k, binary))
+                return binary
+            return launch
+
+    print("\nattention binaries (decode, batch 1, bf16): registers / spills per thread, shared "
+          "bytes")
+    at._paged_attn_kernel = Recorder()
+    try:
+        for name, (h, kvh, d) in SHAPES.items():
+            for ctx in (512, 2048):
+                args = attn_args(make_batch([(ctx - 1, 1)], h, kvh, d, torch.bfloat16))
+                for fused in (False, True):
+                    seen.clear()
+                    _paged_attention(*args, num_splits=None, fused_merge=fused)
+                    grid, k, b = seen[-1]
+                    meta = getattr(b, "metadata", None)
+                    print(f"  {name:8s} ctx {ctx:5d} fused {fused!s:5s} grid {grid} splits "
+                          f"{k['NUM_SPLITS']} chunk {k['MERGE_CHUNK']} block_q {k['BLOCK_Q']} "
+                          f"regs {getattr(b, 'n_regs', '?')} spills {getattr(b, 'n_spills', '?')}"
+                          f" shared {getattr(meta, 'shared', '?')} warps "
+                          f"{getattr(meta, 'num_warps', '?')}")
+    finally:
+        at._paged_attn_kernel = real
+
+
 def split_sweep() -> None:
     """Decode attention by forced split count: the heuristic splits down to one key block per
     program, which on the 8B shape cost 5.9 + 2.5 us (split kernel + merge) per layer in its
@@ -168,6 +207,7 @@ def main() -> int:
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     ok = check()
     bench()
+    binaries()
     split_sweep()
     print("\nall checks passed" if ok else "\nSOME CHECKS FAILED")
     return 0 if ok else 1
