@@ -86,6 +86,35 @@ def test_span_rows_numpy_equals_the_loop():
         span_rows_np(alloc, [Span(0, 6, 4)])  # rows 8 and 9 have no block
 
 
+def test_span_rows_numpy_of_one_length_equals_the_loop(monkeypatch):
+    """Spans of one length without write limits (a paused engine's flush) take a grid path of
+    their own in ``span_rows_np``: the reference's rows, and its IndexError past a table; a
+    write limit anywhere, or one span of another length, takes the general path, same rows."""
+    from compiled_spec.engine import batch as bt
+
+    grid, real = [], bt._uniform_rows
+    monkeypatch.setattr(bt, "_uniform_rows", lambda *a: grid.append(1) or real(*a))
+    rng = random.Random(5)
+    for page in (1, 4, 16):
+        alloc = BlockAllocator(4000, page)
+        for r in range(64):
+            alloc.grow(r, 40 + r % 7)
+        for _ in range(50):
+            q = rng.randint(1, 32)
+            reqs = rng.sample(range(64), rng.randint(1, 64))
+            spans = [Span(r, rng.randint(0, 40 - q), q) for r in reqs]
+            if rng.random() < 0.3:  # a write limit on one span, or a span one shorter
+                i = rng.randrange(len(spans))
+                sp = spans[i]
+                spans[i] = (Span(sp.req_id, sp.start, sp.length, sp.start + q - 1)
+                            if rng.random() < 0.5 or q == 1 else Span(sp.req_id, sp.start, q - 1))
+            got = span_rows_np(alloc, spans)
+            assert [a.tolist() for a in got] == list(_span_rows_ref(alloc, spans)), spans
+    assert 60 < len(grid) < 150  # of 150 batches: both paths compared
+    with pytest.raises(IndexError):  # the second span's last row has no block
+        span_rows_np(alloc, [Span(0, 0, 4), Span(1, 45, 4)])  # 41 tokens: 3 blocks of 16
+
+
 def test_chain_rows_equal_span_rows():
     """The vectorised rows of a chain step (spans of one length) are ``span_rows``' for the same
     spans: tables of different widths, write limits inside, at and before a span (all inert)."""

@@ -145,6 +145,8 @@ def span_rows_np(allocator: BlockAllocator, spans: list[Span]
     lens = np.fromiter((s.length for s in spans), dtype=np.int64, count=n)
     limits = np.fromiter((s.start + s.length if s.write_limit is None else s.write_limit
                           for s in spans), dtype=np.int64, count=n)
+    if n and lens[0] > 0 and (lens == lens[0]).all() and (limits == starts + lens).all():
+        return _uniform_rows(tables, page, spans, starts, int(lens[0]))
     qsl = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(lens, out=qsl[1:])
     seg = np.repeat(np.arange(n), lens)  # [T] each row's span
@@ -160,6 +162,25 @@ def span_rows_np(allocator: BlockAllocator, spans: list[Span]
     last = qsl[1:] - 1  # each span's last row (a span of length 0: its start)
     seq_lens = np.where(lens > 0, pos[np.maximum(last, 0)] + 1 if len(pos) else 0, starts)
     return pos, slots, seq_lens, qsl
+
+
+def _uniform_rows(tables: dict[int, list[int]], page: int, spans: list[Span],
+                  starts: np.ndarray, q: int
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``span_rows_np`` of spans of one length ``q`` > 0 without write limits (a paused
+    engine's flush of 32 positions per request: every row live), as a [n, q] grid: no per-row
+    segment arrays, no inert-row selects; ~0.12 against ~0.25 ms for 64 x 32 rows on the CPU
+    (fiftieth session)."""
+    rows = [tables[s.req_id] for s in spans]
+    have = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    tab = padded_tables(rows, max(1, int(have.max())))  # [n, W]
+    pos = starts[:, None] + np.arange(q)  # [n, q]
+    blk = pos // page
+    if (blk[:, -1] >= have).any():  # each span's last row has its largest block
+        raise IndexError("span_rows: a live position lies past its request's block table")
+    slots = np.take_along_axis(tab, blk, 1) * page + pos % page
+    return (pos.reshape(-1), slots.reshape(-1), starts + q,
+            np.arange(0, len(rows) * q + 1, q, dtype=np.int64))
 
 
 def _inert_rows(tab: np.ndarray, row: np.ndarray, pos: np.ndarray, lim: np.ndarray, page: int
