@@ -25,7 +25,7 @@ import triton.language as tl
 from kernels.attention_merge_triton import (COUNTER_SLOTS, FUSED_MERGE, _merge_splits_kernel,
                                             last_to_arrive, reset_counter, split_counters)
 from kernels.dispatch import pdl_launch
-from kernels.launch import BLOCK_N, attention_launch, merge_chunk_for
+from kernels.launch import ATTN_WARPS, BLOCK_N, attention_launch, merge_chunk_for
 from kernels.write_kv_triton import write_kv_triton  # noqa: F401  (re-exported)
 
 
@@ -235,6 +235,7 @@ def _paged_attention(
     tree_start: torch.Tensor | None = None,  # [num_seqs] int32: tree attention when given
     tree_mask: torch.Tensor | None = None,  # [num_tokens, num_tree] bool
     fused_merge: bool | None = None,  # None = FUSED_MERGE (tests force either)
+    num_warps: int | None = None,  # None = ATTN_WARPS (kernels/launch.py; benchmarks force it)
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]; every row is written
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     num_tokens, num_heads, head_dim = query.shape
@@ -284,6 +285,7 @@ def _paged_attention(
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n, DIM_PAD=dim_pad,
         NUM_SPLITS=num_splits, DOT_FP32=_dot_in_fp32(query.dtype), TREE=tree, FUSED_MERGE=fused,
         MERGE_CHUNK=merge_chunk_for(block_q * group_pad, dim_pad, num_splits),
+        num_warps=ATTN_WARPS if num_warps is None else num_warps,
         **pdl_launch(query, attention=True),
     )
     if num_splits > 1 and not fused:

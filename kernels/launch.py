@@ -19,10 +19,28 @@ binary whatever their offset.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 BLOCK_N = 64  # keys per inner-loop tile
 MAX_SPLITS = 64
+ATTN_WARPS_ENV = "COMPILED_SPEC_ATTN_WARPS"
+
+
+def attn_warps(value: str | None = None) -> int:
+    """Warps per attention program: Triton's default 4, or ``COMPILED_SPEC_ATTN_WARPS`` (4 or 8;
+    ``value`` stands in for it in tests) for an A/B. Compiled for sm_90 on the CPU (Triton 3.9,
+    ``ptxas -v``, fiftieth session), the decode binary of the 8B shape (head_dim 128, 16 score
+    rows, K and V tiles of 64 keys in flight together) holds 255 registers and spills 200 bytes
+    a thread at 4 warps, none at 8 (195 registers); SmolLM2's (head_dim 64) 255 registers and 4
+    bytes at 4, 176 and none at 8. Not yet timed on a GPU."""
+    v = os.environ.get(ATTN_WARPS_ENV, "4") if value is None else value
+    if v not in ("4", "8"):
+        raise ValueError(f"{ATTN_WARPS_ENV}={v!r}: expected 4 or 8")
+    return int(v)
+
+
+ATTN_WARPS = attn_warps()  # read once: worker processes that compile ahead inherit the variable
 
 
 def _next_pow2(n: int) -> int:

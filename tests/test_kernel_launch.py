@@ -115,3 +115,14 @@ def test_metadata_pointers_share_one_binary_whatever_their_offset():
     assert all(c == 1 for c in meta.values()), meta
     # The probe does tell the two apart where alignment is specialised (vectorised data).
     assert keys["_paged_attn_kernel.q_ptr"] == 2
+
+
+def test_attention_warps_setting():
+    """``COMPILED_SPEC_ATTN_WARPS``: 4 (Triton's default) unless set to 8; anything else is
+    refused, naming the value (the A/B of the fiftieth session's register audit)."""
+    from kernels.launch import attn_warps
+
+    assert attn_warps("4") == 4 and attn_warps("8") == 8
+    for bad in ("2", "16", "eight", ""):
+        with pytest.raises(ValueError, match=repr(bad)):
+            attn_warps(bad)
