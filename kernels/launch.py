@@ -41,6 +41,20 @@ def attn_warps(value: str | None = None) -> int:
 
 
 ATTN_WARPS = attn_warps()  # read once: worker processes that compile ahead inherit the variable
+ATTN_OFF32_ENV = "COMPILED_SPEC_ATTN_OFF32"
+# 32-bit K / V offsets where the cache allows them (``offsets_64``), opt-in until timed
+ATTN_OFF32 = os.environ.get(ATTN_OFF32_ENV, "0") == "1"
+
+
+def offsets_64(cache_numel: int, off32: bool | None = None) -> bool:
+    """Whether the attention kernel computes its K / V element offsets in 64 bits: always,
+    unless 32-bit offsets are asked for (``off32``, default ``COMPILED_SPEC_ATTN_OFF32=1``)
+    and every offset into a cache of ``cache_numel`` elements fits in an int32. Compiled for
+    sm_90 on the CPU (fiftieth session), the 8B shape's decode binary at 4 warps spills 200
+    bytes a thread with 64-bit offsets and none with 32-bit ones (the per-element [N, D]
+    offsets are half the registers). A property of the engine's caches, so fixed per engine:
+    the warm-up's workers, whose caches are two blocks, are told it (``warmup_parallel``)."""
+    return not (ATTN_OFF32 if off32 is None else off32) or cache_numel > 2**31 - 1
 
 
 def _next_pow2(n: int) -> int:

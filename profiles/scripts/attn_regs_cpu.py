@@ -9,8 +9,8 @@ adds local-memory round trips to it. The fiftieth session found the 8B shape's d
     python profiles/scripts/attn_regs_cpu.py [--out F.json]
 
 Rows: SmolLM2 (9 / 3 heads of 64) and the 8B shape (32 / 8 of 128), bf16, the decode block
-(16 score rows) and a prefill block (64), 4 and 8 warps, the split path with the merge kernel
-and with the fused merge. Which PTX version the newest bundled ptxas reads decides which one
+(16 score rows) and a prefill block (64), 4 and 8 warps, 64- and 32-bit K / V offsets
+(``COMPILED_SPEC_ATTN_OFF32``), the split path with the merge kernel and with the fused merge. Which PTX version the newest bundled ptxas reads decides which one
 runs (``ptxas-blackwell`` where the plain one is older than Triton's PTX).
 """
 from __future__ import annotations
@@ -87,19 +87,19 @@ def main() -> None:
             for splits, fused in ((1, False), (8, False), (8, True), (32, True)):
                 if block_q == 16 and splits > 1 and fused:
                     continue
-                for warps in (4, 8):
+                for warps, off64 in ((4, True), (8, True), (4, False)):
                     consts = dict(GROUP=group, GROUP_PAD=4, BLOCK_Q=block_q, BLOCK_N=64,
                                   DIM_PAD=dim, NUM_SPLITS=splits, DOT_FP32=False, TREE=False,
                                   FUSED_MERGE=fused,
                                   MERGE_CHUNK=merge_chunk_for(block_q * 4, dim, splits),
-                                  GDC=0)
+                                  GDC=0, OFF64=off64)
                     ptx = ptx_of(consts, warps)
                     exe = exe or ptxas_for(ptx)
                     if exe is None:
                         print("no bundled ptxas reads this Triton's PTX: nothing to report")
                         return
                     row = {"shape": name, "block_q": block_q, "splits": splits,
-                           "fused_merge": fused, "warps": warps,
+                           "fused_merge": fused, "warps": warps, "off64": off64,
                            **usage(_assemble(exe, ptx) or "")}
                     rows.append(row)
                     print(json.dumps(row))
