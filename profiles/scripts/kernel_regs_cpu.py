@@ -1,17 +1,21 @@
-"""Issue 16: registers and spills of the paged-attention binaries, compiled for sm_90 on the CPU.
+"""Issue 16: registers and spills of the paged-attention and skinny-GEMM binaries, compiled for
+sm_90 on the CPU.
 
 Triton compiles the kernel down to PTX without a GPU (as tests/test_gemm_pdl.py does), and the
 ``ptxas`` that ships with Triton assembles it with ``-v``: registers per thread, spill stores
 and loads, stack frame. A decode program is a short chain of dependent loads; one that spills
 adds local-memory round trips to it. The fiftieth session found the 8B shape's decode binary at
-255 registers and 200 bytes of spills at 4 warps (Triton's default), none at 8.
+255 registers and 200 bytes of spills at 4 warps (Triton's default), none at 8, and the 8B
+shape's gated gate_up GEMM pick (n64 k256, 4 warps) at 960 bytes.
 
-    python profiles/scripts/attn_regs_cpu.py [--out F.json]
+    python profiles/scripts/kernel_regs_cpu.py [--out F.json]
 
 Rows: SmolLM2 (9 / 3 heads of 64) and the 8B shape (32 / 8 of 128), bf16, the decode block
 (16 score rows) and a prefill block (64), 4 and 8 warps, 64- and 32-bit K / V offsets
 (``COMPILED_SPEC_ATTN_OFF32``), the split path with the merge kernel and with the fused merge. Which PTX version the newest bundled ptxas reads decides which one
-runs (``ptxas-blackwell`` where the plain one is older than Triton's PTX).
+runs (``ptxas-blackwell`` where the plain one is older than Triton's PTX). Then the skinny
+GEMM's candidates (``kernels.gemm_config.candidates``) for the 8B shape's layer GEMMs and lm_head
+at M = 1, gated where the layer gates (gate_up), each marked where ``gemm_config`` picks it.
 """
 from __future__ import annotations
 
@@ -32,22 +36,28 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from kernels.attention_triton import _paged_attn_kernel  # noqa: E402
+from kernels.gemm_config import candidates, gemm_config  # noqa: E402
 from kernels.launch import merge_chunk_for  # noqa: E402
+from kernels.skinny_gemm_triton import _skinny_gemm_kernel  # noqa: E402
 
 FP32 = {"part_ptr", "lse_ptr"}
 INT = {"counter_ptr", "block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr",
        "tree_start_ptr", "tree_mask_ptr"}
 SHAPES = {"smollm2": (3, 64), "llama8b": (4, 128)}  # (GQA group, head_dim)
+# the 8B shape's GEMMs through the skinny kernel: (N, K, gated); qkv has its own kernel
+GEMMS = {"o_proj": (4096, 4096, False), "gate_up": (14336, 4096, True),
+         "down": (4096, 14336, False), "lm_head": (128256, 4096, False)}
 
 
-def ptx_of(consts: dict[str, Any], warps: int) -> str:
-    k = _paged_attn_kernel
+def ptx_of(consts: dict[str, Any], warps: int, kernel: Any = _paged_attn_kernel,
+           stages: int = 3) -> str:
+    k = kernel
     sig = {n: ("*fp32" if n in FP32 else "*i32" if n in INT else "*bf16" if n.endswith("_ptr")
                else "fp32" if n == "qk_scale" else "i32") for n in k.arg_names}
     sig.update({c: "constexpr" for c in consts})
     src = ASTSource(k, sig, constexprs={(k.arg_names.index(c),): v for c, v in consts.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": warps}).asm["ptx"]
+                          options={"num_warps": warps, "num_stages": stages}).asm["ptx"]
 
 
 def ptxas_for(ptx: str) -> str | None:
@@ -103,6 +113,19 @@ def main() -> None:
                            **usage(_assemble(exe, ptx) or "")}
                     rows.append(row)
                     print(json.dumps(row))
+    for name, (n, k, gated) in GEMMS.items():
+        pick = gemm_config(1, n, k)
+        for cfg in candidates(1, n, k):
+            if not cfg.use_dot or cfg.split_k > 1:
+                continue
+            consts = dict(NORM=False, NW_IN_A=False, GATED=gated, HAS_RES=not gated,
+                          BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                          SPLIT_K=1, USE_DOT=True, DOT_FP32=False, GDC=0, LATE=False)
+            ptx = ptx_of(consts, cfg.num_warps, _skinny_gemm_kernel, cfg.num_stages)
+            row = {"gemm": name, "config": cfg.name, "picked": cfg == pick,
+                   **usage(_assemble(exe, ptx) or "")}
+            rows.append(row)
+            print(json.dumps(row))
     print(f"triton {triton.__version__}, {os.path.basename(exe)}")
     if a.out:
         Path(a.out).write_text(json.dumps({"triton": triton.__version__, "rows": rows},
