@@ -109,7 +109,7 @@ def candidates(m: int, n: int, k: int) -> list[GemmConfig]:
         # 8 warps, and 32-wide N tiles: compiled for sm_90 on the CPU (ptxas -v, fiftieth
         # session) the wide deep picks spill at 4 warps, the gated gate_up's n64 k256 960
         # bytes a thread and a plain n64 k256 (qkv, lm_head) 136; n64 k128 and n32 k128 at 8
-        # warps spill none (profiles/scripts/attn_regs_cpu.py's method)
+        # warps spill none (profiles/scripts/kernel_regs_cpu.py)
         out += [GemmConfig(bm, b, bk, num_warps=8) for b, bk in ((bn, 256), (bn, 128), (32, 128))]
         if n > 4096:
             out.append(GemmConfig(bm, 32, 128))
