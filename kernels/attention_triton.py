@@ -25,8 +25,7 @@ import triton.language as tl
 from kernels.attention_merge_triton import (COUNTER_SLOTS, FUSED_MERGE, _merge_splits_kernel,
                                             last_to_arrive, reset_counter, split_counters)
 from kernels.dispatch import pdl_launch
-from kernels.launch import (ATTN_WARPS, BLOCK_N, attention_launch, merge_chunk_for,
-                            offsets_64)
+from kernels.launch import BLOCK_N, attention_launch, merge_chunk_for
 from kernels.write_kv_triton import write_kv_triton  # noqa: F401  (re-exported)
 
 
@@ -53,7 +52,7 @@ def _paged_attn_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DOT_FP32: tl.constexpr, TREE: tl.constexpr, FUSED_MERGE: tl.constexpr,
-    MERGE_CHUNK: tl.constexpr, GDC: tl.constexpr, OFF64: tl.constexpr = True,
+    MERGE_CHUNK: tl.constexpr, GDC: tl.constexpr,
 ):
     if GDC:  # launched with PDL (kernels.dispatch): wait for the kernel ahead, free the next
         tl.extra.cuda.gdc_wait()
@@ -124,7 +123,7 @@ def _paged_attn_kernel(
         pos_ok = pos < hi
         # Physical slot through the block table (blk: this tile's entries, loaded one tile
         # ahead), per position, so any page_size works.
-        kv_off = ((blk.to(tl.int64) if OFF64 else blk) * stride_cb + (pos % page_size) * stride_cp
+        kv_off = (blk.to(tl.int64) * stride_cb + (pos % page_size) * stride_cp
                   + kv_head * stride_ch)[:, None] + d[None, :]  # [N, D]
         kv_mask = pos_ok[:, None] & d_ok[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)  # [N, D]
@@ -236,8 +235,6 @@ def _paged_attention(
     tree_start: torch.Tensor | None = None,  # [num_seqs] int32: tree attention when given
     tree_mask: torch.Tensor | None = None,  # [num_tokens, num_tree] bool
     fused_merge: bool | None = None,  # None = FUSED_MERGE (tests force either)
-    num_warps: int | None = None,  # None = ATTN_WARPS (kernels/launch.py; benchmarks force it)
-    off64: bool | None = None,  # None = offsets_64 of this cache (the warm-up's workers pass it)
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]; every row is written
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     num_tokens, num_heads, head_dim = query.shape
@@ -287,8 +284,6 @@ def _paged_attention(
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n, DIM_PAD=dim_pad,
         NUM_SPLITS=num_splits, DOT_FP32=_dot_in_fp32(query.dtype), TREE=tree, FUSED_MERGE=fused,
         MERGE_CHUNK=merge_chunk_for(block_q * group_pad, dim_pad, num_splits),
-        num_warps=ATTN_WARPS if num_warps is None else num_warps,
-        OFF64=offsets_64(k_cache.numel()) if off64 is None else off64,
         **pdl_launch(query, attention=True),
     )
     if num_splits > 1 and not fused:

@@ -124,33 +124,24 @@ def bench() -> None:
     print("\ndecode (q_len 1, page 16, bf16); us per call from CUDA-graph replay")
     print("(triton: the default, heuristic splits and the separate merge kernel; fused: the "
           "same splits merged by the last split, COMPILED_SPEC_FUSED_MERGE=1)")
-    print("(8 warps: triton at 8 warps a program, COMPILED_SPEC_ATTN_WARPS=8, 4 the default; "
-          "off32: 32-bit K / V offsets, COMPILED_SPEC_ATTN_OFF32=1; fused w8: the fused merge at 8 "
-          "warps)")
-    print(f"{'shape':8s} {'batch':>5s} {'q':>3s} {'ctx':>5s} {'triton':>8s} {'8 warps':>8s} "
-          f"{'off32':>8s} {'fused':>8s} {'fused w8':>8s} {'1-split':>8s} {'ref':>8s} "
-          f"{'KV GB/s':>8s}")
+    print(f"{'shape':8s} {'batch':>5s} {'q':>3s} {'ctx':>5s} {'triton':>8s} {'fused':>8s} "
+          f"{'1-split':>8s} {'ref':>8s} {'KV GB/s':>8s}")
     for name, (h, kvh, d) in SHAPES.items():
         for batch, q_len in ((1, 1), (1, 6), (1, 32), (16, 1)):
             for ctx in (512, 2048):
                 b = make_batch([(ctx - q_len, q_len)] * batch, h, kvh, d, torch.bfloat16)
                 args = attn_args(b)
                 t_tri = time_graph(lambda: paged_attention_triton(*args))
-                t_w8 = time_graph(lambda: _paged_attention(*args, num_splits=None, num_warps=8))
-                t_o32 = time_graph(lambda: _paged_attention(*args, num_splits=None, off64=False))
                 t_two = time_graph(lambda: _paged_attention(*args, num_splits=None,
                                                             fused_merge=True))
-                t_f8 = time_graph(lambda: _paged_attention(*args, num_splits=None,
-                                                           fused_merge=True, num_warps=8))
                 t_one = time_graph(lambda: _paged_attention(*args, num_splits=1))
                 try:  # the reference is plain PyTorch; capture is not its design goal
                     t_ref = time_graph(lambda: paged_attention_ref(*args), reps=2, iters=3)
                 except RuntimeError:
                     t_ref = float("nan")
                 kv_bytes = 2 * batch * ctx * kvh * d * 2  # K and V, bf16
-                print(f"{name:8s} {batch:5d} {q_len:3d} {ctx:5d} {t_tri:8.1f} {t_w8:8.1f} "
-                      f"{t_o32:8.1f} {t_two:8.1f} {t_f8:8.1f} {t_one:8.1f} {t_ref:8.1f} "
-                      f"{kv_bytes / t_tri / 1e3:8.0f}")
+                print(f"{name:8s} {batch:5d} {q_len:3d} {ctx:5d} {t_tri:8.1f} {t_two:8.1f} "
+                      f"{t_one:8.1f} {t_ref:8.1f} {kv_bytes / t_tri / 1e3:8.0f}")
 
 
 def binaries() -> None:
@@ -178,16 +169,12 @@ def binaries() -> None:
         for name, (h, kvh, d) in SHAPES.items():
             for ctx in (512, 2048):
                 args = attn_args(make_batch([(ctx - 1, 1)], h, kvh, d, torch.bfloat16))
-                for fused, warps, off64 in ((False, 4, True), (False, 8, True), (False, 4, False),
-                                            (True, 4, True), (True, 8, True)):
+                for fused in (False, True):
                     seen.clear()
-                    _paged_attention(*args, num_splits=None, fused_merge=fused, num_warps=warps,
-                                     off64=off64)
+                    _paged_attention(*args, num_splits=None, fused_merge=fused)
                     grid, k, b = seen[-1]
                     meta = getattr(b, "metadata", None)
-                    print(f"  {name:8s} ctx {ctx:5d} fused {fused!s:5s} warps {warps} off64 "
-                          f"{off64!s:5s} grid {grid} "
-                          f"splits "
+                    print(f"  {name:8s} ctx {ctx:5d} fused {fused!s:5s} grid {grid} splits "
                           f"{k['NUM_SPLITS']} chunk {k['MERGE_CHUNK']} block_q {k['BLOCK_Q']} "
                           f"regs {getattr(b, 'n_regs', '?')} spills {getattr(b, 'n_spills', '?')}"
                           f" shared {getattr(meta, 'shared', '?')} warps "

@@ -106,13 +106,6 @@ def candidates(m: int, n: int, k: int) -> list[GemmConfig]:
         # of the read bandwidth (cuBLAS and our best alike), short of what deep K allows
         out += [GemmConfig(bm, bn, 256, num_stages=st) for st in (3, 4)]
         out.append(GemmConfig(bm, bn, 128, num_stages=6))
-        # 8 warps, and 32-wide N tiles: compiled for sm_90 on the CPU (ptxas -v, fiftieth
-        # session) the wide deep picks spill at 4 warps, the gated gate_up's n64 k256 960
-        # bytes a thread and a plain n64 k256 (qkv, lm_head) 136; n64 k128 and n32 k128 at 8
-        # warps spill none (profiles/scripts/kernel_regs_cpu.py)
-        out += [GemmConfig(bm, b, bk, num_warps=8) for b, bk in ((bn, 256), (bn, 128), (32, 128))]
-        if n > 4096:
-            out.append(GemmConfig(bm, 32, 128))
     if m <= 8:  # GEMV-like: no padding of M to 16 rows; the [bm, bn, bk] product stays in
         bm = block_m_for(m, False)  # registers (<= 128 fp32 per thread at 4 warps)
         out += [GemmConfig(bm, bn, bk, use_dot=False) for bk in (32, 64, 128)

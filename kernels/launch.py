@@ -19,42 +19,10 @@ binary whatever their offset.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 BLOCK_N = 64  # keys per inner-loop tile
 MAX_SPLITS = 64
-ATTN_WARPS_ENV = "COMPILED_SPEC_ATTN_WARPS"
-
-
-def attn_warps(value: str | None = None) -> int:
-    """Warps per attention program: Triton's default 4, or ``COMPILED_SPEC_ATTN_WARPS`` (4 or 8;
-    ``value`` stands in for it in tests) for an A/B. Compiled for sm_90 on the CPU (Triton 3.9,
-    ``ptxas -v``, fiftieth session), the decode binary of the 8B shape (head_dim 128, 16 score
-    rows, K and V tiles of 64 keys in flight together) holds 255 registers and spills 200 bytes
-    a thread at 4 warps, none at 8 (195 registers); SmolLM2's (head_dim 64) 255 registers and 4
-    bytes at 4, 176 and none at 8. Not yet timed on a GPU."""
-    v = os.environ.get(ATTN_WARPS_ENV, "4") if value is None else value
-    if v not in ("4", "8"):
-        raise ValueError(f"{ATTN_WARPS_ENV}={v!r}: expected 4 or 8")
-    return int(v)
-
-
-ATTN_WARPS = attn_warps()  # read once: worker processes that compile ahead inherit the variable
-ATTN_OFF32_ENV = "COMPILED_SPEC_ATTN_OFF32"
-# 32-bit K / V offsets where the cache allows them (``offsets_64``), opt-in until timed
-ATTN_OFF32 = os.environ.get(ATTN_OFF32_ENV, "0") == "1"
-
-
-def offsets_64(cache_numel: int, off32: bool | None = None) -> bool:
-    """Whether the attention kernel computes its K / V element offsets in 64 bits: always,
-    unless 32-bit offsets are asked for (``off32``, default ``COMPILED_SPEC_ATTN_OFF32=1``)
-    and every offset into a cache of ``cache_numel`` elements fits in an int32. Compiled for
-    sm_90 on the CPU (fiftieth session), the 8B shape's decode binary at 4 warps spills 200
-    bytes a thread with 64-bit offsets and none with 32-bit ones (the per-element [N, D]
-    offsets are half the registers). A property of the engine's caches, so fixed per engine:
-    the warm-up's workers, whose caches are two blocks, are told it (``warmup_parallel``)."""
-    return not (ATTN_OFF32 if off32 is None else off32) or cache_numel > 2**31 - 1
 
 
 def _next_pow2(n: int) -> int:

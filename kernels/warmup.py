@@ -28,13 +28,11 @@ def warm_attention(k_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_head
                    v_cache: torch.Tensor,
                    num_heads: int, max_query_len: int, max_seq_len: int,
                    force: bool = False, sms: int | None = None,
-                   configs: list[tuple[int, int]] | None = None,
-                   off64: bool | None = None) -> list[tuple[int, int]]:
+                   configs: list[tuple[int, int]] | None = None) -> list[tuple[int, int]]:
     """Launch every reachable configuration once (or ``configs``: (block_q, num_splits)
     pairs); returns them. Off CUDA nothing runs (the engine uses the reference ops there)
     unless ``force`` (tests, under TRITON_INTERPRET=1, with ``sms`` standing in for the GPU's
-    multiprocessor count). ``off64``: the engine cache's offset width (``kernels.launch.
-    offsets_64``) where ``k_cache`` stands in for it (a worker's two blocks); None: its own."""
+    multiprocessor count)."""
     if not (k_cache.is_cuda or force):
         return []
     from kernels.attention_triton import _paged_attention, num_sms
@@ -51,7 +49,7 @@ def warm_attention(k_cache: torch.Tensor,  # [num_blocks, page_size, num_kv_head
     qsl = torch.zeros(2, dtype=torch.int32, device=dev)  # one sequence, zero query tokens
     for block_q, splits in configs:
         _paged_attention(query, k_cache, v_cache, tables, seq_lens, qsl, block_q,
-                         splits * BLOCK_N, 1.0, num_splits=splits, off64=off64)
+                         splits * BLOCK_N, 1.0, num_splits=splits)
     return configs
 
 
@@ -205,8 +203,7 @@ def _worker(spec: dict[str, Any]) -> None:
     """A cold start's compile worker (``kernels.warmup_parallel.start``): launches its share of
     the configurations on two cache blocks of the engine's dtype, shape and strides, the same
     specialisation key (divisibility, == 1) as the engine's caches, so the binaries it compiles
-    are the ones the engine looks up (with its offset width, spec "off64": ``offsets_64``).
-    Under TRITON_INTERPRET=1 (CPU tests) they run interpreted."""
+    are the ones the engine looks up. Under TRITON_INTERPRET=1 (CPU tests) they run interpreted."""
     force = os.environ.get("TRITON_INTERPRET") == "1"
     dev = torch.device("cpu") if force else torch.device("cuda", spec["device"])
     dtype = getattr(torch, spec["dtype"])
@@ -215,8 +212,7 @@ def _worker(spec: dict[str, Any]) -> None:
     v = torch.empty_strided(size, stride, dtype=dtype, device=dev)
     configs = [tuple(c) for c in spec["configs"]]
     with pdl_scope(bool(spec.get("gdc"))):  # GDC=1 binaries (launched with PDL) if asked
-        done = warm_attention(k, v, spec["num_heads"], 1, 1, force=force, configs=configs,
-                              off64=spec.get("off64"))
+        done = warm_attention(k, v, spec["num_heads"], 1, 1, force=force, configs=configs)
     if spec["rope"] and not force:
         warm_rope_write_kv(k, v, spec["num_heads"])
     if dev.type == "cuda":

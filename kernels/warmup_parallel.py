@@ -31,8 +31,6 @@ from typing import Any
 
 import torch
 
-from kernels.launch import offsets_64
-
 ENV = "COMPILED_SPEC_PARALLEL_WARMUP"
 _ROOT = Path(__file__).resolve().parents[1]  # the directory holding the kernels package
 # A cold compile measured 0.5-0.8 s per configuration; a cache hit a few milliseconds.
@@ -96,9 +94,7 @@ def spec_of(k_cache: torch.Tensor, num_heads: int, configs: list[tuple[int, int]
     return {"num_heads": num_heads, "shape": list(k_cache.shape[1:]),
             "stride": list(k_cache.stride()), "dtype": str(k_cache.dtype).removeprefix("torch."),
             "device": k_cache.device.index or 0, "configs": [list(c) for c in configs],
-            "rope": rope, "gdc": gdc,
-            # the engine cache's offset width: the worker's two blocks would pick 32 bits
-            "off64": offsets_64(k_cache.numel())}
+            "rope": rope, "gdc": gdc}
 
 
 def start(specs: list[dict[str, Any]]) -> list[subprocess.Popen]:

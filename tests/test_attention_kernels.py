@@ -249,10 +249,6 @@ def _triton_worker() -> None:
             "err_vs_naive": (tri.double() - naive_attention(batch)).abs().max().item(),
             "unowned_max": tri[-NUM_UNOWNED_TOKENS:].float().abs().max().item(),
         }
-        if name == "p4_gqa_fp32_strided_q_split4":  # 32-bit K / V offsets: the same outputs
-            off32 = _paged_attention(*batch.attn_args(tri_k, tri_v), num_splits=splits,
-                                     off64=False)
-            results[name]["off32_same"] = torch.equal(off32, tri)
         if splits:  # the split's merge: fused (last split merges) against the merge kernel
             from kernels.attention_merge_triton import FUSED_MERGE
             from kernels.attention_triton import split_counters
@@ -314,8 +310,6 @@ def test_triton_kernels_match_reference(triton_results: dict, case: str) -> None
     assert r["err_vs_ref"] < tol, r
     assert r["err_vs_naive"] < tol, r
     assert r["unowned_max"] == 0, r
-    if case == "p4_gqa_fp32_strided_q_split4":  # COMPILED_SPEC_ATTN_OFF32's kernel form
-        assert r["off32_same"], r
 
 
 SPLIT_CASES = [c[0] for c in TRITON_CASES if c[5]]

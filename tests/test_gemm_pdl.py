@@ -41,7 +41,7 @@ gemm = dict(NORM=False, NW_IN_A=False, GATED=True, HAS_RES=False, BLOCK_M=16, BL
 qkv = dict(HALF=32, NORM=False, NW_IN_A=False, BLOCK_M=16, BLOCK_N=16, BLOCK_K=128,
            USE_DOT=True, DOT_FP32=False, LATE=False)
 attn = dict(GROUP=3, GROUP_PAD=4, BLOCK_Q=4, BLOCK_N=64, DIM_PAD=64, NUM_SPLITS=32,
-            DOT_FP32=False, TREE=False, FUSED_MERGE=False, MERGE_CHUNK=1, OFF64=True)
+            DOT_FP32=False, TREE=False, FUSED_MERGE=False, MERGE_CHUNK=1)
 merge = dict(NUM_SPLITS=32, DIM_PAD=64)
 print(json.dumps({f"{name}{g}": count(k, dict(c, GDC=g)) for g in (0, 1)
                   for name, k, c in (("gemm", _skinny_gemm_kernel, gemm),

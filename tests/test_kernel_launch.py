@@ -115,25 +115,3 @@ def test_metadata_pointers_share_one_binary_whatever_their_offset():
     assert all(c == 1 for c in meta.values()), meta
     # The probe does tell the two apart where alignment is specialised (vectorised data).
     assert keys["_paged_attn_kernel.q_ptr"] == 2
-
-
-def test_attention_warps_setting():
-    """``COMPILED_SPEC_ATTN_WARPS``: 4 (Triton's default) unless set to 8; anything else is
-    refused, naming the value (the A/B of the fiftieth session's register audit)."""
-    from kernels.launch import attn_warps
-
-    assert attn_warps("4") == 4 and attn_warps("8") == 8
-    for bad in ("2", "16", "eight", ""):
-        with pytest.raises(ValueError, match=repr(bad)):
-            attn_warps(bad)
-
-
-def test_attention_offsets_64_bits_unless_asked_and_small_enough():
-    """32-bit K / V offsets only where asked for and every offset of the cache fits in int32;
-    the default (no COMPILED_SPEC_ATTN_OFF32) keeps 64 bits."""
-    from kernels.launch import ATTN_OFF32, offsets_64
-
-    assert offsets_64(1 << 20, off32=False) and offsets_64(1 << 40, off32=False)
-    assert not offsets_64(1 << 20, off32=True) and not offsets_64(2**31 - 1, off32=True)
-    assert offsets_64(2**31, off32=True)
-    assert offsets_64(1 << 20) == (not ATTN_OFF32)

@@ -168,12 +168,8 @@ def test_pdl_warm_up_launches_inside_the_pdl_scope_for_narrow_calls_only(monkeyp
 
     seen = []
 
-    widths = []
-
-    def spy(k, v, num_heads, max_query_len, max_seq_len, force=False, sms=None, configs=None,
-            off64=None):
+    def spy(k, v, num_heads, max_query_len, max_seq_len, force=False, sms=None, configs=None):
         seen.append((dispatch._PDL.get(), max_query_len))
-        widths.append(off64)
         return []
 
     monkeypatch.setattr(warmup, "warm_attention", spy)
@@ -191,14 +187,6 @@ def test_pdl_warm_up_launches_inside_the_pdl_scope_for_narrow_calls_only(monkeyp
         warmup._worker(wp.spec_of(k, 4, [(16, 1)], rope=False, gdc=gdc))
     assert [s[0] for s in seen] == [False, True]
     assert wp.spec_of(k, 4, [(16, 1)], rope=True)["gdc"] is False
-    # the engine cache's offset width rides in the spec: a worker's two blocks pass it on
-    monkeypatch.setattr(wp, "offsets_64", lambda numel: numel == k.numel())
-    widths.clear()
-    for off64 in (True, False):
-        spec = wp.spec_of(k if off64 else k[:1], 4, [(16, 1)], rope=False)
-        assert spec["off64"] is off64
-        warmup._worker(spec)
-    assert widths == [True, False]
     # ... and a cold cache's workers are started with it
     specs = []
     monkeypatch.setattr(wp, "start", lambda s: specs.extend(s) or s)

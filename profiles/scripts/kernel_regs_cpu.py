@@ -1,21 +1,23 @@
-"""Issue 16: registers and spills of the paged-attention and skinny-GEMM binaries, compiled for
-sm_90 on the CPU.
+"""Issue 16: registers, spills and load forms of our hot Triton binaries, compiled for sm_90 on
+the CPU (no GPU needed).
 
-Triton compiles the kernel down to PTX without a GPU (as tests/test_gemm_pdl.py does), and the
-``ptxas`` that ships with Triton assembles it with ``-v``: registers per thread, spill stores
-and loads, stack frame. A decode program is a short chain of dependent loads; one that spills
-adds local-memory round trips to it. The fiftieth session found the 8B shape's decode binary at
-255 registers and 200 bytes of spills at 4 warps (Triton's default), none at 8, and the 8B
-shape's gated gate_up GEMM pick (n64 k256, 4 warps) at 960 bytes.
+Triton compiles a kernel down to PTX without a GPU (as tests/test_gemm_pdl.py does) and the
+``ptxas`` that ships with it assembles the PTX with ``-v``: registers a thread, spill stores
+and loads. Each binary is compiled as the engine's launch specialises it: pointers 16-byte
+aligned (but those marked ``do_not_specialize_on_alignment``) and the integer arguments that
+are multiples of 16 in the engine (``DIVISIBLE``) hinted as such. Without those hints the
+binary is another one: scalar 2-byte loads, no cp.async pipelining and, for the 8B shape's
+picks, 136-1,044 bytes of spills a thread, which the fiftieth session first took for the
+engine's binaries. With them no pick spills (``results/2026-12-07_cpu_session50/``).
 
     python profiles/scripts/kernel_regs_cpu.py [--out F.json]
 
-Rows: SmolLM2 (9 / 3 heads of 64) and the 8B shape (32 / 8 of 128), bf16, the decode block
-(16 score rows) and a prefill block (64), 4 and 8 warps, 64- and 32-bit K / V offsets
-(``COMPILED_SPEC_ATTN_OFF32``), the split path with the merge kernel and with the fused merge. Which PTX version the newest bundled ptxas reads decides which one
-runs (``ptxas-blackwell`` where the plain one is older than Triton's PTX). Then the skinny
-GEMM's candidates (``kernels.gemm_config.candidates``) for the 8B shape's layer GEMMs and lm_head
-at M = 1, gated where the layer gates (gate_up), each marked where ``gemm_config`` picks it.
+Rows: the paged attention for SmolLM2 (9 / 3 heads of 64) and the 8B shape (32 / 8 of 128),
+bf16, the decode block (16 score rows) and a prefill block (64), 4 and 8 warps, the split path
+with the merge kernel and with the fused merge; then the skinny GEMM's candidates
+(``kernels.gemm_config.candidates``) for the 8B shape's o_proj, gate_up (gated, as the fused
+layer runs it), down and lm_head at M = 1, the pick marked. Each row says whether the binary
+loads through cp.async (a pipelined K loop) and how many 16-byte vector loads it issues.
 """
 from __future__ import annotations
 
@@ -49,13 +51,26 @@ GEMMS = {"o_proj": (4096, 4096, False), "gate_up": (14336, 4096, True),
          "down": (4096, 14336, False), "lm_head": (128256, 4096, False)}
 
 
+# Integer arguments whose values are multiples of 16 in the engine (strides, head_dim, page
+# size, GEMM N and K), which Triton's launch specialises as such (tt.divisibility 16), as it
+# does every 16-byte-aligned pointer not marked do_not_specialize_on_alignment. Without these
+# hints the binary differs from the engine's: scalar 2-byte loads instead of 16-byte vectors.
+DIVISIBLE = {"stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cb", "stride_cp",
+             "stride_ch", "stride_ps", "stride_pt", "stride_ph", "stride_lt", "head_dim",
+             "page_size", "N", "K", "stride_xm", "stride_wn", "stride_ym", "stride_rm"}
+
+
 def ptx_of(consts: dict[str, Any], warps: int, kernel: Any = _paged_attn_kernel,
            stages: int = 3) -> str:
     k = kernel
     sig = {n: ("*fp32" if n in FP32 else "*i32" if n in INT else "*bf16" if n.endswith("_ptr")
-               else "fp32" if n == "qk_scale" else "i32") for n in k.arg_names}
+               else "fp32" if n in ("qk_scale", "eps") else "i32") for n in k.arg_names}
     sig.update({c: "constexpr" for c in consts})
-    src = ASTSource(k, sig, constexprs={(k.arg_names.index(c),): v for c, v in consts.items()})
+    unaligned = set(k.do_not_specialize_on_alignment or ())
+    aligned = [i for i, n in enumerate(k.arg_names) if n not in consts and (
+        n in DIVISIBLE or (n.endswith("_ptr") and n not in unaligned))]
+    src = ASTSource(k, sig, constexprs={(k.arg_names.index(c),): v for c, v in consts.items()},
+                    attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": warps, "num_stages": stages}).asm["ptx"]
 
@@ -79,12 +94,16 @@ def _assemble(exe: str, ptx: str) -> str | None:
         return r.stderr if r.returncode == 0 else None
 
 
-def usage(info: str) -> dict[str, int]:
+def usage(info: str, ptx: str) -> dict[str, int]:
+    """ptxas' registers and spill bytes (-1: not reported), the PTX's cp.async and 16-byte
+    vector loads."""
     regs = re.search(r"Used (\d+) registers", info)
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
     return {"registers": int(regs.group(1)) if regs else -1,
             "spill_stores": int(spill.group(1)) if spill else -1,
-            "spill_loads": int(spill.group(2)) if spill else -1}
+            "spill_loads": int(spill.group(2)) if spill else -1,
+            "cp_async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca"),
+            "v4_loads": ptx.count("ld.global.v4")}
 
 
 def main() -> None:
@@ -97,20 +116,19 @@ def main() -> None:
             for splits, fused in ((1, False), (8, False), (8, True), (32, True)):
                 if block_q == 16 and splits > 1 and fused:
                     continue
-                for warps, off64 in ((4, True), (8, True), (4, False)):
+                for warps in (4, 8):
                     consts = dict(GROUP=group, GROUP_PAD=4, BLOCK_Q=block_q, BLOCK_N=64,
                                   DIM_PAD=dim, NUM_SPLITS=splits, DOT_FP32=False, TREE=False,
                                   FUSED_MERGE=fused,
-                                  MERGE_CHUNK=merge_chunk_for(block_q * 4, dim, splits),
-                                  GDC=0, OFF64=off64)
+                                  MERGE_CHUNK=merge_chunk_for(block_q * 4, dim, splits), GDC=0)
                     ptx = ptx_of(consts, warps)
                     exe = exe or ptxas_for(ptx)
                     if exe is None:
                         print("no bundled ptxas reads this Triton's PTX: nothing to report")
                         return
                     row = {"shape": name, "block_q": block_q, "splits": splits,
-                           "fused_merge": fused, "warps": warps, "off64": off64,
-                           **usage(_assemble(exe, ptx) or "")}
+                           "fused_merge": fused, "warps": warps, **usage(_assemble(exe, ptx)
+                                                                        or "", ptx)}
                     rows.append(row)
                     print(json.dumps(row))
     for name, (n, k, gated) in GEMMS.items():
@@ -123,7 +141,7 @@ def main() -> None:
                           SPLIT_K=1, USE_DOT=True, DOT_FP32=False, GDC=0, LATE=False)
             ptx = ptx_of(consts, cfg.num_warps, _skinny_gemm_kernel, cfg.num_stages)
             row = {"gemm": name, "config": cfg.name, "picked": cfg == pick,
-                   **usage(_assemble(exe, ptx) or "")}
+                   **usage(_assemble(exe, ptx) or "", ptx)}
             rows.append(row)
             print(json.dumps(row))
     print(f"triton {triton.__version__}, {os.path.basename(exe)}")

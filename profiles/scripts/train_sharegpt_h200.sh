@@ -559,8 +559,6 @@ g8ab)
       default) A=() ;; skinny) A=(--skinny-gemm --skinny-gemm-layer --pdl) ;;
       fused_merge) A=(); E=(COMPILED_SPEC_FUSED_MERGE=1) ;;  # attention's split merge in its launch
       pdl_attn) A=(); E=(COMPILED_SPEC_PDL_ATTN=1) ;;  # PDL for the attention and its merge alone
-      warps8) A=(); E=(COMPILED_SPEC_ATTN_WARPS=8) ;;  # attention at 8 warps (no spills, ptxas)
-      off32) A=(); E=(COMPILED_SPEC_ATTN_OFF32=1) ;;  # attention's K / V offsets in 32 bits
       skinny_nopdl) A=(--skinny-gemm --skinny-gemm-layer) ;;
       norms) A=(--skinny-gemm --skinny-gemm-layer --skinny-gemm-norms) ;;  # the RMSNorms too
       readout) A=(--skinny-gemm-readout) ;;  # the lm_head through our skinny GEMM
