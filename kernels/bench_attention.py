@@ -148,8 +148,9 @@ def binaries() -> None:
     """Registers, spills and shared memory of the decode binaries, split kernel + merge against
     the fused merge: the fused form ran 2.8-9x slower than the split kernel and its merge on the
     H100 (forty-eighth session; 84.4 against 9.0 us for the 8B shape at 2048 tokens), slower
-    than a single split even, though its merge loads a few KB. A merge branch that spills would
-    slow every program of the launch."""
+    than a single split even, though its merge loads a few KB. Compiled for sm_90 on the CPU
+    (``profiles/scripts/kernel_regs_cpu.py``, fiftieth session) neither form spills; this
+    reads the binaries the GPU's own Triton builds."""
     import kernels.attention_triton as at
 
     real, seen = at._paged_attn_kernel, []
