@@ -322,5 +322,8 @@ def _route(runner: ModelRunner, models: CompiledModels, on: bool) -> None:
         runner.proposer.graph = None if g is None else g.propose
         runner.proposer.early_graph = None if g is None else g.propose_early
         runner.proposer.sync_graph = None if g is None else g.sync
+        # (a tree proposer's prompts go through the chain proposer it wraps)
+        getattr(runner.proposer, "base", runner.proposer).prefill_graph = (
+            None if g is None else g.draft_prefill)
     if g is not None:
         runner.target_fn = g.target

@@ -58,6 +58,12 @@ def test_prompt_steps_replay_prefill_graphs(bigram_eagle3, smollm2_gguf_path, wa
         # eager: compiled_spec/spec/first_pass_split.py), and draft exactly what the eager
         # engine drafts: the same acceptance.
         assert "prefill" not in comp["draft_propose"]["fallback_reasons"], comp["draft_propose"]
+        # The first pass's head replays the draft's prompt graphs (engine/draft_prefill_graph.py):
+        # 12 tokens -> 8 leading positions, 20 -> 16, the pair's 12-token prompt -> 8, each in
+        # 16; 45 -> 41 positions, past the 32-token query limit: uncaptured, counted.
+        assert {q: comp[f"draft_prefill_{q}"]["graph_replays"] for q in SIZES} == {16: 3, 32: 0}
+        assert comp["draft_prefill_16"]["padded_rows"] == 8 + 0 + 8
+        assert comp["draft_prefill_32"]["fallback_reasons"] == {"query_len": 1}
         eager = LLM(**kw)
         assert _run(eager) == want
         assert llm.stats.spec.num_accepted_tokens == eager.stats.spec.num_accepted_tokens

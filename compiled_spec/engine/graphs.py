@@ -13,6 +13,11 @@ Three components share one graph memory pool (``capture.GraphRegistry``):
   and the k - 1 step loop. EAGLE-3's fc runs eagerly *before* the replay, over the target's aux
   states, so no graph depends on the aux width or the first pass's token count (seeds/003).
 
+* ``draft_prefill_<T>`` (``draft_prefill_graph.DraftPrefillGraphs``): the leading first-pass
+  positions of a prompt, the ones before the propose graph's k + 1 (a tree's: before its
+  first-pass graph's rows), as varlen graphs of T tokens (the target's prompt-graph sizes);
+  and a paused prompt step's whole first pass.
+
 Draft-tree engines register ``target_tree_verify``, ``tree_draft_first_pass`` and
 ``tree_draft_expand`` (``engine.tree_graphs``) instead of ``target_verify`` / ``draft_propose``,
 and with early propose on ``tree_draft_early`` (``engine.early_tree_graph``).
@@ -47,6 +52,8 @@ from capture.host_stage import HostBatch
 from capture.pad import as_static
 from compiled_spec.attention_metadata import AttentionMetadata
 from compiled_spec.engine.batch import host_batch_to_device
+from compiled_spec.engine.draft_prefill_graph import NAME as DRAFT_PREFILL
+from compiled_spec.engine.draft_prefill_graph import DraftPrefillGraphs
 from compiled_spec.engine.model_runner import ModelRunner
 from compiled_spec.engine.early_propose_graph import EarlyProposeGraphs
 from compiled_spec.engine.early_tree_graph import EarlyTreeGraphs
@@ -265,12 +272,18 @@ class EngineGraphs:
         self.propose: ProposeGraphs | TreeProposeGraphs | None = None
         self.propose_early: EarlyProposeGraphs | EarlyTreeGraphs | None = None
         self.sync: SyncGraphs | None = None  # the first pass alone (engines that may pause)
+        self.draft_prefill: DraftPrefillGraphs | None = None  # a prompt's first pass
         prop = runner.proposer
         if prop is None:
             return
         dtype = runner.model.lm_head.weight.dtype
         if tree is not None:
             self.propose = TreeProposeGraphs(reg, prop, policy.batch_sizes, max_blocks, dtype)
+            # (a prompt's first pass before the tree's own first-pass graph: the chain's prompt
+            # graphs, on the proposer the tree proposer wraps)
+            self.draft_prefill = DraftPrefillGraphs.for_policy(
+                self.registry.register, prop.base, policy, mixed is not None, max_blocks,
+                tree.num_draft_tokens, dtype, tree=True)
             if runner.early is not None and runner.early.enabled:  # engine/early_tree.py
                 self.propose_early = EarlyTreeGraphs(
                     self.propose, prop, runner.allocator, policy.batch_sizes, max_blocks,
@@ -285,6 +298,8 @@ class EngineGraphs:
                                      policy.seq_len_buckets[-1], dtype,
                                      pool=self.registry.pool, emulate=emulate, strict=strict)
         self.registry.runners[ProposeGraphs.name] = self.propose  # type: ignore[assignment]
+        self.draft_prefill = DraftPrefillGraphs.for_policy(
+            self.registry.register, prop, policy, mixed is not None, max_blocks, k + 1, dtype)
         if prop.capture_sync:  # paused steps and their deferred first passes
             self.sync = SyncGraphs(prop, runner.allocator, policy.batch_sizes,
                                    prop.sync_rows or k + 1, max_blocks,
@@ -300,10 +315,10 @@ class EngineGraphs:
     def required(self) -> list[str]:
         """Components that must have graphs: every registered one with sizes to capture (a
         chain engine of batch size 1 has no decode graph: the verify graph serves it). Prompt
-        steps ran without graphs before they had any: a failed prefill capture is recorded and
-        its steps run compiled, counted, but start-up goes on."""
+        steps ran without graphs before they had any: a failed prefill capture (the target's or
+        the draft's) is recorded and its steps run compiled, counted, but start-up goes on."""
         return [name for name, r in self.registry.runners.items()
-                if r.sizes and not name.startswith(PREFILL)]
+                if r.sizes and not name.startswith((PREFILL, DRAFT_PREFILL))]
 
     def capture(self) -> float:
         """Dummy runs + capture of every component; raises ``CaptureError`` when a component

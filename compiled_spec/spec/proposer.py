@@ -24,6 +24,7 @@ from compiled_spec.spec.first_pass_split import compact_rows, split_first_pass
 from compiled_spec.spec.propose_batch import ProposeBatch  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:
+    from compiled_spec.engine.draft_prefill_graph import DraftPrefillGraphs
     from compiled_spec.engine.early_propose_graph import EarlyProposeGraphs
     from compiled_spec.engine.propose_graph import ProposeGraphs
     from compiled_spec.engine.sync_graph import SyncGraphs
@@ -58,6 +59,9 @@ class EagleProposer:
         self.sync_rows = 0
         # ... replayed from here (engine/sync_graph.py) once captured
         self.sync_graph: "SyncGraphs | None" = None
+        # A prompt's first pass before the propose graph's k + 1 positions, and a paused
+        # prompt step's whole first pass (engine/draft_prefill_graph.py), once captured.
+        self.prefill_graph: "DraftPrefillGraphs | None" = None
         # (target_hidden, its fc output) issued early by ``precombine``, taken by ``combine``.
         self._pre: tuple[object, torch.Tensor] | None = None
         self.allocator = allocator
@@ -116,9 +120,22 @@ class EagleProposer:
         """The first pass alone, no drafting: the draft's KV at the accepted positions is
         written as a proposal would write it, so drafting can resume later with its context
         complete (a paused step of the adaptive policy; no logits, no loop). A first-pass
-        graph runs it where one was captured for the batch (its misses are in its stats)."""
-        if self.sync_graph is None or not self.sync_graph.run(batch, target_hidden):
+        graph runs it where one was captured for the batch (its misses are in its stats); a
+        prompt's, longer than those graphs hold, the prompt graphs."""
+        g = self.sync_graph
+        if g is not None and any(s.length > g.q for s in batch.first_pass) and \
+                self._prefill_pass(batch, target_hidden):
+            return
+        if g is None or not g.run(batch, target_hidden):
             self.first_pass(batch, target_hidden)
+
+    def _prefill_pass(self, batch: ProposeBatch,
+                      target_hidden: torch.Tensor | list[torch.Tensor]) -> bool:
+        """The draft KV at ``batch``'s first-pass positions through the prompt graphs (their
+        misses run uncaptured and are counted there); False when there are none, or the step's
+        target rows exceed their buffer: the caller runs ``first_pass``."""
+        g = self.prefill_graph
+        return g is not None and g.enabled and g.run(batch, target_hidden)
 
     def first_pass(self, batch: ProposeBatch, target_hidden: torch.Tensor | list[torch.Tensor]
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -136,13 +153,18 @@ class EagleProposer:
                        target_hidden: torch.Tensor | list[torch.Tensor], q: int
                        ) -> tuple[ProposeBatch, torch.Tensor | list[torch.Tensor]]:
         """``batch`` cut to at most ``q`` first-pass positions per request, for a graph: the
-        positions before run now, uncaptured (their draft KV is all that is needed), and the
-        target rows the rest reads gathered (compiled_spec/spec/first_pass_split.py)."""
+        positions before run now, through the prompt graphs or uncaptured (their draft KV is
+        all that is needed), and the target rows the rest reads gathered
+        (compiled_spec/spec/first_pass_split.py)."""
         pre, batch = split_first_pass(batch, q)
         if pre is None:
             return batch, target_hidden
-        self.first_pass(pre, target_hidden)  # writes the draft KV there
-        return compact_rows(batch, target_hidden, self.device)
+        # The rest's target rows gathered first: a prompt graph's replay may reuse the graph
+        # memory the target's outputs live in.
+        rest = compact_rows(batch, target_hidden, self.device)
+        if not self._prefill_pass(pre, target_hidden):
+            self.first_pass(pre, target_hidden)  # writes the draft KV there
+        return rest
 
     @torch.inference_mode()
     def propose(self, batch: ProposeBatch, target_hidden: torch.Tensor | list[torch.Tensor]
