@@ -3,12 +3,13 @@
 A prompt step's proposal runs the draft's first pass over every prompt position, to write the
 draft's KV there. The propose graph takes only the last k + 1 of them
 (``spec/first_pass_split.py``; a tree's first-pass graph the last num_steps + 1); the
-positions before ran uncaptured: the compiled draft layer
-called from Python, each of its custom ops dispatched through ``torch.library`` at ~100-200 us
-of host time apiece. On the H100 (fifty-first session, random SmolLM2-shaped target and
-EAGLE-3 head, batch 1) that made an EAGLE engine's prompt step 5.8 ms against vanilla's 1.4 ms,
-4.2 ms of it the proposal's host time; an adaptive engine's paused prompt step (the first pass
-alone, ``EagleProposer.sync``) 4.8 ms.
+positions before ran uncaptured: the compiled draft layer called from Python, each of its
+custom ops dispatched through ``torch.library`` at ~100-200 us of host time apiece. On the
+H100 (fifty-first session, random SmolLM2-shaped target and EAGLE-3 head, batch 1) that made
+an EAGLE engine's prompt step 5.8 ms against vanilla's 1.4 ms, 4.2 ms of it the proposal's
+host time; an adaptive engine's paused prompt step (the first pass alone,
+``EagleProposer.sync``) 4.8 ms. With these graphs: 1.87 and 1.95 ms against vanilla's 1.52,
+in one call (profiles/results/2026-12-07_h100_session51/).
 
 Here that leading part replays a varlen graph: one ``GraphRunner`` per token count T (the
 target's prompt-graph sizes: ``capture.policy.prefill_sizes`` and, with several sequences,

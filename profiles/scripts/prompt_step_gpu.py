@@ -2,7 +2,8 @@
 and fifty-first sessions' pausedab: 5.5 ms against 1.45 ms a prompt step at batch 1, the
 prompt step's ``propose`` phase 4 ms of host time).
 
-For each variant (vanilla, EAGLE-3 always drafting, EAGLE-3 adaptive) on a random SmolLM2-shaped
+For each variant (vanilla, EAGLE-3 always drafting, EAGLE-3 adaptive; ``tree``: a draft tree
+of 16 nodes) on a random SmolLM2-shaped
 target with a random EAGLE-3 head (compiled, CUDA graphs), at one batch size:
 1. prompt steps timed untraced: ``generate(max_tokens=2)`` per batch of prompts, the engine's
    own prompt-step time and host phases (engine/host_clock.py);
@@ -35,6 +36,8 @@ def _engine(variant: str, model: str, head: str, tok: str, batch: int, device: s
     if variant != "vanilla":
         kw.update(draft=head, num_speculative_tokens=5,
                   speculation_policy="adaptive" if variant == "adaptive" else "always")
+    if variant == "tree":  # a draft tree of 16 nodes, 4 deep (the forty-second session's)
+        kw.update(speculative_topk=4, speculative_num_draft_tokens=16, speculative_num_steps=4)
     return LLM(**kw)
 
 

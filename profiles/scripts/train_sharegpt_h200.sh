@@ -69,6 +69,9 @@
 #                         warm start; on torch 2.11 since the seventeenth session, unmeasured: compile_cache["precompile"] says)
 #   bash profiles/scripts/train_sharegpt_h200.sh pausedab  # paused steps vs vanilla, random
 #                         SmolLM2-shaped weights (no GGUF): the flush placement's A/B
+#   bash profiles/scripts/train_sharegpt_h200.sh promptstep  # after setup0: prompt steps of
+#                         vanilla / EAGLE-3 / adaptive (random SmolLM2 shape; BATCH, NUM_PROMPTS),
+#                         and of the base tree's EAGLE engines where .device/base came along
 #   bash profiles/scripts/train_sharegpt_h200.sh pdlwarm  # after setup0: cold starts without
 #                         and with COMPILED_SPEC_PDL_WARMUP=1 (SmolLM2 shape, random weights)
 #   bash profiles/scripts/train_sharegpt_h200.sh g8ab  # after setup0 (the tokenizer only): the 8B
@@ -343,6 +346,30 @@ open(sys.argv[1], 'w').write(json.dumps(SMOLLM2))" ~/rs/config.json
   grep -E "tok/s|^\|" "$OUT/bench.log" | cut -c1-400
   python3 profiles/scripts/bench_rows.py "$OUT/benchmarks.json" > "$OUT/rows.txt" 2>&1
   cut -c1-700 "$OUT/rows.txt" ;;
+promptstep)
+  # Issue 16 (fifty-first session): an EAGLE engine's prompt steps against vanilla's
+  # (profiles/scripts/prompt_step_gpu.py: engine timing, host phases, cProfile), this tree's
+  # and, with .device/base, the base tree's EAGLE engines in the same call.
+  S=$PWD/profiles/scripts/prompt_step_gpu.py
+  A=(--tokenizer ~/tok --prompts $PWD/.device/mt/question.jsonl --batch ${BATCH:-1}
+     --num-prompts ${NUM_PROMPTS:-16})
+  PYTHONPATH=~/site:$PWD timeout ${LIMIT:-170} python3 $S "${A[@]}" \
+    --out "$OUT/prompt_step.json" > "$OUT/prompt_step.log" 2>&1
+  echo "== this tree rc=$?"
+  [ -d .device/base ] && (cd .device/base && PYTHONPATH=~/site:$PWD timeout ${LIMIT:-170} \
+    python3 $S "${A[@]}" --variants eagle adaptive --out "$OUT/prompt_step_base.json" \
+    > "$OUT/prompt_step_base.log" 2>&1; echo "== base rc=$?")
+  grep -hE "^==" "$OUT"/prompt_step*.log
+  python3 - "$OUT" <<'PY'
+import json, pathlib, sys
+for f in sorted(pathlib.Path(sys.argv[1]).glob("prompt_step*.json")):
+    d = json.loads(f.read_text())
+    for v, r in d.items():
+        if isinstance(r, dict) and "again" in r:
+            print(f.name, v, r["prompt_step_ms"], r["again"]["prompt_step_ms"],
+                  r["again"]["host_phase_ms"].get("propose"), r.get("without_graph"))
+PY
+  ;;
 pdlwarm)
   # Issue 16 (forty-ninth session): cold starts of the SmolLM2 shape (random weights, graphs,
   # under cold_capture_h200.py's probe) without and with COMPILED_SPEC_PDL_WARMUP=1: the GDC=1
