@@ -85,6 +85,8 @@ class CompileConfig:
     # 16, 32, ... tokens (capture.policy.prefill_sizes); 0 = none. Why: without a graph a
     # prompt step was host-bound at 15-40 ms on the H200 (SmolLM2: ~360 launches through
     # Python) against 1-3 ms for a decode step; at batch 1 every request starts with one.
+    # A draft's pass over those prompts replays graphs of the same token counts (and of
+    # mixed_graph_tokens' below; engine/draft_prefill_graph.py).
     prefill_graph_tokens: int = 512
     # Prompt steps of several sequences (and the requests decoding beside them) of up to this
     # many tokens replay varlen CUDA graphs padded to 128, 256, ... tokens
