@@ -70,7 +70,8 @@
 #   bash profiles/scripts/train_sharegpt_h200.sh pausedab  # paused steps vs vanilla, random
 #                         SmolLM2-shaped weights (no GGUF): the flush placement's A/B
 #   bash profiles/scripts/train_sharegpt_h200.sh promptstep  # after setup0: prompt steps of
-#                         vanilla / EAGLE-3 / adaptive (random SmolLM2 shape; BATCH, NUM_PROMPTS),
+#                         vanilla / EAGLE-3 / adaptive (random SmolLM2 shape; BATCH, NUM_PROMPTS,
+#                         VARIANTS: add tree for a draft tree),
 #                         and of the base tree's EAGLE engines where .device/base came along
 #   bash profiles/scripts/train_sharegpt_h200.sh pdlwarm  # after setup0: cold starts without
 #                         and with COMPILED_SPEC_PDL_WARMUP=1 (SmolLM2 shape, random weights)
@@ -353,11 +354,13 @@ promptstep)
   S=$PWD/profiles/scripts/prompt_step_gpu.py
   A=(--tokenizer ~/tok --prompts $PWD/.device/mt/question.jsonl --batch ${BATCH:-1}
      --num-prompts ${NUM_PROMPTS:-16})
-  PYTHONPATH=~/site:$PWD timeout ${LIMIT:-170} python3 $S "${A[@]}" \
+  V=(${VARIANTS:-vanilla eagle adaptive})  # (tree: a 16-node draft tree; cold start ~80 s)
+  PYTHONPATH=~/site:$PWD timeout ${LIMIT:-170} python3 $S "${A[@]}" --variants "${V[@]}" \
     --out "$OUT/prompt_step.json" > "$OUT/prompt_step.log" 2>&1
   echo "== this tree rc=$?"
   [ -d .device/base ] && (cd .device/base && PYTHONPATH=~/site:$PWD timeout ${LIMIT:-170} \
-    python3 $S "${A[@]}" --variants eagle adaptive --out "$OUT/prompt_step_base.json" \
+    python3 $S "${A[@]}" --variants $(printf '%s\n' "${V[@]}" | grep -vx vanilla) \
+    --out "$OUT/prompt_step_base.json" \
     > "$OUT/prompt_step_base.log" 2>&1; echo "== base rc=$?")
   grep -hE "^==" "$OUT"/prompt_step*.log
   python3 - "$OUT" <<'PY'
