@@ -13,6 +13,7 @@ from compiled_spec import LLM, SamplingParams
 from compiled_spec.spec.policy import PLAIN
 from tests.engine_runs import with_emulated_graphs
 from tests.policy_stub import ModesInTurn
+from tests.spec_models import write_bigram_target, write_mirror_eagle1
 
 K = 3
 # 12 and 20 tokens alone, then three at once (30 tokens: the varlen graphs), then 45 tokens,
@@ -50,10 +51,27 @@ def _draft_kv(llm: LLM, paused: bool) -> tuple[list[list[int]], list[torch.Tenso
     return outs, kv
 
 
-@pytest.mark.parametrize("engine", ["chain", "paused", "tree"])
-def test_prompt_first_pass_graphs_write_the_eager_draft_kv(bigram_eagle3, smollm2_gguf_path,
-                                                          engine):
-    target, head = bigram_eagle3
+@pytest.fixture(scope="module")
+def eagle1_pair(tmp_path_factory):
+    """EAGLE-1: the target's final hidden state feeds the draft as it is (no fc before it)."""
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("prompt_graphs")
+    target = write_bigram_target(root / "target", vocab=64, layers=2)
+    head = write_mirror_eagle1(root / "head", target, noise=0.3)
+    # An fc that reads the target's hidden too (the mirror head's reads the embedding alone),
+    # so the draft KV depends on the hidden rows the graphs stage.
+    sd = load_file(f"{head}/model.safetensors")
+    g = torch.Generator().manual_seed(3)
+    sd["fc.weight"] = sd["fc.weight"] + 0.2 * torch.randn(sd["fc.weight"].shape, generator=g)
+    save_file(sd, f"{head}/model.safetensors")
+    return target, head
+
+
+@pytest.mark.parametrize("engine", ["chain", "paused", "tree", "eagle1"])
+def test_prompt_first_pass_graphs_write_the_eager_draft_kv(bigram_eagle3, eagle1_pair,
+                                                          smollm2_gguf_path, engine):
+    target, head = eagle1_pair if engine == "eagle1" else bigram_eagle3
     paused = engine == "paused"
     kw = dict(model=target, tokenizer=smollm2_gguf_path, max_model_len=128, max_num_seqs=4,
               page_size=4, num_kv_blocks=128, draft=head, num_speculative_tokens=K,
@@ -78,7 +96,7 @@ def test_prompt_first_pass_graphs_write_the_eager_draft_kv(bigram_eagle3, smollm
         assert 30 <= llm.engine.runner.proposer.sync_graph.q < 45
         assert sync["graph_replays"] >= 3 and "prefill" not in sync["fallback_reasons"], sync
         want_replays = {16: 0, 32: 0, 64: 1, 128: 0}
-    elif engine == "chain":
+    elif engine in ("chain", "eagle1"):
         # Drafting: the positions before the propose graph's k + 1: 12 -> 8 and 20 -> 16 (in
         # 16), the three prompts' 1 + 5 + 12 (in 32), 45 -> 41 (in 64).
         want_replays = {16: 2, 32: 1, 64: 1, 128: 0}
