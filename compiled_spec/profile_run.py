@@ -17,24 +17,33 @@ if TYPE_CHECKING:
     from compiled_spec import LLM
 
 
-def host_profile(run: Callable[[], object], llm: "LLM", rows: int) -> None:
+def host_profile(run: Callable[[], object], llm: "LLM", rows: int,
+                 count: Callable[[], int] | None = None, label: str = "engine steps",
+                 by: tuple[str, ...] = ("own",)) -> None:
     """Run ``run`` under cProfile and print the ``rows`` functions with the most own time, per
-    engine step: where the host's time goes in a step whose GPU part is known from the trace."""
+    engine step: where the host's time goes in a step whose GPU part is known from the trace.
+    ``count``: what to divide by instead (e.g. the engine's prompt-step counter), named by
+    ``label``; ``by``: a table per order, "own" and / or "cumulative" time."""
+    count = count or (lambda: llm.stats.num_steps)
     prof = cProfile.Profile()
-    steps0 = llm.stats.num_steps
+    steps0 = count()
     prof.enable()
     run()
     prof.disable()
-    steps = max(llm.stats.num_steps - steps0, 1)
+    steps = max(count() - steps0, 1)
     st = pstats.Stats(prof)
     total = sum(v[2] for v in st.stats.values())  # own time of every function
-    print(f"cprofile: {steps} engine steps, {1e3 * total / steps:.3f} ms of host time per step "
+    print(f"cprofile: {steps} {label}, {1e3 * total / steps:.3f} ms of host time per step "
           f"(under cProfile)")
-    top = sorted(st.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:rows]
-    print(f"{'own us/step':>12} {'cum us/step':>12} {'calls/step':>10}  function")
-    for (file, line, name), (_, ncalls, own, cum, _) in top:
-        print(f"{1e6 * own / steps:12.1f} {1e6 * cum / steps:12.1f} {ncalls / steps:10.1f}  "
-              f"{name} ({Path(file).name}:{line})")
+    for order in by:
+        key = {"own": 2, "cumulative": 3}[order]
+        if len(by) > 1:
+            print(f"-- by {order} time")
+        top = sorted(st.stats.items(), key=lambda kv: kv[1][key], reverse=True)[:rows]
+        print(f"{'own us/step':>12} {'cum us/step':>12} {'calls/step':>10}  function")
+        for (file, line, name), (_, ncalls, own, cum, _) in top:
+            print(f"{1e6 * own / steps:12.1f} {1e6 * cum / steps:12.1f} {ncalls / steps:10.1f}  "
+                  f"{name} ({Path(file).name}:{line})")
 
 
 def run_profile(a: argparse.Namespace) -> int:

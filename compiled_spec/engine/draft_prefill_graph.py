@@ -28,7 +28,6 @@ failed capture leaves its prompts uncaptured, counted, and start-up goes on.
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -114,7 +113,7 @@ class DraftPrefillGraphs:
         ``target_rows``): the caller then runs its own uncaptured first pass."""
         aux = target_hidden if isinstance(target_hidden, list) else [target_hidden]
         hb = build_host_batch(self.prop.allocator, batch.first_pass, batch.token_ids)
-        hb = replace(hb, rows=batch.hidden_rows)
+        hb.rows = batch.hidden_rows
         runner = self._runner(hb.num_tokens, hb.max_query_len)
         if aux[0].shape[0] > self.hidden.shape[0]:
             runner._miss("target_rows")
@@ -125,11 +124,11 @@ class DraftPrefillGraphs:
         combined = self.prop.draft.combine_aux(aux, src)
         if combined.data_ptr() != src.data_ptr():
             src.copy_(combined)
-        if runner.run_host(hb, None, extras={"hidden": src}) is None:  # a miss, counted
-            ids, positions, meta = host_batch_to_device(hb, self.prop.device)
-            hidden = src.index_select(0, to_device(batch.hidden_rows, self.prop.device))
-            self.prop.step_fn(ids, hidden, positions,
-                              {name: meta for name in self.prop.layer_names})
+        if runner.run_host(hb, None, extras={"hidden": src}) is None:  # a miss, counted:
+            dev = self.prop.device  # the graph's body from device tensors, uncaptured
+            ids, positions, meta = host_batch_to_device(hb, dev)
+            self._body(LiveBatch(ids, positions, meta, extras={"hidden": src},
+                                 rows=to_device(batch.hidden_rows, dev)))
         return True
 
     def stats(self) -> dict[str, Any]:

@@ -130,12 +130,17 @@ class StepCapture:
         """The smallest captured size that holds ``n`` requests (None: none does)."""
         return next((s for s in self.sizes if s >= n and s in self._graphs), None)
 
+    def too_long(self, batch: "ProposeBatch") -> bool:
+        """Whether a first pass of ``batch`` has more positions than a graph holds per request
+        (a prompt's)."""
+        return any(s.length > self.q for s in batch.first_pass)
+
     def _fit(self, batch: "ProposeBatch", target_hidden: torch.Tensor | list[torch.Tensor]
              ) -> int | str:
         """The captured size ``batch`` pads to, or why no graph takes it (nothing staged)."""
         if not self.enabled:
             return "cpu"
-        if any(s.length > self.q for s in batch.first_pass):
+        if self.too_long(batch):
             return "prefill"
         b = self.graph_size(len(batch.first_pass))
         if b is None:

@@ -123,8 +123,7 @@ class EagleProposer:
         graph runs it where one was captured for the batch (its misses are in its stats); a
         prompt's, longer than those graphs hold, the prompt graphs."""
         g = self.sync_graph
-        if g is not None and any(s.length > g.q for s in batch.first_pass) and \
-                self._prefill_pass(batch, target_hidden):
+        if g is not None and g.too_long(batch) and self._prefill_pass(batch, target_hidden):
             return
         if g is None or not g.run(batch, target_hidden):
             self.first_pass(batch, target_hidden)

@@ -17,9 +17,7 @@ target with a random EAGLE-3 head (compiled, CUDA graphs), at one batch size:
 from __future__ import annotations
 
 import argparse
-import cProfile
 import json
-import pstats
 import tempfile
 import time
 from pathlib import Path
@@ -66,24 +64,6 @@ def _prompt_steps(llm: Any, prompts: list[list[int]], batch: int) -> dict[str, A
             "tokens": tokens}
 
 
-def _cprofile(llm: Any, prompts: list[list[int]], batch: int, rows: int) -> list[str]:
-    prof = cProfile.Profile()
-    n0 = llm.stats.num_prefill_steps
-    prof.enable()
-    _run(llm, prompts, batch, 2)
-    prof.disable()
-    n = max(llm.stats.num_prefill_steps - n0, 1)
-    st = pstats.Stats(prof)
-    out = [f"cprofile: {n} prompt steps (each with one decode step after it)"]
-    for key, label in ((2, "own"), (3, "cumulative")):
-        out.append(f"-- by {label} time: own us, cum us, calls per prompt step")
-        top = sorted(st.stats.items(), key=lambda kv: kv[1][key], reverse=True)[:rows]
-        for (file, line, name), (_, ncalls, own, cum, _) in top:
-            out.append(f"{1e6 * own / n:10.1f} {1e6 * cum / n:10.1f} {ncalls / n:8.1f}  "
-                       f"{name} ({Path(file).name}:{line})")
-    return out
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer", required=True)
@@ -102,6 +82,7 @@ def main() -> int:
     from compiled_spec.draft.testing import write_eagle3_head
     from compiled_spec.models.loader import read_model_config
     from compiled_spec.profile import trace_calls
+    from compiled_spec.profile_run import host_profile
     from compiled_spec.tokenizer import load_tokenizer
 
     tmp = Path(tempfile.mkdtemp(prefix="prompt_step_"))
@@ -133,7 +114,10 @@ def main() -> int:
             ref = result["vanilla"]["tokens"]
             row["same_as_vanilla"] = sum(a == b for a, b in zip(row["tokens"], ref)) / len(ref)
         print(json.dumps({k: v for k, v in row.items() if k != "tokens"}), flush=True)
-        print("\n".join(_cprofile(llm, prompts, a.batch, a.rows)), flush=True)
+        host_profile(lambda: _run(llm, prompts, a.batch, 2), llm, a.rows,
+                     count=lambda: llm.stats.num_prefill_steps,
+                     label="prompt steps (each with one decode step after it)",
+                     by=("own", "cumulative"))
         if a.trace_dir:
             trace = trace_calls(llm, lambda: _run(llm, prompts[:4 * a.batch], a.batch, 2),
                                 Path(a.trace_dir) / v, table_rows=25)
