@@ -125,6 +125,10 @@ class SpecConfig:
     # the GPU's forward (forty-ninth session); False: in the deferral that filled the ring,
     # before that launch, the GPU idle meanwhile
     flush_behind_launch: bool = True
+    # A prompt step writes the draft KV of each prompt's head (its positions before the
+    # graphed proposal's) while the host waits for the step's tokens
+    # (compiled_spec/engine/prompt_head.py); False: in the proposal, after that wait
+    early_prompt_head: bool = True
     # "adaptive" only: True ends a paused batch's probe of drafting once its own verifications
     # have tried SpecPolicy.probe_trials first drafts and lose to plain decoding. Opt-in: on
     # the H100 (forty-fifth session) it measured no gain (batch 1 +1.3%, batch 64 -8.9% at the
@@ -177,6 +181,8 @@ class SpecConfig:
                              "must be a bool")
         if not isinstance(self.flush_behind_launch, bool):
             raise ValueError(f"flush_behind_launch={self.flush_behind_launch!r}: must be a bool")
+        if not isinstance(self.early_prompt_head, bool):
+            raise ValueError(f"early_prompt_head={self.early_prompt_head!r}: must be a bool")
         if not isinstance(self.cut_losing_probes, bool):
             raise ValueError(f"cut_losing_probes={self.cut_losing_probes!r}: must be a bool")
         if not isinstance(self.probe_backoff, bool):

@@ -62,6 +62,8 @@ class LLM(CompileMixin):
     (default: ``paused_flush_depth`` paused steps share one, ``llm.stats.deferred_first_pass``;
     None: up to 32, see ``deferred_first_pass.flush_depth``; ``flush_behind_launch=False``
     runs a full ring's flush before the next target forward's launch, not behind it);
+    ``early_prompt_head=False`` writes the draft KV of a prompt's positions after the host
+    read the prompt step's tokens, not while it waits for them (``llm.stats.prompt_head``);
     ``cut_losing_probes=True``
     (opt-in) ends a paused batch's probe of drafting once its own verifications show drafting
     losing; ``probe_backoff=False`` keeps a paused batch's probes at their configured intervals
@@ -104,6 +106,7 @@ class LLM(CompileMixin):
         defer_paused_first_pass: bool = True,
         paused_flush_depth: int | None = None,
         flush_behind_launch: bool = True,
+        early_prompt_head: bool = True,
         cut_losing_probes: bool = False,
         probe_backoff: bool = True,
         early_propose: bool | None = None,
@@ -182,6 +185,7 @@ class LLM(CompileMixin):
                     tensor_parallel_size),
                 adaptive_k=adaptive_k, defer_paused_first_pass=defer_paused_first_pass,
                 paused_flush_depth=paused_flush_depth, flush_behind_launch=flush_behind_launch,
+                early_prompt_head=early_prompt_head,
                 cut_losing_probes=cut_losing_probes,
                 probe_backoff=probe_backoff,
                 early_propose=early_propose_default() if early_propose is None

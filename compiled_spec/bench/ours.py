@@ -36,6 +36,7 @@ class Variant:
     defer_paused_first_pass: bool = True  # SpecConfig's (what an adaptive engine's pauses do)
     paused_flush_depth: int | None = None  # SpecConfig's; None: its default
     flush_behind_launch: bool = True  # SpecConfig's
+    early_prompt_head: bool = True  # SpecConfig's
     cut_losing_probes: bool = False  # SpecConfig's
     probe_backoff: bool = True  # SpecConfig's
     # CompileConfig flags this variant sets over the run's own (bench --ab: one of a pair)
@@ -81,6 +82,7 @@ def build_engine(v: Variant, kw: dict[str, Any], prompts: list[list[int]],
         kw["speculation_policy"] = v.policy
         kw["early_propose"] = v.early_propose
         kw["defer_paused_first_pass"] = v.defer_paused_first_pass
+        kw["early_prompt_head"] = v.early_prompt_head
         if v.policy == "adaptive":
             kw["cut_losing_probes"] = v.cut_losing_probes
             kw["probe_backoff"] = v.probe_backoff

@@ -31,12 +31,14 @@ AB_FLAGS = {"pdl": "PDL", "skinny_gemm": "skinny GEMMs", "autotune_gemm": "GEMM 
             "skinny_gemm_readout": "skinny lm_head",
             "defer_paused_first_pass": "deferred first pass", "pdl_narrow": "PDL on narrow calls",
             "deep_flush": "deep flushes", "cut_probes": "losing probes cut",
-            "probe_backoff": "probes backing off", "flush_behind_launch": "flush behind launch"}
-AB_ENGINE = ("verify_ahead", "defer_paused_first_pass", "probe_backoff", "flush_behind_launch")
+            "probe_backoff": "probes backing off", "flush_behind_launch": "flush behind launch",
+            "early_prompt_head": "early prompt heads"}
+AB_ENGINE = ("verify_ahead", "defer_paused_first_pass", "probe_backoff", "flush_behind_launch",
+             "early_prompt_head")
 # Flags that change only a draft's engine: a vanilla engine runs once, not twice the same
 # (pdl_narrow: a vanilla engine's widest call, max_num_seqs rows, is narrow up to batch 64);
 # likewise an engine that never pauses
-AB_DRAFT_ONLY = ("skinny_gemm_draft", "pdl_narrow")
+AB_DRAFT_ONLY = ("skinny_gemm_draft", "pdl_narrow", "early_prompt_head")
 AB_ADAPTIVE_ONLY = ("defer_paused_first_pass", "deep_flush", "cut_probes", "probe_backoff",
                     "flush_behind_launch")
 LLAMA8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,

@@ -63,7 +63,7 @@ class HostCopy:
 
     def __init__(self, src: torch.Tensor, dst: torch.Tensor,
                  event: "torch.cuda.Event | None") -> None:
-        dst.copy_(src.reshape(-1), non_blocking=True)
+        dst.copy_(src.reshape(dst.shape), non_blocking=True)  # (dst flat, or src's shape)
         if event is not None:
             event.record()
         self.dst, self.event = dst, event

@@ -15,6 +15,7 @@ from compiled_spec.engine.deferred_first_pass import (DeferredFirstPass, Deferre
 from compiled_spec.engine.early_propose import EarlyProposeStats
 from compiled_spec.engine.kv_pool import build_kv_pool
 from compiled_spec.engine.model_runner import ModelRunner
+from compiled_spec.engine.prompt_head import PromptHeadStats
 from compiled_spec.engine.request import CompletionOutput, Request, RequestOutput, Status
 from compiled_spec.engine.scheduler import Scheduler
 from compiled_spec.engine.stats import EngineStats
@@ -97,6 +98,7 @@ class LLMEngine:
         self.detokenize = detokenize
         self._rng = random.Random(cfg.seed)
         self._next_id = 0
+        self.runner.prompt_head.enabled = cfg.spec is not None and cfg.spec.early_prompt_head
         early = self.runner.early if draft is not None else None
         if early is not None:
             early.enabled = cfg.spec.early_propose
@@ -136,6 +138,8 @@ class LLMEngine:
         if self.draft is not None and self.runner.early is not None:
             self.runner.early.stats = EarlyProposeStats()
             self.stats.early_propose = self.runner.early.stats
+        if self.draft is not None:
+            self.runner.prompt_head.stats = self.stats.prompt_head = PromptHeadStats()
         if self.runner.deferred is not None:
             self.runner.deferred.stats = self.stats.deferred_first_pass = DeferredStats()
         self.runner.ahead.stats = VerifyAheadStats()

@@ -21,6 +21,7 @@ from compiled_spec.engine.early_propose import EarlyPropose, EarlyStep, HostCopy
 from compiled_spec.engine.host_clock import GpuIdleProbe, HostClock
 from compiled_spec.engine.logprobs import gather_logprobs
 from compiled_spec.engine.paused_ahead import sync_ahead
+from compiled_spec.engine.prompt_head import HeadPlan, PromptHead
 from compiled_spec.engine.request import Request
 from compiled_spec.engine.sampled_accept import sampled_accept
 from compiled_spec.engine.verify_ahead import VerifyAhead
@@ -87,11 +88,22 @@ class ModelRunner:
         # The step's host time by phase (the engine's clock, shared: engine/host_clock.py).
         self.clock = HostClock()
         self.gpu_probe = GpuIdleProbe(self.device)  # did the GPU idle before each verify?
+        # A prompt step's draft pass over its prompts' heads, run inside ``to_host`` between
+        # issuing the step's copy and waiting for it (engine/prompt_head.py).
+        self.prompt_head = PromptHead(self)
+        self._head: HeadPlan | None = None
+        self._d2h: dict[torch.dtype, torch.Tensor] = {}  # pinned: that copy's destination
 
     def to_host(self, t: torch.Tensor | HostCopy, numpy: bool = False) -> list | np.ndarray:
         """The step's one device-to-host copy (a list, or an array for ``numpy``); the time it
         blocks is counted. A ``HostCopy`` was issued earlier: this waits for it."""
         self.clock.mark("accept")  # the host's work up to its wait
+        head, self._head = self._head, None
+        if head is not None:  # the copy issued first: the wait is then for it alone
+            if not isinstance(t, HostCopy):
+                t = self._copy_to_host(t)
+            self.prompt_head.launch(head)
+            self.clock.mark("prompt_head")
         t0 = time.perf_counter()
         if isinstance(t, HostCopy):
             host = t.wait()
@@ -102,10 +114,22 @@ class ModelRunner:
         self.clock.mark("wait")
         return out
 
+    def _copy_to_host(self, t: torch.Tensor) -> HostCopy:
+        """``t``'s copy to the host issued without waiting, into a reused pinned buffer (the
+        host reads it before the next step's copy): its ``wait`` gives ``t``'s shape."""
+        n = t.numel()
+        buf = self._d2h.get(t.dtype)
+        if buf is None or buf.numel() < n:
+            buf = self._d2h[t.dtype] = torch.empty(max(n, 1024), dtype=t.dtype,
+                                                   pin_memory=self.device.type == "cuda")
+        event = torch.cuda.Event() if self.device.type == "cuda" else None
+        return HostCopy(t, buf[:n].view(t.shape), event)
+
     def reset(self) -> None:
         """Forget the last proposal and pending hidden states (after a step raised, or requests
         were aborted mid-step): the next step verifies no drafts, which stays exact."""
         self._drafts = self._draft_probs = self._pending = self._early_step = None
+        self._head = None
         self._draft_row = {}
         self._drafts_k = self.k
         self._synced = None
@@ -155,6 +179,10 @@ class ModelRunner:
         early = None if self.early is None else self.early.plan(reqs, num_new, num_draft,
                                                                 row_start)
         clock.mark("plan")
+        logprobs = any(r.params.logprobs is not None for r in reqs)
+        # Prompt heads: their draft pass runs in ``to_host``, before its wait.
+        self._head = head = None if early is not None or ahead is not None else \
+            self.prompt_head.plan(reqs, spans, num_draft, row_start, target_hidden, logprobs)
         if early is None and logit_rows is not None:  # the late paths read them in order
             logits = logits.index_select(0, to_device(logit_rows, self.device))
         with phase("rejection_sample"):
@@ -168,10 +196,15 @@ class ModelRunner:
             self.ahead.launch(reqs, early, new_tokens)
             clock.mark("launch_ahead")
         self._early_step = early
-        self._pending = None if early is not None else _Pending(
-            hidden=target_hidden, spans=spans, row_start=row_start, num_draft=num_draft)
+        self._head = None  # (taken by ``to_host`` unless this step never waited)
+        if head is not None and head.hidden is not None:  # the proposal starts after the heads
+            self._pending = _Pending(hidden=head.hidden, spans=head.rest_spans,
+                                     row_start=head.rest_row_start, num_draft=num_draft)
+        else:
+            self._pending = None if early is not None else _Pending(
+                hidden=target_hidden, spans=spans, row_start=row_start, num_draft=num_draft)
         lp = None
-        if any(r.params.logprobs is not None for r in reqs):
+        if logprobs:
             # (it upcasts the rows it reads, as apply_filters does: a graph's are the model dtype)
             lp = gather_logprobs(list(logits), new_tokens, [r.params.logprobs for r in reqs])
         return StepOutput(new_tokens=new_tokens, num_draft=num_draft, logprobs=lp)

@@ -7,6 +7,7 @@ from typing import Any
 
 from compiled_spec.engine.deferred_first_pass import DeferredStats
 from compiled_spec.engine.early_propose import EarlyProposeStats
+from compiled_spec.engine.prompt_head import PromptHeadStats
 from compiled_spec.engine.verify_ahead import VerifyAheadStats
 from compiled_spec.spec.metrics import SpecStats
 from compiled_spec.spec.policy import SpecPolicy
@@ -55,6 +56,9 @@ class EngineStats:
     # Adaptive engines: paused steps whose draft first pass was deferred, and its flushes
     # (engine/deferred_first_pass.py); None where nothing defers.
     deferred_first_pass: DeferredStats | None = None
+    # Speculative engines: prompt steps whose heads' draft KV was written while the host
+    # waited for the step's tokens, and those written later with why (engine/prompt_head.py)
+    prompt_head: PromptHeadStats | None = None
     # Python's full (generation-2) garbage collections that ran inside steps, their total
     # seconds and the longest (per collection; a step's collections, nearly always one, share
     # its pause evenly): each pauses a step by the whole heap's walk (compiled_spec/gc_heap.py).

@@ -161,9 +161,22 @@ class EagleProposer:
         # The rest's target rows gathered first: a prompt graph's replay may reuse the graph
         # memory the target's outputs live in.
         rest = compact_rows(batch, target_hidden, self.device)
-        if not self._prefill_pass(pre, target_hidden):
-            self.first_pass(pre, target_hidden)  # writes the draft KV there
+        self.write_head(pre, target_hidden)
         return rest
+
+    def prompt_head_rows(self) -> int | None:
+        """First-pass positions per request the graphed proposal takes (k + 1): a prompt's
+        positions before them, its head, go through ``write_head`` first (here in
+        ``cut_first_pass``, or before the host's wait: engine/prompt_head.py). None without
+        graphs: the proposal then runs every first pass uncaptured."""
+        return self.k + 1 if self.graph is not None and self.graph.enabled else None
+
+    def write_head(self, pre: ProposeBatch,
+                   target_hidden: torch.Tensor | list[torch.Tensor]) -> None:
+        """The draft KV at ``pre``'s first-pass positions (its outputs unused): the prompt
+        graphs where they hold it, else the uncaptured first pass."""
+        if not self._prefill_pass(pre, target_hidden):
+            self.first_pass(pre, target_hidden)
 
     @torch.inference_mode()
     def propose(self, batch: ProposeBatch, target_hidden: torch.Tensor | list[torch.Tensor]

@@ -67,6 +67,15 @@ class TreeProposer:
         self._own_slot = [(slot[None, :] == (s * K + torch.arange(K, device=base.device))[:, None])
                           [None] for s in range(max(cfg.num_steps - 1, 0))]  # each [1, K, F]
 
+    def prompt_head_rows(self) -> int | None:
+        """As ``EagleProposer.prompt_head_rows``: the tree's first-pass graph's positions."""
+        g = self.graph
+        return g.first_pass.query_len if g is not None and g.first_pass.enabled else None
+
+    def write_head(self, pre: ProposeBatch,
+                   target_hidden: torch.Tensor | list[torch.Tensor]) -> None:
+        self.base.write_head(pre, target_hidden)
+
     def precombine(self, target_hidden: list[torch.Tensor]) -> None:
         """EAGLE-3's fc issued right after the verify (``EagleProposer.precombine``), for the
         graph path below."""
