@@ -9,7 +9,10 @@ target with a random EAGLE-3 head (compiled, CUDA graphs), at one batch size:
    own prompt-step time and host phases (engine/host_clock.py);
 2. the same under cProfile: the Python functions with the most own and cumulative time per
    prompt step;
-3. a torch.profiler trace of a few: CPU ops by self time, kernels by device time.
+3. a torch.profiler trace of a few: CPU ops by self time, kernels by device time;
+4. ``--head-ab N``: the EAGLE engines' prompt steps with their heads' draft KV written while
+   the host waits (engine/prompt_head.py, the default) and after it, N rounds each in turn on
+   the same engine (``prompt_head.enabled``).
 
   python3 profiles/scripts/prompt_step_gpu.py --tokenizer ~/tok --prompts question.jsonl \
       --out $OUT/prompt_step.json > $OUT/prompt_step.log
@@ -64,6 +67,26 @@ def _prompt_steps(llm: Any, prompts: list[list[int]], batch: int) -> dict[str, A
             "tokens": tokens}
 
 
+def _head_ab(llm: Any, prompts: list[list[int]], batch: int, rounds: int) -> dict[str, Any]:
+    """Prompt-step ms with the heads written after the host's wait (off) and during it (on),
+    ``rounds`` of each in turn on one engine; the same tokens both ways."""
+    ph = llm.engine.runner.prompt_head
+    out: dict[str, Any] = {"off": [], "on": [], "same_tokens": True}
+    ref = None
+    for _ in range(rounds):
+        for mode in ("off", "on"):
+            ph.enabled = mode == "on"
+            r = _prompt_steps(llm, prompts, batch)
+            out[mode].append(r["prompt_step_ms"])
+            out[f"{mode}_propose_ms"] = r["host_phase_ms"].get("propose")
+            out[f"{mode}_wait_ms"] = r["host_phase_ms"].get("wait")
+            ref = ref or r["tokens"]
+            out["same_tokens"] &= r["tokens"] == ref
+    ph.enabled = True
+    out["stats"] = llm.stats.prompt_head.as_dict()
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer", required=True)
@@ -74,6 +97,7 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=30)
     ap.add_argument("--trace-dir", default=None)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--head-ab", type=int, default=0, help="rounds of prompt heads off / on")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
 
@@ -114,6 +138,9 @@ def main() -> int:
             ref = result["vanilla"]["tokens"]
             row["same_as_vanilla"] = sum(a == b for a, b in zip(row["tokens"], ref)) / len(ref)
         print(json.dumps({k: v for k, v in row.items() if k != "tokens"}), flush=True)
+        if a.head_ab and v != "vanilla":
+            row["head_ab"] = _head_ab(llm, prompts, a.batch, a.head_ab)
+            print(f"{v} prompt heads off / on, ms per prompt step: {row['head_ab']}", flush=True)
         host_profile(lambda: _run(llm, prompts, a.batch, 2), llm, a.rows,
                      count=lambda: llm.stats.num_prefill_steps,
                      label="prompt steps (each with one decode step after it)",

@@ -72,7 +72,8 @@
 #   bash profiles/scripts/train_sharegpt_h200.sh promptstep  # after setup0: prompt steps of
 #                         vanilla / EAGLE-3 / adaptive (random SmolLM2 shape; BATCH, NUM_PROMPTS,
 #                         VARIANTS: add tree for a draft tree),
-#                         and of the base tree's EAGLE engines where .device/base came along
+#                         and of the base tree's EAGLE engines where .device/base came along;
+#                         HEAD_AB=N: N rounds of prompt heads off / on (engine/prompt_head.py)
 #   bash profiles/scripts/train_sharegpt_h200.sh pdlwarm  # after setup0: cold starts without
 #                         and with COMPILED_SPEC_PDL_WARMUP=1 (SmolLM2 shape, random weights)
 #   bash profiles/scripts/train_sharegpt_h200.sh g8ab  # after setup0 (the tokenizer only): the 8B
@@ -355,8 +356,9 @@ promptstep)
   A=(--tokenizer ~/tok --prompts $PWD/.device/mt/question.jsonl --batch ${BATCH:-1}
      --num-prompts ${NUM_PROMPTS:-16})
   V=(${VARIANTS:-vanilla eagle adaptive})  # (tree: a 16-node draft tree; cold start ~80 s)
+  # HEAD_AB=N: N rounds of the EAGLE engines' prompt heads written after / during the wait
   PYTHONPATH=~/site:$PWD timeout ${LIMIT:-170} python3 $S "${A[@]}" --variants "${V[@]}" \
-    --out "$OUT/prompt_step.json" > "$OUT/prompt_step.log" 2>&1
+    --head-ab ${HEAD_AB:-0} --out "$OUT/prompt_step.json" > "$OUT/prompt_step.log" 2>&1
   echo "== this tree rc=$?"
   [ -d .device/base ] && (cd .device/base && PYTHONPATH=~/site:$PWD timeout ${LIMIT:-170} \
     python3 $S "${A[@]}" --variants $(printf '%s\n' "${V[@]}" | grep -vx vanilla) \
