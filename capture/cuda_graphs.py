@@ -268,7 +268,9 @@ class GraphRunner:
                 return table[bisect.bisect_left(table, num_tokens)], bk
         return "size"  # above the largest captured size (or nothing captured)
 
-    def _miss(self, why: str) -> None:
+    def count_miss(self, why: str) -> None:
+        """A call this runner's graphs do not take, under ``why`` (callers that find the miss
+        before staging count it here too: no miss goes uncounted)."""
         self.eager_fallbacks += 1
         self.fallback_reasons[why] = self.fallback_reasons.get(why, 0) + 1
 
@@ -277,7 +279,7 @@ class GraphRunner:
         if not isinstance(key, str) and not self.buffers.sources_fit(live.extras):
             key = "source_rows"  # e.g. a row source from a target step larger than any graph
         if isinstance(key, str):  # compiled, no graph; counted so it cannot go unnoticed
-            self._miss(key)
+            self.count_miss(key)
             return self.fn(live)
         size, bucket = key
         self.buffers.fill(live, size, self._padded_seqs(size), self.query_len, bucket)
@@ -293,7 +295,7 @@ class GraphRunner:
         if not isinstance(key, str) and not self.buffers.sources_fit(extras):
             key = "source_rows"
         if isinstance(key, str):
-            self._miss(key)
+            self.count_miss(key)
             return None
         if self._stage is None:
             self._stage = HostStage(self.buffers)

@@ -116,7 +116,7 @@ class DraftPrefillGraphs:
         hb.rows = batch.hidden_rows
         runner = self._runner(hb.num_tokens, hb.max_query_len)
         if aux[0].shape[0] > self.hidden.shape[0]:
-            runner._miss("target_rows")
+            runner.count_miss("target_rows")
             return False
         # EAGLE-3's fc over every target row of the step ([R, n*h_target] -> [R, h]) into the
         # row source (EAGLE-1: the final hidden, copied in); the graph gathers its rows.
