@@ -23,6 +23,10 @@ def split_first_pass(batch: ProposeBatch, q: int) -> tuple[ProposeBatch | None, 
     """(the leading positions of every first pass longer than ``q`` as a batch of their own,
     None when there are none; ``batch`` with each first pass cut to its last ``q`` positions).
     Both keep the target rows of ``batch`` (``hidden_rows`` index the same target states)."""
+    # Every late proposal comes through here, a prompt in it or not: without one nothing is
+    # cut, and the lists below cost ~90 us at batch 64 (CPU) for nothing.
+    if all(s.length <= q for s in batch.first_pass):
+        return None, batch
     pre_spans, pre_ids, pre_rows = [], [], []
     spans, ids, rows = [], [], []
     o = 0
