@@ -300,24 +300,28 @@ def build_sampling_tensors(reqs: list[Request], device: torch.device,
                            repeat: int | list[int] = 1) -> SamplingTensors:
     """Per-row parameters; ``repeat`` copies each request's row for its verification slots (one
     count for all, or one per request)."""
-    reps = [repeat] * len(reqs) if isinstance(repeat, int) else repeat
-    ps = [r.params for r, n in zip(reqs, reps) for _ in range(n)]
-    seeds = [r.seed for r, n in zip(reqs, reps) for _ in range(n)]
+    # rows per request: one count for all (numpy repeats each value that often), or [B]
+    reps = repeat if isinstance(repeat, int) else np.asarray(repeat, dtype=np.int64)
+    params = [r.params for r in reqs]
 
-    def t(vals: list, dtype: np.dtype) -> torch.Tensor:
+    def t(vals: list, dtype: np.dtype) -> torch.Tensor:  # one value per request -> per row
         # Through numpy: ~3x faster than torch.tensor(list) at a thousand rows per step; and
         # not blocking (as to_device), so the host does not wait here for the step's forward.
-        return torch.from_numpy(np.array(vals, dtype=dtype)).to(device, non_blocking=True)
+        # Repeated there, not as Python lists of every row (k + 1 per request in a verify).
+        rows = np.repeat(np.array(vals, dtype=dtype), reps)
+        return torch.from_numpy(rows).to(device, non_blocking=True)
 
+    live = (params if repeat else []) if isinstance(repeat, int) else [
+        p for p, n in zip(params, repeat) if n]  # the requests with rows
     return SamplingTensors(
-        temperature=t([p.temperature for p in ps], np.float32),
-        top_k=t([p.top_k for p in ps], np.int64),
-        top_p=t([p.top_p for p in ps], np.float32),
-        min_p=t([p.min_p for p in ps], np.float32),
-        seeds=t(seeds, np.int64),
-        all_greedy=all(p.greedy for p in ps),
-        any_sorting=any(p.needs_sorting for p in ps),
-        any_min_p=any(p.min_p > 0 and not p.greedy for p in ps),
+        temperature=t([p.temperature for p in params], np.float32),
+        top_k=t([p.top_k for p in params], np.int64),
+        top_p=t([p.top_p for p in params], np.float32),
+        min_p=t([p.min_p for p in params], np.float32),
+        seeds=t([r.seed for r in reqs], np.int64),
+        all_greedy=all(p.greedy for p in live),
+        any_sorting=any(p.needs_sorting for p in live),
+        any_min_p=any(p.min_p > 0 and not p.greedy for p in live),
     )
 
 
