@@ -300,8 +300,8 @@ def build_sampling_tensors(reqs: list[Request], device: torch.device,
                            repeat: int | list[int] = 1) -> SamplingTensors:
     """Per-row parameters; ``repeat`` copies each request's row for its verification slots (one
     count for all, or one per request)."""
-    # rows per request: one count for all (numpy repeats each value that often), or [B]
-    reps = repeat if isinstance(repeat, int) else np.asarray(repeat, dtype=np.int64)
+    counts = [repeat] * len(reqs) if isinstance(repeat, int) else repeat  # [B] rows each
+    reps = np.asarray(counts, dtype=np.int64)
     params = [r.params for r in reqs]
 
     def t(vals: list, dtype: np.dtype) -> torch.Tensor:  # one value per request -> per row
@@ -311,8 +311,7 @@ def build_sampling_tensors(reqs: list[Request], device: torch.device,
         rows = np.repeat(np.array(vals, dtype=dtype), reps)
         return torch.from_numpy(rows).to(device, non_blocking=True)
 
-    live = (params if repeat else []) if isinstance(repeat, int) else [
-        p for p, n in zip(params, repeat) if n]  # the requests with rows
+    live = [p for p, n in zip(params, counts) if n]  # the requests with rows
     return SamplingTensors(
         temperature=t([p.temperature for p in params], np.float32),
         top_k=t([p.top_k for p in params], np.int64),

@@ -92,7 +92,10 @@ class ModelRunner:
         # issuing the step's copy and waiting for it (engine/prompt_head.py).
         self.prompt_head = PromptHead(self)
         self._head: HeadPlan | None = None
-        self._d2h: dict[torch.dtype, torch.Tensor] = {}  # pinned: that copy's destination
+        # The step's copy to the host when issued early (``copy_to_host``): pinned
+        # destinations by dtype, reused, and the event after the copy
+        self._d2h: dict[torch.dtype, torch.Tensor] = {}
+        self._d2h_event = torch.cuda.Event() if self.device.type == "cuda" else None
 
     def to_host(self, t: torch.Tensor | HostCopy, numpy: bool = False) -> list | np.ndarray:
         """The step's one device-to-host copy (a list, or an array for ``numpy``); the time it
@@ -101,7 +104,7 @@ class ModelRunner:
         head, self._head = self._head, None
         if head is not None:  # the copy issued first: the wait is then for it alone
             if not isinstance(t, HostCopy):
-                t = self._copy_to_host(t)
+                t = self.copy_to_host(t)
             self.prompt_head.launch(head)
             self.clock.mark("prompt_head")
         t0 = time.perf_counter()
@@ -114,16 +117,16 @@ class ModelRunner:
         self.clock.mark("wait")
         return out
 
-    def _copy_to_host(self, t: torch.Tensor) -> HostCopy:
-        """``t``'s copy to the host issued without waiting, into a reused pinned buffer (the
-        host reads it before the next step's copy): its ``wait`` gives ``t``'s shape."""
+    def copy_to_host(self, t: torch.Tensor) -> HostCopy:
+        """``t``'s copy to the host issued without waiting (the step's one such copy), into a
+        reused pinned buffer that the host reads before the next step's copy; its ``wait``
+        gives ``t``'s shape."""
         n = t.numel()
         buf = self._d2h.get(t.dtype)
         if buf is None or buf.numel() < n:
             buf = self._d2h[t.dtype] = torch.empty(max(n, 1024), dtype=t.dtype,
                                                    pin_memory=self.device.type == "cuda")
-        event = torch.cuda.Event() if self.device.type == "cuda" else None
-        return HostCopy(t, buf[:n].view(t.shape), event)
+        return HostCopy(t, buf[:n].view(t.shape), self._d2h_event)
 
     def reset(self) -> None:
         """Forget the last proposal and pending hidden states (after a step raised, or requests

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from compiled_spec.engine.batch import Span
+from compiled_spec.engine.batch import Span, to_device
 from compiled_spec.spec.propose_batch import ProposeBatch
 
 if TYPE_CHECKING:
@@ -69,6 +69,11 @@ class HeadPlan:
     hidden: torch.Tensor | list[torch.Tensor] | None = None  # [sum of kept rows, ...]
     rest_spans: list[Span] | None = None
     rest_row_start: list[int] | None = None
+
+
+def _ranges(firsts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``firsts[i], firsts[i] + 1, ...`` (``counts[i]`` of them) for each i, concatenated."""
+    return np.repeat(firsts - (np.cumsum(counts) - counts), counts) + np.arange(int(counts.sum()))
 
 
 class PromptHead:
@@ -105,11 +110,7 @@ class PromptHead:
         lengths = np.fromiter((s.length for s in spans), dtype=np.int64, count=len(spans))
         starts = np.asarray(p.row_start, dtype=np.int64)  # [B] each request's first row
         keep = lengths - cuts  # [B] rows the proposal reads per request
-        new_start = np.cumsum(keep) - keep
-        idx = np.repeat(starts + cuts - new_start, keep) + np.arange(int(keep.sum()))
-        dev = self.rn.device
-        idx_t = torch.from_numpy(idx)
-        idx_t = idx_t if dev.type == "cpu" else idx_t.to(dev, non_blocking=True)
+        idx_t = to_device(_ranges(starts + cuts, keep), self.rn.device)
         th = p.target_hidden
         p.hidden = ([h.index_select(0, idx_t) for h in th] if isinstance(th, list)
                     else th.index_select(0, idx_t))  # [sum(keep), width] each
@@ -118,13 +119,12 @@ class PromptHead:
         ids = np.fromiter(chain.from_iterable(
             p.reqs[i].tokens(s.start + 1, s.start + 1 + s.length) for i, s in zip(cut_at, head)),
             dtype=np.int64, count=int(cuts.sum()))
-        rows = np.repeat(starts[cut_at] - (np.cumsum(cuts[cut_at]) - cuts[cut_at]),
-                         cuts[cut_at]) + np.arange(int(cuts.sum()))
+        rows = _ranges(starts[cut_at], cuts[cut_at])  # the heads' target rows
         batch = ProposeBatch(first_pass=head, token_ids=ids, hidden_rows=rows, step_limits=[],
                              temperature=[], seeds=[])
         self.rn.proposer.write_head(batch, th)
         p.rest_spans = [Span(s.req_id, s.start + int(c), s.length - int(c))
                         for s, c in zip(spans, cuts)]
-        p.rest_row_start = new_start.tolist()
+        p.rest_row_start = (np.cumsum(keep) - keep).tolist()
         self.stats.early += 1
         self.stats.rows += int(cuts.sum())

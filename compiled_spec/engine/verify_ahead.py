@@ -116,8 +116,6 @@ class VerifyAhead:
         self.eos_token_ids: set[int] = set()  # set by the engine: the model's EOS ids
         self.stats = VerifyAheadStats()
         self._launched: _Launched | None = None
-        self._host: torch.Tensor | None = None  # pinned: the decode tokens' copy
-        self._event = torch.cuda.Event() if runner.device.type == "cuda" else None
         self._index: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}  # _draft_index
 
     def skip(self, why: str) -> None:
@@ -263,11 +261,7 @@ class VerifyAhead:
         launched behind it (a copy issued after the launch would wait for that step).
         ``first``: what must run before the launch once it is due (a paused EAGLE step's draft
         first pass, engine/paused_ahead.py); a reason string from it skips the launch."""
-        n = tok.shape[0]
-        if self._host is None or self._host.numel() < n:
-            self._host = torch.empty(max(n, 64), dtype=torch.int64,
-                                     pin_memory=tok.device.type == "cuda")
-        copy = HostCopy(tok, self._host[:n], self._event)
+        copy = self.runner.copy_to_host(tok)
         self.launch_decode(reqs, num_new, tok, first)
         return copy
 

@@ -32,6 +32,7 @@ def main() -> int:
     a = ap.parse_args()
 
     from compiled_spec.engine.batch import Span, build_sampling_tensors
+    from compiled_spec.engine.prompt_head import _ranges
     from compiled_spec.sampling_params import SamplingParams
     from compiled_spec.spec.first_pass_split import split_first_pass
     from compiled_spec.spec.propose_batch import ProposeBatch
@@ -56,12 +57,10 @@ def main() -> int:
     starts = np.cumsum(lengths) - lengths
     cuts = lengths - (k + 1)
 
-    def head_rows() -> None:
-        keep = lengths - cuts
-        new_start = np.cumsum(keep) - keep
-        np.repeat(starts + cuts - new_start, keep) + np.arange(int(keep.sum()))
+    def head_rows() -> None:  # as PromptHead.launch: the kept rows, the heads' rows
+        _ranges(starts + cuts, lengths - cuts)
         at = np.flatnonzero(cuts)
-        np.repeat(starts[at] - (np.cumsum(cuts[at]) - cuts[at]), cuts[at]) + np.arange(int(cuts.sum()))
+        _ranges(starts[at], cuts[at])
 
     print(f"prompt head rows, 64 x 24 tokens: {_us(head_rows, a.reps)} us")
     return 0
