@@ -71,7 +71,7 @@ class HeadPlan:
     rest_row_start: list[int] | None = None
 
 
-def _ranges(firsts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+def concat_ranges(firsts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """``firsts[i], firsts[i] + 1, ...`` (``counts[i]`` of them) for each i, concatenated."""
     return np.repeat(firsts - (np.cumsum(counts) - counts), counts) + np.arange(int(counts.sum()))
 
@@ -110,7 +110,7 @@ class PromptHead:
         lengths = np.fromiter((s.length for s in spans), dtype=np.int64, count=len(spans))
         starts = np.asarray(p.row_start, dtype=np.int64)  # [B] each request's first row
         keep = lengths - cuts  # [B] rows the proposal reads per request
-        idx_t = to_device(_ranges(starts + cuts, keep), self.rn.device)
+        idx_t = to_device(concat_ranges(starts + cuts, keep), self.rn.device)
         th = p.target_hidden
         p.hidden = ([h.index_select(0, idx_t) for h in th] if isinstance(th, list)
                     else th.index_select(0, idx_t))  # [sum(keep), width] each
@@ -119,7 +119,7 @@ class PromptHead:
         ids = np.fromiter(chain.from_iterable(
             p.reqs[i].tokens(s.start + 1, s.start + 1 + s.length) for i, s in zip(cut_at, head)),
             dtype=np.int64, count=int(cuts.sum()))
-        rows = _ranges(starts[cut_at], cuts[cut_at])  # the heads' target rows
+        rows = concat_ranges(starts[cut_at], cuts[cut_at])  # the heads' target rows
         batch = ProposeBatch(first_pass=head, token_ids=ids, hidden_rows=rows, step_limits=[],
                              temperature=[], seeds=[])
         self.rn.proposer.write_head(batch, th)

@@ -32,7 +32,7 @@ def main() -> int:
     a = ap.parse_args()
 
     from compiled_spec.engine.batch import Span, build_sampling_tensors
-    from compiled_spec.engine.prompt_head import _ranges
+    from compiled_spec.engine.prompt_head import concat_ranges
     from compiled_spec.sampling_params import SamplingParams
     from compiled_spec.spec.first_pass_split import split_first_pass
     from compiled_spec.spec.propose_batch import ProposeBatch
@@ -58,9 +58,9 @@ def main() -> int:
     cuts = lengths - (k + 1)
 
     def head_rows() -> None:  # as PromptHead.launch: the kept rows, the heads' rows
-        _ranges(starts + cuts, lengths - cuts)
+        concat_ranges(starts + cuts, lengths - cuts)
         at = np.flatnonzero(cuts)
-        _ranges(starts[at], cuts[at])
+        concat_ranges(starts[at], cuts[at])
 
     print(f"prompt head rows, 64 x 24 tokens: {_us(head_rows, a.reps)} us")
     return 0
