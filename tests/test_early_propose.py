@@ -83,6 +83,44 @@ def test_early_propose_equals_vanilla_and_late(engines, batch, monkeypatch):
     assert any(held), held  # early steps in a row took the drafts in place
 
 
+def _sampled(budgets: list[int]) -> list[SamplingParams]:
+    """Sampled params (temperatures, a top-k, a top-p, one greedy request among them), a seed
+    each: vanilla's output for them is fixed, and speculation must give the same tokens."""
+    kinds = [dict(temperature=0.8), dict(temperature=1.0, top_k=20), dict(temperature=0.0),
+             dict(temperature=0.7, top_p=0.9), dict(temperature=1.2)]
+    return [SamplingParams(max_tokens=m, ignore_eos=True, seed=11 + i, **kinds[i % len(kinds)])
+            for i, m in enumerate(budgets)]
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_sampled_early_equals_vanilla_and_late(engines, batch):
+    """Sampled requests go early (argmax drafts): the acceptance input is vanilla's draw at
+    each slot, so early, late and vanilla sampling give the same tokens, and early steps
+    accept what late ones do (the graph's acceptance is the host's)."""
+    spec, vanilla = engines
+    sps = _sampled([14, 9, 18, 12, 16])
+    ref = _gen(vanilla, PROMPTS, sps, batch)
+    late, late_acc, late_st = _run(spec, False, PROMPTS, sps, batch)
+    early, early_acc, early_st = _run(spec, True, PROMPTS, sps, batch)
+    assert late == ref and early == ref
+    assert early_st["early"] > 0, early_st
+    assert set(early_st["late_reasons"]) <= {"not_chain"}, early_st  # prompt steps only
+    assert late_acc > 0 and early_acc == late_acc
+
+
+def test_sampled_drafts_run_late_and_say_so(engines, monkeypatch):
+    """With sampled drafts (draft_sampling="sample") Leviathan's rule needs the draft's
+    probabilities, which the early graph does not take: a sampled request's step runs late,
+    counted; a greedy one's does not."""
+    spec, _ = engines
+    early = spec.engine.runner.early
+    monkeypatch.setattr(spec.engine.runner.proposer, "sample_drafts", True)
+    reqs = [type("Q", (), {"params": sp})() for sp in _sampled([4, 4])]
+    assert early._size(reqs, None) == "sampled_drafts"
+    greedy = [type("Q", (), {"params": SamplingParams(max_tokens=4, temperature=0.0)})()]
+    assert early._size(greedy, None) == early.graph.graph_size(1)
+
+
 def test_kv_nearly_exhausted_falls_back_and_says_so(engines):
     """With few free blocks the worst-case growth (all k accepted) fails: the step proposes late,
     counted under kv_exhausted, and output does not change."""

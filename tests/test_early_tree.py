@@ -159,6 +159,24 @@ def test_early_tree_equals_vanilla_and_late(engines, batch):
 
 
 @pytest.mark.parametrize("batch", [1, 3])
+def test_sampled_early_tree_equals_vanilla_and_late(engines, batch):
+    """Sampled requests (temperatures, a top-k, one greedy among them) go early: the token at
+    each node is vanilla's draw there, so early, late and vanilla sampling agree and accept
+    alike."""
+    spec, vanilla = engines
+    kinds = [dict(temperature=0.8), dict(temperature=1.0, top_k=20), dict(temperature=0.0),
+             dict(temperature=0.7, top_p=0.9), dict(temperature=1.2)]
+    sps = [SamplingParams(max_tokens=m, ignore_eos=True, seed=21 + i, **kw)
+           for i, (m, kw) in enumerate(zip((18, 11, 22, 9, 15), kinds))]
+    ref = _gen(vanilla, PROMPTS, sps, batch)
+    late, late_acc, late_st = _run(spec, False, PROMPTS, sps, batch)
+    early, early_acc, early_st = _run(spec, True, PROMPTS, sps, batch)
+    assert late == ref and early == ref
+    assert early_st["early"] > 0 and "sampling" not in early_st["late_reasons"], early_st
+    assert late_acc > 0 and early_acc == late_acc
+
+
+@pytest.mark.parametrize("batch", [1, 3])
 def test_tree_verify_ahead_equals_vanilla(engines, batch, monkeypatch):
     """Verify ahead for trees (engine/verify_ahead_tree.py): each early tree step launches the
     next trees' verify from its acceptance. Greedy output must equal vanilla decoding with the

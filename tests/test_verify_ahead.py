@@ -171,7 +171,8 @@ def test_abort_discards_the_launched_verify(engines):
 def test_vanilla_decode_ahead_equals_vanilla(engines, vanilla_ahead, batch):
     """Greedy decoding whose next step is launched from the device argmax before the host reads
     it: the same tokens as plain decoding, with requests stopping mid-batch (a stop token,
-    different budgets: the rest taken as a subset) and a sampled request (no launch, said so)."""
+    different budgets: the rest taken as a subset); sampled requests launch from the device's
+    draw as greedy ones do from the argmax, and a request wanting logprobs does not (said so)."""
     _, vanilla = engines
     sps, ref = _stop_mid_batch(vanilla, PROMPTS, [9, 30, 14, 22, 17, 26])
     out, _, st = _run(vanilla_ahead, True, PROMPTS, sps, batch)
@@ -182,10 +183,17 @@ def test_vanilla_decode_ahead_equals_vanilla(engines, vanilla_ahead, batch):
         assert st["taken_subset"] > 0, st
     off, _, off_st = _run(vanilla_ahead, False, PROMPTS, sps, batch)
     assert off == ref and off_st["launched"] == 0
-    sampled = [SamplingParams(max_tokens=12, temperature=0.8, seed=3)]
-    out, _, st = _run(vanilla_ahead, True, PROMPTS[:1], sampled, 1)
-    ref = _gen(vanilla, PROMPTS[:1], sampled, 1)
-    assert out == ref and st["launched"] == 0 and st["skipped"].get("sampling", 0) > 0, st
+    sampled = [SamplingParams(max_tokens=12, temperature=0.8, seed=3),
+               SamplingParams(max_tokens=15, temperature=1.0, top_k=20, seed=4),
+               SamplingParams(max_tokens=10, temperature=0.0)]
+    out, _, st = _run(vanilla_ahead, True, PROMPTS[:3], sampled, batch)
+    ref = _gen(vanilla, PROMPTS[:3], sampled, batch)
+    assert out == ref and st["launched"] > 0 and st["taken"] > 0, st
+    assert "sampling" not in st["skipped"], st
+    lp = [SamplingParams(max_tokens=6, temperature=0.0, logprobs=1)]
+    out, _, st = _run(vanilla_ahead, True, PROMPTS[:1], lp, 1)
+    assert out == _gen(vanilla, PROMPTS[:1], lp, 1)
+    assert st["launched"] == 0 and st["skipped"].get("logprobs", 0) > 0, st
 
 
 def test_default_on_for_cuda_only(monkeypatch):

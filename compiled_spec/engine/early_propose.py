@@ -8,12 +8,14 @@ the copy to that launch. Early: verify -> argmax and the verified drafts into on
 ``early_propose_graph`` (it computes the acceptance itself from that buffer) -> only then the
 host waits for the copy. The engine's later ``propose`` call only records which requests go on.
 
-A step takes the early path when it is a pure greedy chain step: every request verifies k drafts
+A step takes the early path when it is a pure chain step: every request verifies k drafts
 (one query token plus k), no logprobs, a captured early graph fits, the adaptive policy (if any)
 chose to draft in this step (it decides before the step, see ``LLMEngine._run``) and every
 request's KV blocks can be grown for the worst case (all k accepted) now. Any other step runs
 the late path unchanged, and ``EarlyProposeStats`` says why: no step falls back silently.
-Sampled requests (rejection sampling) are not covered yet: they run late ("sampling").
+Sampled requests go early too (fifty-third session) where the drafts are argmaxes (the default
+``draft_sampling``): their acceptance input is vanilla's draw at each slot, not the argmax
+(``accept``); with sampled drafts they run late ("sampled_drafts").
 
 Requests that finish in an early step had their drafts computed anyway: the drafts are dropped;
 their draft-KV writes land in their own blocks, in stream order before anything can reuse them.
@@ -28,6 +30,7 @@ import torch
 
 from compiled_spec.engine.batch import to_device
 from compiled_spec.engine.request import Request
+from compiled_spec.engine.sampled_accept import coupled_targets
 from compiled_spec.profile import phase
 
 if TYPE_CHECKING:
@@ -53,6 +56,7 @@ class EarlyStep:
     index: dict[int, int]  # req_id -> its row in this step (and in the drafts)
     starts: list[int]  # per request: the first verified position (its last token's)
     same_rows: bool  # the last proposal's draft rows are this step's rows, in order
+    greedy: bool = True  # every request greedy (else the acceptance input is sampled)
     drafts: torch.Tensor | None = None  # [n, k]
     probs: torch.Tensor | None = None  # [n, k, V] when drafts are sampled
 
@@ -110,8 +114,9 @@ class EarlyPath:
             return "paused"
         if shape_why is not None:
             return shape_why
-        if not all(q.params.greedy for q in reqs):
-            return "sampling"
+        if (not all(q.params.greedy for q in reqs)
+                and getattr(self.runner.proposer, "sample_drafts", False)):
+            return "sampled_drafts"  # (draft_sampling="sample": Leviathan's rule needs q)
         if any(q.params.logprobs is not None for q in reqs):
             return "logprobs"
         size = g.graph_size(len(reqs))
@@ -158,18 +163,29 @@ class EarlyPropose(EarlyPath):
         if why is not None:
             return self._late(why)
         return EarlyStep(size=size, index={i: j for j, i in enumerate(req_ids)}, starts=starts,
-                         same_rows=draft_rows == list(range(len(reqs))))
+                         same_rows=draft_rows == list(range(len(reqs))),
+                         greedy=all(q.params.greedy for q in reqs))
 
-    def accept(self, step: EarlyStep, logits: torch.Tensor,  # [n, k+1, V] (or [N, ...])
+    def accept(self, step: EarlyStep, reqs: list[Request],
+               logits: torch.Tensor,  # [n, k+1, V] (or [N, ...])
                target_hidden: torch.Tensor | list[torch.Tensor],
                rows: list[int] | None = None) -> list[list[int]]:
-        """Greedy acceptance with the proposal launched before the host reads it: the tokens
-        per request (accepted drafts, then the target's next token). ``rows``: each request's
-        row of ``logits`` when they hold more (a launch some of whose requests finished)."""
+        """Acceptance with the proposal launched before the host reads it: the tokens per
+        request (accepted drafts, then the target's next token). ``rows``: each request's row
+        of ``logits`` when they hold more (a launch some of whose requests finished).
+
+        Greedy steps write the target's argmax into acc; with sampled requests, the token
+        vanilla sampling draws at each slot (the coupling rule, exact for argmax drafts: a
+        rejected draft never equals that draw's token, so "accept while equal" is the whole
+        rule, on the graph and on the host alike)."""
         r, g, k = self.runner, self.graph, self.runner.k
         n = logits.shape[0] if rows is None else len(rows)
         acc = g.acc[:n]  # [n, 2k+1]
-        if rows is None:  # the argmax straight into acc
+        if not step.greedy:
+            if rows is not None:
+                logits = logits.index_select(0, to_device(rows, r.device))
+            acc[:, :k + 1].copy_(coupled_targets(r, reqs, logits))  # [n, k+1]
+        elif rows is None:  # the argmax straight into acc
             torch.argmax(logits, dim=-1, out=g.target(n))  # [n, k+1]
         else:
             acc[:, :k + 1].copy_(logits.argmax(dim=-1).index_select(

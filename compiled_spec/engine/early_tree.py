@@ -1,21 +1,24 @@
-"""Early tree propose (issue 15): a greedy draft-tree step launches its next proposal (first
+"""Early tree propose (issue 15): a draft-tree step launches its next proposal (first
 pass and expansion, one graph: ``early_tree_graph``) right after the tree verify, BEFORE the
 host reads the step's acceptance, so the draft runs on the GPU while the host accepts, does the
 engine's bookkeeping and stages the next verify. The chain's counterpart is
 ``early_propose``; this shares its switch (``SpecConfig.early_propose``) and its counters
 (``llm.stats.early_propose``).
 
-The graph computes the greedy acceptance itself from the verified trees and the target's
-argmax per node; the host computes the same from the step's one device-to-host copy of those
+The graph computes the acceptance itself from the verified trees and the target's token per
+node (its argmax, or for sampled requests vanilla's draw there); the host computes the same from the step's one device-to-host copy of those
 numbers (``accept_paths``), so both agree by construction. The accepted nodes' target-KV moves
 are made in the graph too, after the draft (which reads the target's hidden states, never its
 KV), so an early step leaves the host no moves to make before the next verify.
 
-A step goes early when every request verifies a tree, all are greedy with no logprobs, the
+A step goes early when every request verifies a tree, none wants logprobs, the
 adaptive policy (if any) chose to draft in this step, an early graph fits the batch, and every
 request's tree slots stay inside max_model_len whatever it accepts (its blocks then grow for the
 worst case, all D accepted). Anything else runs the late path, the
-reason counted.
+reason counted. Sampled requests go early too (fifty-third session): the token drawn at each
+node is then vanilla's draw there (the late path's), not the argmax, and the graph and the host
+accept along the tree with it as they do with the argmax (the coupling rule, exact for the
+tree's deterministic drafts).
 """
 from __future__ import annotations
 
@@ -86,7 +89,7 @@ class EarlyTree(EarlyPath):
                              starts=list(starts))
 
     def launch(self, step: EarlyTreeStep, tree_info: torch.Tensor,  # [3, n, N]
-               drawn: torch.Tensor,  # [n, N] the target's argmax at each node
+               drawn: torch.Tensor,  # [n, N] the target's token at each node (argmax or drawn)
                target_hidden: torch.Tensor | list[torch.Tensor]) -> HostCopy:
         """The graph's inputs, the step's one device-to-host copy (issued, not waited for),
         then the replay: the host reads the copy while the draft runs."""

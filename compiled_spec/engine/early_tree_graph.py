@@ -5,7 +5,8 @@ tree verify, before the host reads the acceptance.
 The late path (``TreeProposer.propose``) stages the first pass over exactly the accepted path
 and the expansion from the new root, both from host lists. Here the host stages only what does
 not depend on acceptance, and the graph decides the rest from the verified trees and the
-target's argmax per node (``spec.tree_accept_device``):
+target's token per node (its argmax, or vanilla's draw for sampled requests;
+``spec.tree_accept_device``):
 
 * first pass: laid out exactly as the late path stages it into the late first-pass graph's
   buffers, from the device's n_acc: request i's n_acc + 1 rows back to back from
@@ -82,7 +83,7 @@ class EarlyTreeGraphs(EarlyGraphSurface):
             self.d64 = torch.zeros(self.l64.size, dtype=torch.int64, device=self.device)
             self.d32 = torch.zeros(self.l32.size, dtype=torch.int32, device=self.device)
             # [bm, 4, N] per request: its verified tree's tokens, parents, depths and the
-            # target's argmax at each node; written after the verify, read by the replay, and
+            # target's token at each node (argmax or drawn); written after the verify, read by the replay, and
             # the step's one copy to the host (the host's acceptance reads the same numbers).
             self.acc = torch.zeros(bm, 4, self.n, dtype=torch.int64, device=self.device)
             # The replay's trees, copied in the graph out of its pool (where the next verify's
@@ -238,7 +239,7 @@ class EarlyTreeGraphs(EarlyGraphSurface):
     def tree_info(self, n: int) -> torch.Tensor:  # [3, n, N] a view of acc
         return self._views_for(n)[0]
 
-    def drawn(self, n: int) -> torch.Tensor:  # [n, N] the argmax plane of acc
+    def drawn(self, n: int) -> torch.Tensor:  # [n, N] the drawn-token plane of acc
         return self._views_for(n)[2]
 
     def acc_rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,7 +23,7 @@ from compiled_spec.engine.logprobs import gather_logprobs
 from compiled_spec.engine.paused_ahead import sync_ahead
 from compiled_spec.engine.prompt_head import HeadPlan, PromptHead
 from compiled_spec.engine.request import Request
-from compiled_spec.engine.sampled_accept import sampled_accept
+from compiled_spec.engine.sampled_accept import coupled_targets, sampled_accept
 from compiled_spec.engine.verify_ahead import VerifyAhead
 from compiled_spec.kv_cache import BlockAllocator, KVCacheExhausted
 from compiled_spec.models.decoder import CausalLM
@@ -190,7 +190,8 @@ class ModelRunner:
             logits = logits.index_select(0, to_device(logit_rows, self.device))
         with phase("rejection_sample"):
             if early is not None:
-                new_tokens = self.early.accept(early, logits, target_hidden, logit_rows)
+                new_tokens = self.early.accept(early, reqs, logits, target_hidden,
+                                               logit_rows)
             else:
                 new_tokens = self._accept(reqs, logits, num_draft, num_new, row_start,
                                           target_hidden)
@@ -297,8 +298,9 @@ class ModelRunner:
         """Greedy or rejection sampling; one device-to-host copy of the results."""
         kmax = logits.shape[1] - 1  # [B, K+1, V]
         greedy = all(r.params.greedy for r in reqs)  # host-known: no sampling tensors needed
-        if greedy and kmax == 0:  # vanilla greedy decode: the argmax is the whole step
-            tok = logits[:, 0].argmax(dim=-1)  # [B]
+        if kmax == 0:  # a decode step: its token (the argmax, or vanilla's sampled draw)
+            tok = (logits[:, 0].argmax(dim=-1) if greedy  # [B]
+                   else coupled_targets(self, reqs, logits)[:, 0])
             if self.ahead.enabled and self.k == 0:  # the next decode launched from it first
                 return [[t] for t in self.to_host(self.ahead.decode(reqs, num_new, tok))]
             if self.ahead.enabled and self.paused:
@@ -310,8 +312,6 @@ class ModelRunner:
                     self.clock.mark("deferred_flush")  # a full ring's, behind that launch
                 return [[t] for t in self.to_host(copy)]
             return [[t] for t in self.to_host(tok)]
-        if self.k == 0 and self.ahead.enabled:
-            self.ahead.skip("sampling")
         if greedy:
             return self._greedy_accept_host(reqs, logits.argmax(dim=-1), num_draft)
         return sampled_accept(self, reqs, logits, num_draft)

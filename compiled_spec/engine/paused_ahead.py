@@ -1,6 +1,6 @@
 """A paused step launched ahead (issue 16): with speculation paused (the adaptive policy's
-PLAIN mode), the next decode step is launched from the device argmax before the host reads
-this step's tokens, as vanilla greedy decoding does (``VerifyAhead.decode``).
+PLAIN mode), the next decode step is launched from the device token (argmax or sampled) before
+the host reads this step's tokens, as vanilla decoding does (``VerifyAhead.decode``).
 
 Why: a paused step used to run late. On the H100 (thirty-fourth session,
 ``adaptive_shrink.json``) the adaptive engine measured its paused steps at 1.63 ms at batch 1
@@ -14,12 +14,12 @@ which keeps the draft's KV complete for when drafting resumes), or its deferral
 (engine/deferred_first_pass.py: the step's aux rows copied into a ring, the default). Both
 read this step's target states, which the next decode's replay overwrites (graph memory, and
 the propose graph's fc buffer that its ``precombine`` rewrites). So the copy, or the sync
-graph's replay with its token ids copied from the device argmax into its input buffer, is
+graph's replay with its token ids copied from the device token into its input buffer, is
 issued here and the decode is launched behind it. The engine's ``propose`` then skips what it
 would have run (``ModelRunner._synced``).
 
 Taken only where the next step is a plain decode of every request, as vanilla's launch:
-greedy, no logprobs, no prompt chunk, nobody at its budget or short of KV, no admission, and a
+no logprobs, no prompt chunk, nobody at its budget or short of KV, no admission, and a
 captured sync graph for this batch; anything else runs the step as before (late), the reason
 counted in ``VerifyAheadStats.skipped``.
 """
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 
 def sync_ahead(rn: "ModelRunner", reqs: "list[Request]", num_new: list[int],
-               tok: torch.Tensor,  # [B] this step's greedy tokens, on the device
+               tok: torch.Tensor,  # [B] this step's tokens (argmax or sampled), on the device
                row_start: list[int],  # each request's row in target_hidden
                target_hidden: torch.Tensor | list[torch.Tensor]) -> str | None:
     """The paused step's draft first pass replayed now, from ``tok``, once the decode launch's

@@ -10,7 +10,7 @@ import torch
 from compiled_spec.engine.batch import build_sampling_tensors, to_device
 from compiled_spec.engine.request import Request
 from compiled_spec.sampler import apply_filters
-from compiled_spec.spec.rejection import rejection_sample
+from compiled_spec.spec.rejection import coupled_tokens, rejection_sample
 
 if TYPE_CHECKING:
     from compiled_spec.engine.model_runner import ModelRunner
@@ -29,10 +29,22 @@ def sampled_accept(rn: "ModelRunner", reqs: list[Request],
     positions0 = to_device([r.num_tokens for r in reqs], rn.device)
     drafts, q = _last_proposal(rn, reqs, kmax)
     out, n_acc = rejection_sample(probs, drafts, k_t, seeds, positions0, q)
-    if kmax == 0:  # nothing to accept (n_acc is 0): the sampled token is the whole row
-        return [[t] for t in rn.to_host(out.reshape(-1))]
     packed = rn.to_host(torch.cat([n_acc[:, None], out], dim=1))  # the step's one D2H copy
     return [row[1:2 + row[0]] for row in packed]
+
+
+def coupled_targets(rn: "ModelRunner", reqs: list[Request],
+                    logits: torch.Tensor,  # [B, K+1, V]
+                    ) -> torch.Tensor:  # [B, K+1]
+    """The token vanilla sampling would draw at each verified slot of each request (the
+    coupling rule, ``spec.rejection.coupled_tokens``; greedy rows: the argmax). For one-hot
+    drafts it stands where a greedy step's argmax does: a decode step's token, an early step's
+    acceptance input. The same ops as ``sampled_accept``'s, so the tokens are the same."""
+    B, K1, V = logits.shape
+    st = build_sampling_tensors(reqs, rn.device, repeat=K1)
+    probs = apply_filters(logits.reshape(B * K1, V), st).view(B, K1, V)
+    positions0 = to_device([r.num_tokens for r in reqs], rn.device)  # slot 0's position
+    return coupled_tokens(probs, st.seeds.view(B, K1)[:, 0], positions0)
 
 
 def _last_proposal(rn: "ModelRunner", reqs: list[Request], kmax: int

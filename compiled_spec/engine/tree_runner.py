@@ -142,9 +142,10 @@ class TreeModelRunner(ModelRunner):
         early = self._early_tree = self.early.plan_tree(reqs, in_tree, starts)
         clock.mark("plan")
         with phase("rejection_sample"):
-            if early is not None:  # greedy, all trees: straight into the early graph's input
+            greedy = all(r.params.greedy for r in reqs)  # host-known: no sampling tensors
+            if early is not None and greedy:  # straight into the early graph's input
                 drawn = None
-            elif all(r.params.greedy for r in reqs):  # host-known: no sampling tensors
+            elif greedy:
                 drawn = logits.argmax(dim=-1)  # [T]
             else:  # the token vanilla sampling would draw after each node (position + 1)
                 reps = [qsl[i + 1] - qsl[i] for i in range(len(reqs))]

@@ -28,14 +28,15 @@ free slots the scheduler fills: the next batch would change), when a request wou
 fewer than k drafts next step, when every request ends (a stop token, EOS, its budget), or
 over ``max_batch`` requests.
 
-Vanilla greedy decoding (k = 0) goes one step further: nothing is queued on the GPU while the
+Vanilla decoding (k = 0) goes one step further: nothing is queued on the GPU while the
 host reads a decode step's token (on the H200, thirteenth session, a SmolLM2 decode step took
 1.153 ms against 0.914 ms of forward), so the next decode is launched from the device argmax
 itself (a device-to-device copy into the graph's token buffer), before the host waits; the
 host then reads step N's token while step N+1 runs. Launched when every request decodes one
-token next at a known position (prompts fully computed, greedy, no logprobs, not at its
-budget), with the next position's KV block grown now. An EAGLE engine whose adaptive policy
-paused speculation does the same, after replaying the draft's first pass from that argmax
+token next at a known position (prompts fully computed, no logprobs, not at its budget), with
+the next position's KV block grown now; greedy or sampled (the token on the device is the
+argmax or vanilla's draw, ``sampled_accept.coupled_targets``). An EAGLE engine whose adaptive
+policy paused speculation does the same, after replaying the draft's first pass from that token
 (``engine.paused_ahead``); a launched decode carries k = 0 so the next step takes it.
 """
 from __future__ import annotations
@@ -254,7 +255,7 @@ class VerifyAhead:
         self.stats.launched += 1
 
     def decode(self, reqs: list[Request], num_new: list[int],
-               tok: torch.Tensor,  # [B] this step's greedy tokens, on the device
+               tok: torch.Tensor,  # [B] this step's tokens (argmax or sampled), on the device
                first: Callable[[], str | None] | None = None,
                ) -> HostCopy:
         """Greedy decoding: ``tok``'s copy to the host issued, then the next decode step
@@ -266,7 +267,7 @@ class VerifyAhead:
         return copy
 
     def launch_decode(self, reqs: list[Request], num_new: list[int],
-                      tok: torch.Tensor,  # [B] this step's greedy tokens, on the device
+                      tok: torch.Tensor,  # [B] this step's tokens, on the device
                       first: Callable[[], str | None] | None = None) -> None:
         """The next decode step of every request, its token taken from ``tok`` on the device."""
         self._launched = None
@@ -308,8 +309,8 @@ class VerifyAhead:
                 return "prefill"  # a chunked prompt goes on next step
             if q.num_tokens + 1 >= q.max_total_tokens:
                 return "short"  # this step's token is its last
-            if not q.params.greedy or q.params.logprobs is not None:
-                return "sampling"
+            if q.params.logprobs is not None:
+                return "logprobs"  # read from this step's logits, on the host's path
         return None
 
     def take(self, reqs: list[Request], num_new: list[int]) -> Ahead | None:

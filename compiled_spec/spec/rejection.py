@@ -22,7 +22,7 @@ from compiled_spec.sampler import (STREAM_ACCEPT, STREAM_TOKEN, position_keys, s
 
 STREAM_DRAFT = 2  # noise stream for drafting by sampling; independent of STREAM_TOKEN/ACCEPT
 
-__all__ = ["STREAM_DRAFT", "rejection_sample", "sample_draft"]
+__all__ = ["STREAM_DRAFT", "coupled_tokens", "rejection_sample", "sample_draft"]
 
 
 def sample_draft(draft_probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -41,6 +41,20 @@ def _slot_keys(seeds: torch.Tensor, positions: torch.Tensor, num_slots: int, str
     slots = torch.arange(num_slots, device=positions.device, dtype=torch.int64)
     pos = positions[:, None] + slots[None, :]  # [B, S]
     return position_keys(seeds[:, None], pos, stream).reshape(-1)  # elementwise hash, broadcasts
+
+
+def coupled_tokens(target_probs: torch.Tensor, seeds: torch.Tensor,
+                   positions: torch.Tensor) -> torch.Tensor:
+    """The coupling rule's draws (see ``rejection_sample``): at every slot j the token vanilla
+    sampling would draw there, t_j = draw(p_j, key(seed, position + j, STREAM_TOKEN)).
+
+    target_probs [B, K+1, V] (greedy rows one-hot: t is their argmax), seeds [B], positions [B]
+    (slot 0's absolute position) -> [B, K+1] int64. With one-hot drafts, "accept while d_j ==
+    t_j, then emit t" is the whole verification: the early paths write t where they write a
+    greedy step's argmax, and their graphs and the host then agree with the late path."""
+    bsz, kp1, vocab = target_probs.shape
+    keys = _slot_keys(seeds, positions, kp1, STREAM_TOKEN)  # [B*(K+1)]
+    return sample_from_probs(target_probs.reshape(bsz * kp1, vocab), keys).view(bsz, kp1)
 
 
 def rejection_sample(
@@ -85,8 +99,7 @@ def rejection_sample(
         # t_j, and p_j depends only on the already-emitted prefix, so the output equals vanilla
         # sampling with the same seed token for token, whatever K or the draft quality is.
         # Greedy rows have one-hot p_j, so t_j = argmax and this is "accept while equal to argmax".
-        keys = _slot_keys(seeds, positions, kp1, STREAM_TOKEN)  # [B*(K+1)]
-        t = sample_from_probs(target_probs.reshape(bsz * kp1, vocab), keys).view(bsz, kp1)
+        t = coupled_tokens(target_probs, seeds, positions)  # [B, K+1]
         accept = (drafts == t[:, :k]) & in_range  # [B, K]
         num_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # [B]: length of accepted prefix
         # Accepted drafts equal t, so the whole valid prefix of the row is t itself.
