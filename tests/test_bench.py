@@ -149,6 +149,30 @@ def test_bench_runs_draft_trees_beside_chains(tiny_hf_dir, mt_bench_path, tmp_pa
             main(["bench", "--trees", bad])
 
 
+def test_bench_temperature_samples_and_stays_lossless(tiny_hf_dir, mt_bench_path, tmp_path):
+    """--temperature: our engines sample (a seed per request), and the EAGLE engine still
+    writes vanilla's tokens; the report says how the rows decoded."""
+    def bench(out, *extra: str) -> dict:
+        assert main(["bench", "--model", tiny_hf_dir, "--random-draft", "--device", "cpu",
+                     "--prompts", mt_bench_path, "--num-prompts", "2", "--max-tokens", "8",
+                     "--max-model-len", "1024", "--batch-sizes", "1", "2", "--variants",
+                     "ours_vanilla_eager", "ours_eagle_eager", "--out-dir", str(out),
+                     *extra]) == 0
+        return json.loads((out / "benchmarks.json").read_text())
+
+    hot = bench(tmp_path / "hot", "--temperature", "0.8")
+    greedy = bench(tmp_path / "greedy")
+    assert hot["temperature"] == 0.8 and greedy["temperature"] == 0.0
+    # sampled, not the argmax: a random model's sampled tokens are not its greedy ones
+    assert hot["reference_outputs"] != greedy["reference_outputs"]
+    for r in hot["rows"]:
+        if r["batch"] == 1:
+            assert r["identical"] == 1.0, r["engine"]
+    assert "sampled at temperature 0.8" in (tmp_path / "hot" / "BENCHMARKS.md").read_text()
+    with pytest.raises(SystemExit):
+        main(["bench", "--temperature", "-1"])
+
+
 def test_waves_refill_freed_slots_with_at_most_b_running(tiny_hf_dir, mt_bench_path, tmp_path,
                                                           monkeypatch):
     """--waves W: batch B submits W x B requests and runs at most B at once, so the batch

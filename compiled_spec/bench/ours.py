@@ -132,10 +132,12 @@ class TimedTarget:
 
 
 def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: list[int],
-                max_tokens: int, startup: float, waves: int = 1
+                max_tokens: int, startup: float, waves: int = 1, temperature: float = 0.0
                 ) -> tuple[list[Row], list[list[int]]]:
     """Rows for each batch size, plus the batch-1 outputs (for the identical-output column).
-    ``waves`` > 1: batch b submits waves * b requests, at most b running (``running_at_most``)."""
+    ``waves`` > 1: batch b submits waves * b requests, at most b running (``running_at_most``).
+    ``temperature`` > 0: every request samples (seed 0: vanilla's output is fixed, and every
+    engine of ours must write it)."""
     runner = llm.engine.runner
     k = runner.k
     timer = PhaseTimer(llm.config.device)
@@ -160,7 +162,8 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
     if getattr(runner, "early", None) is not None:  # steps proposing before the D2H read
         runner.early.propose = timer.wrap("propose", runner.early.propose)
     try:
-        return _timed_rows(llm, v, prompts, batch_sizes, max_tokens, startup, waves, timer)
+        return _timed_rows(llm, v, prompts, batch_sizes, max_tokens, startup, waves, timer,
+                           temperature)
     finally:
         runner.target_fn = target
         for o, own in props:  # the instance's own attribute back, or none (the class's method)
@@ -171,13 +174,16 @@ def time_engine(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
 
 
 def _timed_rows(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: list[int],
-                max_tokens: int, startup: float, waves: int, timer: PhaseTimer
-                ) -> tuple[list[Row], list[list[int]]]:
+                max_tokens: int, startup: float, waves: int, timer: PhaseTimer,
+                temperature: float) -> tuple[list[Row], list[list[int]]]:
     from compiled_spec import SamplingParams
 
     dev = llm.config.device
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    warm = SamplingParams(max_tokens=min(16, max_tokens), temperature=0.0, ignore_eos=True)
+    seed = 0 if temperature > 0 else None
+    sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
+                        ignore_eos=True)
+    warm = SamplingParams(max_tokens=min(16, max_tokens), temperature=temperature, seed=seed,
+                          ignore_eos=True)
     rows, batch1_out = [], []
     for b in batch_sizes:
         # Batch 1: every prompt in turn; batch b: b prompts at once (cycled when fewer exist).

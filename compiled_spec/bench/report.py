@@ -37,6 +37,12 @@ def projection_table(proj: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _decoding(meta: dict[str, Any]) -> str:
+    t = meta.get("temperature") or 0.0
+    return ("greedy" if not t else f"sampled at temperature {t} (seed 0 per request; "
+            "transformers' rows greedy)")
+
+
 def _floor_yardstick(meta: dict[str, Any]) -> str:
     fb = meta.get("floor_bandwidth")
     if not fb:
@@ -55,7 +61,8 @@ def write_markdown(path: Path, meta: dict[str, Any], rows: list[Row],
         "",
         f"Machine: {m['machine']}; torch {m['torch']}, transformers {m['transformers']}, "
         f"triton {m.get('triton') or '-'}; {m['dtype']}.",
-        f"Prompts: {m['num_prompts']} MT-bench first turns with the chat template, greedy, "
+        f"Prompts: {m['num_prompts']} MT-bench first turns with the chat template, "
+        f"{_decoding(m)}, "
         f"{m['max_tokens']} new tokens each (EOS ignored, so every engine writes the same "
         "count). Batch 1 runs the prompts one at a time; batch b submits b prompts at once.",
         "",
@@ -63,7 +70,7 @@ def write_markdown(path: Path, meta: dict[str, Any], rows: list[Row],
         "(tokens - 1), median; tau = mean acceptance length; propose / verify ms = mean per "
         "call (CUDA events); x floor = ms/token over the time to read every weight once at "
         f"{_floor_yardstick(m)} (batch 1); peak GiB = peak allocated GPU memory (our KV pool "
-        "is sized to the run); same output = fraction of prompts whose greedy output equals our "
+        "is sized to the run); same output = fraction of prompts whose output equals our "
         "vanilla eager output at batch 1 (bf16 paths round differently, so below 1.0 is "
         "expected there; fp32 identity is what the test suite checks).",
         "",

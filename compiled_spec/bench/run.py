@@ -182,7 +182,8 @@ def run_bench(a: argparse.Namespace) -> int:
                          getattr(a, "ab", None), tuple(getattr(a, "adaptive_k", ())))
     rows, outs = bench_ours(variants, kw, prompts, batch_sizes, a.max_tokens,
                             Path(a.trace_dir) if a.trace_dir else None, waves=a.waves,
-                            rounds=getattr(a, "rounds", 1))
+                            rounds=getattr(a, "rounds", 1),
+                            temperature=getattr(a, "temperature", 0.0))
     # The reference for "same output": our vanilla eager batch-1 outputs, from this run or a
     # merged one (a device call is capped at 10 minutes, so a full run spans several calls).
     ref = outs.get("ours vanilla eager") or next(
@@ -193,7 +194,9 @@ def run_bench(a: argparse.Namespace) -> int:
     for kind in (n for n in names if n in hf.KINDS):
         row, hf_out = hf.bench_hf(kind, model, dtype, device, prompts, a.max_tokens,
                                   a.prompt_lookup_tokens)
-        row.identical = _same(hf_out, ref) if ref is not None else None
+        # (transformers' rows decode greedily: with --temperature there is nothing to compare)
+        row.identical = (_same(hf_out, ref) if ref is not None and not a.temperature
+                         else None)
         rows.append(row)
         print(f"{row.engine}: {row.tokens_per_s:.1f} tok/s", flush=True)
 
@@ -217,6 +220,7 @@ def run_bench(a: argparse.Namespace) -> int:
             "torch": torch.__version__, "transformers": _version("transformers"),
             "triton": _version("triton"), "dtype": str(dtype).replace("torch.", ""),
             "num_prompts": len(texts), "max_tokens": a.max_tokens, "model": str(model),
+            "temperature": getattr(a, "temperature", 0.0),
             "draft": draft, "k": k, "shape_label": {"llama8b": "Llama-3.1-8B shape",
                                                     "tiny": "tiny Llama shape"}.get(a.shape)}
     meta["reference_outputs"] = ref
@@ -264,6 +268,13 @@ def _positive_int(text: str) -> int:
     return n
 
 
+def _non_negative(text: str) -> float:
+    x = float(text)
+    if not x >= 0:  # (NaN too)
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a number >= 0")
+    return x
+
+
 def add_bench_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--variants", nargs="*", default=None, metavar="NAME",
                    help=f"subset of {', '.join(ALL_VARIANTS)} (default: all)")
@@ -293,6 +304,10 @@ def add_bench_args(b: argparse.ArgumentParser) -> None:
                    "...); each row is its median round, every round's tokens/s in its json. "
                    "The host's speed drifts within a process: one pass per engine charges "
                    "the drift to whichever engine ran then")
+    b.add_argument("--temperature", type=_non_negative, default=0.0,
+                   help="our engines sample at this temperature (seed 0 per request; 0: greedy). "
+                   "Speculation is lossless: every engine of ours still writes vanilla's tokens. "
+                   "transformers' rows stay greedy")
     b.add_argument("--tokenizer", default=None)
     b.add_argument("--random-draft", action="store_true",
                    help="speculate with a random EAGLE-3 head of the target's shape (tau ~ 1)")

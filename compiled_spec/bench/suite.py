@@ -37,7 +37,7 @@ def trace_engine(llm: Any, v: Variant, prompts: list[list[int]], batch: int, out
 
 def bench_ours(variants: list[Variant], kw: dict[str, Any], prompts: list[list[int]],
                batch_sizes: list[int], max_tokens: int, trace_dir: Path | None = None,
-               waves: int = 1, rounds: int = 1
+               waves: int = 1, rounds: int = 1, temperature: float = 0.0
                ) -> tuple[list[Row], dict[str, list[list[int]]]]:
     """``trace_dir``: after timing, a profiler trace of each variant's warm engine there.
     ``waves``: see ``time_engine``. ``rounds`` > 1: every engine built first, then timed in
@@ -52,7 +52,8 @@ def bench_ours(variants: list[Variant], kw: dict[str, Any], prompts: list[list[i
         timed: dict[str, list[list[Row]]] = {v.name: [] for v in variants}
         for i in range(rounds):
             for v, llm, startup in built:
-                r, out = time_engine(llm, v, prompts, batch_sizes, max_tokens, startup, waves)
+                r, out = time_engine(llm, v, prompts, batch_sizes, max_tokens, startup, waves,
+                                     temperature)
                 timed[v.name].append(r)
                 outputs.setdefault(v.name, out)
                 print(f"{v.name}: round {i + 1} of {rounds}: " + ", ".join(
@@ -66,7 +67,8 @@ def bench_ours(variants: list[Variant], kw: dict[str, Any], prompts: list[list[i
         return rows, outputs
     for v in variants:
         llm, startup = build_engine(v, kw, prompts, batch_sizes, max_tokens)
-        r, out = time_engine(llm, v, prompts, batch_sizes, max_tokens, startup, waves)
+        r, out = time_engine(llm, v, prompts, batch_sizes, max_tokens, startup, waves,
+                             temperature)
         if trace_dir is not None:
             trace_engine(llm, v, prompts, batch_sizes[0], trace_dir)
         rows += r
