@@ -157,6 +157,28 @@ def test_deferred_first_pass_keeps_output_kv_and_acceptance(trained_eagle3_pair,
     assert not all(torch.allclose(h, e, rtol=1e-5, atol=1e-5) for h, e in zip(holes, ref_kv))
 
 
+@pytest.mark.parametrize("defer", [False, True])
+def test_sampled_paused_steps_launch_ahead(trained_eagle3_pair, smollm2_gguf_path, defer):
+    """Sampled requests in paused steps: the next decode launches from the device's draw,
+    behind the draft's first pass (replayed from that draw, or deferred), as greedy ones do
+    from the argmax; the output is vanilla sampling's, and no launch is skipped for sampling."""
+    target, head = trained_eagle3_pair
+    sps = [SamplingParams(max_tokens=n, temperature=t, seed=5 + i, ignore_eos=True)
+           for i, (n, t) in enumerate(zip((30, 19, 26, 30), (0.8, 1.0, 0.0, 0.7)))]
+    want = [o.token_ids for o in LLM(model=target, tokenizer=smollm2_gguf_path,
+                                     max_model_len=128).generate(PROMPTS, sps)]
+    llm = with_emulated_graphs(LLM(
+        model=target, tokenizer=smollm2_gguf_path, max_model_len=128, draft=head,
+        num_speculative_tokens=K, speculation_policy="adaptive", verify_ahead=True,
+        max_num_seqs=4, defer_paused_first_pass=defer, paused_flush_depth=DEPTH), k=K)
+    llm.engine.stats.policy = ModesInTurn(MODES)
+    assert [o.token_ids for o in llm.generate(PROMPTS, sps)] == want
+    ahead = llm.stats.verify_ahead
+    assert ahead.taken >= 10 and "sampling" not in ahead.skipped, ahead
+    assert (llm.stats.deferred_first_pass is not None) == defer
+    assert llm.stats.num_step_faults == 0
+
+
 def test_deferred_first_pass_eagle1_and_preemption(eagle1_pair, smollm2_gguf_path,
                                                    monkeypatch):
     """EAGLE-1 (one hidden tensor, no fc), uncaptured: the same output and acceptance with

@@ -106,13 +106,14 @@ def test_mixed_tree_step_launches_no_kernel_first(trained_eagle3_pair, smollm2_g
 
     runner.execute, runner.propose = execute_, propose_
     # The bench's warm-up, 16 tokens; one prompt, so no step mixes trees and plain requests.
-    # One request sampled: its steps run the late path (host-side KV moves, the late propose),
-    # as start-up's dummy requests do (engine/warm_paths.py); greedy steps near their end
-    # propose early since the forty-second session, so the late path's first steps could
-    # otherwise be the mixed ones.
+    # One request with logprobs: its steps run the late path (host-side KV moves, the late
+    # propose), as start-up's dummy requests do (engine/warm_paths.py); greedy steps near
+    # their end propose early since the forty-second session, sampled ones since the
+    # fifty-third, so the late path's first steps could otherwise be the mixed ones.
     sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     llm.generate([PROMPTS[0]] * 4, [sp] * 3 + [SamplingParams(max_tokens=16, temperature=0.8,
-                                                              seed=1, ignore_eos=True)],
+                                                              seed=1, logprobs=1,
+                                                              ignore_eos=True)],
                  use_tqdm=False)
     before = llm.stats.early_propose.as_dict()
     sps = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (40, 34, 27, 21)]

