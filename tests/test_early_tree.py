@@ -162,7 +162,7 @@ def test_early_tree_equals_vanilla_and_late(engines, batch):
 def test_sampled_early_tree_equals_vanilla_and_late(engines, batch):
     """Sampled requests (temperatures, a top-k, one greedy among them) go early: the token at
     each node is vanilla's draw there, so early, late and vanilla sampling agree and accept
-    alike."""
+    alike, with the next trees' verify launched ahead too."""
     spec, vanilla = engines
     kinds = [dict(temperature=0.8), dict(temperature=1.0, top_k=20), dict(temperature=0.0),
              dict(temperature=0.7, top_p=0.9), dict(temperature=1.2)]
@@ -174,6 +174,18 @@ def test_sampled_early_tree_equals_vanilla_and_late(engines, batch):
     assert late == ref and early == ref
     assert early_st["early"] > 0 and "sampling" not in early_st["late_reasons"], early_st
     assert late_acc > 0 and early_acc == late_acc
+    # ... and their early steps launch the next trees' verify (verify_ahead_tree.py)
+    ahead, faults = spec.engine.runner.ahead, spec.stats.num_step_faults
+    before = ahead.stats.as_dict()
+    ahead.enabled = True
+    try:
+        out, acc, _ = _run(spec, True, PROMPTS, sps, batch)
+    finally:
+        ahead.enabled = False
+    d = counts_since(before, ahead.stats.as_dict())
+    assert out == ref and acc == late_acc
+    assert d["taken"] + d["taken_subset"] > 0, d
+    assert spec.stats.num_step_faults == faults
 
 
 @pytest.mark.parametrize("batch", [1, 3])
