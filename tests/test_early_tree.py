@@ -142,6 +142,19 @@ def _run(spec: LLM, early: bool, prompts, sps, batch: int) -> tuple[list, int, d
             counts_since(before, st.early_propose.as_dict()))
 
 
+def _run_ahead(spec: LLM, sps, batch: int) -> tuple[list, int, dict, dict]:
+    """``_run`` early with the trees' verify ahead on: its outputs, accepted count and
+    early-propose counters, and the verify-ahead counters of the run."""
+    ahead = spec.engine.runner.ahead
+    before = ahead.stats.as_dict()
+    ahead.enabled = True
+    try:
+        out, acc, early_st = _run(spec, True, PROMPTS, sps, batch)
+    finally:
+        ahead.enabled = False
+    return out, acc, early_st, counts_since(before, ahead.stats.as_dict())
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 def test_early_tree_equals_vanilla_and_late(engines, batch):
     """Requests ending at different steps (max_tokens, a stop token), batches padded (3 -> 4)."""
@@ -175,14 +188,8 @@ def test_sampled_early_tree_equals_vanilla_and_late(engines, batch):
     assert early_st["early"] > 0 and "sampling" not in early_st["late_reasons"], early_st
     assert late_acc > 0 and early_acc == late_acc
     # ... and their early steps launch the next trees' verify (verify_ahead_tree.py)
-    ahead, faults = spec.engine.runner.ahead, spec.stats.num_step_faults
-    before = ahead.stats.as_dict()
-    ahead.enabled = True
-    try:
-        out, acc, _ = _run(spec, True, PROMPTS, sps, batch)
-    finally:
-        ahead.enabled = False
-    d = counts_since(before, ahead.stats.as_dict())
+    faults = spec.stats.num_step_faults
+    out, acc, _, d = _run_ahead(spec, sps, batch)
     assert out == ref and acc == late_acc
     assert d["taken"] + d["taken_subset"] > 0, d
     assert spec.stats.num_step_faults == faults
@@ -203,7 +210,7 @@ def test_tree_verify_ahead_equals_vanilla(engines, batch, monkeypatch):
     sps, ref = _stopping(vanilla, 1, 10)
     ahead, st = spec.engine.runner.ahead, spec.stats
     plain, plain_acc, _ = _run(spec, True, PROMPTS, sps, batch)
-    before, faults = ahead.stats.as_dict(), st.num_step_faults
+    faults = st.num_step_faults
     take, checked = ahead.take_tree, []
 
     def take_checked(reqs):
@@ -222,12 +229,7 @@ def test_tree_verify_ahead_equals_vanilla(engines, batch, monkeypatch):
     g, held = spec.engine.runner.early.graph, []
     holds_tree = g.holds_tree
     monkeypatch.setattr(g, "holds_tree", lambda t, m: held.append(holds_tree(t, m)) or held[-1])
-    ahead.enabled = True
-    try:
-        out, acc, early_st = _run(spec, True, PROMPTS, sps, batch)
-    finally:
-        ahead.enabled = False
-    d = counts_since(before, ahead.stats.as_dict())
+    out, acc, early_st, d = _run_ahead(spec, sps, batch)
     assert plain == ref and out == ref
     assert acc == plain_acc > 0 and early_st["early"] > 0
     launched, taken, subset = d["launched"], d["taken"], d["taken_subset"]
