@@ -31,3 +31,17 @@ def with_emulated_graphs(llm: LLM, k: int, max_model_len: int = 128,
                            mixed_sizes=mixed_sizes, mixed_query_len=mixed_query_len)
     capture_graphs(llm.engine.runner, models, policy, 4, emulate=True)
     return llm
+
+
+def assert_same_logprobs(got: list, want: list, tol: float = 1e-4) -> None:
+    """Two runs' RequestOutputs (in order): the same tokens, and per token the same keys with
+    log-probabilities within ``tol`` (None where a request asked for none)."""
+    import math
+
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for g, w in zip(got, want):
+        a, b = g.outputs[0].logprobs, w.outputs[0].logprobs
+        assert (a is None) == (b is None)
+        for da, db in zip(a or [], b or []):
+            assert da.keys() == db.keys(), (da, db)
+            assert all(math.isclose(da[t], db[t], abs_tol=tol) for t in da), (da, db)

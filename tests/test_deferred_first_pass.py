@@ -12,7 +12,7 @@ from compiled_spec.engine.deferred_first_pass import DeferredFirstPass, flush_de
 from compiled_spec.engine.sync_graph import SyncGraphs
 from compiled_spec.engine.verify_ahead import VerifyAhead
 from compiled_spec.spec.policy import PLAIN, SPEC, SpecPolicy
-from tests.engine_runs import with_emulated_graphs
+from tests.engine_runs import assert_same_logprobs, with_emulated_graphs
 from tests.policy_stub import ModesInTurn
 from tests.spec_models import write_bigram_target, write_mirror_eagle1
 
@@ -159,22 +159,24 @@ def test_deferred_first_pass_keeps_output_kv_and_acceptance(trained_eagle3_pair,
 
 @pytest.mark.parametrize("defer", [False, True])
 def test_sampled_paused_steps_launch_ahead(trained_eagle3_pair, smollm2_gguf_path, defer):
-    """Sampled requests in paused steps: the next decode launches from the device's draw,
-    behind the draft's first pass (replayed from that draw, or deferred), as greedy ones do
-    from the argmax; the output is vanilla sampling's, and no launch is skipped for sampling."""
+    """Sampled requests in paused steps (one with logprobs): the next decode launches from the
+    device's draw, behind the draft's first pass (replayed from that draw, or deferred), as
+    greedy ones do from the argmax; the output and logprobs are vanilla sampling's, and no
+    launch is skipped for sampling or logprobs."""
     target, head = trained_eagle3_pair
-    sps = [SamplingParams(max_tokens=n, temperature=t, seed=5 + i, ignore_eos=True)
+    sps = [SamplingParams(max_tokens=n, temperature=t, seed=5 + i, ignore_eos=True,
+                          logprobs=2 if i == 1 else None)
            for i, (n, t) in enumerate(zip((30, 19, 26, 30), (0.8, 1.0, 0.0, 0.7)))]
-    want = [o.token_ids for o in LLM(model=target, tokenizer=smollm2_gguf_path,
-                                     max_model_len=128).generate(PROMPTS, sps)]
+    want = LLM(model=target, tokenizer=smollm2_gguf_path, max_model_len=128).generate(PROMPTS,
+                                                                                      sps)
     llm = with_emulated_graphs(LLM(
         model=target, tokenizer=smollm2_gguf_path, max_model_len=128, draft=head,
         num_speculative_tokens=K, speculation_policy="adaptive", verify_ahead=True,
         max_num_seqs=4, defer_paused_first_pass=defer, paused_flush_depth=DEPTH), k=K)
     llm.engine.stats.policy = ModesInTurn(MODES)
-    assert [o.token_ids for o in llm.generate(PROMPTS, sps)] == want
+    assert_same_logprobs(llm.generate(PROMPTS, sps), want)  # (one request wants them)
     ahead = llm.stats.verify_ahead
-    assert ahead.taken >= 10 and "sampling" not in ahead.skipped, ahead
+    assert ahead.taken >= 10 and not {"sampling", "logprobs"} & set(ahead.skipped), ahead
     assert (llm.stats.deferred_first_pass is not None) == defer
     assert llm.stats.num_step_faults == 0
 

@@ -15,6 +15,7 @@ from compiled_spec.compile import CompileConfig, capture_graphs, compile_models
 from compiled_spec.engine.batch import Span
 from compiled_spec.engine.stats import counts_since
 from compiled_spec.spec.proposer import ProposeBatch
+from tests.engine_runs import assert_same_logprobs
 from tests.engine_runs import generate_in_batches as _gen
 
 K = 3
@@ -106,6 +107,34 @@ def test_sampled_early_equals_vanilla_and_late(engines, batch):
     assert early_st["early"] > 0, early_st
     assert set(early_st["late_reasons"]) <= {"not_chain"}, early_st  # prompt steps only
     assert late_acc > 0 and early_acc == late_acc
+
+
+def test_logprobs_go_early_and_equal_the_late_path(engines):
+    """Requests with logprobs (greedy and sampled, beside one without) go early: their
+    logprobs are computed on the device before the replay, and equal the late path's and
+    vanilla's."""
+    spec, vanilla = engines
+    sps = [SamplingParams(max_tokens=m, ignore_eos=True, seed=31 + i, logprobs=lp, **kw)
+           for i, (m, lp, kw) in enumerate([(14, 2, dict(temperature=0.0)),
+                                            (11, None, dict(temperature=0.0)),
+                                            (16, 1, dict(temperature=0.9))])]
+    prompts = PROMPTS[:3]
+    want = vanilla.generate(prompts, sps, use_tqdm=False)
+    runner, st = spec.engine.runner, spec.stats
+    outs = {}
+    for early in (False, True):
+        runner.early.enabled = early
+        before = st.early_propose.as_dict()
+        try:
+            outs[early] = spec.generate(prompts, sps, use_tqdm=False)
+        finally:
+            runner.early.enabled = True
+        outs[early, "st"] = counts_since(before, st.early_propose.as_dict())
+    assert_same_logprobs(outs[False], want)
+    assert_same_logprobs(outs[True], want)
+    early_st = outs[True, "st"]
+    assert early_st["early"] > 0 and "logprobs" not in early_st["late_reasons"], early_st
+    assert outs[True][0].outputs[0].logprobs is not None
 
 
 def test_sampled_drafts_run_late_and_say_so(engines, monkeypatch):

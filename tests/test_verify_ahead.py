@@ -12,7 +12,7 @@ import pytest
 from compiled_spec import LLM, SamplingParams
 from compiled_spec.engine.stats import counts_since
 from tests.engine_runs import generate_in_batches as _gen
-from tests.engine_runs import with_emulated_graphs
+from tests.engine_runs import assert_same_logprobs, with_emulated_graphs
 
 K = 3
 PROMPTS = [[3, 7, 1], [5], [9, 2, 4, 4, 8, 1, 2], [11, 12], [6, 6, 6, 1, 2], [4, 4]]
@@ -108,6 +108,15 @@ def test_sampled_chain_ahead_equals_vanilla(engines, batch):
     assert on_st["launched"] > 0 and on_st["taken"] + on_st["taken_subset"] > 0, on_st
     assert on_acc == off_acc > 0
     assert spec.stats.num_step_faults == 0
+    # with logprobs too, budgets apart so that launches are taken for the rest (their rows)
+    lp = [SamplingParams(max_tokens=m, ignore_eos=True, seed=9, logprobs=x, **kinds[i])
+          for i, (m, x) in enumerate([(7, 2), (19, None), (13, 1)])]
+    before = spec.stats.verify_ahead.as_dict()
+    got = spec.generate(PROMPTS[:3], lp, use_tqdm=False)
+    st = counts_since(before, spec.stats.verify_ahead.as_dict())
+    assert_same_logprobs(got, vanilla.generate(PROMPTS[:3], lp, use_tqdm=False))
+    assert st["taken_subset"] > 0, st
+    assert spec.stats.num_step_faults == 0
 
 
 def test_request_stopping_mid_batch_leaves_a_subset(engines):
@@ -190,7 +199,7 @@ def test_vanilla_decode_ahead_equals_vanilla(engines, vanilla_ahead, batch):
     """Greedy decoding whose next step is launched from the device argmax before the host reads
     it: the same tokens as plain decoding, with requests stopping mid-batch (a stop token,
     different budgets: the rest taken as a subset); sampled requests launch from the device's
-    draw as greedy ones do from the argmax, and a request wanting logprobs does not (said so)."""
+    draw as greedy ones do from the argmax, and requests wanting logprobs launch too."""
     _, vanilla = engines
     sps, ref = _stop_mid_batch(vanilla, PROMPTS, [9, 30, 14, 22, 17, 26])
     out, _, st = _run(vanilla_ahead, True, PROMPTS, sps, batch)
@@ -208,10 +217,15 @@ def test_vanilla_decode_ahead_equals_vanilla(engines, vanilla_ahead, batch):
     ref = _gen(vanilla, PROMPTS[:3], sampled, batch)
     assert out == ref and st["launched"] > 0 and st["taken"] > 0, st
     assert "sampling" not in st["skipped"], st
-    lp = [SamplingParams(max_tokens=6, temperature=0.0, logprobs=1)]
-    out, _, st = _run(vanilla_ahead, True, PROMPTS[:1], lp, 1)
-    assert out == _gen(vanilla, PROMPTS[:1], lp, 1)
-    assert st["launched"] == 0 and st["skipped"].get("logprobs", 0) > 0, st
+    # Logprobs: computed on the device before the launch overwrites the logits
+    lp = [SamplingParams(max_tokens=9, temperature=0.0, logprobs=2, ignore_eos=True),
+          SamplingParams(max_tokens=12, temperature=0.9, seed=2, logprobs=1, ignore_eos=True),
+          SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)]
+    before = vanilla_ahead.stats.verify_ahead.as_dict()
+    got = vanilla_ahead.generate(PROMPTS[:3], lp, use_tqdm=False)
+    st = counts_since(before, vanilla_ahead.stats.verify_ahead.as_dict())
+    assert_same_logprobs(got, vanilla.generate(PROMPTS[:3], lp, use_tqdm=False))
+    assert st["launched"] > 0 and st["taken"] > 0 and "logprobs" not in st["skipped"], st
 
 
 def test_default_on_for_cuda_only(monkeypatch):

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from compiled_spec.engine.batch import to_device
+from compiled_spec.engine.logprobs import TokenLogprobs, device_logprobs, unpack_logprobs
 from compiled_spec.engine.request import Request
 from compiled_spec.engine.sampled_accept import coupled_targets
 from compiled_spec.profile import phase
@@ -57,6 +58,8 @@ class EarlyStep:
     starts: list[int]  # per request: the first verified position (its last token's)
     same_rows: bool  # the last proposal's draft rows are this step's rows, in order
     greedy: bool = True  # every request greedy (else the acceptance input is sampled)
+    # per request its SamplingParams.logprobs (None: none wanted); set only where one wants
+    logprobs: list[int | None] | None = None
     drafts: torch.Tensor | None = None  # [n, k]
     probs: torch.Tensor | None = None  # [n, k, V] when drafts are sampled
 
@@ -101,6 +104,10 @@ class EarlyPath:
         prop = self.runner.proposer
         return None if prop is None else getattr(prop, "early_graph", None)
 
+    # Whether this path computes a step's logprobs itself (the chain's, before its replay);
+    # else a request wanting them sends the step late.
+    takes_logprobs = False
+
     def _size(self, reqs: list[Request], shape_why: str | None) -> int | str:
         """The captured size an early step of ``reqs`` replays, or why it runs late
         (``shape_why``: the path's own reason the step's shape does not fit, checked after
@@ -117,7 +124,7 @@ class EarlyPath:
         if (not all(q.params.greedy for q in reqs)
                 and getattr(self.runner.proposer, "sample_drafts", False)):
             return "sampled_drafts"  # (draft_sampling="sample": Leviathan's rule needs q)
-        if any(q.params.logprobs is not None for q in reqs):
+        if not self.takes_logprobs and any(q.params.logprobs is not None for q in reqs):
             return "logprobs"
         size = g.graph_size(len(reqs))
         return "size" if size is None else size
@@ -128,6 +135,7 @@ class EarlyPropose(EarlyPath):
     ``ModelRunner._accept``), ``finish`` (in place of ``ModelRunner.propose``)."""
 
     runner: "ModelRunner"
+    takes_logprobs = True
 
     @property
     def graph(self) -> "EarlyProposeGraphs | None":
@@ -162,17 +170,21 @@ class EarlyPropose(EarlyPath):
                                [q.params.temperature for q in reqs])
         if why is not None:
             return self._late(why)
+        ks = [q.params.logprobs for q in reqs]
         return EarlyStep(size=size, index={i: j for j, i in enumerate(req_ids)}, starts=starts,
                          same_rows=draft_rows == list(range(len(reqs))),
-                         greedy=all(q.params.greedy for q in reqs))
+                         greedy=all(q.params.greedy for q in reqs),
+                         logprobs=None if ks.count(None) == len(ks) else ks)
 
     def accept(self, step: EarlyStep, reqs: list[Request],
                logits: torch.Tensor,  # [n, k+1, V] (or [N, ...])
                target_hidden: torch.Tensor | list[torch.Tensor],
-               rows: list[int] | None = None) -> list[list[int]]:
+               rows: list[int] | None = None
+               ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None] | None]:
         """Acceptance with the proposal launched before the host reads it: the tokens per
-        request (accepted drafts, then the target's next token). ``rows``: each request's row
-        of ``logits`` when they hold more (a launch some of whose requests finished).
+        request (accepted drafts, then the target's next token), and their logprobs where a
+        request wants them (None: none does). ``rows``: each request's row of ``logits`` when
+        they hold more (a launch some of whose requests finished).
 
         Greedy steps write the target's argmax into acc; with sampled requests, the token
         vanilla sampling draws at each slot (the coupling rule, exact for argmax drafts: a
@@ -182,9 +194,8 @@ class EarlyPropose(EarlyPath):
         n = logits.shape[0] if rows is None else len(rows)
         acc = g.acc[:n]  # [n, 2k+1]
         if not step.greedy:
-            if rows is not None:
-                logits = logits.index_select(0, to_device(rows, r.device))
-            acc[:, :k + 1].copy_(coupled_targets(r, reqs, logits))  # [n, k+1]
+            mine = logits if rows is None else logits.index_select(0, to_device(rows, r.device))
+            acc[:, :k + 1].copy_(coupled_targets(r, reqs, mine))  # [n, k+1]
         elif rows is None:  # the argmax straight into acc
             torch.argmax(logits, dim=-1, out=g.target(n))  # [n, k+1]
         else:
@@ -195,6 +206,17 @@ class EarlyPropose(EarlyPath):
         if not (step.same_rows and g.holds_drafts(r._drafts)):
             acc[:, k + 1:].copy_(r._drafts[:n] if step.same_rows else r._drafts.index_select(
                 0, g.draft_rows(n)))
+        # Logprobs of every slot's token (an emitted token is the slot's t), from the logits
+        # before the replay and the next launch can overwrite them; copied ahead of acc's
+        # copy, so the wait for that one covers this one too.
+        lp_copy, want = None, []
+        if step.logprobs is not None:
+            want = [i for i, x in enumerate(step.logprobs) if x is not None]
+            at = to_device(want if rows is None else [rows[i] for i in want], r.device)
+            lp_copy = r.copy_to_host(device_logprobs(
+                logits.index_select(0, at).flatten(0, 1),
+                acc[:, :k + 1].index_select(0, to_device(want, r.device)).reshape(-1),
+                max(step.logprobs[i] for i in want)))  # [len(want) * (k+1), 1 + 2 kmax]
         copy = HostCopy(acc, g.acc_host[:acc.numel()], self._event)  # the step's one D2H
         with phase("propose"):
             step.drafts, step.probs = self.propose(step.size, n, target_hidden)
@@ -203,7 +225,14 @@ class EarlyPropose(EarlyPath):
         # The graph's rule, on the host: leading drafts equal to the argmax (vectorised, not a
         # Python scan per request: at batch 64 every per-request loop shows in the step).
         n_acc = np.cumprod(host[:, k + 1:] == host[:, :k], axis=1).sum(axis=1).tolist()
-        return [row[:m + 1] for row, m in zip(host[:, :k + 1].tolist(), n_acc)]
+        tokens = [row[:m + 1] for row, m in zip(host[:, :k + 1].tolist(), n_acc)]
+        if lp_copy is None:
+            return tokens, None
+        packed = lp_copy.wait().numpy()  # (done: acc's copy came after it)
+        at_rows: list[list[int]] = [[] for _ in tokens]
+        for j, i in enumerate(want):  # request i's slots: rows j * (k+1) ...
+            at_rows[i] = list(range(j * (k + 1), j * (k + 1) + len(tokens[i])))
+        return tokens, unpack_logprobs(packed, at_rows, tokens, step.logprobs)
 
     def propose(self, size: int, n: int, target_hidden: torch.Tensor | list[torch.Tensor]
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:

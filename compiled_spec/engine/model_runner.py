@@ -19,7 +19,8 @@ from compiled_spec.engine.batch import (Span, build_host_batch, greedy_accept,
 from compiled_spec.engine.deferred_first_pass import DeferredFirstPass
 from compiled_spec.engine.early_propose import EarlyPropose, EarlyStep, HostCopy
 from compiled_spec.engine.host_clock import GpuIdleProbe, HostClock
-from compiled_spec.engine.logprobs import gather_logprobs
+from compiled_spec.engine.logprobs import (TokenLogprobs, device_logprobs, gather_logprobs,
+                                            unpack_logprobs)
 from compiled_spec.engine.paused_ahead import sync_ahead
 from compiled_spec.engine.prompt_head import HeadPlan, PromptHead
 from compiled_spec.engine.request import Request
@@ -189,12 +190,12 @@ class ModelRunner:
         if early is None and logit_rows is not None:  # the late paths read them in order
             logits = logits.index_select(0, to_device(logit_rows, self.device))
         with phase("rejection_sample"):
-            if early is not None:
-                new_tokens = self.early.accept(early, reqs, logits, target_hidden,
-                                               logit_rows)
+            if early is not None:  # (with the logprobs it computed before its replay)
+                new_tokens, lp = self.early.accept(early, reqs, logits, target_hidden,
+                                                   logit_rows)
             else:
-                new_tokens = self._accept(reqs, logits, num_draft, num_new, row_start,
-                                          target_hidden)
+                new_tokens, lp = self._accept(reqs, logits, num_draft, num_new, row_start,
+                                              target_hidden, logprobs)
         clock.mark("accept")
         if early is not None:  # the next verify, before the engine's bookkeeping
             self.ahead.launch(reqs, early, new_tokens)
@@ -207,10 +208,6 @@ class ModelRunner:
         else:
             self._pending = None if early is not None else _Pending(
                 hidden=target_hidden, spans=spans, row_start=row_start, num_draft=num_draft)
-        lp = None
-        if logprobs:
-            # (it upcasts the rows it reads, as apply_filters does: a graph's are the model dtype)
-            lp = gather_logprobs(list(logits), new_tokens, [r.params.logprobs for r in reqs])
         return StepOutput(new_tokens=new_tokens, num_draft=num_draft, logprobs=lp)
 
     def _verify(self, hb: HostBatch, spans: list[Span], num_draft: list[int],
@@ -294,27 +291,41 @@ class ModelRunner:
 
     def _accept(self, reqs: list[Request], logits: torch.Tensor, num_draft: list[int],
                 num_new: list[int], row_start: list[int],
-                target_hidden: torch.Tensor | list[torch.Tensor]) -> list[list[int]]:
-        """Greedy or rejection sampling; one device-to-host copy of the results."""
+                target_hidden: torch.Tensor | list[torch.Tensor], logprobs: bool
+                ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None] | None]:
+        """Greedy or rejection sampling; one device-to-host copy of the results. With the
+        tokens, their logprobs where a request wants them (None: none does)."""
         kmax = logits.shape[1] - 1  # [B, K+1, V]
         greedy = all(r.params.greedy for r in reqs)  # host-known: no sampling tensors needed
+        ks = [r.params.logprobs for r in reqs] if logprobs else []
         if kmax == 0:  # a decode step: its token (the argmax, or vanilla's sampled draw)
             tok = (logits[:, 0].argmax(dim=-1) if greedy  # [B]
                    else coupled_targets(self, reqs, logits)[:, 0])
+            # Logprobs from the logits before a launch ahead overwrites them, copied ahead of
+            # the token's copy (its wait covers both).
+            lp_copy = None if not logprobs else self.copy_to_host(device_logprobs(
+                logits[:, 0], tok, max(k for k in ks if k is not None)))  # [B, 1 + 2 kmax]
             if self.ahead.enabled and self.k == 0:  # the next decode launched from it first
-                return [[t] for t in self.to_host(self.ahead.decode(reqs, num_new, tok))]
-            if self.ahead.enabled and self.paused:
+                toks = self.to_host(self.ahead.decode(reqs, num_new, tok))
+            elif self.ahead.enabled and self.paused:
                 # ... and with speculation paused, after the draft's first pass run from it
                 first = lambda: sync_ahead(self, reqs, num_new, tok, row_start,  # noqa: E731
                                            target_hidden)
                 copy = self.ahead.decode(reqs, num_new, tok, first)
                 if self.deferred is not None and self.deferred.run_due():
                     self.clock.mark("deferred_flush")  # a full ring's, behind that launch
-                return [[t] for t in self.to_host(copy)]
-            return [[t] for t in self.to_host(tok)]
+                toks = self.to_host(copy)
+            else:
+                toks = self.to_host(tok)
+            out = [[t] for t in toks]
+            return out, None if lp_copy is None else unpack_logprobs(
+                lp_copy.wait().numpy(), [[b] for b in range(len(reqs))], out, ks)
         if greedy:
-            return self._greedy_accept_host(reqs, logits.argmax(dim=-1), num_draft)
-        return sampled_accept(self, reqs, logits, num_draft)
+            out = self._greedy_accept_host(reqs, logits.argmax(dim=-1), num_draft)
+        else:
+            out = sampled_accept(self, reqs, logits, num_draft)
+        # (it upcasts the rows it reads, as apply_filters does: a graph's are the model dtype)
+        return out, gather_logprobs(list(logits), out, ks) if logprobs else None
 
     def _greedy_accept_host(self, reqs: list[Request], target: torch.Tensor,  # [B, K+1]
                             num_draft: list[int]) -> list[list[int]]:

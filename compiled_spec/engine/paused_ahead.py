@@ -19,7 +19,7 @@ issued here and the decode is launched behind it. The engine's ``propose`` then 
 would have run (``ModelRunner._synced``).
 
 Taken only where the next step is a plain decode of every request, as vanilla's launch:
-no logprobs, no prompt chunk, nobody at its budget or short of KV, no admission, and a
+no prompt chunk, nobody at its budget or short of KV, no admission, and a
 captured sync graph for this batch; anything else runs the step as before (late), the reason
 counted in ``VerifyAheadStats.skipped``.
 """

@@ -33,9 +33,10 @@ host reads a decode step's token (on the H200, thirteenth session, a SmolLM2 dec
 1.153 ms against 0.914 ms of forward), so the next decode is launched from the device argmax
 itself (a device-to-device copy into the graph's token buffer), before the host waits; the
 host then reads step N's token while step N+1 runs. Launched when every request decodes one
-token next at a known position (prompts fully computed, no logprobs, not at its budget), with
+token next at a known position (prompts fully computed, not at its budget), with
 the next position's KV block grown now; greedy or sampled (the token on the device is the
-argmax or vanilla's draw, ``sampled_accept.coupled_targets``). An EAGLE engine whose adaptive
+argmax or vanilla's draw, ``sampled_accept.coupled_targets``), with logprobs computed on the
+device before the launch (``logprobs.device_logprobs``). An EAGLE engine whose adaptive
 policy paused speculation does the same, after replaying the draft's first pass from that token
 (``engine.paused_ahead``); a launched decode carries k = 0 so the next step takes it.
 """
@@ -309,8 +310,6 @@ class VerifyAhead:
                 return "prefill"  # a chunked prompt goes on next step
             if q.num_tokens + 1 >= q.max_total_tokens:
                 return "short"  # this step's token is its last
-            if q.params.logprobs is not None:
-                return "logprobs"  # read from this step's logits, on the host's path
         return None
 
     def take(self, reqs: list[Request], num_new: list[int]) -> Ahead | None:

@@ -45,9 +45,10 @@ def warm_requests(max_model_len: int, page_size: int, lookahead: int, max_num_se
     longer = SamplingParams(max_tokens=2 * decode, temperature=0.0, ignore_eos=True)
     sampled = SamplingParams(max_tokens=decode, temperature=0.8, top_p=0.9, seed=0,
                              ignore_eos=True)
-    # Logprobs keep a step off the early paths (sampled steps take them since the fifty-third
+    # Logprobs keep a tree step off the early path (sampled steps take it since the fifty-third
     # session): the late acceptance and propose, which a mixed tree step or a step near
-    # max_model_len also runs, have their first launches here, not in a user's step.
+    # max_model_len also runs, have their first launches here, not in a user's step. (A
+    # chain's late path runs in this round's admission steps; its early path takes logprobs.)
     late = SamplingParams(max_tokens=decode, temperature=0.8, seed=1, logprobs=1,
                           ignore_eos=True)
     rounds = [[(_prompt(lengths[0], vocab, 0), greedy)]]
