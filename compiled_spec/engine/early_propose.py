@@ -9,13 +9,14 @@ the copy to that launch. Early: verify -> argmax and the verified drafts into on
 host waits for the copy. The engine's later ``propose`` call only records which requests go on.
 
 A step takes the early path when it is a pure chain step: every request verifies k drafts
-(one query token plus k), no logprobs, a captured early graph fits, the adaptive policy (if any)
+(one query token plus k), a captured early graph fits, the adaptive policy (if any)
 chose to draft in this step (it decides before the step, see ``LLMEngine._run``) and every
 request's KV blocks can be grown for the worst case (all k accepted) now. Any other step runs
 the late path unchanged, and ``EarlyProposeStats`` says why: no step falls back silently.
 Sampled requests go early too (fifty-third session) where the drafts are argmaxes (the default
 ``draft_sampling``): their acceptance input is vanilla's draw at each slot, not the argmax
-(``accept``); with sampled drafts they run late ("sampled_drafts").
+(``accept``); with sampled drafts they run late ("sampled_drafts"). Requests with logprobs go
+early too: the step computes every slot's logprobs on the device before its replay.
 
 Requests that finish in an early step had their drafts computed anyway: the drafts are dropped;
 their draft-KV writes land in their own blocks, in stream order before anything can reuse them.
