@@ -1,8 +1,8 @@
 """A prompt step's heads written while the host waits for its tokens (engine/prompt_head.py):
 the same outputs, logprobs and draft work as writing them in the proposal, in steps that mix
 new prompts with requests verifying drafts, greedy and sampled (rejection sampling, whose
-device-to-host copy is two-dimensional); a step returning logprobs cuts its heads late,
-counted. CPU, emulated graphs over our passes, against the same engine with
+device-to-host copy is two-dimensional); a step verifying drafts and returning logprobs cuts
+its heads late, counted (one without drafts computes them first and goes early). CPU, emulated graphs over our passes, against the same engine with
 ``early_prompt_head=False`` and against vanilla decoding."""
 from __future__ import annotations
 
@@ -45,9 +45,10 @@ def test_early_heads_match_late_heads_and_vanilla(bigram_eagle3, smollm2_gguf_pa
             return launch(p)
 
         ph.launch = spy
-        engines[early] = (_run(llm), llm.stats.prompt_head.as_dict())
+        engines[early] = (_run(llm), llm.stats.prompt_head.as_dict(), llm)
         assert llm.stats.num_step_faults == 0  # (a step that raised is retried, exactly)
-    (early_out, early_stats), (late_out, late_stats) = engines[True], engines[False]
+    (early_out, early_stats, early_llm), (late_out, late_stats, late_llm) = (engines[True],
+                                                                         engines[False])
     assert early_out == late_out
     assert any(mixed), "no step mixed a new prompt with requests verifying drafts"
     # Heads written early in every prompt step but those the logprobs request is part of;
@@ -55,6 +56,14 @@ def test_early_heads_match_late_heads_and_vanilla(bigram_eagle3, smollm2_gguf_pa
     assert early_stats["early"] == len(mixed) >= 4
     assert list(early_stats["late"]) == ["logprobs"]
     assert late_stats == {"early": 0, "rows": 0, "late": {}}
+    # A prompt step without drafts computes its logprobs before the wait: its heads go early
+    one = SamplingParams(max_tokens=4, temperature=0.0, logprobs=2, ignore_eos=True)
+    before = early_llm.stats.prompt_head.as_dict()
+    got = early_llm.generate([PROMPTS[8]], [one], use_tqdm=False)[0].outputs[0]
+    after = early_llm.stats.prompt_head.as_dict()
+    want = late_llm.generate([PROMPTS[8]], [one], use_tqdm=False)[0].outputs[0]
+    assert (got.token_ids, got.logprobs) == (want.token_ids, want.logprobs)
+    assert after["early"] == before["early"] + 1 and after["late"] == before["late"]
     # Greedy requests: vanilla's tokens
     vanilla = _run(LLM(**kw))
     for i, sp in enumerate(SPS):

@@ -184,9 +184,12 @@ class ModelRunner:
                                                                 row_start)
         clock.mark("plan")
         logprobs = any(r.params.logprobs is not None for r in reqs)
-        # Prompt heads: their draft pass runs in ``to_host``, before its wait.
+        # Prompt heads: their draft pass runs in ``to_host``, before its wait (which a step
+        # verifying drafts with logprobs to read after the wait cannot have: the head's replay
+        # may reuse the logits' graph memory; a step without drafts computes them before).
         self._head = head = None if early is not None or ahead is not None else \
-            self.prompt_head.plan(reqs, spans, num_draft, row_start, target_hidden, logprobs)
+            self.prompt_head.plan(reqs, spans, num_draft, row_start, target_hidden,
+                                  logprobs and max(num_draft) > 0)
         if early is None and logit_rows is not None:  # the late paths read them in order
             logits = logits.index_select(0, to_device(logit_rows, self.device))
         with phase("rejection_sample"):
