@@ -18,6 +18,7 @@ from compiled_spec.engine.stats import counts_since
 from compiled_spec.spec.proposer import ProposeBatch
 from compiled_spec.spec.tree import accept_paths
 from compiled_spec.spec.tree_accept_device import accept_greedy_device, first_pass_rows
+from tests.engine_runs import assert_same_logprobs
 from tests.engine_runs import generate_in_batches as _gen
 from tests.spec_models import give_attention
 
@@ -193,6 +194,31 @@ def test_sampled_early_tree_equals_vanilla_and_late(engines, batch):
     assert out == ref and acc == late_acc
     assert d["taken"] + d["taken_subset"] > 0, d
     assert spec.stats.num_step_faults == faults
+
+
+def test_tree_logprobs_go_early_and_equal_the_late_path(engines):
+    """Requests with logprobs (greedy and sampled, beside one without) go early: every node's
+    logprobs are computed on the device before the replay; late, early and early with the
+    next trees' verify launched ahead give vanilla's tokens and logprobs."""
+    spec, vanilla = engines
+    sps = [SamplingParams(max_tokens=m, ignore_eos=True, seed=41 + i, logprobs=lp, **kw)
+           for i, (m, lp, kw) in enumerate([(15, 2, dict(temperature=0.0)),
+                                            (9, None, dict(temperature=0.0)),
+                                            (18, 1, dict(temperature=0.9))])]
+    prompts = PROMPTS[:3]
+    want = vanilla.generate(prompts, sps, use_tqdm=False)
+    runner, st = spec.engine.runner, spec.stats
+    for early, ahead in ((False, False), (True, False), (True, True)):
+        runner.early.enabled, runner.ahead.enabled = early, ahead
+        before, faults = st.early_propose.as_dict(), st.num_step_faults
+        try:
+            got = spec.generate(prompts, sps, use_tqdm=False)
+        finally:
+            runner.early.enabled, runner.ahead.enabled = True, False
+        assert_same_logprobs(got, want)
+        d = counts_since(before, st.early_propose.as_dict())
+        assert (d["early"] > 0 and "logprobs" not in d["late_reasons"]) == early, d
+        assert st.num_step_faults == faults
 
 
 @pytest.mark.parametrize("batch", [1, 3])

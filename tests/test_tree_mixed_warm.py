@@ -22,6 +22,7 @@ from compiled_spec import LLM, SamplingParams
 from compiled_spec.compile import CompileConfig, capture_graphs, compile_models
 from compiled_spec.engine.stats import counts_since
 from compiled_spec.engine.tree_verify import warm_mixed_verify
+from compiled_spec.engine.warm_paths import warm_uncaptured_paths
 
 D, TOPK, N = 3, 2, 6
 PROMPTS = [[3, 7, 1, 4], [5, 2, 9, 9], [9, 2, 4, 4], [11, 12, 6, 1]]
@@ -106,15 +107,15 @@ def test_mixed_tree_step_launches_no_kernel_first(trained_eagle3_pair, smollm2_g
 
     runner.execute, runner.propose = execute_, propose_
     # The bench's warm-up, 16 tokens; one prompt, so no step mixes trees and plain requests.
-    # One request with logprobs: its steps run the late path (host-side KV moves, the late
-    # propose), as start-up's dummy requests do (engine/warm_paths.py); greedy steps near
-    # their end propose early since the forty-second session, sampled ones since the
-    # fifty-third, so the late path's first steps could otherwise be the mixed ones.
+    # Start-up's dummy requests (engine/warm_paths.py), whose last round runs with the early
+    # paths off: the late path (host-side KV moves, the late propose) has its first launches
+    # there. Greedy steps near their end propose early since the forty-second session, sampled
+    # ones and logprobs since the fifty-third, so its first steps could otherwise be the
+    # mixed ones. Then the bench's warm-up, 16 tokens.
+    warm_uncaptured_paths(llm.engine)
     sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    llm.generate([PROMPTS[0]] * 4, [sp] * 3 + [SamplingParams(max_tokens=16, temperature=0.8,
-                                                              seed=1, logprobs=1,
-                                                              ignore_eos=True)],
-                 use_tqdm=False)
+    llm.generate([PROMPTS[0]] * 4, [sp] * 4, use_tqdm=False)
+    per_step.clear()  # (the warm-up's own steps may mix: what counts is the run below)
     before = llm.stats.early_propose.as_dict()
     sps = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (40, 34, 27, 21)]
     llm.generate(PROMPTS, sps, use_tqdm=False)

@@ -51,12 +51,21 @@ def test_after_the_dummy_requests_no_request_compiles(bigram_eagle3, smollm2_ggu
                                       speculative_num_draft_tokens=tree[1])
     llm = _spec(bigram_eagle3, smollm2_gguf_path, **kw)
     models = llm._compiled
+    runner = llm.engine.runner
+    modes, execute = [], runner.execute
+
+    def spy(reqs, num_new):  # each dummy step: whether the early paths were on
+        modes.append(runner.early.enabled)
+        return execute(reqs, num_new)
+    runner.execute = spy
     seconds = warm_uncaptured_paths(llm.engine)
+    del runner.execute
     models.end_startup()
     assert seconds > 0
+    # the last round ran with the early paths off (the late path's first launches), then on
+    assert True in modes and False in modes and modes[-1] is False and runner.early.enabled
     # Counters start from zero, graph statistics count no dummy step, and no state of the
     # dummy requests carries over (request ids go on past theirs).
-    runner = llm.engine.runner
     assert runner._drafts is None and runner._draft_row == {} and runner._pending is None
     assert llm.engine._next_id > 0
     st = llm.stats

@@ -11,14 +11,15 @@ numbers (``accept_paths``), so both agree by construction. The accepted nodes' t
 are made in the graph too, after the draft (which reads the target's hidden states, never its
 KV), so an early step leaves the host no moves to make before the next verify.
 
-A step goes early when every request verifies a tree, none wants logprobs, the
+A step goes early when every request verifies a tree, the
 adaptive policy (if any) chose to draft in this step, an early graph fits the batch, and every
 request's tree slots stay inside max_model_len whatever it accepts (its blocks then grow for the
 worst case, all D accepted). Anything else runs the late path, the
 reason counted. Sampled requests go early too (fifty-third session): the token drawn at each
 node is then vanilla's draw there (the late path's), not the argmax, and the graph and the host
 accept along the tree with it as they do with the argmax (the coupling rule, exact for the
-tree's deterministic drafts).
+tree's deterministic drafts). So do requests with logprobs: every node's are computed on the
+device before the replay.
 """
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ class EarlyTree(EarlyPath):
     ``finish`` (in place of the late propose)."""
 
     runner: "TreeModelRunner"
+    takes_logprobs = True  # (computed by the tree runner before the replay)
 
     @property
     def graph(self) -> "EarlyTreeGraphs | None":

@@ -26,7 +26,7 @@ import torch
 
 from compiled_spec.engine.batch import Span, build_sampling_tensors, to_device
 from compiled_spec.engine.early_tree import EarlyTree, EarlyTreeStep
-from compiled_spec.engine.logprobs import gather_logprobs
+from compiled_spec.engine.logprobs import device_logprobs, gather_logprobs, unpack_logprobs
 from compiled_spec.engine.model_runner import ModelRunner, StepOutput, _Pending
 from compiled_spec.engine.request import Request
 from compiled_spec.engine.tree_verify import stage_and_verify
@@ -159,7 +159,13 @@ class TreeModelRunner(ModelRunner):
                         else (drawn if dst is None else drawn[dst]).view(-1, n_nodes))
             t_idx = [i for i, t in enumerate(in_tree) if t]
             n_t, d = len(t_idx), self.tree.num_steps
+            ks = [r.params.logprobs for r in reqs]
+            lp_copy = None
             if early is not None:  # the next trees drafted before the host reads the copy
+                if ks.count(None) < len(ks):  # every node's, before the replay (a node's
+                    # emitted token is the one drawn there); the copy's wait comes with acc's
+                    lp_copy = self.copy_to_host(device_logprobs(
+                        logits, at_nodes.reshape(-1), max(k for k in ks if k is not None)))
                 copy = self.early.launch(early, tree_info, at_nodes, target_hidden)
                 host = self.to_host(copy, numpy=True)  # [n, 4, N]: as below, per request
                 h_tok, h_par, h_depth, h_drawn = host.reshape(n_t, 4, n_nodes).transpose(1, 0, 2)
@@ -213,10 +219,13 @@ class TreeModelRunner(ModelRunner):
             hidden=target_hidden, spans=spans, row_start=qsl[:-1], num_draft=[0] * len(reqs),
             rows_by_req=rows_by_req)
         lp = None
-        if any(r.params.logprobs is not None for r in reqs):  # the rows the tokens came from
+        if lp_copy is not None:  # (an early step: every request a tree, rows as the logits')
+            lp = unpack_logprobs(lp_copy.wait().numpy(),
+                                 [rows_by_req[r.req_id] for r in reqs], new_tokens, ks)
+        elif ks.count(None) < len(ks):  # the rows the tokens came from
             rows = [logits[to_device(rows_by_req.get(r.req_id, [qsl[i]]), dev)]
                     for i, r in enumerate(reqs)]
-            lp = gather_logprobs(rows, new_tokens, [r.params.logprobs for r in reqs])
+            lp = gather_logprobs(rows, new_tokens, ks)
         return StepOutput(new_tokens=new_tokens, num_draft=num_draft, logprobs=lp)
 
     def propose(self, reqs: list[Request], accepted: dict[int, int], draft: bool = True) -> None:

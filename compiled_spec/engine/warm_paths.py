@@ -6,8 +6,8 @@ count, one sequence (Dynamo specialises sizes 0 and 1) or several, the draft's f
 a prompt. Each such class compiled on first use, inside a user's request: the first request of
 a fresh EAGLE-3 engine on the H200 took 25.3 s (session 21), the second 1.4 s, the rest ~0.06 s.
 So start-up sends requests of dummy tokens through the real engine loop (one request alone, then
-a batch of several with one admitted beside running ones, greedy, sampled and with logprobs) and
-then zeroes
+a batch of several with one admitted beside running ones, greedy, sampled and with logprobs, then
+that batch again with the early paths off) and then zeroes
 every counter, so that ``llm.stats`` and graph statistics count users' requests only.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ def _prompt(n: int, vocab: int, salt: int) -> list[int]:
 
 
 def warm_requests(max_model_len: int, page_size: int, lookahead: int, max_num_seqs: int,
-                  vocab: int) -> list[list[tuple[list[int], SamplingParams]]]:
+                  vocab: int, salt: int = 0) -> list[list[tuple[list[int], SamplingParams]]]:
     """Rounds of (prompt, params): one request alone, then (with room for two) four
     requests at most two at a time, of different lengths and budgets, so that a prompt is
     admitted beside a running request. Lengths fit ``max_model_len`` with the speculative
@@ -45,18 +45,14 @@ def warm_requests(max_model_len: int, page_size: int, lookahead: int, max_num_se
     longer = SamplingParams(max_tokens=2 * decode, temperature=0.0, ignore_eos=True)
     sampled = SamplingParams(max_tokens=decode, temperature=0.8, top_p=0.9, seed=0,
                              ignore_eos=True)
-    # Logprobs keep a tree step off the early path (sampled steps take it since the fifty-third
-    # session): the late acceptance and propose, which a mixed tree step or a step near
-    # max_model_len also runs, have their first launches here, not in a user's step. (A
-    # chain's late path runs in this round's admission steps; its early path takes logprobs.)
-    late = SamplingParams(max_tokens=decode, temperature=0.8, seed=1, logprobs=1,
-                          ignore_eos=True)
-    rounds = [[(_prompt(lengths[0], vocab, 0), greedy)]]
+    with_lp = SamplingParams(max_tokens=decode, temperature=0.8, seed=1, logprobs=1,
+                             ignore_eos=True)
+    rounds = [[(_prompt(lengths[0], vocab, salt), greedy)]]
     if max_num_seqs >= 2:
-        rounds.append([(_prompt(lengths[1], vocab, 1), greedy),
-                       (_prompt(lengths[2], vocab, 2), longer),
-                       (_prompt(lengths[3], vocab, 3), sampled),
-                       (_prompt(lengths[0], vocab, 4), late)])
+        rounds.append([(_prompt(lengths[1], vocab, salt + 1), greedy),
+                       (_prompt(lengths[2], vocab, salt + 2), longer),
+                       (_prompt(lengths[3], vocab, salt + 3), sampled),
+                       (_prompt(lengths[0], vocab, salt + 4), with_lp)])
     return rounds
 
 
@@ -65,20 +61,42 @@ def warm_uncaptured_paths(engine: LLMEngine) -> float:
     filled at once), then reset its counters. Returns the seconds taken."""
     t0 = time.perf_counter()
     cfg, sched = engine.cfg, engine.scheduler
-    rounds = warm_requests(cfg.max_model_len, cfg.cache.page_size, sched.lookahead,
-                           cfg.scheduler.max_num_seqs, engine.model.config.vocab_size)
+    args = (cfg.max_model_len, cfg.cache.page_size, sched.lookahead,
+            cfg.scheduler.max_num_seqs, engine.model.config.vocab_size)
+    rounds = [(r, True) for r in warm_requests(*args)]
+    # The last round again with the early paths off: the late acceptance and proposal (which
+    # a mixed tree step, a step near max_model_len or one short of KV run) have their first
+    # launches here, not in a user's step. Sampled requests and logprobs kept those steps
+    # late at start-up before the fifty-third session; now they take the early paths too.
+    early = getattr(engine.runner, "early", None)
+    if early is not None and early.enabled and len(rounds) > 1:
+        rounds.append((warm_requests(*args, salt=8)[-1], False))
     with sched.overriding(max_num_seqs=min(2, sched.cfg.max_num_seqs), min_admit=1):
-        for batch in rounds:
+        for batch, early_on in rounds:
+            if early is not None:
+                early.enabled = early_on
             try:
-                for ids, params in batch:
-                    engine.add_request(ids, params)
-            except ValueError as e:  # a KV pool too small for it, say
-                return _stop(engine, t0, str(e))
-            while engine.has_unfinished():
-                aborted = [r for r in engine.step() if r.finish_reason == "abort"]
-                if aborted:
-                    return _stop(engine, t0, aborted[0].error or "aborted")
+                why = _run_round(engine, batch)
+            finally:
+                if early is not None:
+                    early.enabled = True
+            if why is not None:
+                return _stop(engine, t0, why)
     return _done(engine, t0)
+
+
+def _run_round(engine: LLMEngine, batch: list[tuple[list[int], SamplingParams]]) -> str | None:
+    """One round's requests to their end; why it stopped short, or None."""
+    try:
+        for ids, params in batch:
+            engine.add_request(ids, params)
+    except ValueError as e:  # a KV pool too small for it, say
+        return str(e)
+    while engine.has_unfinished():
+        aborted = [r for r in engine.step() if r.finish_reason == "abort"]
+        if aborted:
+            return aborted[0].error or "aborted"
+    return None
 
 
 def _stop(engine: LLMEngine, t0: float, why: str) -> float:
