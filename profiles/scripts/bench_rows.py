@@ -19,7 +19,8 @@ def main(path: str) -> None:
               f" | wait {e.get('host_wait_ms')} | idle {e.get('gpu_idle_at_verify')}"
               f" | rounds {e.get('rounds_tokens_per_s')}")
         print("   phases", e.get("host_phase_ms"))
-        for k in ("deferred_first_pass", "policy", "verify_ahead", "steps_without_graph"):
+        for k in ("deferred_first_pass", "policy", "verify_ahead", "early_propose",
+                  "steps_without_graph"):
             if k in e:
                 print("  ", k, json.dumps(e[k]))
     for r in rows:  # the host's ms per flush, from the totals
