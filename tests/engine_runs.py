@@ -45,3 +45,11 @@ def assert_same_logprobs(got: list, want: list, tol: float = 1e-4) -> None:
         for da, db in zip(a or [], b or []):
             assert da.keys() == db.keys(), (da, db)
             assert all(math.isclose(da[t], db[t], abs_tol=tol) for t in da), (da, db)
+
+
+def logprob_params(seed: int, budgets: tuple[int, int, int]) -> list[SamplingParams]:
+    """Three requests: greedy with logprobs=2, greedy without, sampled (T 0.9) with logprobs=1;
+    seeds from ``seed``."""
+    kinds = [(2, 0.0), (None, 0.0), (1, 0.9)]
+    return [SamplingParams(max_tokens=m, ignore_eos=True, seed=seed + i, logprobs=lp,
+                           temperature=t) for i, (m, (lp, t)) in enumerate(zip(budgets, kinds))]

@@ -15,7 +15,7 @@ from compiled_spec.compile import CompileConfig, capture_graphs, compile_models
 from compiled_spec.engine.batch import Span
 from compiled_spec.engine.stats import counts_since
 from compiled_spec.spec.proposer import ProposeBatch
-from tests.engine_runs import assert_same_logprobs
+from tests.engine_runs import assert_same_logprobs, logprob_params
 from tests.engine_runs import generate_in_batches as _gen
 
 K = 3
@@ -114,10 +114,7 @@ def test_logprobs_go_early_and_equal_the_late_path(engines):
     logprobs are computed on the device before the replay, and equal the late path's and
     vanilla's."""
     spec, vanilla = engines
-    sps = [SamplingParams(max_tokens=m, ignore_eos=True, seed=31 + i, logprobs=lp, **kw)
-           for i, (m, lp, kw) in enumerate([(14, 2, dict(temperature=0.0)),
-                                            (11, None, dict(temperature=0.0)),
-                                            (16, 1, dict(temperature=0.9))])]
+    sps = logprob_params(31, (14, 11, 16))
     prompts = PROMPTS[:3]
     want = vanilla.generate(prompts, sps, use_tqdm=False)
     runner, st = spec.engine.runner, spec.stats

@@ -18,7 +18,7 @@ from compiled_spec.engine.stats import counts_since
 from compiled_spec.spec.proposer import ProposeBatch
 from compiled_spec.spec.tree import accept_paths
 from compiled_spec.spec.tree_accept_device import accept_greedy_device, first_pass_rows
-from tests.engine_runs import assert_same_logprobs
+from tests.engine_runs import assert_same_logprobs, logprob_params
 from tests.engine_runs import generate_in_batches as _gen
 from tests.spec_models import give_attention
 
@@ -201,10 +201,7 @@ def test_tree_logprobs_go_early_and_equal_the_late_path(engines):
     logprobs are computed on the device before the replay; late, early and early with the
     next trees' verify launched ahead give vanilla's tokens and logprobs."""
     spec, vanilla = engines
-    sps = [SamplingParams(max_tokens=m, ignore_eos=True, seed=41 + i, logprobs=lp, **kw)
-           for i, (m, lp, kw) in enumerate([(15, 2, dict(temperature=0.0)),
-                                            (9, None, dict(temperature=0.0)),
-                                            (18, 1, dict(temperature=0.9))])]
+    sps = logprob_params(41, (15, 9, 18))
     prompts = PROMPTS[:3]
     want = vanilla.generate(prompts, sps, use_tqdm=False)
     runner, st = spec.engine.runner, spec.stats
