@@ -2,8 +2,9 @@
 the same outputs, logprobs and draft work as writing them in the proposal, in steps that mix
 new prompts with requests verifying drafts, greedy and sampled (rejection sampling, whose
 device-to-host copy is two-dimensional); a step verifying drafts and returning logprobs cuts
-its heads late, counted (one without drafts computes them first and goes early). CPU, emulated graphs over our passes, against the same engine with
-``early_prompt_head=False`` and against vanilla decoding."""
+its heads late, counted (one without drafts computes them first and goes early). CPU, emulated
+graphs over our passes, against the same engine with ``early_prompt_head=False`` and against
+vanilla decoding."""
 from __future__ import annotations
 
 import numpy as np

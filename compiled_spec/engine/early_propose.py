@@ -58,9 +58,6 @@ class EarlyStep:
     index: dict[int, int]  # req_id -> its row in this step (and in the drafts)
     starts: list[int]  # per request: the first verified position (its last token's)
     same_rows: bool  # the last proposal's draft rows are this step's rows, in order
-    greedy: bool = True  # every request greedy (else the acceptance input is sampled)
-    # per request its SamplingParams.logprobs (None: none wanted); set only where one wants
-    logprobs: list[int | None] | None = None
     drafts: torch.Tensor | None = None  # [n, k]
     probs: torch.Tensor | None = None  # [n, k, V] when drafts are sampled
 
@@ -171,11 +168,8 @@ class EarlyPropose(EarlyPath):
                                [q.params.temperature for q in reqs])
         if why is not None:
             return self._late(why)
-        ks = [q.params.logprobs for q in reqs]
         return EarlyStep(size=size, index={i: j for j, i in enumerate(req_ids)}, starts=starts,
-                         same_rows=draft_rows == list(range(len(reqs))),
-                         greedy=all(q.params.greedy for q in reqs),
-                         logprobs=None if ks.count(None) == len(ks) else ks)
+                         same_rows=draft_rows == list(range(len(reqs))))
 
     def accept(self, step: EarlyStep, reqs: list[Request],
                logits: torch.Tensor,  # [n, k+1, V] (or [N, ...])
@@ -194,7 +188,7 @@ class EarlyPropose(EarlyPath):
         r, g, k = self.runner, self.graph, self.runner.k
         n = logits.shape[0] if rows is None else len(rows)
         acc = g.acc[:n]  # [n, 2k+1]
-        if not step.greedy:
+        if not all(q.params.greedy for q in reqs):
             mine = logits if rows is None else logits.index_select(0, to_device(rows, r.device))
             acc[:, :k + 1].copy_(coupled_targets(r, reqs, mine))  # [n, k+1]
         elif rows is None:  # the argmax straight into acc
@@ -210,14 +204,15 @@ class EarlyPropose(EarlyPath):
         # Logprobs of every slot's token (an emitted token is the slot's t), from the logits
         # before the replay and the next launch can overwrite them; copied ahead of acc's
         # copy, so the wait for that one covers this one too.
-        lp_copy, want = None, []
-        if step.logprobs is not None:
-            want = [i for i, x in enumerate(step.logprobs) if x is not None]
+        ks = [q.params.logprobs for q in reqs]
+        want = [i for i, x in enumerate(ks) if x is not None]
+        lp_copy = None
+        if want:
             at = to_device(want if rows is None else [rows[i] for i in want], r.device)
             lp_copy = r.copy_to_host(device_logprobs(
                 logits.index_select(0, at).flatten(0, 1),
                 acc[:, :k + 1].index_select(0, to_device(want, r.device)).reshape(-1),
-                max(step.logprobs[i] for i in want)))  # [len(want) * (k+1), 1 + 2 kmax]
+                max(ks[i] for i in want)))  # [len(want) * (k+1), 1 + 2 kmax]
         copy = HostCopy(acc, g.acc_host[:acc.numel()], self._event)  # the step's one D2H
         with phase("propose"):
             step.drafts, step.probs = self.propose(step.size, n, target_hidden)
@@ -233,7 +228,7 @@ class EarlyPropose(EarlyPath):
         at_rows: list[list[int]] = [[] for _ in tokens]
         for j, i in enumerate(want):  # request i's slots: rows j * (k+1) ...
             at_rows[i] = list(range(j * (k + 1), j * (k + 1) + len(tokens[i])))
-        return tokens, unpack_logprobs(packed, at_rows, tokens, step.logprobs)
+        return tokens, unpack_logprobs(packed, at_rows, tokens, ks)
 
     def propose(self, size: int, n: int, target_hidden: torch.Tensor | list[torch.Tensor]
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:

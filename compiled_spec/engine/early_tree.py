@@ -6,8 +6,9 @@ engine's bookkeeping and stages the next verify. The chain's counterpart is
 (``llm.stats.early_propose``).
 
 The graph computes the acceptance itself from the verified trees and the target's token per
-node (its argmax, or for sampled requests vanilla's draw there); the host computes the same from the step's one device-to-host copy of those
-numbers (``accept_paths``), so both agree by construction. The accepted nodes' target-KV moves
+node (its argmax, or for sampled requests vanilla's draw there); the host computes the same
+from the step's one device-to-host copy of those numbers (``accept_paths``), so both agree by
+construction. The accepted nodes' target-KV moves
 are made in the graph too, after the draft (which reads the target's hidden states, never its
 KV), so an early step leaves the host no moves to make before the next verify.
 

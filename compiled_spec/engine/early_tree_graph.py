@@ -83,8 +83,9 @@ class EarlyTreeGraphs(EarlyGraphSurface):
             self.d64 = torch.zeros(self.l64.size, dtype=torch.int64, device=self.device)
             self.d32 = torch.zeros(self.l32.size, dtype=torch.int32, device=self.device)
             # [bm, 4, N] per request: its verified tree's tokens, parents, depths and the
-            # target's token at each node (argmax or drawn); written after the verify, read by the replay, and
-            # the step's one copy to the host (the host's acceptance reads the same numbers).
+            # target's token at each node (argmax or drawn); written after the verify, read
+            # by the replay, and the step's one copy to the host (the host's acceptance reads
+            # the same numbers).
             self.acc = torch.zeros(bm, 4, self.n, dtype=torch.int64, device=self.device)
             # The replay's trees, copied in the graph out of its pool (where the next verify's
             # replay may reuse their blocks): the tokens, parents and depths into acc[:, :3],

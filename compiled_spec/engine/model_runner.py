@@ -119,9 +119,10 @@ class ModelRunner:
         return out
 
     def copy_to_host(self, t: torch.Tensor) -> HostCopy:
-        """``t``'s copy to the host issued without waiting (the step's one such copy), into a
-        reused pinned buffer that the host reads before the next step's copy; its ``wait``
-        gives ``t``'s shape."""
+        """``t``'s copy to the host issued without waiting, into a reused pinned buffer of its
+        dtype that the host reads before the next such copy of that dtype (a step issues at
+        most one per dtype: its tokens, int64, and its logprobs, float64); its ``wait`` gives
+        ``t``'s shape."""
         n = t.numel()
         buf = self._d2h.get(t.dtype)
         if buf is None or buf.numel() < n:

@@ -25,8 +25,9 @@ blocks: unused, as an early proposal's (engine/early_propose.py).
 
 Taken where the late path would cut a head (a proposer with graphs, a request with no drafts
 to verify whose span is longer than q), unless the step verifies drafts and returns logprobs
-(they read the logits after the wait; a step without drafts computes them before it) or a head request still has deferred draft rows (their flush must come
-first; engine/deferred_first_pass.py). Those steps cut the head in the proposal as before,
+(they read the logits after the wait; a step without drafts computes them before it) or a head
+request still has deferred draft rows (their flush must come first;
+engine/deferred_first_pass.py). Those steps cut the head in the proposal as before,
 counted in ``PromptHeadStats.late``.
 """
 from __future__ import annotations

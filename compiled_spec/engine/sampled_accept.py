@@ -20,13 +20,9 @@ def sampled_accept(rn: "ModelRunner", reqs: list[Request],
                    logits: torch.Tensor,  # [B, K+1, V]
                    num_draft: list[int]) -> list[list[int]]:
     """Per request: its accepted drafts, then the token sampled after them."""
-    B, K1, V = logits.shape
-    kmax = K1 - 1
+    kmax = logits.shape[1] - 1
     k_t = to_device(num_draft, rn.device)  # [B]
-    st = build_sampling_tensors(reqs, rn.device, repeat=kmax + 1)
-    probs = apply_filters(logits.view(B * (kmax + 1), V), st).view(B, kmax + 1, V)
-    seeds = st.seeds.view(B, kmax + 1)[:, 0]
-    positions0 = to_device([r.num_tokens for r in reqs], rn.device)
+    probs, seeds, positions0 = _target_probs(rn, reqs, logits)
     drafts, q = _last_proposal(rn, reqs, kmax)
     out, n_acc = rejection_sample(probs, drafts, k_t, seeds, positions0, q)
     packed = rn.to_host(torch.cat([n_acc[:, None], out], dim=1))  # the step's one D2H copy
@@ -40,11 +36,19 @@ def coupled_targets(rn: "ModelRunner", reqs: list[Request],
     coupling rule, ``spec.rejection.coupled_tokens``; greedy rows: the argmax). For one-hot
     drafts it stands where a greedy step's argmax does: a decode step's token, an early step's
     acceptance input. The same ops as ``sampled_accept``'s, so the tokens are the same."""
+    return coupled_tokens(*_target_probs(rn, reqs, logits))
+
+
+def _target_probs(rn: "ModelRunner", reqs: list[Request],
+                  logits: torch.Tensor,  # [B, K+1, V]
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The filtered target distributions [B, K+1, V] (fp32), each request's seed [B] and the
+    position of its slot 0 [B] (the token after its last one)."""
     B, K1, V = logits.shape
     st = build_sampling_tensors(reqs, rn.device, repeat=K1)
     probs = apply_filters(logits.reshape(B * K1, V), st).view(B, K1, V)
-    positions0 = to_device([r.num_tokens for r in reqs], rn.device)  # slot 0's position
-    return coupled_tokens(probs, st.seeds.view(B, K1)[:, 0], positions0)
+    positions0 = to_device([r.num_tokens for r in reqs], rn.device)
+    return probs, st.seeds.view(B, K1)[:, 0], positions0
 
 
 def _last_proposal(rn: "ModelRunner", reqs: list[Request], kmax: int

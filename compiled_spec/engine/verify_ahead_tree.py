@@ -23,7 +23,7 @@ What the launch assumes, and why a wrong guess is harmless:
   EAGLE-3 fc (``precombine``) is keyed by the hidden states it came from, so it is never taken
   for another step's.
 
-Launched only from early tree steps (no logprobs, all requests verifying trees) whose
+Launched only from early tree steps (all requests verifying trees) whose
 requests all take a tree next step whatever they accepted, and not when every request has just
 emitted a stop token (nothing would take it).
 """
