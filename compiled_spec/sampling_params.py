@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 # Seeds and token ids travel to the device as int64; top_k is compared with int64 ranks. A value
 # that does not fit failed deep inside a step ("Overflow when unpacking long long"), so the range
@@ -29,6 +29,8 @@ def sub_seed(seed: int | None, i: int) -> int | None:
 def as_int(v: object) -> int | None:
     """``v`` as a Python int when it is an integer (numpy integers included), else None.
     Booleans are not numbers here: ``True`` as a token id or a top_k is a bug in the caller."""
+    if type(v) is int:  # nearly always: no ABC check (~1 us each, a dozen per request)
+        return v
     if isinstance(v, bool) or not isinstance(v, numbers.Integral):
         return None
     return int(v)
@@ -36,6 +38,9 @@ def as_int(v: object) -> int | None:
 
 def as_real(v: object) -> float | None:
     """``v`` as a float when it is a real number (numpy scalars included, not a bool), else None."""
+    t = type(v)
+    if t is float or t is int:
+        return float(v)
     if isinstance(v, bool) or not isinstance(v, numbers.Real):
         return None
     return float(v)
@@ -149,9 +154,14 @@ class SamplingParams:
                       "output: they need detokenize=True")
 
     def checked_copy(self) -> "SamplingParams":
-        """A re-validated copy (``replace`` runs ``__post_init__``): what the engine keeps, so a
-        mutation before ``generate`` is checked and one during it never reaches a running request."""
-        return replace(self)
+        """A re-validated copy: what the engine keeps, so a mutation before ``generate`` is
+        checked and one during it never reaches a running request. Shallow, then validated:
+        ``validate`` builds the list fields anew, so the copy shares nothing mutable with
+        ``self`` (``dataclasses.replace`` did the same through ``__init__`` at ~3x the cost)."""
+        c = object.__new__(type(self))  # copy.copy's reduce protocol: ~2x this
+        c.__dict__.update(self.__dict__)
+        c.validate()
+        return c
 
     @property
     def greedy(self) -> bool:

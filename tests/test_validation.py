@@ -69,6 +69,36 @@ def test_mutated_params_are_rechecked_and_copied(llm):
     assert len(out.token_ids) <= 4 and _free(llm)
 
 
+def test_engine_keeps_an_independent_checked_copy(llm):
+    """add_request validates once, on the copy it keeps: numpy scalars normalised there, the
+    caller's lists not shared, a bad field or prompt named, the caller's object untouched."""
+    stop_ids = [np.int64(9)]
+    sp = SamplingParams(max_tokens=3, temperature=0.5, top_k=5, seed=1, stop_token_ids=stop_ids,
+                        stop=["zz"])
+    sp.top_k, sp.top_p, sp.max_tokens = np.int32(4), np.float32(0.5), np.int64(3)
+    eng = llm.engine
+    rid = eng.add_request([1, 2], sp)
+    kept = next(r for r in eng.scheduler.waiting if r.req_id == rid).params
+    assert kept is not sp and kept.stop_token_ids is not sp.stop_token_ids
+    assert kept.stop is not sp.stop and kept.stop == ["zz"] and kept.stop_token_ids == [9]
+    assert type(kept.top_k) is int and type(kept.top_p) is float and type(kept.max_tokens) is int
+    assert type(sp.top_k) is np.int32  # the caller's object is not normalised behind its back
+    sp.stop_token_ids.append(11)
+    sp.stop.append("yy")
+    assert kept.stop_token_ids == [9] and kept.stop == ["zz"]
+    while eng.has_unfinished():
+        eng.step()
+    bad = SamplingParams(max_tokens=2)
+    bad.top_p = 0.0
+    with pytest.raises(ValueError, match="SamplingParams.top_p=0.0"):
+        eng.add_request([1, 2], bad)
+    with pytest.raises(ValueError, match="sampling params must be SamplingParams, got dict"):
+        eng.add_request([1, 2], {"max_tokens": 2})
+    with pytest.raises(ValueError, match="token id 64 is outside the vocabulary"):
+        eng.add_request([1, 64], SamplingParams(max_tokens=2))
+    assert _free(llm)
+
+
 def test_prompt_forms(llm):
     sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     want = llm.generate([[5, 6, 7]], sp)[0].token_ids

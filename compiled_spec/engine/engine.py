@@ -20,7 +20,7 @@ from compiled_spec.engine.request import CompletionOutput, Request, RequestOutpu
 from compiled_spec.engine.scheduler import Scheduler
 from compiled_spec.engine.stats import EngineStats
 from compiled_spec.engine.stopping import emit_count, output_text, stop_reason
-from compiled_spec.engine.validation import validate_request
+from compiled_spec.engine.validation import validate_prompt, validate_request
 from compiled_spec.engine.verify_ahead import VerifyAheadStats
 from compiled_spec.gc_heap import CLOCK as GC_CLOCK
 from compiled_spec.models.decoder import CausalLM
@@ -161,8 +161,12 @@ class LLMEngine:
         """Validate and queue a request. Bad input raises here and leaves the engine untouched.
         The engine keeps a validated copy of ``params``: later changes to the caller's object do
         not reach the running request."""
-        ids = self.check_request(prompt_token_ids, params)
-        params = params.checked_copy()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be SamplingParams, got "
+                             f"{type(params).__name__}")
+        params = params.checked_copy()  # validated once, on the copy the engine keeps
+        ids = validate_prompt(prompt_token_ids, self.model.config.vocab_size,
+                              self.cfg.max_model_len, self.allocator)
         n = len(ids)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         max_len = self.cfg.max_model_len

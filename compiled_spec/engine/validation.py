@@ -14,6 +14,13 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab:
     if not isinstance(params, SamplingParams):
         raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
     params.validate()  # again: fields may have been changed since construction
+    return validate_prompt(prompt_token_ids, vocab, max_model_len, allocator)
+
+
+def validate_prompt(prompt_token_ids: list[int], vocab: int, max_model_len: int,
+                    allocator: BlockAllocator) -> list[int]:
+    """``validate_request``'s prompt half: the token ids' types and vocabulary, and room for
+    the prompt in ``max_model_len`` and the KV pool. Returns the prompt as Python ints."""
     if isinstance(prompt_token_ids, (str, bytes)) or not hasattr(prompt_token_ids, "__len__"):
         raise ValueError(f"a token-id prompt must be a list of ints, got "
                          f"{type(prompt_token_ids).__name__}")
