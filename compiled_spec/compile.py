@@ -325,5 +325,6 @@ def _route(runner: ModelRunner, models: CompiledModels, on: bool) -> None:
         # (a tree proposer's prompts go through the chain proposer it wraps)
         getattr(runner.proposer, "base", runner.proposer).prefill_graph = (
             None if g is None else g.draft_prefill)
+    runner.sample_graph = None if g is None else g.sample
     if g is not None:
         runner.target_fn = g.target

@@ -58,6 +58,7 @@ from compiled_spec.engine.model_runner import ModelRunner
 from compiled_spec.engine.early_propose_graph import EarlyProposeGraphs
 from compiled_spec.engine.early_tree_graph import EarlyTreeGraphs
 from compiled_spec.engine.propose_graph import ProposeGraphs
+from compiled_spec.engine.sample_graph import SampleGraphs
 from compiled_spec.engine.sync_graph import SyncGraphs
 from compiled_spec.engine.tree_graphs import TreeProposeGraphs, register_tree_verify, tree_live
 
@@ -269,6 +270,11 @@ class EngineGraphs:
         self.target = GraphedTarget(target_fn, decode, verify, k + 1, tree_verify,
                                     single_via_verify=via_verify, prefill=prefill, mixed=mixed,
                                     narrow=narrow)
+        # A sampled step's draws (engine/sample_graph.py): a decode step's one slot per
+        # request, a chain step's k + 1 (the early proposal's acceptance input)
+        self.sample = SampleGraphs(policy.batch_sizes, (1, k + 1), runner.model.config.vocab_size,
+                                   runner.model.lm_head.weight.dtype, device, emulate, strict)
+        self.registry.runners[SampleGraphs.name] = self.sample  # type: ignore[assignment]
         self.propose: ProposeGraphs | TreeProposeGraphs | None = None
         self.propose_early: EarlyProposeGraphs | EarlyTreeGraphs | None = None
         self.sync: SyncGraphs | None = None  # the first pass alone (engines that may pause)
@@ -318,7 +324,7 @@ class EngineGraphs:
         steps ran without graphs before they had any: a failed prefill capture (the target's or
         the draft's) is recorded and its steps run compiled, counted, but start-up goes on."""
         return [name for name, r in self.registry.runners.items()
-                if r.sizes and not name.startswith((PREFILL, DRAFT_PREFILL))]
+                if r.sizes and not name.startswith((PREFILL, DRAFT_PREFILL, SampleGraphs.name))]
 
     def capture(self) -> float:
         """Dummy runs + capture of every component; raises ``CaptureError`` when a component

@@ -24,6 +24,7 @@ from compiled_spec.engine.logprobs import (TokenLogprobs, device_logprobs, gathe
 from compiled_spec.engine.paused_ahead import sync_ahead
 from compiled_spec.engine.prompt_head import HeadPlan, PromptHead
 from compiled_spec.engine.request import Request
+from compiled_spec.engine.sample_graph import SampleGraphs
 from compiled_spec.engine.sampled_accept import coupled_targets, sampled_accept
 from compiled_spec.engine.verify_ahead import VerifyAhead
 from compiled_spec.kv_cache import BlockAllocator, KVCacheExhausted
@@ -82,6 +83,8 @@ class ModelRunner:
         self.early: EarlyPropose | None = EarlyPropose(self)
         # A step may launch the next one's target forward before the bookkeeping (verify_ahead.py).
         self.ahead = VerifyAhead(self)
+        # A sampled step's draws by graph replay (engine/sample_graph.py; set with the graphs).
+        self.sample_graph: SampleGraphs | None = None
         self._early_step: EarlyStep | None = None  # this step's, until ``propose`` takes it
         # Seconds the host spent blocked in the step's device-to-host copy, i.e. waiting for
         # the GPU: a step whose wait is a small share of its time is host-bound (stats).

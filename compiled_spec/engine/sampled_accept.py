@@ -35,7 +35,12 @@ def coupled_targets(rn: "ModelRunner", reqs: list[Request],
     """The token vanilla sampling would draw at each verified slot of each request (the
     coupling rule, ``spec.rejection.coupled_tokens``; greedy rows: the argmax). For one-hot
     drafts it stands where a greedy step's argmax does: a decode step's token, an early step's
-    acceptance input. The same ops as ``sampled_accept``'s, so the tokens are the same."""
+    acceptance input. The same ops as ``sampled_accept``'s, so the tokens are the same; one
+    graph replay of them where the engine captured one (engine/sample_graph.py)."""
+    if rn.sample_graph is not None:
+        drawn = rn.sample_graph.draw(reqs, logits)  # None (counted): no graph takes it
+        if drawn is not None:
+            return drawn
     return coupled_tokens(*_target_probs(rn, reqs, logits))
 
 
