@@ -67,7 +67,7 @@ def test_graphed_speculative_engine_equals_eager(trained_eagle3_pair, smollm2_gg
     eager_tau = llm.stats.spec.mean_acceptance_length
     graphs = _graphs(llm)
     assert set(graphs.registry.runners) == {"target_decode", "target_verify", "draft_propose",
-                                            "draft_propose_early"}
+                                            "draft_propose_early", "sample_draw"}
     before = llm.stats.spec.num_drafting_steps
     graphed = _run(llm, sp)
     assert graphed == eager
@@ -137,7 +137,8 @@ def test_vanilla_engine_decode_graph(trained_eagle3_pair, smollm2_gguf_path):
     sp = SamplingParams(max_tokens=12, temperature=0.7, seed=3, ignore_eos=True)
     eager = _run(llm, sp)
     graphs = _graphs(llm)
-    assert set(graphs.registry.runners) == {"target_decode"}  # k = 0: verify is decode
+    # k = 0: verify is decode
+    assert set(graphs.registry.runners) == {"target_decode", "sample_draw"}
     assert _run(llm, sp) == eager
     assert graphs.stats()["components"]["target_decode"]["graph_replays"] > 0, graphs.stats()
 

@@ -111,7 +111,8 @@ def test_emulated_tree_graphs_equal_eager(trained_eagle3_pair, smollm2_gguf_path
     eager_spec = llm.stats.spec.as_dict()
     graphs = _graphs(llm)
     # Greedy tree steps draft early (tests/test_early_tree.py); steps near a request's end late.
-    assert set(graphs.registry.runners) == {"target_decode", *TREE_GRAPHS, "tree_draft_early"}
+    assert set(graphs.registry.runners) == {"target_decode", *TREE_GRAPHS, "tree_draft_early",
+                                             "sample_draw"}
     llm.engine.stats.spec = type(llm.stats.spec)()  # count the graphed run alone
     model = llm.engine.runner.model
     readouts: list[int] = []  # eager readouts: the tree-verify graph computes its own logits
