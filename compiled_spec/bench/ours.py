@@ -293,6 +293,9 @@ def _timed_rows(llm: Any, v: Variant, prompts: list[list[int]], batch_sizes: lis
         if llm.compiled_active:
             g = llm.compile_stats.get("cuda_graphs", {})
             row.extra["steps_without_graph"] = g.get("without_graph", g.get("off"))
+            draws = g.get("components", {}).get("sample_draw", {}).get("graph_replays")
+            if draws:  # sampled steps' draws by graph (engine/sample_graph.py), engine total
+                row.extra["sample_draw_replays"] = draws
             # No silent fallback in a benchmark either: sizes captured around a compile
             # failure (their glue eager), and shapes run eagerly after one.
             failed = {n: c["capture_failures"] for n, c in g.get("components", {}).items()

@@ -116,7 +116,9 @@ class SampleGraphs:
         top_p = p[:, TOP_P].to(torch.int32).view(torch.float32)  # [b]
 
         def rows(x: torch.Tensor) -> torch.Tensor:  # per request -> per slot (request-major)
-            return x.repeat_interleave(w) if w > 1 else x
+            # (an expand, not repeat_interleave: that one reads its output size back from the
+            # device, which a capture cannot do)
+            return x[:, None].expand(b, w).reshape(b * w) if w > 1 else x
 
         st = SamplingTensors(temperature=rows(temp), top_k=rows(p[:, TOP_K]),
                              top_p=rows(top_p), min_p=torch.zeros_like(rows(temp)),

@@ -20,7 +20,7 @@ def main(path: str) -> None:
               f" | rounds {e.get('rounds_tokens_per_s')}")
         print("   phases", e.get("host_phase_ms"))
         for k in ("deferred_first_pass", "policy", "verify_ahead", "early_propose",
-                  "steps_without_graph"):
+                  "steps_without_graph", "sample_draw_replays"):
             if k in e:
                 print("  ", k, json.dumps(e[k]))
     for r in rows:  # the host's ms per flush, from the totals
