@@ -52,6 +52,7 @@ class CompiledModels:
     pdl_draft: PdlChoice | None = None  # the same for the draft's callables (their own rows)
     # Size 1 stays symbolic (CompileConfig.size_oblivious): a one-token graph compiles nothing
     size_oblivious: bool = False
+    sample_graphs: bool = True  # CompileConfig.sample_graphs
     # Graphs per compiled callable when start-up ended (None: it has not): any compiled later
     # ran inside a request, which start-up's dummy runs are there to prevent.
     startup_graphs: dict[str, int] | None = None
@@ -271,7 +272,7 @@ def compile_models(runner: ModelRunner, cfg: CompileConfig,
     return CompiledModels(eager=eager, compiled=compiled, backends=backends, precompile=stats,
                           skinny=skinny, skinny_draft=draft_skinny, pdl=pdl,
                           pdl_draft=draft_pdl if prop is not None else None,
-                          size_oblivious=cfg.size_oblivious)
+                          size_oblivious=cfg.size_oblivious, sample_graphs=cfg.sample_graphs)
 
 
 def capture_graphs(runner: ModelRunner, models: CompiledModels, policy: CapturePolicy,
@@ -285,7 +286,8 @@ def capture_graphs(runner: ModelRunner, models: CompiledModels, policy: CaptureP
     # of its own where that costs no compile, not the 1 + k-row verify graph padded
     pauses = getattr(runner.proposer, "capture_sync", False)  # (tree proposers never pause)
     graphs = EngineGraphs(runner, runner.target_fn, policy, page_size, strict, emulate,
-                          single_decode=pauses and models.size_oblivious)
+                          single_decode=pauses and models.size_oblivious,
+                          sample_graphs=models.sample_graphs)
     graphs.capture()
     models.graphs = graphs
     _route(runner, models, True)

@@ -99,10 +99,13 @@ class CompileConfig:
     # (torch's backed_size_oblivious, as vLLM offers) keep size 1 symbolic: one graph serves
     # every size. Scoped to our compiled calls, as use_duck_shape is.
     size_oblivious: bool = True
+    # Issue 16: a sampled step's draws (temperature, top-k / top-p, the counter-based draw:
+    # ~90 small kernels) replay one CUDA graph (engine/sample_graph.py); False: eager.
+    sample_graphs: bool = True
 
     def __post_init__(self) -> None:
         for name in ("inductor", "dynamic", "cudagraphs", "strict_capture", "autotune_gemm",
-                     "skinny_gemm_norms", "size_oblivious", "skinny_gemm_wide"):
+                     "skinny_gemm_norms", "size_oblivious", "skinny_gemm_wide", "sample_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"CompileConfig.{name}={getattr(self, name)!r}: must be a bool")
         for name in ("skinny_gemm", "skinny_gemm_layer", "skinny_gemm_draft",

@@ -15,7 +15,8 @@ import argparse
 COMPILE_FLAGS: dict[str, bool | None] = {
     "autotune_gemm": False, "skinny_gemm": None, "skinny_gemm_layer": None,
     "skinny_gemm_norms": False, "skinny_gemm_draft": None, "skinny_gemm_wide": False,
-    "skinny_gemm_readout": None, "precompile": None, "pdl": None, "pdl_narrow": None}
+    "skinny_gemm_readout": None, "precompile": None, "pdl": None, "pdl_narrow": None,
+    "sample_graphs": True}
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

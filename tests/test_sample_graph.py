@@ -100,3 +100,29 @@ def test_engine_sampled_steps_replay_and_equal_vanilla(bigram_eagle3, smollm2_gg
     assert set(st["fallback_reasons"]) == {"min_p"}
     if k:  # the chain's k + 1 draws took graphs too (early steps)
         assert (1, k + 1, True) in llm.engine.runner.sample_graph._graphs
+
+
+def test_sample_graphs_off_draws_eagerly(bigram_eagle3, smollm2_gguf_path):
+    """CompileConfig(sample_graphs=False): no sample graphs registered, the draws eager, the
+    same tokens; a non-bool is refused by name."""
+    from capture import CapturePolicy
+    from compiled_spec.compile import CompileConfig, capture_graphs, compile_models
+
+    target, _ = bigram_eagle3
+    kw = dict(model=target, tokenizer=smollm2_gguf_path, max_model_len=64, max_num_seqs=2,
+              page_size=4, num_kv_blocks=64)
+    sps = [SamplingParams(max_tokens=6, ignore_eos=True, seed=3 + i, temperature=0.9)
+           for i in range(2)]
+    want = LLM(**kw).generate([[5, 6, 7], [8, 9]], sps, use_tqdm=False)
+    llm = LLM(**kw)
+    models = compile_models(llm.engine.runner, CompileConfig(inductor=False, sample_graphs=False))
+    llm._compiled = models
+    policy = CapturePolicy(max_batch_size=2, num_speculative_tokens=0, max_model_len=64,
+                           batch_sizes=(1, 2), seq_len_buckets=(64,))
+    graphs = capture_graphs(llm.engine.runner, models, policy, 4, emulate=True)
+    assert SampleGraphs.name not in graphs.registry.runners
+    assert llm.engine.runner.sample_graph is None
+    got = llm.generate([[5, 6, 7], [8, 9]], sps, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    with pytest.raises(ValueError, match="CompileConfig.sample_graphs=1"):
+        CompileConfig(sample_graphs=1)

@@ -197,7 +197,7 @@ class EngineGraphs:
 
     def __init__(self, runner: ModelRunner, target_fn: TargetFn, policy: CapturePolicy,
                  page_size: int, strict: bool = False, emulate: bool = False,
-                 single_decode: bool = False) -> None:
+                 single_decode: bool = False, sample_graphs: bool = True) -> None:
         """``emulate``: CPU stand-ins for CUDA graphs (``capture.emulate``), for tests.
         ``single_decode``: a chain engine captures a one-request decode graph too (else such
         steps replay the batch-1 verify graph, ``capture.policy.decode_sizes``): an engine whose
@@ -272,9 +272,12 @@ class EngineGraphs:
                                     narrow=narrow)
         # A sampled step's draws (engine/sample_graph.py): a decode step's one slot per
         # request, a chain step's k + 1 (the early proposal's acceptance input)
-        self.sample = SampleGraphs(policy.batch_sizes, (1, k + 1), runner.model.config.vocab_size,
-                                   runner.model.lm_head.weight.dtype, device, emulate, strict)
-        self.registry.runners[SampleGraphs.name] = self.sample  # type: ignore[assignment]
+        self.sample: SampleGraphs | None = None
+        if sample_graphs:
+            self.sample = SampleGraphs(policy.batch_sizes, (1, k + 1),
+                                       runner.model.config.vocab_size,
+                                       runner.model.lm_head.weight.dtype, device, emulate, strict)
+            self.registry.runners[SampleGraphs.name] = self.sample  # type: ignore[assignment]
         self.propose: ProposeGraphs | TreeProposeGraphs | None = None
         self.propose_early: EarlyProposeGraphs | EarlyTreeGraphs | None = None
         self.sync: SyncGraphs | None = None  # the first pass alone (engines that may pause)

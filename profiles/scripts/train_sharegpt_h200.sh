@@ -358,6 +358,8 @@ sampled)
   # tree's (.device/base at a commit with bench --temperature: every sampled step late).
   # Random SmolLM2-shaped weights (no GGUF: carry .device/mt, .device/tok, .device/base) and a
   # random head (tau ~1: the rows time the overlap, not a real head's acceptance).
+  # Fifty-fourth session: LATE= (no late-propose rows) EXTRA="--ab sample_graphs" ORDER=this:
+  # the sampled draws eager against replayed (engine/sample_graph.py), one process.
   mkdir -p ~/rs $D && cp .device/mt/question.jsonl $D/
   [ -d ~/tok ] || cp -r .device/tok ~/tok
   python3 -c "import json, sys; from compiled_spec.bench.run import SMOLLM2
@@ -365,8 +367,8 @@ open(sys.argv[1], 'w').write(json.dumps(SMOLLM2))" ~/rs/config.json
   B=(python3 -m compiled_spec.cli bench --model random:$HOME/rs --tokenizer ~/tok --random-draft
      --device ${DEVICE:-cuda} --dtype ${DTYPE:-bfloat16} --prompts $D/question.jsonl
      --num-prompts ${NUM_PROMPTS:-10} --max-tokens ${MAX_TOKENS:-192} --batch-sizes ${BATCHES:-1 64}
-     -k 5 --waves ${WAVES:-2} --variants ours_vanilla_compiled ours_eagle_compiled --late-propose
-     --temperature ${TEMP:-0.8} --rounds ${ROUNDS:-3})
+     -k 5 --waves ${WAVES:-2} --variants ours_vanilla_compiled ours_eagle_compiled
+     ${LATE---late-propose} --temperature ${TEMP:-0.8} --rounds ${ROUNDS:-3} ${EXTRA:-})
   for T in ${ORDER:-base this}; do
     R=$PWD; [ "$T" = base ] && R=$PWD/.device/base
     [ -d "$R/compiled_spec" ] || { echo "== $T: no tree"; continue; }
