@@ -56,11 +56,12 @@ def _timed_replay(self: EmulatedGraph) -> None:
 EmulatedGraph.replay = _timed_replay  # type: ignore[method-assign]
 
 
-def _engine(variant: str, target: str, head: str, tok: str, batch: int) -> LLM:
+def _engine(variant: str, target: str, head: str, tok: str, batch: int,
+            policy: str = "always") -> LLM:
     kw = dict(model=target, tokenizer=tok, dtype="float32", max_model_len=256,
-              max_num_seqs=batch, kv_cache_memory_gib=0.5)
+              max_num_seqs=batch, kv_cache_memory_gib=0.5, verify_ahead=True)  # (as on CUDA)
     if variant != "vanilla":
-        kw.update(draft=head, num_speculative_tokens=5)
+        kw.update(draft=head, num_speculative_tokens=5, speculation_policy=policy)
     llm = LLM(**kw)
     runner = llm.engine.runner
     cc = CompileConfig(inductor=False, capture_batch_sizes=(batch,))
