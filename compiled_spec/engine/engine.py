@@ -349,7 +349,7 @@ class LLMEngine:
             # A steady step ran one mode throughout (verified what the last proposal drafted,
             # and drafts again or not alike) and carried no prompt: its cost is that mode's.
             if mode == self._mode_prev and max(num_new) == 1:
-                emitted = sum(len(t) for t in out.new_tokens)
+                emitted = sum(map(len, out.new_tokens))
                 self._obs = (len(reqs), mode, emitted / len(reqs))
             self._mode_prev = mode
         clock.mark("bookkeeping")

@@ -275,8 +275,7 @@ class EngineGraphs:
         self.sample: SampleGraphs | None = None
         if sample_graphs:
             self.sample = SampleGraphs(policy.batch_sizes, (1, k + 1),
-                                       runner.model.config.vocab_size,
-                                       runner.model.lm_head.weight.dtype, device, emulate, strict)
+                                       runner.model.config.vocab_size, device, emulate, strict)
             self.registry.runners[SampleGraphs.name] = self.sample  # type: ignore[assignment]
         self.propose: ProposeGraphs | TreeProposeGraphs | None = None
         self.propose_early: EarlyProposeGraphs | EarlyTreeGraphs | None = None

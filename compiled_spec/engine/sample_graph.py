@@ -13,9 +13,12 @@ pinned buffer), one copy of its logits into the graphs' input and one replay.
 
 The graph runs the eager path's own functions (``sampler.apply_filters``,
 ``rejection.coupled_tokens``) on the same per-row values, so it draws the eager path's tokens.
-Padded rows are greedy (temperature 0, top-p 1) and sliced away. A batch no graph takes (a
-request with min-p, a width or batch size not captured, logits of another dtype) runs eagerly,
-counted in the stats under its reason: never a silent fallback.
+The logits input is float32: the filter's first op upcasts whatever it gets, and bf16 / fp16
+convert to float32 exactly, so the graph serves a replayed step's model-dtype logits and an
+eager readout's float32 ones alike. Padded rows are greedy (temperature 0, top-p 1) and
+sliced away. A batch no graph takes (a request with min-p, a width or batch size not
+captured, logits of another dtype) runs eagerly, counted in the stats under its reason: never
+a silent fallback.
 """
 from __future__ import annotations
 
@@ -37,6 +40,8 @@ if TYPE_CHECKING:
 # the non-negative values here fit 31 bits)
 SEED, POSITION, TEMPERATURE, TOP_K, TOP_P = range(5)
 _COLS = 5
+# Logits dtypes whose float32 copy holds the same values (what apply_filters computes on)
+EXACT_IN_FP32 = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _f32_bits(values: list[float]) -> np.ndarray:
@@ -51,11 +56,10 @@ class SampleGraphs:
     name = "sample_draw"
 
     def __init__(self, batch_sizes: tuple[int, ...], widths: tuple[int, ...], vocab: int,
-                 dtype: torch.dtype, device: torch.device, emulate: bool = False,
-                 strict: bool = False) -> None:
+                 device: torch.device, emulate: bool = False, strict: bool = False) -> None:
         self.sizes = sorted(set(batch_sizes))
         self.widths = sorted(set(widths))
-        self.vocab, self.dtype, self.device = vocab, dtype, device
+        self.vocab, self.device = vocab, device
         self.emulate, self.strict = emulate, strict
         # A pool of their own: a draw comes between the target's replay and the reads of its
         # outputs (the hidden states the proposal reads), which the target's pool could reuse.
@@ -66,7 +70,7 @@ class SampleGraphs:
         self.h_params = h.reshape(bm, _COLS)
         with torch.inference_mode():  # written under inference mode, as the engine's buffers
             self.params = torch.zeros(bm, _COLS, dtype=torch.int64, device=device)
-            self.logits = torch.zeros(bm * wm * vocab, dtype=dtype, device=device)
+            self.logits = torch.zeros(bm * wm * vocab, dtype=torch.float32, device=device)
             self.out = torch.zeros(bm * wm, dtype=torch.int64, device=device)
         # A padded row: greedy, top-p 1 (a top-p of 0 would drop every token of a sorted row)
         self._pad = np.zeros(_COLS, dtype=np.int64)
@@ -146,7 +150,7 @@ class SampleGraphs:
             return "min_p"
         if w not in self.widths:
             return "width"
-        if logits.dtype != self.dtype or v != self.vocab:
+        if logits.dtype not in EXACT_IN_FP32 or v != self.vocab:
             return "dtype"
         sorting = any(p.needs_sorting for p in params)  # as build_sampling_tensors' flag
         b = next((s for s in self.sizes if s >= n and (s, w, sorting) in self._graphs), None)
