@@ -183,9 +183,12 @@ def test_sampled_early_tree_equals_vanilla_and_late(engines, batch):
     sps = [SamplingParams(max_tokens=m, ignore_eos=True, seed=21 + i, **kw)
            for i, (m, kw) in enumerate(zip((18, 11, 22, 9, 15), kinds))]
     ref = _gen(vanilla, PROMPTS, sps, batch)
+    draws = spec._compiled.graphs.sample  # the per-node draws replay (engine/sample_graph.py)
+    replays = draws.graph_replays
     late, late_acc, late_st = _run(spec, False, PROMPTS, sps, batch)
     early, early_acc, early_st = _run(spec, True, PROMPTS, sps, batch)
     assert late == ref and early == ref
+    assert draws.graph_replays > replays and not draws.eager_fallbacks, draws.stats()
     assert early_st["early"] > 0 and "sampling" not in early_st["late_reasons"], early_st
     assert late_acc > 0 and early_acc == late_acc
     # ... and their early steps launch the next trees' verify (verify_ahead_tree.py)

@@ -41,8 +41,7 @@ def graphs() -> SampleGraphs:
 
 def test_graph_draws_equal_eager_draws(graphs):
     g = graphs
-    assert sorted(g._graphs) == [(b, w, s) for b in (1, 2, 4) for w in (1, 4)
-                                 for s in (False, True)]
+    assert sorted(g._graphs) == [(t, s) for t in (1, 2, 4, 8, 16) for s in (False, True)]
     gen = torch.Generator().manual_seed(0)
     checked = set()
     for trial in range(12):
@@ -60,8 +59,8 @@ def test_graph_draws_equal_eager_draws(graphs):
         got = g.draw(reqs, logits)
         assert got is not None and g.graph_replays == replays + 1
         assert torch.equal(got, _eager(reqs, logits)), (trial, kinds)
-        checked.add((n, w, any(r.params.needs_sorting for r in reqs)))
-    assert {(s, w) for _, w, s in checked} == {(a, b) for a in (False, True) for b in (1, 4)}
+        checked.add((w, any(r.params.needs_sorting for r in reqs)))
+    assert checked == {(w, s) for w in (1, 4) for s in (False, True)}
     assert g.padded_rows > 0  # (3 requests padded to 4)
     assert g.eager_fallbacks == 0
 
@@ -71,11 +70,10 @@ def test_draws_no_graph_takes_are_counted(graphs):
     before = dict(g.fallback_reasons)
     logits = torch.randn(2, 1, V).bfloat16()
     assert g.draw(_reqs([KINDS[1], dict(temperature=0.8, min_p=0.1)], 0), logits) is None
-    assert g.draw(_reqs([KINDS[1]] * 2, 0), torch.randn(2, 3, V).bfloat16()) is None
     assert g.draw(_reqs([KINDS[1]] * 2, 0), logits.double()) is None
-    assert g.draw(_reqs([KINDS[1]] * 5, 0), torch.randn(5, 1, V).bfloat16()) is None
+    assert g.draw(_reqs([KINDS[1]] * 5, 0), torch.randn(5, 4, V).bfloat16()) is None  # 20 rows
     got = {k: g.fallback_reasons.get(k, 0) - before.get(k, 0) for k in g.fallback_reasons}
-    assert got == {"min_p": 1, "width": 1, "dtype": 1, "size": 1}
+    assert got == {"min_p": 1, "dtype": 1, "size": 1}
     assert g.stats()["eager_fallbacks"] == sum(g.fallback_reasons.values())
 
 
@@ -100,8 +98,8 @@ def test_engine_sampled_steps_replay_and_equal_vanilla(bigram_eagle3, smollm2_gg
     st = llm._compiled.graphs.stats()["components"][SampleGraphs.name]
     assert st["graph_replays"] >= 10
     assert set(st["fallback_reasons"]) == {"min_p"}
-    if k:  # the chain's k + 1 draws took graphs too (early steps)
-        assert (1, k + 1, True) in llm.engine.runner.sample_graph._graphs
+    if k:  # the chain's k + 1 rows per request took graphs too (early steps)
+        assert (k + 1, True) in llm.engine.runner.sample_graph._graphs
 
 
 def test_sample_graphs_off_draws_eagerly(bigram_eagle3, smollm2_gguf_path):

@@ -270,11 +270,13 @@ class EngineGraphs:
         self.target = GraphedTarget(target_fn, decode, verify, k + 1, tree_verify,
                                     single_via_verify=via_verify, prefill=prefill, mixed=mixed,
                                     narrow=narrow)
-        # A sampled step's draws (engine/sample_graph.py): a decode step's one slot per
-        # request, a chain step's k + 1 (the early proposal's acceptance input)
+        # A sampled step's draws (engine/sample_graph.py): a decode step's one row per
+        # request, a chain step's k + 1 (the early proposal's acceptance input), a draft
+        # tree's one per node
         self.sample: SampleGraphs | None = None
         if sample_graphs:
-            self.sample = SampleGraphs(policy.batch_sizes, (1, k + 1),
+            width = k + 1 if tree is None else tree.num_draft_tokens
+            self.sample = SampleGraphs(policy.batch_sizes, (1, width),
                                        runner.model.config.vocab_size, device, emulate, strict)
             self.registry.runners[SampleGraphs.name] = self.sample  # type: ignore[assignment]
         self.propose: ProposeGraphs | TreeProposeGraphs | None = None

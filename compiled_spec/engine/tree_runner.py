@@ -149,12 +149,15 @@ class TreeModelRunner(ModelRunner):
                 drawn = logits.argmax(dim=-1)  # [T]
             else:  # the token vanilla sampling would draw after each node (position + 1)
                 reps = [qsl[i + 1] - qsl[i] for i in range(len(reqs))]
-                st = build_sampling_tensors(reqs, dev, reps)
                 positions = v.positions  # [T]; from the host lists when those fed a graph
                 if positions is None:
                     positions = to_device(v.base, dev) + tree_info[2].reshape(-1)
-                drawn = sample_from_probs(apply_filters(logits, st),
-                                          position_keys(st.seeds, positions + 1, STREAM_TOKEN))
+                sg = self.sample_graph  # one replay (engine/sample_graph.py), else eager
+                drawn = None if sg is None else sg.draw_rows(reqs, reps, logits, positions + 1)
+                if drawn is None:
+                    st = build_sampling_tensors(reqs, dev, reps)
+                    drawn = sample_from_probs(apply_filters(logits, st), position_keys(
+                        st.seeds, positions + 1, STREAM_TOKEN))
             at_nodes = (self.early.draw(logits, len(reqs)) if drawn is None  # [B_t, N]
                         else (drawn if dst is None else drawn[dst]).view(-1, n_nodes))
             t_idx = [i for i, t in enumerate(in_tree) if t]
