@@ -18,15 +18,12 @@ own time per decode step. The "tokens" digest must not change when the host code
 """
 from __future__ import annotations
 
-import argparse
 import cProfile
 import hashlib
 import json
 import pstats
 import random
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -36,7 +33,8 @@ sys.path.insert(0, str(ROOT))
 
 from compiled_spec import SamplingParams  # noqa: E402
 from compiled_spec.spec.policy import PLAIN  # noqa: E402
-from profiles.scripts.prompt_step_host_cpu import _MODEL_S, _engine  # noqa: E402
+from profiles.scripts.prompt_step_host_cpu import (_MODEL_S, _engine, host_args,  # noqa: E402
+                                                   tiny_pair)
 from tests.policy_stub import ModesInTurn  # noqa: E402
 
 
@@ -64,24 +62,11 @@ def _run(llm, batch: int, max_tokens: int, seed: int, prof: cProfile.Profile | N
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", type=int, default=64)
+    ap = host_args(["vanilla", "paused"])
     ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--variants", nargs="+", default=["vanilla", "paused"])
-    ap.add_argument("--cprofile", action="store_true")
-    ap.add_argument("--top", type=int, default=30)
     a = ap.parse_args()
     torch.set_num_threads(1)
-    from compiled_spec.draft.testing import write_eagle3_head
-    from compiled_spec.models.config import ModelConfig
-    from profiles.scripts.host_large_batch_cpu import tokenizer_dir
-    from tests.spec_models import write_bigram_target
-
-    tok = tokenizer_dir()
-    tmp = Path(tempfile.mkdtemp())
-    target = write_bigram_target(tmp / "target", vocab=512, hidden=32, layers=3)
-    head = write_eagle3_head(str(tmp / "head"), ModelConfig.from_hf_dict(
-        json.loads((tmp / "target" / "config.json").read_text())), draft_vocab_size=256)
+    target, head, tok = tiny_pair()
     for v in a.variants:
         llm = _engine("vanilla" if v == "vanilla" else "eagle", target, head, tok, a.batch,
                       policy="adaptive" if v == "paused" else "always")

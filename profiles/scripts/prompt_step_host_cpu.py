@@ -26,7 +26,6 @@ import pstats
 import random
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -34,26 +33,25 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-import kernels.ops  # noqa: E402
-from capture.emulate import EmulatedGraph  # noqa: E402
+# (importing it replaces paged attention by zeros and times emulated replays into _MODEL_S)
+from profiles.scripts.host_large_batch_cpu import _MODEL_S, tokenizer_dir  # noqa: E402
 from compiled_spec import LLM, SamplingParams  # noqa: E402
 from compiled_spec.compile import CompileConfig, capture_graphs, compile_models  # noqa: E402
 from compiled_spec.llm_compile import engine_capture_policy  # noqa: E402
 
-kernels.ops.paged_attention_ref = lambda q, *a: torch.zeros_like(q)
-_MODEL_S = [0.0]
-_orig_replay = EmulatedGraph.replay
 
+def tiny_pair() -> tuple[str, str, str]:
+    """(target, EAGLE-3 head, tokenizer): a bigram target of vocab 512, hidden 32, 3 layers
+    and a random head for it, written to a temporary directory."""
+    from compiled_spec.draft.testing import write_eagle3_head
+    from compiled_spec.models.config import ModelConfig
+    from tests.spec_models import write_bigram_target
 
-def _timed_replay(self: EmulatedGraph) -> None:
-    t0 = time.perf_counter()
-    try:
-        _orig_replay(self)
-    finally:
-        _MODEL_S[0] += time.perf_counter() - t0
-
-
-EmulatedGraph.replay = _timed_replay  # type: ignore[method-assign]
+    tmp = Path(tempfile.mkdtemp())
+    target = write_bigram_target(tmp / "target", vocab=512, hidden=32, layers=3)
+    head = write_eagle3_head(str(tmp / "head"), ModelConfig.from_hf_dict(
+        json.loads((tmp / "target" / "config.json").read_text())), draft_vocab_size=256)
+    return target, head, tokenizer_dir()
 
 
 def _engine(variant: str, target: str, head: str, tok: str, batch: int,
@@ -95,25 +93,22 @@ def _rounds(llm: LLM, batch: int, rounds: int, seed: int) -> tuple[dict, str]:
     return row, hashlib.sha1(repr(toks).encode()).hexdigest()[:12]
 
 
-def main() -> None:
+def host_args(variants: list[str]) -> argparse.ArgumentParser:
+    """The options these CPU host harnesses share."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--variants", nargs="+", default=["vanilla", "eagle"])
-    ap.add_argument("--cprofile", action="store_true")
+    ap.add_argument("--variants", nargs="+", default=variants)
+    ap.add_argument("--cprofile", action="store_true", help="top functions by own time")
     ap.add_argument("--top", type=int, default=30)
+    return ap
+
+
+def main() -> None:
+    ap = host_args(["vanilla", "eagle"])
+    ap.add_argument("--rounds", type=int, default=6)
     a = ap.parse_args()
     torch.set_num_threads(1)
-    from compiled_spec.draft.testing import write_eagle3_head
-    from compiled_spec.models.config import ModelConfig
-    from profiles.scripts.host_large_batch_cpu import tokenizer_dir
-    from tests.spec_models import write_bigram_target
-
-    tok = tokenizer_dir()
-    tmp = Path(tempfile.mkdtemp())
-    target = write_bigram_target(tmp / "target", vocab=512, hidden=32, layers=3)
-    head = write_eagle3_head(str(tmp / "head"), ModelConfig.from_hf_dict(
-        json.loads((tmp / "target" / "config.json").read_text())), draft_vocab_size=256)
+    target, head, tok = tiny_pair()
     for v in a.variants:
         llm = _engine(v, target, head, tok, a.batch)
         _rounds(llm, a.batch, 2, 1000)  # warm: Dynamo guards, first replays
