@@ -77,11 +77,13 @@ def test_draws_no_graph_takes_are_counted(graphs):
     assert g.stats()["eager_fallbacks"] == sum(g.fallback_reasons.values())
 
 
-@pytest.mark.parametrize("k", [0, 3])
-def test_engine_sampled_steps_replay_and_equal_vanilla(bigram_eagle3, smollm2_gguf_path, k):
+@pytest.mark.parametrize("k,early", [(0, True), (3, True), (3, False)])
+def test_engine_sampled_steps_replay_and_equal_vanilla(bigram_eagle3, smollm2_gguf_path, k,
+                                                       early):
     """Vanilla (k = 0: its decode steps) and EAGLE-3 chain engines (k = 3: early steps' k + 1
-    draws): sampled requests' tokens equal vanilla sampling's without graphs, the draws were
-    replayed, and a min-p request's steps ran eagerly, said in the stats."""
+    draws, or late steps' acceptance, ``sampled_accept``): sampled requests' tokens equal
+    vanilla sampling's without graphs, the draws were replayed, and a min-p request's steps
+    ran eagerly, said in the stats."""
     target, head = bigram_eagle3
     kw = dict(model=target, tokenizer=smollm2_gguf_path, max_model_len=128, max_num_seqs=4,
               page_size=4, num_kv_blocks=160)
@@ -93,13 +95,16 @@ def test_engine_sampled_steps_replay_and_equal_vanilla(bigram_eagle3, smollm2_gg
     want = generate_in_batches(LLM(**kw), prompts, sps, 3)
     spec = {} if k == 0 else dict(draft=head, num_speculative_tokens=k)
     llm = with_emulated_graphs(LLM(**kw, **spec), k)
+    if not early:
+        llm.engine.runner.early.enabled = False
     got = generate_in_batches(llm, prompts, sps, 3)
     assert got == want
     st = llm._compiled.graphs.stats()["components"][SampleGraphs.name]
     assert st["graph_replays"] >= 10
     assert set(st["fallback_reasons"]) == {"min_p"}
-    if k:  # the chain's k + 1 rows per request took graphs too (early steps)
-        assert (k + 1, True) in llm.engine.runner.sample_graph._graphs
+    if k:  # the chain's k + 1 rows per request took graphs too (early or late steps)
+        ep = llm.stats.early_propose.as_dict()
+        assert (ep["early"] > 0) == early and (ep["late"] > ep["early"]) != early, ep
 
 
 def test_sample_graphs_off_draws_eagerly(bigram_eagle3, smollm2_gguf_path):

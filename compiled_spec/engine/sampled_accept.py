@@ -10,7 +10,7 @@ import torch
 from compiled_spec.engine.batch import build_sampling_tensors, to_device
 from compiled_spec.engine.request import Request
 from compiled_spec.sampler import apply_filters
-from compiled_spec.spec.rejection import coupled_tokens, rejection_sample
+from compiled_spec.spec.rejection import accept_coupled, coupled_tokens, rejection_sample
 
 if TYPE_CHECKING:
     from compiled_spec.engine.model_runner import ModelRunner
@@ -22,9 +22,12 @@ def sampled_accept(rn: "ModelRunner", reqs: list[Request],
     """Per request: its accepted drafts, then the token sampled after them."""
     kmax = logits.shape[1] - 1
     k_t = to_device(num_draft, rn.device)  # [B]
-    probs, seeds, positions0 = _target_probs(rn, reqs, logits)
     drafts, q = _last_proposal(rn, reqs, kmax)
-    out, n_acc = rejection_sample(probs, drafts, k_t, seeds, positions0, q)
+    if q is None:  # argmax drafts: the coupling rule on the slots' draws (replayed if captured)
+        out, n_acc = accept_coupled(coupled_targets(rn, reqs, logits), drafts, k_t)
+    else:
+        probs, seeds, positions0 = _target_probs(rn, reqs, logits)
+        out, n_acc = rejection_sample(probs, drafts, k_t, seeds, positions0, q)
     packed = rn.to_host(torch.cat([n_acc[:, None], out], dim=1))  # the step's one D2H copy
     return [row[1:2 + row[0]] for row in packed]
 

@@ -22,7 +22,8 @@ from compiled_spec.sampler import (STREAM_ACCEPT, STREAM_TOKEN, position_keys, s
 
 STREAM_DRAFT = 2  # noise stream for drafting by sampling; independent of STREAM_TOKEN/ACCEPT
 
-__all__ = ["STREAM_DRAFT", "coupled_tokens", "rejection_sample", "sample_draft"]
+__all__ = ["STREAM_DRAFT", "accept_coupled", "coupled_tokens", "rejection_sample",
+           "sample_draft"]
 
 
 def sample_draft(draft_probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -55,6 +56,22 @@ def coupled_tokens(target_probs: torch.Tensor, seeds: torch.Tensor,
     bsz, kp1, vocab = target_probs.shape
     keys = _slot_keys(seeds, positions, kp1, STREAM_TOKEN)  # [B*(K+1)]
     return sample_from_probs(target_probs.reshape(bsz * kp1, vocab), keys).view(bsz, kp1)
+
+
+def accept_coupled(t: torch.Tensor, draft_tokens: torch.Tensor, num_draft: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The coupling rule's acceptance (``rejection_sample`` with one-hot drafts) from its draws
+    ``t`` [B, K+1] (``coupled_tokens``, or the same draws replayed by a graph): accept draft j
+    while it equals t_j, then emit t. draft_tokens [B, K], num_draft [B] -> (output tokens
+    [B, K+1] with -1 padding, num_accepted [B])."""
+    k = draft_tokens.shape[1]
+    slot = torch.arange(k + 1, device=t.device, dtype=torch.int64)[None, :]  # [1, K+1]
+    in_range = slot[:, :k] < num_draft[:, None]  # [B, K]: drafts beyond k_i are padding
+    accept = (draft_tokens == t[:, :k]) & in_range  # [B, K] (padding never counts)
+    num_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # [B]: length of accepted prefix
+    # Accepted drafts equal t, so the whole valid prefix of the row is t itself.
+    out = torch.where(slot <= num_accepted[:, None], t, torch.full_like(t, -1))
+    return out, num_accepted
 
 
 def rejection_sample(
@@ -99,12 +116,8 @@ def rejection_sample(
         # t_j, and p_j depends only on the already-emitted prefix, so the output equals vanilla
         # sampling with the same seed token for token, whatever K or the draft quality is.
         # Greedy rows have one-hot p_j, so t_j = argmax and this is "accept while equal to argmax".
-        t = coupled_tokens(target_probs, seeds, positions)  # [B, K+1]
-        accept = (drafts == t[:, :k]) & in_range  # [B, K]
-        num_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # [B]: length of accepted prefix
-        # Accepted drafts equal t, so the whole valid prefix of the row is t itself.
-        out = torch.where(slot <= num_accepted[:, None], t, torch.full_like(t, -1))
-        return out, num_accepted
+        return accept_coupled(coupled_tokens(target_probs, seeds, positions), drafts,
+                              num_draft)
 
     # Sampled drafts: accept d_j iff u_j < min(1, p(d_j) / q(d_j)), written as u * q < p to avoid
     # dividing by q (u < 1, so the min(1, .) is implicit). Greedy rows: p(d) is 1 for the argmax and
