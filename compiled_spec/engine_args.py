@@ -83,6 +83,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="with --compile: save the target's compiled result (torch's aot_compile) "
                    "in the compile cache and load it on later starts instead of tracing "
                    "(default: on for CUDA)")
+    p.add_argument("--sample-graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --compile: a sampled step's draws (temperature, top-k / top-p, "
+                   "the seeded draw) replay one CUDA graph (--no-sample-graphs: eager)")
     p.add_argument("--speculative-topk", type=int, default=1, help="> 1: EAGLE-2 draft trees")
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None,
                    help="tree verification budget, root included")

@@ -159,20 +159,23 @@ def test_speculative_samples_follow_the_target_distribution(bigram, smollm2_gguf
     assert stat < df + 4.5 * (2 * df) ** 0.5, f"chi2 {stat:.1f} with {df} cells"
 
     # The same test catches a sampler that emits the draft's guess more often than it should
-    # (recovering from p instead of normalize(max(p - q, 0))).
+    # (recovering from p instead of normalize(max(p - q, 0))). Argmax drafts are accepted
+    # from the coupled draws (accept_coupled), sampled ones by Leviathan's rule.
     import compiled_spec.engine.sampled_accept as mr
 
-    real = mr.rejection_sample
+    name = "accept_coupled" if draft_sampling == "argmax" else "rejection_sample"
+    real = getattr(mr, name)
 
-    def broken(target_probs, draft_tokens, num_draft, seeds, positions, draft_probs=None):
+    def broken(*args, **kw):
         # Accept the first draft unconditionally: the textbook bug of skipping the test at slot 0.
-        out, acc = real(target_probs, draft_tokens, num_draft, seeds, positions, draft_probs)
+        out, acc = real(*args, **kw)
+        draft_tokens, num_draft = args[1:3]  # (t or target_probs, drafts, num_draft, ...)
         if draft_tokens.shape[1]:
             out = out.clone()
             out[:, 0] = torch.where(num_draft > 0, draft_tokens[:, 0], out[:, 0])
         return out, acc
 
-    monkeypatch.setattr(mr, "rejection_sample", broken)
+    monkeypatch.setattr(mr, name, broken)
     bad = _llm(bigram["target"], smollm2_gguf_path, draft=bigram["noisy"], num_speculative_tokens=3,
                draft_sampling=draft_sampling, max_num_seqs=512, max_model_len=16)
     stat_bad, df_bad = chi2_third_token(bad.generate([prompt] * n, sps))
