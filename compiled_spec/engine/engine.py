@@ -20,7 +20,7 @@ from compiled_spec.engine.request import CompletionOutput, Request, RequestOutpu
 from compiled_spec.engine.scheduler import Scheduler
 from compiled_spec.engine.stats import EngineStats
 from compiled_spec.engine.stopping import emit_count, output_text, stop_reason
-from compiled_spec.engine.validation import validate_prompt, validate_request
+from compiled_spec.engine.validation import require_params, validate_prompt, validate_request
 from compiled_spec.engine.verify_ahead import VerifyAheadStats
 from compiled_spec.gc_heap import CLOCK as GC_CLOCK
 from compiled_spec.models.decoder import CausalLM
@@ -161,10 +161,7 @@ class LLMEngine:
         """Validate and queue a request. Bad input raises here and leaves the engine untouched.
         The engine keeps a validated copy of ``params``: later changes to the caller's object do
         not reach the running request."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be SamplingParams, got "
-                             f"{type(params).__name__}")
-        params = params.checked_copy()  # validated once, on the copy the engine keeps
+        params = require_params(params).checked_copy()  # validated once, on the kept copy
         ids = validate_prompt(prompt_token_ids, self.model.config.vocab_size,
                               self.cfg.max_model_len, self.allocator)
         n = len(ids)

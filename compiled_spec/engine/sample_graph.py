@@ -38,6 +38,7 @@ from compiled_spec.sampler import (STREAM_TOKEN, SamplingTensors, apply_filters,
 
 if TYPE_CHECKING:
     from compiled_spec.engine.request import Request
+    from compiled_spec.sampling_params import SamplingParams
 
 # Columns of the staged parameters (int64; the float32 ones as their bit patterns, which for
 # the non-negative values here fit 31 bits)
@@ -142,13 +143,12 @@ class SampleGraphs:
                                       else capture_graph(run, self.pool))[0]
 
     # ---- per step ----------------------------------------------------------------------------
-    def _fit(self, reqs: list["Request"], rows: int, logits: torch.Tensor
+    def _fit(self, params: list["SamplingParams"], rows: int, logits: torch.Tensor
              ) -> str | tuple[int, bool]:
         """(the padded row count, with sorting) of a graph that takes this draw, or why none
         does."""
         if not self.enabled:
             return "cpu"
-        params = [r.params for r in reqs]
         if any(p.min_p > 0 and not p.greedy for p in params):
             return "min_p"
         if logits.dtype not in EXACT_IN_FP32 or logits.shape[-1] != self.vocab:
@@ -161,13 +161,12 @@ class SampleGraphs:
         self.eager_fallbacks += 1
         self.fallback_reasons[why] = self.fallback_reasons.get(why, 0) + 1
 
-    def _stage(self, reqs: list["Request"], reps: np.ndarray, rows: int, padded: int,
-               positions: np.ndarray | None) -> None:
+    def _stage(self, reqs: list["Request"], params: list["SamplingParams"], reps: np.ndarray,
+               rows: int, padded: int, positions: np.ndarray | None) -> None:
         """Each request's parameters on its ``reps`` rows, padded rows after them, uploaded in
         one copy (``positions`` [rows]: the rows' positions; None: written on the device)."""
         if self._uploaded is not None:
             self._uploaded.synchronize()  # the last upload from the pinned buffer has run
-        params = [r.params for r in reqs]
         h = self.h_params
         h[:rows, SEED] = np.repeat(np.fromiter((r.seed for r in reqs), np.int64, len(reqs)),
                                    reps)
@@ -196,14 +195,15 @@ class SampleGraphs:
         j at the request's next position + j); None (counted) when no captured graph takes
         the batch, so the caller draws eagerly."""
         n, w, v = logits.shape
-        fit = self._fit(reqs, n * w, logits)
+        params = [r.params for r in reqs]
+        fit = self._fit(params, n * w, logits)
         if isinstance(fit, str):
             self._miss(fit)
             return None
         padded, sorting = fit
         pos0 = np.fromiter((r.num_tokens for r in reqs), np.int64, n)  # slot 0's: the next
         positions = (pos0[:, None] + np.arange(w)).reshape(-1)  # [n * w]
-        self._stage(reqs, np.full(n, w), n * w, padded, positions)
+        self._stage(reqs, params, np.full(n, w), n * w, padded, positions)
         self.logits[:n * w].copy_(logits.reshape(n * w, v))
         return self._replay(padded, sorting, n * w).view(n, w)
 
@@ -215,12 +215,13 @@ class SampleGraphs:
         """A draft tree step's draws, one per row (a node's token at its position + 1); None
         (counted) when no captured graph takes them."""
         t = logits.shape[0]
-        fit = self._fit(reqs, t, logits)
+        params = [r.params for r in reqs]
+        fit = self._fit(params, t, logits)
         if isinstance(fit, str):
             self._miss(fit)
             return None
         padded, sorting = fit
-        self._stage(reqs, np.asarray(reps, dtype=np.int64), t, padded, None)
+        self._stage(reqs, params, np.asarray(reps, dtype=np.int64), t, padded, None)
         self.params[:t, POSITION].copy_(positions)  # behind the upload on the stream
         self.logits[:t].copy_(logits)
         return self._replay(padded, sorting, t)

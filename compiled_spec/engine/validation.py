@@ -11,10 +11,15 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab:
                      max_model_len: int, allocator: BlockAllocator) -> list[int]:
     """Raise ValueError naming what is wrong with a request; touches no state. Returns the
     prompt as Python ints (numpy integers are token ids too; booleans are not)."""
+    require_params(params).validate()  # again: fields may have been changed since construction
+    return validate_prompt(prompt_token_ids, vocab, max_model_len, allocator)
+
+
+def require_params(params: object) -> SamplingParams:
+    """``params`` itself, or a ValueError naming its type when it is not SamplingParams."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-    params.validate()  # again: fields may have been changed since construction
-    return validate_prompt(prompt_token_ids, vocab, max_model_len, allocator)
+    return params
 
 
 def validate_prompt(prompt_token_ids: list[int], vocab: int, max_model_len: int,
