@@ -369,12 +369,15 @@ open(sys.argv[1], 'w').write(json.dumps(SMOLLM2))" ~/rs/config.json
     --waves 1 --variants ours_vanilla_compiled ours_eagle_compiled --adaptive \
     --trace-dir ~/ptraces --out-dir ~/bench_pt > "$OUT/ptrace.log" 2>&1
   echo "bench rc=$?"
+  # (one gaps file for all: a call brings back at most 8 files)
   for t in ~/ptraces/*/; do
     n=$(basename "$t"); f=$(ls -t "$t"*.pt.trace.json 2>/dev/null | head -1); [ -n "$f" ] || continue
-    python3 profiles/scripts/trace_gaps.py "$f" --skip ${SKIP:-4} --quiet > "$OUT/gaps_$n.txt" 2>&1
-    case "$n" in *adaptive*|*vanilla*) gzip -c "$f" > "$OUT/$n.pt.trace.json.gz" ;; esac
-    echo "== $n"; tail -25 "$OUT/gaps_$n.txt"
+    echo "== $n" >> "$OUT/gaps.txt"
+    python3 profiles/scripts/trace_gaps.py "$f" --skip ${SKIP:-4} --quiet >> "$OUT/gaps.txt" 2>&1
+    case "$n" in *adaptive*) gzip -c "$f" > "$OUT/adaptive.pt.trace.json.gz" ;;
+                 *vanilla*) gzip -c "$f" > "$OUT/vanilla.pt.trace.json.gz" ;; esac
   done
+  tail -120 "$OUT/gaps.txt"
   grep -E "tok/s" "$OUT/ptrace.log" | cut -c1-300 ;;
 sampled)
   # Issue 16 (fifty-third session): sampled requests (--temperature) on the early paths. This
