@@ -373,7 +373,7 @@ open(sys.argv[1], 'w').write(json.dumps(SMOLLM2))" ~/rs/config.json
   for t in ~/ptraces/*/; do
     n=$(basename "$t"); f=$(ls -t "$t"*.pt.trace.json 2>/dev/null | head -1); [ -n "$f" ] || continue
     echo "== $n" >> "$OUT/gaps.txt"
-    python3 profiles/scripts/trace_gaps.py "$f" --skip ${SKIP:-4} --quiet >> "$OUT/gaps.txt" 2>&1
+    timeout ${GAPS_LIMIT:-45} python3 profiles/scripts/trace_gaps.py "$f" --skip ${SKIP:-4} --quiet >> "$OUT/gaps.txt" 2>&1
     case "$n" in *adaptive*) gzip -c "$f" > "$OUT/adaptive.pt.trace.json.gz" ;;
                  *vanilla*) gzip -c "$f" > "$OUT/vanilla.pt.trace.json.gz" ;; esac
   done
