@@ -372,6 +372,7 @@ open(sys.argv[1], 'w').write(json.dumps(SMOLLM2))" ~/rs/config.json
   # (one gaps file for all: a call brings back at most 8 files)
   for t in ~/ptraces/*/; do
     n=$(basename "$t"); f=$(ls -t "$t"*.pt.trace.json 2>/dev/null | head -1); [ -n "$f" ] || continue
+    case "$n" in *adaptive*|*vanilla*) ;; *) continue ;; esac  # (the drafting engine's: kept there)
     echo "== $n" >> "$OUT/gaps.txt"
     timeout ${GAPS_LIMIT:-45} python3 profiles/scripts/trace_gaps.py "$f" --skip ${SKIP:-4} --quiet >> "$OUT/gaps.txt" 2>&1
     case "$n" in *adaptive*) gzip -c "$f" > "$OUT/adaptive.pt.trace.json.gz" ;;
