@@ -187,6 +187,22 @@ def test_spec_stats_arithmetic() -> None:
         s.update([2, 2], [1])
 
 
+def test_spec_stats_add_is_one_row_of_update() -> None:
+    """The engine records each request's row with ``add``: the same counts as ``update``, a
+    longer k growing the positions, and the same bad rows refused."""
+    rows = [(3, 1), (0, 0), (5, 5), (2, 0), (4, 2)]
+    by_rows, by_update = SpecStats(), SpecStats()
+    for k, a in rows:
+        by_rows.add(k, a)
+    by_update.update([k for k, _ in rows], [a for _, a in rows])
+    assert by_rows.as_dict() == by_update.as_dict()
+    assert by_rows.accepted_per_position == [3, 2, 1, 1, 1] and by_rows.num_spec_tokens == 5
+    for k, a in [(2, 3), (1, -1)]:
+        with pytest.raises(ValueError, match=f"got {a} of {k}"):
+            by_rows.add(k, a)
+    assert by_rows.as_dict() == by_update.as_dict()  # a refused row counted nothing
+
+
 # ---------------------------------------------------------------- no host sync / graph breaks
 
 def test_no_host_sync_calls_in_source() -> None:

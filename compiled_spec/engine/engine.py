@@ -307,7 +307,7 @@ class LLMEngine:
                     spec_k.append(k_d)
                     spec_acc.append(acc)
                     if req.spec_stats is not None:
-                        req.spec_stats.update([k_d], [acc])
+                        req.spec_stats.add(k_d, acc)
                 if req.metrics.first_token_time is None:
                     req.metrics.first_token_time = now
                     # Counted once the request runs (an admission attempt may give blocks back).

@@ -40,16 +40,24 @@ class SpecStats:
         if len(num_draft) != len(num_accepted):
             raise ValueError(f"num_draft has {len(num_draft)} rows, num_accepted {len(num_accepted)}")
         for k, a in zip(num_draft, num_accepted):
-            if not 0 <= a <= k:
-                raise ValueError(f"need 0 <= num_accepted <= num_draft, got {a} of {k}")
-            if k == 0:
-                continue  # no drafts: not a drafting step (see module docstring)
+            self.add(k, a)
+
+    def add(self, k: int, a: int) -> None:
+        """One row of ``update``: ``k`` drafts proposed, ``a`` accepted. (The engine records
+        each request's own row every step: two one-element lists per request were a visible
+        share of a batch-64 step's bookkeeping.)"""
+        if not 0 <= a <= k:
+            raise ValueError(f"need 0 <= num_accepted <= num_draft, got {a} of {k}")
+        if k == 0:
+            return  # no drafts: not a drafting step (see module docstring)
+        if k > self.num_spec_tokens:
             self._grow(k)
-            self.num_drafting_steps += 1
-            self.num_draft_tokens += k
-            self.num_accepted_tokens += a
-            for j in range(a):  # accepted drafts form a prefix: positions 0..a-1
-                self.accepted_per_position[j] += 1
+        self.num_drafting_steps += 1
+        self.num_draft_tokens += k
+        self.num_accepted_tokens += a
+        app = self.accepted_per_position
+        for j in range(a):  # accepted drafts form a prefix: positions 0..a-1
+            app[j] += 1
 
     def merge(self, other: SpecStats) -> SpecStats:
         """Add other's counts into self (e.g. per-request stats into the run's); returns self."""
