@@ -7,14 +7,21 @@ side runs the same code on any device, so it is measured here with a tiny target
 hidden 32, 3 layers, attention returning zeros) and a random EAGLE-3 head, compiled over our
 passes (no Inductor) and routed through emulated CUDA graphs captured by the engine's own
 policy. "paused": speculation_policy="adaptive" held at PLAIN every step (the draft's first
-pass only, deferred and flushed as on the GPU).
+pass only, deferred and flushed as on the GPU). "drafting" (``--variants ... drafting``):
+speculation_policy="always", every decode step an early-proposing chain step (on the H100 at
+batch 64 every such step launched its verify onto an idle GPU: its host time is its step time).
 
 Per variant: the decode steps' mean host phases (engine/host_clock.py; the emulated replays'
 CPU compute is timed and printed beside), then with ``--cprofile`` the functions with the most
 own time per decode step. The "tokens" digest must not change when the host code is optimised
-(greedy: vanilla's and paused's are the same).
+(greedy: every variant's is the same). "host_ms": the step less the replays' compute.
 
-.venv/bin/python profiles/scripts/paused_host_cpu.py [--batch 64] [--cprofile]
+Read small numpy costs with care: inside the engine, after a replay's compute, ``padded_tables``
+(64 tables) took 70 us where the same call repeated at once took 26 and a loop of it alone 13
+(fifty-fifth session): cold caches, which the GPU host's own Python work brings too.
+
+.venv/bin/python profiles/scripts/paused_host_cpu.py [--batch 64] [--variants vanilla paused drafting]
+                                                    [--cprofile]
 """
 from __future__ import annotations
 
@@ -55,6 +62,7 @@ def _run(llm, batch: int, max_tokens: int, seed: int, prof: cProfile.Profile | N
     return {"decode_steps": nd,
             "decode_step_ms": round(1e3 * (es.step_s - s0 - (es.prefill_step_s - ps0)) / nd, 3),
             "replay_ms_per_step": round(1e3 * _MODEL_S[0] / nd, 3),
+            "host_ms": round(1e3 * (es.step_s - s0 - (es.prefill_step_s - ps0) - _MODEL_S[0]) / nd, 3),
             "phases_ms": {k: round(1e3 * (v - hp0.get(k, 0.0)) / nd, 3)
                           for k, v in es.host_phase_s.items()},
             "tokens": hashlib.sha1(repr([o.outputs[0].token_ids for o in outs]).encode())
