@@ -145,9 +145,22 @@ class Trace:
         cuts = sorted({a, b} | {t for e in evs for t in (e["ts"], e["ts"] + e["dur"])
                                 if a < t < b})
         causes: Counter = Counter()
+        # A sweep over the pieces with the events open at each (added by start, dropped by
+        # end), not a scan of every event per piece: a step's thousands of host events made
+        # that quadratic (an 80 MB CPU trace ran over 10 minutes, fifty-fifth session).
+        by_start = sorted(evs, key=lambda e: e["ts"])
+        by_end = sorted(evs, key=lambda e: e["ts"] + e["dur"])
+        open_: dict[int, dict] = {}
+        i = j = 0
         for x, y in zip(cuts, cuts[1:]):
             mid = (x + y) / 2
-            causes[self.cause([e for e in evs if e["ts"] <= mid < e["ts"] + e["dur"]])] += y - x
+            while i < len(by_start) and by_start[i]["ts"] <= mid:
+                open_[id(by_start[i])] = by_start[i]
+                i += 1
+            while j < len(by_end) and by_end[j]["ts"] + by_end[j]["dur"] <= mid:
+                open_.pop(id(by_end[j]), None)
+                j += 1
+            causes[self.cause(list(open_.values()))] += y - x
         flight = [(e["name"], min(b, e["ts"] + e["dur"]) - max(a, e["ts"])) for e in evs
                   if e.get("cat") != "user_annotation"]
         return causes, flight
