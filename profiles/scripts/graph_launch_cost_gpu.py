@@ -1,0 +1,99 @@
+"""Issue 16: the host cost of one replay of each engine's target decode graph, untraced.
+
+The fifty-fifth session's trace of paused steps at batch 64 (results/2026-12-07_h100_session55/)
+put the same GPU work in a paused EAGLE-3 step as in a vanilla one (215 against 214 kernels),
+but ~80 us more host time in ``cudaGraphLaunch`` of its decode graph (444 against 363 us under
+the profiler). This times ``replay()`` of the 64-row decode graph itself, GPU idle before each
+call (synchronized), so the figure is the launch's host time alone, for engines that differ in
+one thing at a time:
+- ``vanilla``: PDL on every call (its widest call is 64 rows);
+- ``adaptive``: EAGLE-3 k = 5, its target compiled twice (``target_pdl`` for <= 64 rows);
+- ``adaptive_nonarrow``: the same with ``pdl_narrow=False`` (one compile, no PDL anywhere);
+- ``vanilla_nopdl``: vanilla with ``pdl=False``.
+Random SmolLM2-shaped weights; each engine's row prints as soon as it is measured.
+
+  python3 profiles/scripts/graph_launch_cost_gpu.py --tokenizer ~/tok [--variants ...]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _engine(variant: str, model: str, head: str, tok: str, batch: int) -> Any:
+    from compiled_spec import LLM
+    from compiled_spec.compile import CompileConfig
+
+    cc: dict[str, Any] = dict(capture_batch_sizes=(batch,))
+    if variant == "adaptive_nonarrow":
+        cc["pdl_narrow"] = False
+    if variant == "vanilla_nopdl":
+        cc["pdl"] = False
+    kw: dict[str, Any] = dict(model=model, tokenizer=tok, dtype="bfloat16", device="cuda",
+                              max_num_seqs=batch, compile=True,
+                              compile_config=CompileConfig(**cc))
+    if variant.startswith("adaptive"):
+        kw.update(draft=head, num_speculative_tokens=5, speculation_policy="adaptive")
+    return LLM(**kw)
+
+
+def _launch_us(graph: Any, reps: int) -> dict[str, float]:
+    """Host microseconds of ``graph.replay()`` with the GPU idle before each call."""
+    import torch
+
+    ts = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        graph.replay()
+        ts.append(1e6 * (time.perf_counter() - t0))
+    torch.cuda.synchronize()
+    ts.sort()
+    return {"p50": round(statistics.median(ts), 1), "p10": round(ts[len(ts) // 10], 1),
+            "p90": round(ts[9 * len(ts) // 10], 1)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokenizer", required=True)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=300)
+    ap.add_argument("--variants", nargs="+",
+                    default=["vanilla", "adaptive", "adaptive_nonarrow", "vanilla_nopdl"])
+    a = ap.parse_args()
+
+    from compiled_spec import SamplingParams
+    from compiled_spec.bench.run import SMOLLM2
+    from compiled_spec.draft.testing import write_eagle3_head
+    from compiled_spec.models.loader import read_model_config
+
+    tmp = Path(tempfile.mkdtemp(prefix="graph_launch_"))
+    (tmp / "target").mkdir()
+    (tmp / "target" / "config.json").write_text(json.dumps(SMOLLM2))
+    model = f"random:{tmp / 'target'}"
+    head = write_eagle3_head(str(tmp / "head"), read_model_config(model), draft_vocab_size=8192)
+    prompts = [[1 + (7 * i + j) % 1000 for j in range(16 + i % 8)] for i in range(a.batch)]
+    for v in a.variants:
+        t0 = time.perf_counter()
+        llm = _engine(v, model, head, a.tokenizer, a.batch)
+        startup = time.perf_counter() - t0
+        llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        decode = llm.engine.runner.target_fn.decode  # the target's decode GraphRunner
+        rows = {}
+        for key, (graph, _) in sorted(decode._graphs.items()):
+            rows[str(key)] = _launch_us(graph, a.reps)
+        pdl = llm.compile_stats.get("pdl", {})
+        print(json.dumps({"variant": v, "startup_s": round(startup, 1),
+                          "pdl": pdl.get("why") if isinstance(pdl, dict) else pdl,
+                          "decode_graph_launch_us": rows}), flush=True)
+        del llm
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
