@@ -90,3 +90,13 @@ def test_marker_falls_back_to_verify_and_missing_marker_raises():
     assert tr.marker == "verify" and tr.bounds[0] == 100
     with pytest.raises(ValueError, match="no 'decode'"):
         tg.Trace(tg.load({"traceEvents": ev}), marker="decode")
+
+
+def test_marker_is_verify_where_prepare_marks_fewer_steps():
+    """An engine launching its steps ahead marks ``prepare`` on its late steps only: steps
+    are then bounded by ``verify``, which every step marks."""
+    ev = _trace()["traceEvents"]
+    verify = next(e for e in ev if e.get("cat") == "user_annotation" and e["name"] == "verify")
+    more = [dict(verify, ts=verify["ts"] + shift) for shift in (2000, 3000)]
+    tr = tg.Trace(tg.load({"traceEvents": ev + more}))  # prepare 2, verify 3
+    assert tr.marker == "verify" and tr.bounds[:3] == [100, 2100, 3100]
