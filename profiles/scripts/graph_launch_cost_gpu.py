@@ -19,10 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
+import sys
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from profiles.scripts.prompt_step_gpu import random_pair  # noqa: E402
 
 
 def _engine(variant: str, model: str, head: str, tok: str, batch: int) -> Any:
@@ -68,15 +72,8 @@ def main() -> int:
     a = ap.parse_args()
 
     from compiled_spec import SamplingParams
-    from compiled_spec.bench.run import SMOLLM2
-    from compiled_spec.draft.testing import write_eagle3_head
-    from compiled_spec.models.loader import read_model_config
 
-    tmp = Path(tempfile.mkdtemp(prefix="graph_launch_"))
-    (tmp / "target").mkdir()
-    (tmp / "target" / "config.json").write_text(json.dumps(SMOLLM2))
-    model = f"random:{tmp / 'target'}"
-    head = write_eagle3_head(str(tmp / "head"), read_model_config(model), draft_vocab_size=8192)
+    model, head = random_pair("graph_launch_")
     prompts = [[1 + (7 * i + j) % 1000 for j in range(16 + i % 8)] for i in range(a.batch)]
     for v in a.variants:
         t0 = time.perf_counter()

@@ -14,7 +14,8 @@ batch 64 every such step launched its verify onto an idle GPU: its host time is 
 Per variant: the decode steps' mean host phases (engine/host_clock.py; the emulated replays'
 CPU compute is timed and printed beside), then with ``--cprofile`` the functions with the most
 own time per decode step. The "tokens" digest must not change when the host code is optimised
-(greedy: every variant's is the same). "host_ms": the step less the replays' compute.
+(greedy: every variant's is the same). "host_ms": the decode steps less all replays' compute
+per decode step (the prompt steps' replays included, as in "replay_ms_per_step").
 
 Read small numpy costs with care: inside the engine, after a replay's compute, ``padded_tables``
 (64 tables) took 70 us where the same call repeated at once took 26 and a loop of it alone 13

@@ -42,6 +42,21 @@ def _engine(variant: str, model: str, head: str, tok: str, batch: int, device: s
     return LLM(**kw)
 
 
+def random_pair(prefix: str) -> tuple[str, str]:
+    """(model, head): a random SmolLM2-shaped target (``random:`` its config) and a random
+    EAGLE-3 head for it (8,192-token draft vocabulary), written in a new temporary folder."""
+    from compiled_spec.bench.run import SMOLLM2
+    from compiled_spec.draft.testing import write_eagle3_head
+    from compiled_spec.models.loader import read_model_config
+
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    (tmp / "target").mkdir()
+    (tmp / "target" / "config.json").write_text(json.dumps(SMOLLM2))
+    model = f"random:{tmp / 'target'}"
+    return model, write_eagle3_head(str(tmp / "head"), read_model_config(model),
+                                    draft_vocab_size=8192)
+
+
 def _run(llm: Any, prompts: list[list[int]], batch: int, max_tokens: int) -> list[list[int]]:
     from compiled_spec import SamplingParams
 
@@ -102,19 +117,11 @@ def main() -> int:
     a = ap.parse_args()
 
     from compiled_spec.bench.prompts import encode_chat, load_mt_bench
-    from compiled_spec.bench.run import SMOLLM2
-    from compiled_spec.draft.testing import write_eagle3_head
-    from compiled_spec.models.loader import read_model_config
     from compiled_spec.profile import trace_calls
     from compiled_spec.profile_run import host_profile
     from compiled_spec.tokenizer import load_tokenizer
 
-    tmp = Path(tempfile.mkdtemp(prefix="prompt_step_"))
-    (tmp / "target").mkdir()
-    (tmp / "target" / "config.json").write_text(json.dumps(SMOLLM2))
-    model = f"random:{tmp / 'target'}"
-    head = write_eagle3_head(str(tmp / "head"), read_model_config(model),
-                             draft_vocab_size=8192)
+    model, head = random_pair("prompt_step_")
     prompts = encode_chat(load_tokenizer(a.tokenizer), load_mt_bench(a.prompts, a.num_prompts))
     result: dict[str, Any] = {"batch": a.batch, "prompts": len(prompts),
                               "prompt_lens": [len(p) for p in prompts]}
