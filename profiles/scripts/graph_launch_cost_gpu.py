@@ -10,6 +10,8 @@ one thing at a time:
 - ``adaptive``: EAGLE-3 k = 5, its target compiled twice (``target_pdl`` for <= 64 rows);
 - ``adaptive_nonarrow``: the same with ``pdl_narrow=False`` (one compile, no PDL anywhere);
 - ``vanilla_nopdl``: vanilla with ``pdl=False``.
+Then each engine's decode steps of one greedy generation (64 tokens per request), untraced:
+step p50 and host phases per step, beside the launch figures.
 Random SmolLM2-shaped weights; each engine's row prints as soon as it is measured.
 
   python3 profiles/scripts/graph_launch_cost_gpu.py --tokenizer ~/tok [--variants ...]
@@ -29,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from profiles.scripts.prompt_step_gpu import random_pair  # noqa: E402
 
 
-def _engine(variant: str, model: str, head: str, tok: str, batch: int) -> Any:
+def _engine(variant: str, model: str, head: str, tok: str, batch: int, device: str) -> Any:
     from compiled_spec import LLM
     from compiled_spec.compile import CompileConfig
 
@@ -38,7 +40,7 @@ def _engine(variant: str, model: str, head: str, tok: str, batch: int) -> Any:
         cc["pdl_narrow"] = False
     if variant == "vanilla_nopdl":
         cc["pdl"] = False
-    kw: dict[str, Any] = dict(model=model, tokenizer=tok, dtype="bfloat16", device="cuda",
+    kw: dict[str, Any] = dict(model=model, tokenizer=tok, dtype="bfloat16", device=device,
                               max_num_seqs=batch, compile=True,
                               compile_config=CompileConfig(**cc))
     if variant.startswith("adaptive"):
@@ -67,6 +69,7 @@ def main() -> int:
     ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--reps", type=int, default=300)
+    ap.add_argument("--device", default="cuda")
     ap.add_argument("--variants", nargs="+",
                     default=["vanilla", "adaptive", "adaptive_nonarrow", "vanilla_nopdl"])
     a = ap.parse_args()
@@ -77,17 +80,31 @@ def main() -> int:
     prompts = [[1 + (7 * i + j) % 1000 for j in range(16 + i % 8)] for i in range(a.batch)]
     for v in a.variants:
         t0 = time.perf_counter()
-        llm = _engine(v, model, head, a.tokenizer, a.batch)
+        llm = _engine(v, model, head, a.tokenizer, a.batch, a.device)
         startup = time.perf_counter() - t0
         llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-        decode = llm.engine.runner.target_fn.decode  # the target's decode GraphRunner
+        # the target's decode GraphRunner (none on a CPU dry run)
+        decode = getattr(llm.engine.runner.target_fn, "decode", None)
         rows = {}
-        for key, (graph, _) in sorted(decode._graphs.items()):
+        for key, (graph, _) in sorted(getattr(decode, "_graphs", {}).items()):
             rows[str(key)] = _launch_us(graph, a.reps)
+        # The same engine's decode steps, untraced: host phases per step (engine/host_clock.py)
+        es = llm.stats
+        ph0 = dict(es.host_phase_s)
+        es.recent_decode_step_s.clear()
+        llm.generate(prompts, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+        steps = list(es.recent_decode_step_s)
+        phases = {p: round(1e3 * (v - ph0.get(p, 0.0)) / max(len(steps), 1), 3)
+                  for p, v in es.host_phase_s.items() if v > ph0.get(p, 0.0)}
         pdl = llm.compile_stats.get("pdl", {})
         print(json.dumps({"variant": v, "startup_s": round(startup, 1),
                           "pdl": pdl.get("why") if isinstance(pdl, dict) else pdl,
-                          "decode_graph_launch_us": rows}), flush=True)
+                          "decode_graph_launch_us": rows,
+                          "decode_steps": len(steps),
+                          "step_p50_ms": round(1e3 * statistics.median(steps), 3) if steps else None,
+                          "phases_ms_per_step": phases,  # probing steps' included
+                          "policy": (llm.stats.policy.summary() if llm.stats.policy else None)}),
+              flush=True)
         del llm
     return 0
 
