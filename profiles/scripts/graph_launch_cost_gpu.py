@@ -103,7 +103,9 @@ def main() -> int:
                           "decode_steps": len(steps),
                           "step_p50_ms": round(1e3 * statistics.median(steps), 3) if steps else None,
                           "phases_ms_per_step": phases,  # probing steps' included
-                          "policy": (llm.stats.policy.summary() if llm.stats.policy else None)}),
+                          "policy": (llm.stats.policy.summary() if llm.stats.policy else None),
+                          "deferred": (es.deferred_first_pass.as_dict()
+                                       if es.deferred_first_pass is not None else None)}),
               flush=True)
         del llm
     return 0
