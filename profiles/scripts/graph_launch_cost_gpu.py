@@ -14,7 +14,7 @@ Then each engine's decode steps of one greedy generation (64 tokens per request)
 step p50 and host phases per step, beside the launch figures.
 Random SmolLM2-shaped weights; each engine's row prints as soon as it is measured.
 
-  python3 profiles/scripts/graph_launch_cost_gpu.py --tokenizer ~/tok [--variants ...]
+  python3 profiles/scripts/graph_launch_cost_gpu.py --tokenizer ~/tok [--variants ...] [--cprofile]
 """
 from __future__ import annotations
 
@@ -64,12 +64,33 @@ def _launch_us(graph: Any, reps: int) -> dict[str, float]:
             "p90": round(ts[9 * len(ts) // 10], 1)}
 
 
+def _profiled(llm: Any, prompts: list[list[int]], sp: Any, name: str, top: int = 25) -> None:
+    import cProfile
+    import pstats
+
+    es = llm.stats
+    es.recent_decode_step_s.clear()
+    prof = cProfile.Profile()
+    prof.enable()
+    llm.generate(prompts, sp)
+    prof.disable()
+    n = max(len(es.recent_decode_step_s), 1)
+    st = pstats.Stats(prof)
+    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]  # by own time
+    print(f"== cProfile {name}: own / cumulative us per decode step ({n} steps)", flush=True)
+    for (file, line, fn), (_, calls, own, cum, _) in rows:
+        print(f"{1e6 * own / n:9.1f} {1e6 * cum / n:9.1f} {calls / n:7.2f}  "
+              f"{Path(file).name}:{line}({fn})", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--reps", type=int, default=300)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--cprofile", action="store_true",
+                    help="then one more generation per engine under cProfile")
     ap.add_argument("--variants", nargs="+",
                     default=["vanilla", "adaptive", "adaptive_nonarrow", "vanilla_nopdl"])
     a = ap.parse_args()
@@ -107,6 +128,9 @@ def main() -> int:
                           "deferred": (es.deferred_first_pass.as_dict()
                                        if es.deferred_first_pass is not None else None)}),
               flush=True)
+        if a.cprofile:  # own time per decode step of the functions that take the most
+            _profiled(llm, prompts, SamplingParams(max_tokens=64, temperature=0.0,
+                                                   ignore_eos=True), v)
         del llm
     return 0
 
