@@ -24,6 +24,8 @@ class HostClock:
     the late verify's rest), within a verify ``verify_build`` / ``verify_replay`` /
     ``verify_logits``; ``plan``; ``accept`` (before and after the host's ``wait``);
     ``launch_ahead``; ``execute`` (the runner's work after its last mark: logprobs);
+    ``decode_check`` (a decode step launching the next one ahead, vanilla or paused: its
+    token's draw and copy issued, and whether the launch may go);
     ``paused_sync`` (a paused step launched ahead: its deferral or first pass, before the
     next decode's ``verify_build``);
     ``bookkeeping``; ``propose``; ``other`` (the step's statistics and

@@ -273,6 +273,10 @@ class VerifyAhead:
         """The next decode step of every request, its token taken from ``tok`` on the device."""
         self._launched = None
         why = self._why_not_decode(reqs, num_new)
+        # Vanilla and paused steps alike: the token's draw and copy and these checks end here,
+        # so ``paused_sync`` below is the paused step's own work and ``verify_build`` the batch
+        # build in both (the fifty-fifth session read the checks as paused-only cost).
+        self.runner.clock.mark("decode_check")
         if why is None and first is not None:
             why = first()
             self.runner.clock.mark("paused_sync")  # its deferral (a flush now and then)
