@@ -28,7 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from profiles.scripts.prompt_step_gpu import random_pair  # noqa: E402
+from profiles.scripts.prompt_step_gpu import random_pair, synthetic_prompts  # noqa: E402
 
 
 def _engine(variant: str, model: str, head: str, tok: str, batch: int, device: str) -> Any:
@@ -98,7 +98,8 @@ def main() -> int:
     from compiled_spec import SamplingParams
 
     model, head = random_pair("graph_launch_")
-    prompts = [[1 + (7 * i + j) % 1000 for j in range(16 + i % 8)] for i in range(a.batch)]
+    prompts = synthetic_prompts(a.batch)
+    greedy = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     for v in a.variants:
         t0 = time.perf_counter()
         llm = _engine(v, model, head, a.tokenizer, a.batch, a.device)
@@ -113,10 +114,10 @@ def main() -> int:
         es = llm.stats
         ph0 = dict(es.host_phase_s)
         es.recent_decode_step_s.clear()
-        llm.generate(prompts, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+        llm.generate(prompts, greedy)
         steps = list(es.recent_decode_step_s)
-        phases = {p: round(1e3 * (v - ph0.get(p, 0.0)) / max(len(steps), 1), 3)
-                  for p, v in es.host_phase_s.items() if v > ph0.get(p, 0.0)}
+        phases = {p: round(1e3 * (s - ph0.get(p, 0.0)) / max(len(steps), 1), 3)
+                  for p, s in es.host_phase_s.items() if s > ph0.get(p, 0.0)}
         pdl = llm.compile_stats.get("pdl", {})
         print(json.dumps({"variant": v, "startup_s": round(startup, 1),
                           "pdl": pdl.get("why") if isinstance(pdl, dict) else pdl,
@@ -129,8 +130,7 @@ def main() -> int:
                                        if es.deferred_first_pass is not None else None)}),
               flush=True)
         if a.cprofile:  # own time per decode step of the functions that take the most
-            _profiled(llm, prompts, SamplingParams(max_tokens=64, temperature=0.0,
-                                                   ignore_eos=True), v)
+            _profiled(llm, prompts, greedy, v)
         del llm
     return 0
 

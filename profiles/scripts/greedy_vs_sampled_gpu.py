@@ -23,7 +23,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from profiles.scripts.prompt_step_gpu import random_pair  # noqa: E402
+from profiles.scripts.prompt_step_gpu import random_pair, synthetic_prompts  # noqa: E402
 
 
 def _engine(kind: str, model: str, head: str, tok: str, batches: list[int], device: str
@@ -73,7 +73,7 @@ def main() -> int:
         llm = _engine(kind, model, head, a.tokenizer, a.batches, a.device)
         startup = time.perf_counter() - t0
         for b in a.batches:
-            prompts = [[1 + (7 * i + j) % 1000 for j in range(16 + i % 8)] for i in range(b)]
+            prompts = synthetic_prompts(b)
             for t in (0.0, 0.8):  # warm both paths at this batch (graphs of its size)
                 _timed(llm, prompts, t, 16)
             rows: dict[str, list[Any]] = {"greedy": [], "sampled": []}

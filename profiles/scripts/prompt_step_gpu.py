@@ -57,6 +57,12 @@ def random_pair(prefix: str) -> tuple[str, str]:
                                     draft_vocab_size=8192)
 
 
+def synthetic_prompts(n: int) -> list[list[int]]:
+    """``n`` token-id prompts of 16-23 tokens (ids below 1,001), the same every call: what the
+    random-weight scripts feed when no tokenizer text matters."""
+    return [[1 + (7 * i + j) % 1000 for j in range(16 + i % 8)] for i in range(n)]
+
+
 def _run(llm: Any, prompts: list[list[int]], batch: int, max_tokens: int) -> list[list[int]]:
     from compiled_spec import SamplingParams
 
