@@ -269,6 +269,12 @@ def compile_models(runner: ModelRunner, cfg: CompileConfig,
             compiled["pick_plan"] = compile_callable(prop.picker.pick_and_plan,
                                                      backends["draft_pick_plan"], dcfg,
                                                      pre("pick_plan"))
+    if cfg.sample_graphs and cfg.sample_compile:  # the draws the sample graphs capture
+        from compiled_spec.engine.sample_graph import draw_tokens
+
+        eager["sample_draw"] = draw_tokens
+        backends["sample_draw"] = backend(hoist_fc=False, per_layer_metadata=False)
+        compiled["sample_draw"] = compile_callable(draw_tokens, backends["sample_draw"], cfg)
     return CompiledModels(eager=eager, compiled=compiled, backends=backends, precompile=stats,
                           skinny=skinny, skinny_draft=draft_skinny, pdl=pdl,
                           pdl_draft=draft_pdl if prop is not None else None,
@@ -288,6 +294,8 @@ def capture_graphs(runner: ModelRunner, models: CompiledModels, policy: CaptureP
     graphs = EngineGraphs(runner, runner.target_fn, policy, page_size, strict, emulate,
                           single_decode=pauses and models.size_oblivious,
                           sample_graphs=models.sample_graphs)
+    if graphs.sample is not None and "sample_draw" in models.compiled:
+        graphs.sample.draw_fn = models.compiled["sample_draw"]
     graphs.capture()
     models.graphs = graphs
     _route(runner, models, True)

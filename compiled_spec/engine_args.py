@@ -16,7 +16,7 @@ COMPILE_FLAGS: dict[str, bool | None] = {
     "autotune_gemm": False, "skinny_gemm": None, "skinny_gemm_layer": None,
     "skinny_gemm_norms": False, "skinny_gemm_draft": None, "skinny_gemm_wide": False,
     "skinny_gemm_readout": None, "precompile": None, "pdl": None, "pdl_narrow": None,
-    "sample_graphs": True}
+    "sample_graphs": True, "sample_compile": False}
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -86,6 +86,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sample-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="with --compile: a sampled step's draws (temperature, top-k / top-p, "
                    "the seeded draw) replay one CUDA graph (--no-sample-graphs: eager)")
+    p.add_argument("--sample-compile", action=argparse.BooleanOptionalAction, default=False,
+                   help="with --compile: those draws compiled (Inductor) before they are "
+                   "captured: fewer kernels a sampled step (default: off)")
     p.add_argument("--speculative-topk", type=int, default=1, help="> 1: EAGLE-2 draft trees")
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None,
                    help="tree verification budget, root included")

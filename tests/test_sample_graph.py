@@ -131,3 +131,36 @@ def test_sample_graphs_off_draws_eagerly(bigram_eagle3, smollm2_gguf_path):
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     with pytest.raises(ValueError, match="CompileConfig.sample_graphs=1"):
         CompileConfig(sample_graphs=1)
+
+
+@pytest.mark.parametrize("inductor", [False, pytest.param(True, marks=pytest.mark.heavy)])
+def test_compiled_draws_equal_eager_draws(inductor):
+    """CompileConfig(sample_compile=True): the graphs capture ``draw_tokens`` compiled by our
+    backend (Inductor's fused kernels, or without Inductor), one compile per sorting mode
+    over every captured size, and draw the eager coupled tokens."""
+    from compiled_spec.compile import CompileConfig, compile_callable, inductor_config
+    from passes.pipeline import make_backend
+    from compiled_spec.engine.sample_graph import draw_tokens
+
+    cfg = CompileConfig(inductor=inductor, sample_compile=True)
+    backend = make_backend(inductor=inductor, inductor_config=inductor_config(cfg),
+                           hoist_fc=False, per_layer_metadata=False)
+    fn = compile_callable(draw_tokens, backend, cfg)
+    g = SampleGraphs((1, 3), (1, 2), V, torch.device("cpu"), emulate=True)
+    g.draw_fn = fn
+    g.capture()
+    assert sorted(g._graphs) == [(t, s) for t in (1, 2, 3, 6) for s in (False, True)]
+    # per sorting mode one graph for every row count (dynamic, size-oblivious), or with
+    # Inductor two: its lowering guards 2 <= rows, so one row compiles on its own; none failed
+    assert len(backend.graphs) == (4 if inductor else 2) and fn.guard.failures == {}
+    gen = torch.Generator().manual_seed(1)
+    for trial in range(8):
+        n, w = 1 + trial % 3, (1, 2)[trial % 2]
+        kinds = [KINDS[(trial + i) % len(KINDS)] for i in range(n)]
+        reqs = _reqs(kinds, trial)
+        logits = (3 * torch.randn(n, w, V, generator=gen)).bfloat16()
+        replays = g.graph_replays
+        got = g.draw(reqs, logits)
+        assert got is not None and g.graph_replays == replays + 1
+        assert torch.equal(got, _eager(reqs, logits)), (trial, kinds)
+    assert g.eager_fallbacks == 0

@@ -32,7 +32,8 @@ AB_FLAGS = {"pdl": "PDL", "skinny_gemm": "skinny GEMMs", "autotune_gemm": "GEMM 
             "defer_paused_first_pass": "deferred first pass", "pdl_narrow": "PDL on narrow calls",
             "deep_flush": "deep flushes", "cut_probes": "losing probes cut",
             "probe_backoff": "probes backing off", "flush_behind_launch": "flush behind launch",
-            "early_prompt_head": "early prompt heads", "sample_graphs": "sample graphs"}
+            "early_prompt_head": "early prompt heads", "sample_graphs": "sample graphs",
+            "sample_compile": "compiled draws"}
 AB_ENGINE = ("verify_ahead", "defer_paused_first_pass", "probe_backoff", "flush_behind_launch",
              "early_prompt_head")
 # Flags that change only a draft's engine: a vanilla engine runs once, not twice the same

@@ -25,7 +25,7 @@ a silent fallback.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -57,6 +57,22 @@ def _f32_bits(values: list[float]) -> np.ndarray:
     return np.asarray(values, dtype=np.float32).view(np.int32)
 
 
+def draw_tokens(logits: torch.Tensor,  # [t, V] float32
+                params: torch.Tensor,  # [t, 5] int64: the staged columns (SEED, POSITION, ...)
+                sorting: bool) -> torch.Tensor:  # [t] int64
+    """The eager path's ops on staged rows: ``apply_filters``, then each row's key and
+    inverse-CDF draw. What a sample graph captures, eagerly (~90 kernels) or as compiled by
+    ``CompileConfig.sample_compile`` (compiled_spec/compile.py)."""
+    temp = params[:, TEMPERATURE].to(torch.int32).view(torch.float32)  # [t]
+    st = SamplingTensors(temperature=temp, top_k=params[:, TOP_K],
+                         top_p=params[:, TOP_P].to(torch.int32).view(torch.float32),
+                         min_p=torch.zeros_like(temp), seeds=params[:, SEED], all_greedy=False,
+                         any_sorting=sorting, any_min_p=False)
+    probs = apply_filters(logits, st)  # [t, V]
+    keys = position_keys(params[:, SEED], params[:, POSITION], STREAM_TOKEN)  # [t]
+    return sample_from_probs(probs, keys)
+
+
 class SampleGraphs:
     """Draws from logits rows by graph replay: a chain's or a decode step's coupled draws
     (``draw``, [n, w, V] -> [n, w]) and a draft tree's per-node draws (``draw_rows``); the
@@ -73,6 +89,8 @@ class SampleGraphs:
                              if b * w * vocab <= max_elements} or {1})
         self.vocab, self.device = vocab, device
         self.emulate, self.strict = emulate, strict
+        # What the graphs capture: the eager ops, or their compile (set before ``capture``)
+        self.draw_fn: Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor] = draw_tokens
         # A pool of their own: a draw comes between the target's replay and the reads of its
         # outputs (the hidden states the proposal reads), which the target's pool could reuse.
         self.pool = (torch.cuda.graph_pool_handle() if device.type == "cuda" and not emulate
@@ -123,17 +141,8 @@ class SampleGraphs:
 
     # ---- start-up ----------------------------------------------------------------------------
     def _body(self, t: int, sorting: bool) -> None:
-        """The eager path's ops on the staged rows (``apply_filters``, then each row's key and
-        inverse-CDF draw); the tokens into ``out``."""
-        p = self.params[:t]  # [t, 5]
-        temp = p[:, TEMPERATURE].to(torch.int32).view(torch.float32)  # [t]
-        st = SamplingTensors(temperature=temp, top_k=p[:, TOP_K],
-                             top_p=p[:, TOP_P].to(torch.int32).view(torch.float32),
-                             min_p=torch.zeros_like(temp), seeds=p[:, SEED], all_greedy=False,
-                             any_sorting=sorting, any_min_p=False)
-        probs = apply_filters(self.logits[:t], st)  # [t, V]
-        keys = position_keys(p[:, SEED], p[:, POSITION], STREAM_TOKEN)  # [t]
-        self.out[:t].copy_(sample_from_probs(probs, keys))
+        """``draw_fn`` on the staged rows; the tokens into ``out``."""
+        self.out[:t].copy_(self.draw_fn(self.logits[:t], self.params[:t], sorting))
 
     def _capture_one(self, t: int, sorting: bool) -> None:
         self.h_params[:t] = self._pad

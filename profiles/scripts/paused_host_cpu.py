@@ -22,7 +22,7 @@ Read small numpy costs with care: inside the engine, after a replay's compute, `
 (fifty-fifth session): cold caches, which the GPU host's own Python work brings too.
 
 .venv/bin/python profiles/scripts/paused_host_cpu.py [--batch 64] [--variants vanilla paused drafting]
-                                                    [--cprofile]
+                                                    [--cprofile] [--temperature 0.8]
 """
 from __future__ import annotations
 
@@ -46,10 +46,13 @@ from profiles.scripts.prompt_step_host_cpu import (_MODEL_S, _engine, host_args,
 from tests.policy_stub import ModesInTurn  # noqa: E402
 
 
-def _run(llm, batch: int, max_tokens: int, seed: int, prof: cProfile.Profile | None) -> dict:
+def _run(llm, batch: int, max_tokens: int, seed: int, prof: cProfile.Profile | None,
+         temperature: float = 0.0) -> dict:
     rng = random.Random(seed)
     prompts = [[rng.randrange(1, 511) for _ in range(rng.randint(8, 24))] for _ in range(batch)]
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    # seeded as the GPU scripts' sampled rows (greedy_vs_sampled_gpu.py): one seed per request
+    sp = [SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True,
+                         seed=i) for i in range(batch)]
     es = llm.engine.stats
     hp0, n0, s0 = dict(es.host_phase_s), es.num_steps, es.step_s
     p0, ps0 = es.num_prefill_steps, es.prefill_step_s
@@ -73,19 +76,22 @@ def _run(llm, batch: int, max_tokens: int, seed: int, prof: cProfile.Profile | N
 def main() -> None:
     ap = host_args(["vanilla", "paused"])
     ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="> 0: sampled requests (seeded), the draws' host side")
     a = ap.parse_args()
     torch.set_num_threads(1)
     target, head, tok = tiny_pair()
     for v in a.variants:
         llm = _engine("vanilla" if v == "vanilla" else "eagle", target, head, tok, a.batch,
                       policy="adaptive" if v == "paused" else "always")
-        _run(llm, a.batch, 8, 1000, None)  # warm: Dynamo guards, first replays
+        _run(llm, a.batch, 8, 1000, None, a.temperature)  # warm: Dynamo guards, first replays
         if v == "paused":
             llm.engine.stats.policy = ModesInTurn([PLAIN])  # PLAIN every step
-        print(v, json.dumps(_run(llm, a.batch, a.max_tokens, 0, None)), flush=True)
+        print(v, json.dumps(_run(llm, a.batch, a.max_tokens, 0, None, a.temperature)),
+              flush=True)
         if a.cprofile:
             prof = cProfile.Profile()
-            _run(llm, a.batch, a.max_tokens, 0, prof)
+            _run(llm, a.batch, a.max_tokens, 0, prof, a.temperature)
             print(f"-- {v}: cProfile (prompt steps included)")
             pstats.Stats(prof).sort_stats("tottime").print_stats(a.top)
 
