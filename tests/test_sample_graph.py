@@ -164,3 +164,31 @@ def test_compiled_draws_equal_eager_draws(inductor):
         assert got is not None and g.graph_replays == replays + 1
         assert torch.equal(got, _eager(reqs, logits)), (trial, kinds)
     assert g.eager_fallbacks == 0
+
+
+def test_engine_with_compiled_draws_equals_vanilla(bigram_eagle3, smollm2_gguf_path):
+    """An engine compiled with sample_compile=True: its sample graphs captured the compiled
+    draw (the backend's graphs), its sampled tokens are vanilla sampling's without graphs."""
+    from capture import CapturePolicy
+    from compiled_spec.compile import CompileConfig, capture_graphs, compile_models
+
+    target, _ = bigram_eagle3
+    kw = dict(model=target, tokenizer=smollm2_gguf_path, max_model_len=64, max_num_seqs=2,
+              page_size=4, num_kv_blocks=64)
+    sps = [SamplingParams(max_tokens=6, ignore_eos=True, seed=3 + i, temperature=0.9,
+                          top_p=0.8 if i else 1.0) for i in range(2)]
+    want = LLM(**kw).generate([[5, 6, 7], [8, 9]], sps, use_tqdm=False)
+    llm = LLM(**kw)
+    models = compile_models(llm.engine.runner,
+                            CompileConfig(inductor=False, sample_compile=True))
+    llm._compiled = models
+    policy = CapturePolicy(max_batch_size=2, num_speculative_tokens=0, max_model_len=64,
+                           batch_sizes=(1, 2), seq_len_buckets=(64,))
+    graphs = capture_graphs(llm.engine.runner, models, policy, 4, emulate=True)
+    assert graphs.sample.draw_fn is models.compiled["sample_draw"]
+    assert len(models.backends["sample_draw"].graphs) == 2  # plain and sorting
+    got = llm.generate([[5, 6, 7], [8, 9]], sps, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert graphs.sample.graph_replays > 0
+    with pytest.raises(ValueError, match="CompileConfig.sample_compile=1"):
+        CompileConfig(sample_compile=1)

@@ -17,7 +17,8 @@ batch 64 at 1.18-1.29 ms (p50) here against vanilla's 0.862, while graph_launch_
 the same call had them level (0.850 against 0.845). The options take this script's differences
 from that one away one at a time: ``--temps 0`` (no sampled generations between the greedy
 ones), ``--capture 64`` (graphs of batch 64 only, where ``--batches 1 64`` also captures 1),
-``--unseeded`` (greedy requests without a seed), ``--max-tokens 64``. Each row also prints the
+``--unseeded`` (greedy requests without a seed), ``--max-tokens 64``. ``--sample-compile``:
+the sampled draws compiled before capture (``CompileConfig.sample_compile``). Each row also prints the
 decode steps' p10 / p90 and mean, their host phases (engine/host_clock.py) and the deferred
 first pass's stats.
 """
@@ -37,14 +38,15 @@ from profiles.scripts.prompt_step_gpu import random_pair, synthetic_prompts  # n
 
 
 def _engine(kind: str, model: str, head: str, tok: str, batches: list[int],
-            capture: list[int], device: str) -> Any:
+            capture: list[int], device: str, sample_compile: bool = False) -> Any:
     from compiled_spec import LLM
     from compiled_spec.compile import CompileConfig
 
     # Graphs of the timed batch sizes only: a cold start captures fewer sizes.
     kw: dict[str, Any] = dict(model=model, tokenizer=tok, dtype="bfloat16", device=device,
                               max_num_seqs=max(batches), compile=True,
-                              compile_config=CompileConfig(capture_batch_sizes=tuple(capture)))
+                              compile_config=CompileConfig(capture_batch_sizes=tuple(capture),
+                                                           sample_compile=sample_compile))
     if kind == "eagle3":
         kw.update(draft=head, num_speculative_tokens=5, speculation_policy="adaptive")
     return LLM(**kw)
@@ -87,6 +89,8 @@ def main() -> int:
     ap.add_argument("--capture", type=int, nargs="+", default=None,
                     help="graph batch sizes (default: --batches)")
     ap.add_argument("--unseeded", action="store_true", help="requests without a seed")
+    ap.add_argument("--sample-compile", action="store_true",
+                    help="CompileConfig(sample_compile=True): the draws compiled, then captured")
     a = ap.parse_args()
     names = {0.0: "greedy"}
 
@@ -94,7 +98,7 @@ def main() -> int:
     for kind in a.kinds:
         t0 = time.perf_counter()
         llm = _engine(kind, model, head, a.tokenizer, a.batches, a.capture or a.batches,
-                      a.device)
+                      a.device, a.sample_compile)
         startup = time.perf_counter() - t0
         for b in a.batches:
             prompts = synthetic_prompts(b)
@@ -107,7 +111,8 @@ def main() -> int:
                         _timed(llm, prompts, t, a.max_tokens, not a.unseeded))
             g = llm.compile_stats.get("cuda_graphs", {}) if llm.compiled_active else {}
             out = {"kind": kind, "batch": b, "startup_s": round(startup, 1),
-                   "capture": a.capture or a.batches, "seeded": not a.unseeded, **rows,
+                   "capture": a.capture or a.batches, "seeded": not a.unseeded,
+                   "sample_compile": a.sample_compile, **rows,
                    "steps_without_graph": g.get("without_graph", g.get("off")),
                    "sample_draw_replays": g.get("components", {}).get("sample_draw", {})
                    .get("graph_replays")}
