@@ -122,7 +122,8 @@ class Scheduler:
     def _need(self, req: Request) -> int:
         # Room for this step's query tokens plus the drafts verified with them; the verifier never
         # writes KV past the request's kv_limit, so neither does the reservation.
-        return min(req.num_tokens + self.lookahead, max(req.kv_limit, req.num_tokens))
+        n = req.num_tokens  # (a property: read once, every request every step)
+        return min(n + self.lookahead, max(req.kv_limit, n))
 
     def schedule(self) -> ScheduledBatch:
         aborted: list[Request] = []

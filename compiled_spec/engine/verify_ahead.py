@@ -310,9 +310,10 @@ class VerifyAhead:
         if self.admits_next(0):
             return "admitting"
         for q, m in zip(reqs, num_new):
-            if q.num_computed + m != q.num_tokens:
+            n = q.num_tokens
+            if q.num_computed + m != n:
                 return "prefill"  # a chunked prompt goes on next step
-            if q.num_tokens + 1 >= q.max_total_tokens:
+            if n + 1 >= q.max_total_tokens:
                 return "short"  # this step's token is its last
         return None
 
