@@ -7,7 +7,8 @@ engine's decode steps at batch 64 at 0.850 ms (p50) against vanilla's 0.845, whi
 vanilla's 0.862. The GPU decides the time; the engine's choices do not depend on it except
 through the policy's measured costs. This replays each script's sequence here and counts what
 the engine did in the timed generations: decode steps launched ahead and taken, skipped or
-discarded (why), drafting steps (the policy's probes), deferred rows and flushes.
+discarded (why), drafting steps (the policy's probes), deferred rows and flushes, and the host
+phases per decode step (engine/host_clock.py; the emulated replays' CPU compute inside them).
 
 - ``launch``: graphs of batch 64 only; one greedy generation of 8 tokens, then the timed one.
 - ``gvs``: graphs of batches 1 and 64; at batch 1 a 16-token greedy and a sampled warm-up and
@@ -55,7 +56,8 @@ def _prompts(n: int) -> list[list[int]]:
 
 def _snap(llm: LLM) -> dict[str, Any]:
     es = llm.stats
-    return {"steps": len(es.recent_decode_step_s), "va": es.verify_ahead.as_dict(),
+    return {"steps": len(es.recent_decode_step_s), "phase_ms": {
+                k: 1e3 * v for k, v in es.host_phase_s.items()}, "va": es.verify_ahead.as_dict(),
             "early": es.early_propose.as_dict(), "deferred": es.deferred_first_pass.as_dict()}
 
 
@@ -67,6 +69,13 @@ def _diff(a: Any, b: Any) -> Any:
     if isinstance(b, (int, float)) and not isinstance(b, bool):
         return round(b - a, 3) if isinstance(b, float) else b - a
     return b
+
+
+def _per_step(d: dict[str, Any]) -> dict[str, Any]:
+    """The host phases as ms per decode step (the emulated replays' compute inside them)."""
+    n = max(d.get("steps", 1), 1)
+    d["phase_ms"] = {k: round(v / n, 3) for k, v in d.get("phase_ms", {}).items()}
+    return d
 
 
 def _gen(llm: LLM, n: int, temperature: float, max_tokens: int) -> None:
@@ -86,7 +95,7 @@ def run(mode: str, target: str, head: str, tok: str, batch: int, rounds: int,
         _gen(llm, batch, 0.0, 8)
         s0 = _snap(llm)
         _gen(llm, batch, 0.0, max_tokens)
-        timed.append(("greedy", _diff(s0, _snap(llm))))
+        timed.append(("greedy", _per_step(_diff(s0, _snap(llm)))))
     else:
         for b in (1, batch):
             for t in temps:
@@ -96,7 +105,8 @@ def run(mode: str, target: str, head: str, tok: str, batch: int, rounds: int,
                     s0 = _snap(llm)
                     _gen(llm, b, t, max_tokens)
                     if b == batch:
-                        timed.append(("greedy" if t == 0 else "sampled", _diff(s0, _snap(llm))))
+                        timed.append(("greedy" if t == 0 else "sampled", _per_step(
+                            _diff(s0, _snap(llm)))))
     pol = llm.stats.policy.summary() if llm.stats.policy is not None else {}
     return {"mode": mode, "timed": timed, "policy": pol}
 
