@@ -32,21 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from compiled_spec import LLM, SamplingParams  # noqa: E402
-from compiled_spec.compile import CompileConfig, capture_graphs, compile_models  # noqa: E402
-from compiled_spec.llm_compile import engine_capture_policy  # noqa: E402
-from profiles.scripts.prompt_step_host_cpu import tiny_pair  # noqa: E402
-
-
-def _engine(target: str, head: str, tok: str, sizes: tuple[int, ...]) -> LLM:
-    llm = LLM(model=target, tokenizer=tok, dtype="float32", max_model_len=256,
-              max_num_seqs=max(sizes), kv_cache_memory_gib=0.5, verify_ahead=True,
-              draft=head, num_speculative_tokens=5, speculation_policy="adaptive")
-    cc = CompileConfig(inductor=False, capture_batch_sizes=sizes)
-    models = compile_models(llm.engine.runner, cc)
-    llm._compiled = models
-    capture_graphs(llm.engine.runner, models, engine_capture_policy(cc, llm.config),
-                   llm.config.cache.page_size, emulate=True)
-    return llm
+from profiles.scripts.prompt_step_host_cpu import _engine, tiny_pair  # noqa: E402
 
 
 def _prompts(n: int) -> list[list[int]]:
@@ -88,7 +74,7 @@ def run(mode: str, target: str, head: str, tok: str, batch: int, rounds: int,
         max_tokens: int) -> dict[str, Any]:
     temps = (0.0,) if mode != "gvs" else (0.0, 0.8)
     sizes = (batch,) if mode == "launch" else (1, batch)
-    llm = _engine(target, head, tok, sizes)
+    llm = _engine("eagle", target, head, tok, batch, "adaptive", sizes)
     llm.stats.recent_decode_step_s.clear()
     timed = []
     if mode == "launch":

@@ -55,14 +55,15 @@ def tiny_pair() -> tuple[str, str, str]:
 
 
 def _engine(variant: str, target: str, head: str, tok: str, batch: int,
-            policy: str = "always") -> LLM:
+            policy: str = "always", sizes: tuple[int, ...] | None = None) -> LLM:
+    """``sizes``: the graphs' batch sizes (default: ``batch`` alone)."""
     kw = dict(model=target, tokenizer=tok, dtype="float32", max_model_len=256,
               max_num_seqs=batch, kv_cache_memory_gib=0.5, verify_ahead=True)  # (as on CUDA)
     if variant != "vanilla":
         kw.update(draft=head, num_speculative_tokens=5, speculation_policy=policy)
     llm = LLM(**kw)
     runner = llm.engine.runner
-    cc = CompileConfig(inductor=False, capture_batch_sizes=(batch,))
+    cc = CompileConfig(inductor=False, capture_batch_sizes=sizes or (batch,))
     models = compile_models(runner, cc)
     llm._compiled = models
     policy = engine_capture_policy(cc, llm.config)
